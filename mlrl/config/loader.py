@@ -1,0 +1,154 @@
+"""YAML recipe + `a.b=c` overrides -> a typed `Config`, with one-line errors naming the field.
+
+Why by hand rather than OmegaConf structured configs: we want every error to name the dotted
+field and what was expected (with a did-you-mean for unknown keys) in one line, and to check
+Literal / Optional / list types, which OmegaConf reports in its own multi-line format.
+YAML parsing is PyYAML's; override values are parsed as YAML scalars (`a.b=1e-5`, `a.b=[1,2]`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+from mlrl.config.schema import Config
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the field and what was expected."""
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read a YAML recipe (or start from the defaults), apply overrides, return a typed Config.
+
+    Only types are checked here; call `mlrl.config.validate.validate(cfg)` for cross-field rules.
+    """
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level, got {type(raw).__name__}")
+    for ov in overrides or []:
+        _apply_override(raw, ov)
+    return from_dict(Config, raw, "")
+
+
+def _apply_override(raw: dict[str, Any], override: str) -> None:
+    if "=" not in override:
+        raise ConfigError(f"override {override!r} must look like a.b=value")
+    key, _, value = override.partition("=")
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"override {override!r} has an empty key part")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() != "" else None
+    except yaml.YAMLError:
+        parsed = value
+    node = raw
+    for part in parts[:-1]:
+        nxt = node.get(part)
+        if not isinstance(nxt, dict):
+            nxt = {}
+            node[part] = nxt
+        node = nxt
+    node[parts[-1]] = parsed
+
+
+def from_dict(cls: type, data: Any, prefix: str) -> Any:
+    """Build dataclass `cls` from a mapping, checking keys and types recursively."""
+    where = prefix or "<root>"
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping of fields, got {type(data).__name__} {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        if key not in hints:
+            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
+            hint = f" (did you mean {_join(prefix, close[0])!r}?)" if close else f" (known: {', '.join(names)})"
+            raise ConfigError(f"unknown config key {_join(prefix, key)!r}{hint}")
+        kwargs[key] = _coerce(hints[key], value, _join(prefix, key))
+    return cls(**kwargs)
+
+
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else str(key)
+
+
+def _coerce(tp: Any, value: Any, name: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, name)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(a, value, name)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise errors[0] if len(errors) == 1 else ConfigError(f"{name}: got {value!r}, expected one of {tp}")
+    if origin is Literal:
+        if value not in args:
+            close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{name}: got {value!r}, expected one of {', '.join(repr(a) for a in args)}{hint}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{name}: got {value!r}, expected a list")
+        return [_coerce(args[0], v, f"{name}[{i}]") for i, v in enumerate(value)] if args else list(value)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{name}: got {value!r}, expected a mapping")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{name}: got {value!r}, expected true or false")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{name}: got {value!r} ({type(value).__name__}), expected an integer")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML reads 1e-5 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{name}: got {value!r} ({type(value).__name__}), expected a number")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{name}: got {value!r} ({type(value).__name__}), expected a string")
+    raise ConfigError(f"{name}: unsupported type {tp}")
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def dump_yaml(cfg: Any) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=None)

@@ -1,0 +1,297 @@
+"""The typed configuration tree: one dataclass per component, each field documented with its
+unit and what "off" means. Components receive only their own sub-config.
+
+Loading (YAML + `a.b=c` overrides) and type checking live in `loader.py`; cross-field checks
+that need the model's HF config or the machine live in `validate.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclass
+class ModelConfig:
+    hf_dir: str = "builtin:tiny-llama"
+    """Hugging Face model folder (config.json + safetensors + tokenizer), or `builtin:<name>` for a
+    model mlrl materialises offline (`builtin:tiny-llama`, `builtin:tiny-qwen3-moe`,
+    `builtin:smollm2-135m-instruct`)."""
+    dtype: Dtype = "float32"
+    """Parameter / compute dtype of trainer and engines."""
+    arch: Optional[str] = None
+    """Name of a known HF config (e.g. `Qwen/Qwen3-8B`, see mlrl.modelzoo) that --dry-run uses
+    when hf_dir is not on this machine (None = read hf_dir/config.json)."""
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    """Tensor-parallel size (1 = off)."""
+    pp: int = 1
+    """Pipeline-parallel size (1 = off)."""
+    vpp: Optional[int] = None
+    """Virtual pipeline chunks per stage (None = off; needs pp > 1)."""
+    ep: int = 1
+    """Expert-parallel size for MoE layers (1 = off)."""
+    etp: Optional[int] = None
+    """Tensor-parallel size inside experts (None = same as tp)."""
+    cp: int = 1
+    """Context-parallel size (1 = off; GPU only, needs Transformer Engine)."""
+    dp: Optional[int] = None
+    """Data-parallel size (None = derived: trainer devices / (tp * pp * cp))."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (needs tp > 1)."""
+    pp_layer_split: Optional[list[int]] = None
+    """Explicit number of layers per pipeline stage (None = even split)."""
+
+
+@dataclass
+class TrainerConfig:
+    optimizer: Literal["adam", "sgd"] = "adam"
+    """Optimizer (Megatron's get_megatron_optimizer)."""
+    lr: float = 1e-5
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Floor of the decay schedule."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Decay after warm-up (constant = no decay)."""
+    warmup_steps: int = 0
+    """Linear warm-up steps (0 = off)."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (0 = off)."""
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+    """Global grad-norm clip (0 = off)."""
+    prompts_per_step: int = 8
+    """Global batch, in prompts per RL step."""
+    samples_per_prompt: int = 4
+    """Responses sampled per prompt (the GRPO group size)."""
+    mini_batches_per_step: int = 1
+    """Optimizer steps per RL step (the global batch is split into this many mini-batches)."""
+    micro_batch_tokens: int = 4096
+    """Token budget of one packed micro-batch (per DP rank)."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Training precision (bf16/fp16 with fp32 master weights)."""
+    fp8_recipe: Literal["none", "tensorwise", "delayed", "blockwise", "mxfp8"] = "none"
+    """Transformer Engine FP8 recipe (none = off; GPU only)."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation (none = off)."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state across DP ranks (Megatron DistributedOptimizer)."""
+    total_steps: int = 10
+    """RL steps to run."""
+    seed: int = 1234
+    """Seed of every RNG (model init, sampling order, dropout)."""
+    deterministic: bool = True
+    """Deterministic kernels and reductions (bit-exact resume)."""
+    world_size: Optional[int] = None
+    """Trainer processes / GPUs (None = derived from the cluster config)."""
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 1.0
+    """Sampling temperature (0 = greedy); the trainer applies the same temperature to its logprobs."""
+    top_p: float = 1.0
+    """Nucleus sampling (1.0 = off)."""
+    top_k: int = -1
+    """Top-k sampling (-1 = off)."""
+    max_new_tokens: int = 64
+    """Maximum response length in tokens."""
+
+
+@dataclass
+class RolloutConfig:
+    num_engines: int = 1
+    """vLLM servers in the pool."""
+    engine_tp: int = 1
+    """Tensor-parallel size of each engine."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    max_concurrent_requests: int = 64
+    """Per-engine cap on in-flight requests."""
+    staleness: int = 0
+    """Async bound eta: a sample may be at most this many weight versions old (0 = synchronous)."""
+    stale_policy: Literal["drop", "reweight"] = "drop"
+    """What happens to a sample older than `staleness` versions."""
+    interrupt_on_update: bool = False
+    """On a weight update interrupt in-flight requests and resume them afterwards (False = let them finish first)."""
+    host: str = "127.0.0.1"
+    """Interface the engines' HTTP servers listen on (loopback by default)."""
+    startup_timeout_s: float = 300.0
+    """Seconds to wait for an engine to become ready."""
+    request_timeout_s: float = 600.0
+    """Seconds before one generation request is failed."""
+    gpu_memory_utilization: float = 0.85
+    """Fraction of GPU memory vLLM may use (GPU only)."""
+    cpu_kv_cache_gb: float = 1.0
+    """KV-cache size in GiB on CPU engines (VLLM_CPU_KVCACHE_SPACE)."""
+    max_model_len: Optional[int] = None
+    """Engine context length (None = the model's)."""
+    enforce_eager: bool = True
+    """Disable CUDA graphs / torch.compile (recommended on CPU)."""
+
+
+@dataclass
+class WeightSyncConfig:
+    transport: Literal["broadcast", "disk", "cuda_ipc"] = "broadcast"
+    """How weights reach the engines: torch.distributed broadcast (gloo on CPU, NCCL on GPU), safetensors on disk, or CUDA IPC (colocated GPU only)."""
+    bucket_mb: float = 64.0
+    """Size of one broadcast bucket in MiB."""
+    verify_checksums: bool = True
+    """Compare checksums of what each engine received with what was sent."""
+    canary_tolerance: float = 1e-3
+    """Max |trainer - engine| logprob on the canary prompt after a sync (<= 0 = off)."""
+    disk_dir: Optional[str] = None
+    """Folder for the disk transport (None = <run dir>/weight_sync)."""
+
+
+@dataclass
+class AlgorithmConfig:
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = "grpo"
+    """Advantage estimator."""
+    std_normalize: bool = True
+    """GRPO: divide by the group std (False = Dr.GRPO-style mean-centering only)."""
+    policy_loss: Literal["ppo", "dual_clip", "gspo"] = "ppo"
+    """Policy-gradient loss."""
+    eps_clip: float = 0.2
+    """PPO clip epsilon (lower side)."""
+    eps_clip_high: Optional[float] = None
+    """Upper clip epsilon for DAPO clip-higher (None = same as eps_clip)."""
+    dual_clip_c: float = 3.0
+    """Dual-clip constant c (> 1)."""
+    kl_coef: float = 0.0
+    """KL penalty to the reference policy (0 = off, no reference model is built)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator."""
+    kl_in_reward: bool = False
+    """Put the KL into the reward instead of the loss."""
+    entropy_coef: float = 0.0
+    """Entropy bonus (0 = off)."""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
+    """How token losses are aggregated."""
+    rollout_is: Literal["none", "tis", "mis_token", "mis_seq"] = "none"
+    """Train/rollout mismatch correction (none = off; required when staleness > 0)."""
+    rollout_is_cap: float = 2.0
+    """Cap (TIS) or mask threshold (MIS) of the importance ratio."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal and refill."""
+    overlong_buffer: int = 0
+    """DAPO overlong shaping: tokens before max_new_tokens where the penalty starts (0 = off)."""
+    overlong_penalty: float = 1.0
+    """Maximum overlong penalty."""
+    gamma: float = 1.0
+    """Discount (GAE / REINFORCE++)."""
+    lam: float = 1.0
+    """GAE lambda."""
+
+
+@dataclass
+class DataConfig:
+    train: str = "synthetic:copy_digit"
+    """Training dataset: a registered name, `synthetic:<task>`, or a .jsonl / .parquet path."""
+    eval: Optional[str] = None
+    """Held-out dataset (None = off)."""
+    eval_every: int = 0
+    """Evaluate every k steps (0 = off)."""
+    max_prompt_tokens: int = 256
+    """Prompts longer than this are rejected."""
+    shuffle: bool = True
+    """Shuffle every epoch (seeded)."""
+    skip_malformed: bool = False
+    """Skip and count malformed rows instead of failing."""
+    num_synthetic: int = 512
+    """Rows generated for a synthetic task."""
+
+
+@dataclass
+class WorkflowConfig:
+    name: str = "rlvr"
+    """Registered workflow name or dotted path `pkg.module.Class`."""
+    reward: str = "exact_match"
+    """Registered reward function name or dotted path."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra constructor arguments of the workflow."""
+    max_concurrency: int = 64
+    """Episodes in flight at once."""
+    episode_timeout_s: float = 300.0
+    """Seconds before an episode is recorded as TIMEOUT (0 = off)."""
+    reward_timeout_s: float = 30.0
+    """Seconds before a reward call gives 0.0."""
+    reward_workers: int = 2
+    """Reward process-pool size."""
+
+
+@dataclass
+class CheckpointConfig:
+    dir: Optional[str] = None
+    """Checkpoint root (None = <run dir>/checkpoints)."""
+    save_every: int = 0
+    """Save every k steps (0 = only at the end)."""
+    save_at_end: bool = True
+    """Save after the last step."""
+    keep_last: int = 2
+    """Keep this many complete checkpoints (0 = keep all)."""
+    resume: str = "auto"
+    """`auto` (latest complete one if any), `none`, or a checkpoint path."""
+    hf_export_every: int = 0
+    """Export a Hugging Face model every k steps (0 = off)."""
+    hf_export_at_end: bool = True
+    """Export a Hugging Face model after the last step."""
+    async_save: bool = False
+    """Asynchronous save (GPU only)."""
+
+
+@dataclass
+class LoggingConfig:
+    run_dir: str = "runs/default"
+    """Run folder: metrics, plots, checkpoints by default."""
+    jsonl: bool = True
+    """Write metrics.jsonl."""
+    tensorboard: bool = True
+    """Write TensorBoard event files."""
+    wandb_project: Optional[str] = None
+    """Weights & Biases project (None = off)."""
+    progress_bar: bool = True
+    """Show a progress bar."""
+    plot: bool = True
+    """Write a PNG of reward / KL / logprob gap / step time at the end."""
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+
+@dataclass
+class ClusterConfig:
+    nodes: int = 1
+    """Machines (1 = local; > 1 = a Ray cluster)."""
+    gpus_per_node: int = 0
+    """GPUs per node (0 = CPU: trainer processes and engines share the cores)."""
+    placement: Literal["disaggregated", "colocated"] = "disaggregated"
+    """Trainer and engines on separate GPUs, or time-sharing the same GPUs."""
+    trainer_devices: Optional[int] = None
+    """Trainer ranks (None = all GPUs when colocated, the GPUs left after the engines when
+    disaggregated; on CPU, tp*pp*cp*dp with dp defaulting to 1)."""
+    gpu_memory_gb: float = 80.0
+    """Memory per GPU in GiB (for --dry-run's fit check)."""
+    ray_address: str = "auto"
+    """Ray cluster address for --nodes > 1."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    workflow: WorkflowConfig = field(default_factory=WorkflowConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    mode: Literal["sync", "async"] = "sync"
+    """Synchronous on-policy, or asynchronous with rollout.staleness > 0."""

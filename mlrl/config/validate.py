@@ -1,0 +1,227 @@
+"""Cross-field validation, run once before any process starts.
+
+Every rule raises `ConfigError` with one line that names the field(s) and what was expected.
+Rules that depend on the model read its HF config (config.json, a builtin, or a preset), never
+its weights. `resolve_layout` derives dp and the trainer device count; everything that needs
+them (launcher, dry-run planner, trainer) takes them from there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mlrl.config.loader import ConfigError
+from mlrl.config.schema import Config
+from mlrl.modelzoo import ModelSpecError, hf_config_dict
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The resolved parallel layout of the trainer."""
+
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    etp: int
+    dp: int
+    vpp: int | None
+    trainer_devices: int      # tp * pp * cp * dp
+    rollout_devices: int      # num_engines * engine_tp (0 on CPU: engines share the cores)
+    total_devices: int        # nodes * gpus_per_node (0 on CPU)
+
+
+def _positive(name: str, value: Any, minimum: float = 1) -> None:
+    if value is not None and value < minimum:
+        raise ConfigError(f"{name}: got {value}, expected >= {minimum}")
+
+
+def _check_ranges(cfg: Config) -> None:
+    p, t, r, a, s = cfg.parallel, cfg.trainer, cfg.rollout, cfg.algorithm, cfg.rollout.sampling
+    for name in ("tp", "pp", "ep", "cp"):
+        _positive(f"parallel.{name}", getattr(p, name))
+    _positive("parallel.dp", p.dp)
+    _positive("parallel.etp", p.etp)
+    if p.vpp is not None:
+        _positive("parallel.vpp", p.vpp)
+    for name in ("prompts_per_step", "samples_per_prompt", "mini_batches_per_step", "micro_batch_tokens", "total_steps"):
+        _positive(f"trainer.{name}", getattr(t, name))
+    _positive("trainer.world_size", t.world_size)
+    if not t.lr > 0:
+        raise ConfigError(f"trainer.lr: got {t.lr}, expected > 0")
+    if t.min_lr < 0 or t.min_lr > t.lr:
+        raise ConfigError(f"trainer.min_lr: got {t.min_lr}, expected 0 <= min_lr <= trainer.lr ({t.lr})")
+    for name in ("warmup_steps",):
+        _positive(f"trainer.{name}", getattr(t, name), 0)
+    if t.grad_clip < 0:
+        raise ConfigError(f"trainer.grad_clip: got {t.grad_clip}, expected >= 0 (0 = off)")
+    if t.weight_decay < 0:
+        raise ConfigError(f"trainer.weight_decay: got {t.weight_decay}, expected >= 0")
+    if not (0 <= t.adam_beta1 < 1 and 0 <= t.adam_beta2 < 1):
+        raise ConfigError(f"trainer.adam_beta1/adam_beta2: got {t.adam_beta1}/{t.adam_beta2}, expected in [0, 1)")
+    if t.prompts_per_step % t.mini_batches_per_step:
+        raise ConfigError(f"trainer.prompts_per_step ({t.prompts_per_step}) must be divisible by trainer.mini_batches_per_step ({t.mini_batches_per_step})")
+    _positive("rollout.num_engines", r.num_engines)
+    _positive("rollout.engine_tp", r.engine_tp)
+    _positive("rollout.max_concurrent_requests", r.max_concurrent_requests)
+    if r.staleness < 0:
+        raise ConfigError(f"rollout.staleness: got {r.staleness}, expected >= 0 (0 = synchronous)")
+    if s.temperature < 0:
+        raise ConfigError(f"rollout.sampling.temperature: got {s.temperature}, expected >= 0 (0 = greedy)")
+    if not 0 < s.top_p <= 1:
+        raise ConfigError(f"rollout.sampling.top_p: got {s.top_p}, expected in (0, 1]")
+    if s.top_k == 0 or s.top_k < -1:
+        raise ConfigError(f"rollout.sampling.top_k: got {s.top_k}, expected -1 (off) or >= 1")
+    _positive("rollout.sampling.max_new_tokens", s.max_new_tokens)
+    if not 0 < r.gpu_memory_utilization <= 1:
+        raise ConfigError(f"rollout.gpu_memory_utilization: got {r.gpu_memory_utilization}, expected in (0, 1]")
+    if r.startup_timeout_s <= 0 or r.request_timeout_s <= 0:
+        raise ConfigError("rollout.startup_timeout_s / request_timeout_s: expected > 0 seconds")
+    if cfg.weight_sync.bucket_mb <= 0:
+        raise ConfigError(f"weight_sync.bucket_mb: got {cfg.weight_sync.bucket_mb}, expected > 0")
+    if a.eps_clip <= 0 or (a.eps_clip_high is not None and a.eps_clip_high <= 0):
+        raise ConfigError("algorithm.eps_clip / eps_clip_high: expected > 0")
+    if a.dual_clip_c <= 1:
+        raise ConfigError(f"algorithm.dual_clip_c: got {a.dual_clip_c}, expected > 1")
+    if a.kl_coef < 0 or a.entropy_coef < 0:
+        raise ConfigError("algorithm.kl_coef / entropy_coef: expected >= 0 (0 = off)")
+    if a.rollout_is_cap < 1:
+        raise ConfigError(f"algorithm.rollout_is_cap: got {a.rollout_is_cap}, expected >= 1")
+    if not 0 <= a.gamma <= 1 or not 0 <= a.lam <= 1:
+        raise ConfigError("algorithm.gamma / lam: expected in [0, 1]")
+    if a.overlong_buffer < 0 or a.overlong_buffer >= s.max_new_tokens and a.overlong_buffer:
+        raise ConfigError(f"algorithm.overlong_buffer: got {a.overlong_buffer}, expected 0 (off) or < rollout.sampling.max_new_tokens ({s.max_new_tokens})")
+    _positive("cluster.nodes", cfg.cluster.nodes)
+    _positive("cluster.gpus_per_node", cfg.cluster.gpus_per_node, 0)
+    _positive("checkpoint.keep_last", cfg.checkpoint.keep_last, 0)
+    _positive("checkpoint.save_every", cfg.checkpoint.save_every, 0)
+    _positive("data.max_prompt_tokens", cfg.data.max_prompt_tokens)
+    _positive("workflow.max_concurrency", cfg.workflow.max_concurrency)
+
+
+def _check_mode(cfg: Config) -> None:
+    eta = cfg.rollout.staleness
+    if cfg.mode == "sync" and eta > 0:
+        raise ConfigError(f"rollout.staleness={eta} needs mode=async (sync mode is on-policy: staleness 0)")
+    if cfg.mode == "async" and eta == 0:
+        raise ConfigError("mode=async needs rollout.staleness >= 1 (the staleness bound eta)")
+    if eta > 0 and cfg.algorithm.rollout_is == "none":
+        raise ConfigError(f"rollout.staleness={eta} needs importance-sampling correction: set algorithm.rollout_is to tis, mis_token or mis_seq")
+
+
+def resolve_layout(cfg: Config) -> Layout:
+    p, c = cfg.parallel, cfg.cluster
+    total = c.nodes * c.gpus_per_node
+    rollout_devices = cfg.rollout.num_engines * cfg.rollout.engine_tp if c.gpus_per_node else 0
+    model_par = p.tp * p.pp * p.cp
+    devices = cfg.trainer.world_size or c.trainer_devices
+    if devices is None:
+        if c.gpus_per_node == 0:
+            devices = model_par * (p.dp or 1)
+        elif c.placement == "colocated":
+            devices = total
+        else:
+            devices = total - rollout_devices
+            if devices <= 0:
+                raise ConfigError(
+                    f"cluster: {c.nodes} node(s) x {c.gpus_per_node} GPUs = {total} GPUs leave none for the trainer after "
+                    f"rollout.num_engines x rollout.engine_tp = {rollout_devices} engine GPUs (disaggregated placement)")
+    if devices % model_par:
+        raise ConfigError(f"parallel: tp*pp*cp = {p.tp}*{p.pp}*{p.cp} = {model_par} does not divide the trainer's {devices} devices")
+    dp = devices // model_par
+    if p.dp is not None and p.dp != dp:
+        raise ConfigError(f"parallel: tp*pp*cp*dp = {model_par}*{p.dp} = {model_par * p.dp} does not equal the trainer's {devices} devices")
+    etp = p.etp if p.etp is not None else p.tp
+    if total:
+        if c.placement == "disaggregated" and devices + rollout_devices > total:
+            raise ConfigError(f"cluster: trainer {devices} + engines {rollout_devices} GPUs exceed {c.nodes} x {c.gpus_per_node} = {total} GPUs")
+        if c.placement == "colocated" and max(devices, rollout_devices) > total:
+            raise ConfigError(f"cluster: colocated trainer/engines need {max(devices, rollout_devices)} GPUs, the cluster has {total}")
+    return Layout(p.tp, p.pp, p.cp, p.ep, etp, dp, p.vpp, devices, rollout_devices, total)
+
+
+def _check_model(cfg: Config, hf: dict[str, Any], layout: Layout) -> None:
+    p = cfg.parallel
+    heads = hf.get("num_attention_heads")
+    kv = hf.get("num_key_value_heads", heads)
+    layers = hf.get("num_hidden_layers")
+    if heads is None or layers is None:
+        raise ConfigError(f"model.hf_dir: config.json lacks num_attention_heads / num_hidden_layers (model_type={hf.get('model_type')!r})")
+    if heads % p.tp:
+        raise ConfigError(f"parallel.tp={p.tp} must divide the model's num_attention_heads={heads}")
+    if kv % p.tp:
+        raise ConfigError(f"parallel.tp={p.tp} must divide the model's num_key_value_heads={kv}")
+    if p.pp_layer_split is not None:
+        if len(p.pp_layer_split) != p.pp:
+            raise ConfigError(f"parallel.pp_layer_split has {len(p.pp_layer_split)} entries, expected parallel.pp={p.pp}")
+        if sum(p.pp_layer_split) != layers or min(p.pp_layer_split) < 1:
+            raise ConfigError(f"parallel.pp_layer_split={p.pp_layer_split} must be positive and sum to num_hidden_layers={layers}")
+    elif layers % p.pp:
+        raise ConfigError(f"parallel.pp={p.pp} must divide the model's num_hidden_layers={layers} (or set parallel.pp_layer_split)")
+    if p.vpp is not None and p.vpp > 1:
+        if p.pp < 2:
+            raise ConfigError(f"parallel.vpp={p.vpp} needs parallel.pp >= 2")
+        if p.pp_layer_split is None and layers % (p.pp * p.vpp):
+            raise ConfigError(f"parallel.pp*vpp = {p.pp * p.vpp} must divide num_hidden_layers={layers}")
+    experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
+    if p.ep > 1 and not experts:
+        raise ConfigError(f"parallel.ep={p.ep} but the model (model_type={hf.get('model_type')!r}) has no experts")
+    if experts and experts % p.ep:
+        raise ConfigError(f"parallel.ep={p.ep} must divide the model's num_experts={experts}")
+    if experts and (layout.etp * p.ep) > layout.trainer_devices // p.pp:
+        raise ConfigError(f"parallel.ep*etp = {p.ep * layout.etp} exceeds the trainer ranks per pipeline stage ({layout.trainer_devices // p.pp})")
+    if cfg.rollout.engine_tp > 1 and heads % cfg.rollout.engine_tp:
+        raise ConfigError(f"rollout.engine_tp={cfg.rollout.engine_tp} must divide num_attention_heads={heads}")
+    max_len = hf.get("max_position_embeddings")
+    need = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_new_tokens
+    if max_len and need > max_len:
+        raise ConfigError(
+            f"data.max_prompt_tokens + rollout.sampling.max_new_tokens = {need} exceeds the model's max_position_embeddings={max_len}")
+
+
+def _check_devices(cfg: Config, has_cuda: bool) -> None:
+    p, t, c = cfg.parallel, cfg.trainer, cfg.cluster
+    gpu_run = c.gpus_per_node > 0
+    if t.fp8_recipe != "none" and not gpu_run:
+        raise ConfigError(f"trainer.fp8_recipe={t.fp8_recipe!r} needs GPUs with Transformer Engine (cluster.gpus_per_node is 0: a CPU run)")
+    if p.cp > 1 and not gpu_run:
+        raise ConfigError(f"parallel.cp={p.cp}: context parallel needs GPUs (Transformer Engine attention); cluster.gpus_per_node is 0")
+    if gpu_run and c.nodes == 1 and not has_cuda:
+        raise ConfigError(f"cluster.gpus_per_node={c.gpus_per_node} but this machine has no CUDA device (use --dry-run to plan, or gpus_per_node=0)")
+    if p.sequence_parallel and p.tp < 2:
+        raise ConfigError("parallel.sequence_parallel needs parallel.tp >= 2")
+    if c.nodes > 1 and not gpu_run:
+        raise ConfigError(f"cluster.nodes={c.nodes} needs cluster.gpus_per_node >= 1 (multi-node runs are GPU runs)")
+    if t.precision == "fp16" and not gpu_run:
+        raise ConfigError("trainer.precision=fp16 is GPU only; use fp32 (or bf16) on CPU")
+    if cfg.weight_sync.transport == "cuda_ipc" and (not gpu_run or c.placement != "colocated"):
+        raise ConfigError("weight_sync.transport=cuda_ipc needs GPUs and cluster.placement=colocated")
+
+
+def validate(cfg: Config, *, has_cuda: bool | None = None, dry_run: bool = False) -> Layout:
+    """Check everything that can be checked before start; return the resolved layout.
+
+    `dry_run=True` plans a cluster from anywhere: a missing model folder falls back to
+    `model.arch` and the local machine's lack of CUDA is not an error.
+    """
+    if has_cuda is None:
+        has_cuda = _cuda_available()
+    _check_ranges(cfg)
+    _check_mode(cfg)
+    _check_devices(cfg, has_cuda=has_cuda or dry_run)
+    layout = resolve_layout(cfg)
+    try:
+        hf = hf_config_dict(cfg.model.hf_dir, cfg.model.arch if dry_run else None)
+    except ModelSpecError as e:
+        raise ConfigError(str(e)) from None
+    _check_model(cfg, hf, layout)
+    return layout
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()

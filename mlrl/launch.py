@@ -1,0 +1,59 @@
+"""`python -m mlrl.launch`: the single entry point.
+
+    python -m mlrl.launch                                  # the CPU default recipe (launch/cpu_default.yaml)
+    python -m mlrl.launch --config launch/X.yaml a.b=c     # a recipe with overrides
+    python -m mlrl.launch ... --print-config               # print the resolved config and exit
+    python -m mlrl.launch ... --dry-run [--nodes N]        # plan placement and memory, start nothing
+    python -m mlrl.launch --nodes 16 --config ...          # join a Ray cluster and run there
+
+Order kept: parse -> load -> validate (all before any process starts) -> plan -> run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from mlrl.config import ConfigError, dump_yaml, load_config, validate
+
+DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "launch" / "cpu_default.yaml"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m mlrl.launch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", help="YAML recipe (default: launch/cpu_default.yaml)")
+    ap.add_argument("--nodes", type=int, help="run on a Ray cluster of N nodes (sets cluster.nodes)")
+    ap.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    ap.add_argument("--dry-run", action="store_true", help="print placement, layout and memory estimate; start nothing")
+    ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-5")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    overrides = list(args.overrides)
+    if args.nodes is not None:
+        overrides.append(f"cluster.nodes={args.nodes}")
+    try:
+        cfg = load_config(args.config or DEFAULT_RECIPE, overrides)
+        layout = validate(cfg, dry_run=args.dry_run or args.print_config)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(dump_yaml(cfg), end="")
+        return 0
+    if args.dry_run:
+        from mlrl.plan import format_plan, make_plan
+
+        plan = make_plan(cfg, layout)
+        print(format_plan(plan))
+        return 0 if plan.fits else 3
+    from mlrl.run import run
+
+    return run(cfg, layout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

