@@ -52,7 +52,7 @@ BAD = [
     (["model.hf_dir=builtin:nope"], "unknown builtin model 'nope'"),
     (["parallel.sequence_parallel=true"], "parallel.sequence_parallel needs parallel.tp >= 2"),
     (["cluster.gpus_per_node=8"], "this machine has no CUDA device"),
-    (["trainer.deterministic=yes"], "trainer.deterministic: got 'yes', expected true or false"),
+    (["trainer.deterministic=maybe"], "trainer.deterministic: got 'maybe', expected true or false"),
     (["rollout.sampling.max_new_tokens=1000"], "exceeds the model's max_position_embeddings=256"),
 ]
 
