@@ -151,4 +151,4 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 
 def dump_yaml(cfg: Any) -> str:
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=None)
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
