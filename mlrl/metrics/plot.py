@@ -1,0 +1,39 @@
+"""The end-of-run PNG: reward, KL, train/rollout logprob gap and step time against the step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mlrl.metrics.sinks import read_jsonl
+
+PANELS = [
+    ("reward/mean", "mean reward"),
+    ("train/kl_ref", "KL to reference"),
+    ("mismatch/logprob_gap", "|train - rollout| logprob"),
+    ("time/step_s", "step time (s)"),
+]
+
+
+def plot_run(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = read_jsonl(metrics_jsonl)
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    for ax, (key, title) in zip(axes.flat, PANELS):
+        pts = [(r["step"], r[key]) for r in recs if isinstance(r.get(key), (int, float))]
+        if pts:
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, marker="o", markersize=3)
+        else:
+            ax.text(0.5, 0.5, "not recorded", ha="center", va="center", transform=ax.transAxes)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out = Path(out_png)
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out

@@ -1,0 +1,95 @@
+"""Metric sinks: JSONL (always complete lines, fsync'd per step) and TensorBoard, optional W&B.
+
+Invariant: a step's metrics are written as one JSON line and flushed before the step is
+considered done, so a crash never leaves a half-written line that a resumed run would choke on;
+on resume `MetricsLogger` truncates nothing and appends after the last complete step recorded
+in the checkpoint (`resume_step`): lines for steps > resume_step (written after the checkpoint
+by the run that died) are dropped so the curve stays single-valued.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+
+def _clean(v: Any) -> Any:
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+class MetricsLogger:
+    """Fan-out of scalar metrics per step to the configured sinks."""
+
+    def __init__(self, run_dir: str | Path, *, jsonl: bool = True, tensorboard: bool = True,
+                 wandb_project: str | None = None, resume_step: int | None = None, config: dict | None = None):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl_path = self.run_dir / "metrics.jsonl" if jsonl else None
+        if self.jsonl_path is not None:
+            self._trim_after(resume_step)
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=None if resume_step is None else resume_step + 1)
+        self._wandb = None
+        if wandb_project:
+            import wandb  # optional dependency
+
+            self._wandb = wandb.init(project=wandb_project, dir=str(self.run_dir), config=config, resume="allow",
+                                     id=os.environ.get("WANDB_RUN_ID"))
+
+    def _trim_after(self, resume_step: int | None) -> None:
+        """Drop lines of steps after `resume_step` and any torn last line (a crash mid-write)."""
+        p = self.jsonl_path
+        if not p.exists():
+            return
+        keep = []
+        for line in p.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if resume_step is None or rec.get("step", 0) <= resume_step:
+                keep.append(line)
+        tmp = p.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(k + "\n" for k in keep))
+        os.replace(tmp, p)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        rec = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
+        if self.jsonl_path is not None:
+            with open(self.jsonl_path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        if self._tb is not None:
+            for k, v in rec.items():
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(rec, step=step)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    out = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out

@@ -1,0 +1,39 @@
+import json
+
+from mlrl.metrics import MetricsLogger, Timer, plot_run, read_jsonl
+
+
+def test_jsonl_and_tensorboard_written(tmp_path):
+    log = MetricsLogger(tmp_path, tensorboard=True)
+    for s in range(1, 4):
+        log.log(s, {"reward/mean": 0.1 * s, "time/step_s": 1.0})
+    log.close()
+    recs = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in recs] == [1, 2, 3]
+    assert abs(recs[2]["reward/mean"] - 0.3) < 1e-12
+    assert any((tmp_path / "tensorboard").iterdir())
+
+
+def test_resume_drops_lines_after_checkpoint_and_torn_line(tmp_path):
+    p = tmp_path / "metrics.jsonl"
+    p.write_text("".join(json.dumps({"step": s, "x": s}) + "\n" for s in range(1, 6)) + '{"step": 6, "x"')
+    log = MetricsLogger(tmp_path, tensorboard=False, resume_step=3)
+    log.log(4, {"x": 40})
+    log.close()
+    assert [(r["step"], r["x"]) for r in read_jsonl(p)] == [(1, 1), (2, 2), (3, 3), (4, 40)]
+
+
+def test_plot_png(tmp_path):
+    log = MetricsLogger(tmp_path, tensorboard=False)
+    for s in range(1, 5):
+        log.log(s, {"reward/mean": s / 4, "time/step_s": 2.0, "mismatch/logprob_gap": 1e-4})
+    out = plot_run(tmp_path / "metrics.jsonl", tmp_path / "run.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_timer():
+    t = Timer()
+    with t("a"):
+        pass
+    d = t.pop()
+    assert "time/a_s" in d and d["time/a_s"] >= 0 and t.pop() == {}
