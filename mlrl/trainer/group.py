@@ -1,0 +1,163 @@
+"""Driver side of the trainer: starts the Megatron ranks and calls methods on all of them.
+
+The RL loop lives in one driver process (asyncio, engines, workflows); the Megatron ranks are
+separate processes started by torchrun (one machine) or by Ray (--nodes N) that run
+`mlrl.trainer.service` and connect back to the driver. Every call is sent to every rank (SPMD:
+Megatron's collectives need all of them), optionally with per-rank arguments (each DP rank gets
+its own micro-batches), and the driver waits for every reply: a failure on any rank raises
+`TrainerError` naming the rank with its traceback, so the loop never continues half-done.
+
+Channel: `multiprocessing.connection` over TCP with an HMAC authkey (the per-job token, passed
+through the environment, never argv). Payloads are pickled: both ends are this job's own
+processes, authenticated by the key; nothing here is exposed to untrusted clients.
+
+This module imports no megatron: the driver stays light.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+from multiprocessing.connection import Connection, Listener
+from pathlib import Path
+from typing import Any, Sequence
+
+TOKEN_ENV = "MLRL_TRAINER_TOKEN"
+
+
+class TrainerError(RuntimeError):
+    """A trainer rank failed; the message carries its rank and traceback."""
+
+
+class TrainerGroup:
+    """N Megatron ranks driven from this process."""
+
+    def __init__(self, config_yaml: str, world_size: int, *, run_dir: str | Path, host: str = "127.0.0.1",
+                 start_timeout_s: float = 300.0, env: dict[str, str] | None = None):
+        self.world_size = world_size
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._token = secrets.token_bytes(32)
+        self._listener = Listener((host, 0), authkey=self._token)
+        self._conns: list[Connection] = []
+        self.rank_info: list[dict[str, Any]] = []
+        cfg_path = self.run_dir / "trainer_config.yaml"
+        cfg_path.write_text(config_yaml)
+        host_, port = self._listener.address
+        self._log = open(self.run_dir / "trainer.log", "ab")
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world_size}", "--nnodes=1",
+               "--master-addr=127.0.0.1", f"--master-port={_free_port()}", "-m", "mlrl.trainer.service",
+               "--connect", f"{host_}:{port}", "--config", str(cfg_path)]
+        full_env = dict(os.environ, **(env or {}))
+        full_env[TOKEN_ENV] = self._token.hex()
+        self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
+                                      start_new_session=True, preexec_fn=_die_with_parent)
+        self._accept_all(start_timeout_s)
+
+    def _accept_all(self, timeout_s: float) -> None:
+        conns: dict[int, Connection] = {}
+        err: list[BaseException] = []
+
+        def accept() -> None:
+            try:
+                while len(conns) < self.world_size:
+                    c = self._listener.accept()
+                    hello = c.recv()
+                    if "error" in hello:
+                        raise TrainerError(f"rank {hello['rank']} failed to start:\n{hello['error']}")
+                    conns[hello["rank"]] = c
+                    self.rank_info.append(hello)
+            except BaseException as e:  # noqa: BLE001 - reported below
+                err.append(e)
+
+        t = threading.Thread(target=accept, daemon=True)
+        t.start()
+        t.join(timeout_s)
+        if len(conns) < self.world_size or err:
+            tail = self.log_tail()
+            self.close()
+            why = str(err[0]) if err else f"only {len(conns)}/{self.world_size} ranks connected within {timeout_s:.0f} s"
+            raise TrainerError(f"trainer ranks failed to start ({why}); log tail:\n{tail}")
+        self._conns = [conns[r] for r in range(self.world_size)]
+        self.rank_info.sort(key=lambda h: h["rank"])
+
+    def call(self, method: str, per_rank: Sequence[dict[str, Any]] | None = None, **common: Any) -> list[Any]:
+        """Call `method` on every rank; `per_rank[r]` adds rank-specific keyword arguments.
+
+        Returns the list of per-rank results (rank order).
+        """
+        for r, c in enumerate(self._conns):
+            kwargs = dict(common)
+            if per_rank is not None:
+                kwargs.update(per_rank[r])
+            c.send((method, kwargs))
+        results, failures = [], []
+        for r, c in enumerate(self._conns):
+            try:
+                status, value = c.recv()
+            except (EOFError, ConnectionError, OSError) as e:
+                failures.append(f"rank {r}: connection lost ({e!r}); log tail:\n{self.log_tail()}")
+                results.append(None)
+                continue
+            if status == "ok":
+                results.append(value)
+            else:
+                failures.append(f"rank {r}: {value}")
+                results.append(None)
+        if failures:
+            raise TrainerError(f"trainer call {method!r} failed on {len(failures)} rank(s):\n" + "\n".join(failures))
+        return results
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            self._log.flush()
+            text = (self.run_dir / "trainer.log").read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        for c in self._conns:
+            try:
+                c.send(("shutdown", {}))
+            except OSError:
+                pass
+        if getattr(self, "_proc", None) is not None:
+            try:
+                self._proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+                self._proc.wait()
+        for c in self._conns:
+            c.close()
+        self._conns = []
+        self._listener.close()
+        self._log.close()
+
+    def __enter__(self) -> "TrainerGroup":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL the trainer if the driver dies, so no rank is orphaned."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass

@@ -1,0 +1,93 @@
+"""Rank side of the trainer: `python -m mlrl.trainer.service --connect HOST:PORT --config FILE`
+under torchrun (or a Ray actor that set the same env). Connects back to the driver
+(`mlrl.trainer.group.TrainerGroup`), then serves method calls until `shutdown` or until the
+driver's connection closes (the driver died: exit rather than linger as an orphan).
+
+Every public method of `TrainerService` is callable by name from the driver; each call is a
+collective over all ranks, so the driver always sends it to every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from multiprocessing.connection import Client
+from typing import Any
+
+import torch.distributed as dist
+
+from mlrl.config import load_config, validate
+from mlrl.trainer.group import TOKEN_ENV
+
+
+class TrainerService:
+    """What one rank can do: built once, then called step after step."""
+
+    def __init__(self, cfg):
+        from mlrl.modelzoo import resolve_model_dir
+        from mlrl.trainer.policy import MegatronPolicy, init_parallel
+
+        self.cfg = cfg
+        self.layout = validate(cfg)
+        init_parallel(cfg.parallel, self.layout, seed=cfg.trainer.seed)
+        hf_dir = resolve_model_dir(cfg.model.hf_dir)
+        self.policy = MegatronPolicy(cfg.model, cfg.parallel, cfg.trainer, self.layout, hf_dir=hf_dir, trainable=True)
+        self.ref = None
+        if cfg.algorithm.kl_coef > 0:
+            self.ref = MegatronPolicy(cfg.model, cfg.parallel, cfg.trainer, self.layout, hf_dir=hf_dir, trainable=False)
+        self._loss_fn = None
+
+    def info(self) -> dict[str, Any]:
+        return self.policy.rank_info() if hasattr(self.policy, "rank_info") else {"rank": dist.get_rank()}
+
+    def compute_logprobs(self, micro_batches, temperature: float, reference: bool = False):
+        model = self.ref if reference else self.policy
+        return model.compute_logprobs(micro_batches, temperature)
+
+    def train_step(self, micro_batches):
+        if self._loss_fn is None:
+            from mlrl.algorithms.losses import make_loss_fn
+
+            self._loss_fn = make_loss_fn(self.cfg.algorithm)
+        return self.policy.train_step(micro_batches, self._loss_fn)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--connect", required=True)
+    ap.add_argument("--config", required=True)
+    args = ap.parse_args(argv)
+    host, port = args.connect.rsplit(":", 1)
+    token = bytes.fromhex(os.environ.pop(TOKEN_ENV))
+    rank = int(os.environ.get("RANK", "0"))
+    conn = Client((host, int(port)), authkey=token)
+    try:
+        cfg = load_config(args.config)
+        service = TrainerService(cfg)
+        conn.send({"rank": rank, **service.info()})
+    except BaseException:  # noqa: BLE001 - the driver reports it
+        conn.send({"rank": rank, "error": traceback.format_exc()})
+        raise
+    while True:
+        try:
+            method, kwargs = conn.recv()
+        except (EOFError, ConnectionError, OSError):
+            return 1  # the driver is gone
+        if method == "shutdown":
+            break
+        try:
+            fn = getattr(service, method) if not method.startswith("_") else None
+            if fn is None:
+                raise AttributeError(f"trainer has no method {method!r}")
+            conn.send(("ok", fn(**kwargs)))
+        except BaseException:  # noqa: BLE001 - sent to the driver, which stops the run
+            conn.send(("err", traceback.format_exc()))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
