@@ -1,0 +1,142 @@
+"""Checkpoint directory layout, atomic commit, the `latest` pointer and keep-last-k.
+
+Layout under the checkpoint root:
+
+    step_000004/                 a complete checkpoint (only complete ones ever carry this name)
+      model_optim/               Megatron dist_checkpointing (torch_dist): model, optimizer, scheduler, RNG
+      trainer_state.json         step, weight version, data sampler position, metrics resume info
+      COMPLETE                   written last inside the temporary folder, before the rename
+    latest                       text file: name of the newest complete checkpoint
+    .tmp-step_000006-<random>/   a save in progress (or killed mid-way): never loaded, removed later
+
+Ordering kept (crash safety): write everything into `.tmp-*`, write COMPLETE, rename the folder
+to `step_N` (atomic on one filesystem), then replace `latest` (write + os.replace), and only
+then delete checkpoints beyond keep-last-k and stale temporary folders. A process killed at any
+point leaves the previous checkpoint loadable, and a folder without COMPLETE is never picked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+from pathlib import Path
+from typing import Any
+
+COMPLETE = "COMPLETE"
+STATE_FILE = "trainer_state.json"
+_STEP_RE = re.compile(r"^step_(\d{6,})$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incomplete or does not fit this run; the message says which."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def is_complete(path: Path) -> bool:
+    return (path / COMPLETE).is_file() and (path / STATE_FILE).is_file()
+
+
+class CheckpointManager:
+    def __init__(self, root: str | Path, keep_last: int = 2):
+        self.root = Path(root)
+        self.keep_last = keep_last
+
+    def begin(self, step: int) -> Path:
+        """A fresh temporary folder to save step `step` into."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f".tmp-{step_dir_name(step)}-{secrets.token_hex(4)}"
+        tmp.mkdir()
+        return tmp
+
+    def commit(self, tmp: Path, step: int, state: dict[str, Any]) -> Path:
+        """Write the trainer state, mark complete, rename into place, move `latest`, prune."""
+        _write_json_atomic(tmp / STATE_FILE, {"step": step, **state})
+        (tmp / COMPLETE).write_text("ok\n")
+        _fsync_dir(tmp)
+        final = self.root / step_dir_name(step)
+        if final.exists():  # re-saving the same step (e.g. after a resume): replace it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(self.root)
+        tmp_latest = self.root / ".latest.tmp"
+        tmp_latest.write_text(final.name + "\n")
+        os.replace(tmp_latest, self.root / "latest")
+        _fsync_dir(self.root)
+        self._prune()
+        return final
+
+    def _prune(self) -> None:
+        for p in self.root.glob(".tmp-*"):
+            shutil.rmtree(p, ignore_errors=True)
+        if self.keep_last > 0:
+            complete = self.complete_checkpoints()
+            for p in complete[: -self.keep_last]:
+                shutil.rmtree(p, ignore_errors=True)
+
+    def complete_checkpoints(self) -> list[Path]:
+        if not self.root.is_dir():
+            return []
+        found = [p for p in self.root.iterdir() if _STEP_RE.match(p.name) and is_complete(p)]
+        return sorted(found, key=lambda p: int(_STEP_RE.match(p.name).group(1)))
+
+    def latest(self) -> Path | None:
+        """Newest complete checkpoint: the `latest` pointer if valid, else the newest complete folder."""
+        ptr = self.root / "latest"
+        if ptr.is_file():
+            cand = self.root / ptr.read_text().strip()
+            if is_complete(cand):
+                return cand
+        complete = self.complete_checkpoints()
+        return complete[-1] if complete else None
+
+    def resolve_resume(self, spec: str) -> Path | None:
+        """`auto` -> latest complete or None; `none` -> None; a path -> that checkpoint (validated)."""
+        if spec == "none":
+            return None
+        if spec == "auto":
+            return self.latest()
+        path = Path(spec)
+        if not path.exists():
+            raise CheckpointError(f"checkpoint.resume: {spec!r} does not exist")
+        if path.is_dir() and not _STEP_RE.match(path.name) and (path / "latest").is_file():
+            found = CheckpointManager(path).latest()
+            if found is None:
+                raise CheckpointError(f"checkpoint.resume: {spec!r} holds no complete checkpoint")
+            return found
+        if not is_complete(path):
+            raise CheckpointError(f"checkpoint.resume: {spec!r} is incomplete (no {COMPLETE} marker or {STATE_FILE}): "
+                                  "a save was interrupted; pick an earlier checkpoint")
+        return path
+
+
+def read_state(ckpt: Path) -> dict[str, Any]:
+    try:
+        return json.loads((ckpt / STATE_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint {ckpt}: cannot read {STATE_FILE}: {e}") from None
+
+
+def _write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

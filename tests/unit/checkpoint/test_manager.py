@@ -1,0 +1,52 @@
+import pytest
+
+from mlrl.checkpoint.manager import CheckpointError, CheckpointManager, read_state
+
+
+def _save(m, step, payload="x"):
+    tmp = m.begin(step)
+    (tmp / "model_optim").mkdir()
+    (tmp / "model_optim" / "w").write_text(payload)
+    return m.commit(tmp, step, {"weight_version": step})
+
+
+def test_commit_latest_and_keep_last(tmp_path):
+    m = CheckpointManager(tmp_path, keep_last=2)
+    for s in (2, 4, 6):
+        _save(m, s)
+    assert [p.name for p in m.complete_checkpoints()] == ["step_000004", "step_000006"]
+    assert m.latest().name == "step_000006"
+    assert read_state(m.latest()) == {"step": 6, "weight_version": 6}
+
+
+def test_interrupted_save_is_never_picked(tmp_path):
+    m = CheckpointManager(tmp_path, keep_last=0)
+    _save(m, 2)
+    tmp = m.begin(4)  # "killed" before commit: no COMPLETE, still a temp name
+    (tmp / "model_optim").mkdir()
+    assert m.latest().name == "step_000002"
+    # a folder renamed into place without COMPLETE (impossible through commit) is ignored too
+    (tmp_path / "step_000008").mkdir()
+    assert m.latest().name == "step_000002"
+    with pytest.raises(CheckpointError, match="incomplete"):
+        m.resolve_resume(str(tmp_path / "step_000008"))
+    # the next successful save cleans the stale temporary folder
+    _save(m, 6)
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_stale_latest_pointer_falls_back(tmp_path):
+    m = CheckpointManager(tmp_path)
+    _save(m, 2)
+    (tmp_path / "latest").write_text("step_000099\n")
+    assert m.latest().name == "step_000002"
+
+
+def test_resolve_resume(tmp_path):
+    m = CheckpointManager(tmp_path / "ck")
+    assert m.resolve_resume("auto") is None and m.resolve_resume("none") is None
+    with pytest.raises(CheckpointError, match="does not exist"):
+        m.resolve_resume(str(tmp_path / "nope"))
+    _save(m, 3)
+    assert m.resolve_resume(str(tmp_path / "ck")).name == "step_000003"
+    assert m.resolve_resume(str(tmp_path / "ck" / "step_000003")).name == "step_000003"
