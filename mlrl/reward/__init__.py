@@ -1,0 +1,33 @@
+"""Rewards: the registry (`register_reward`, `get_reward_fn`), `AsyncRewardWrapper` (process pool,
+timeout -> 0.0), and the built-ins `exact_match`, `boxed`, `gsm8k`, `math_verify`.
+
+Signature of every reward function (AReaL's):
+    fn(prompt, completions, prompt_ids, completion_ids, **data) -> float
+"""
+
+from mlrl.reward import builtin as _builtin  # noqa: F401  (registers the built-ins)
+from mlrl.reward.builtin import extract_boxed, extract_final_number, parse_number
+from mlrl.reward.registry import RewardFn, get_reward_fn, import_from_string, list_rewards, register_reward
+from mlrl.reward.wrapper import (
+    GLOBAL_REWARD_STATS,
+    AsyncRewardWrapper,
+    RewardStats,
+    collect_reward_stats,
+    default_max_workers,
+)
+
+__all__ = [
+    "AsyncRewardWrapper",
+    "GLOBAL_REWARD_STATS",
+    "RewardFn",
+    "RewardStats",
+    "collect_reward_stats",
+    "default_max_workers",
+    "extract_boxed",
+    "extract_final_number",
+    "get_reward_fn",
+    "import_from_string",
+    "list_rewards",
+    "parse_number",
+    "register_reward",
+]

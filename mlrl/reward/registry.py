@@ -1,0 +1,80 @@
+"""Registry of reward functions, looked up by the name in `workflow.reward` or by a dotted path.
+
+A reward function has AReaL's signature
+
+    fn(prompt: str, completions: str, prompt_ids: list[int], completion_ids: list[int], **data) -> float
+
+where `data` is the dataset row (its `answer` and any metadata), so a function picks the keys it
+needs and ignores the rest. Registered functions must live at module level: the reward process
+pool pickles them by reference.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+RewardFn = Callable[..., float]
+F = TypeVar("F", bound=Callable[..., Any])
+
+_REWARDS: dict[str, RewardFn] = {}
+
+
+def register_reward(name: str) -> Callable[[F], F]:
+    """Decorator: `@register_reward("my_reward")` makes `workflow.reward=my_reward` find the function."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"register_reward: name must be a non-empty string, got {name!r}")
+
+    def deco(fn: F) -> F:
+        prev = _REWARDS.get(name)
+        if prev is not None and prev is not fn and _qualname(prev) != _qualname(fn):
+            raise ValueError(f"reward {name!r} is already registered to {_qualname(prev)}")
+        _REWARDS[name] = fn
+        return fn
+
+    return deco
+
+
+def _qualname(fn: Any) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def import_from_string(path: str) -> Any:
+    """`pkg.module.attr` or `pkg.module:attr` -> the object (clear error when missing)."""
+    if ":" in path:
+        mod_name, _, attr = path.partition(":")
+    else:
+        mod_name, _, attr = path.rpartition(".")
+    if not mod_name or not attr:
+        raise ValueError(f"{path!r} is not a dotted path of the form pkg.module.name")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ValueError(f"cannot import module {mod_name!r} (from {path!r}): {e}") from None
+    obj = mod
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"module {mod_name!r} has no attribute {attr!r} (from {path!r})")
+        obj = getattr(obj, part)
+    return obj
+
+
+def get_reward_fn(name_or_path: str | RewardFn) -> RewardFn:
+    """A registered reward by name, a function by dotted path, or the callable itself."""
+    if callable(name_or_path):
+        return name_or_path
+    if not isinstance(name_or_path, str) or not name_or_path:
+        raise ValueError(f"workflow.reward: expected a reward name or dotted path, got {name_or_path!r}")
+    if name_or_path in _REWARDS:
+        return _REWARDS[name_or_path]
+    if "." in name_or_path or ":" in name_or_path:
+        fn = import_from_string(name_or_path)
+        if not callable(fn):
+            raise ValueError(f"workflow.reward: {name_or_path!r} is not callable")
+        return fn
+    raise ValueError(f"workflow.reward: unknown reward {name_or_path!r}; registered: {', '.join(list_rewards())}")
+
+
+def list_rewards() -> list[str]:
+    return sorted(_REWARDS)

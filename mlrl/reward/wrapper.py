@@ -1,0 +1,220 @@
+"""`AsyncRewardWrapper`: run a synchronous reward function in a process pool, awaitable, with a
+timeout — the shape AReaL users know (`areal.api.reward_api.AsyncRewardWrapper`).
+
+Why a process pool: reward functions are CPU-bound Python (sympy, regexes, code execution) and
+would otherwise stall the event loop that drives every concurrent episode.
+
+Invariants kept here:
+- a reward call never raises into the workflow: an exception, a timeout, a non-numeric return
+  or a dead pool gives 0.0, a warning, and a count in `RewardStats` (per wrapper, process-wide,
+  and in the stats of the current episode when the episode runner collects them);
+- a call that timed out cannot be cancelled inside a worker process, so the pool it ran in is
+  replaced and its workers terminated; calls that were in flight on that pool are retried once on
+  the new pool (they did nothing wrong);
+- pools are shared per (max_workers, start method) inside one process, like AReaL's, and use the
+  `forkserver` start method by default: forking a process that holds tokenizer / HTTP / OpenMP
+  threads can deadlock the child.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import contextvars
+import logging
+import multiprocessing
+import os
+import pickle
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RewardStats:
+    """Counters of reward calls (what the run's metrics report)."""
+
+    calls: int = 0
+    failures: int = 0   # the function raised, returned a non-number, or the pool died twice
+    timeouts: int = 0
+
+    def add(self, other: "RewardStats") -> None:
+        self.calls += other.calls
+        self.failures += other.failures
+        self.timeouts += other.timeouts
+
+
+GLOBAL_REWARD_STATS = RewardStats()
+_CURRENT: contextvars.ContextVar[RewardStats | None] = contextvars.ContextVar("mlrl_reward_stats", default=None)
+
+
+@contextlib.contextmanager
+def collect_reward_stats() -> Iterator[RewardStats]:
+    """Count the reward calls made in this context (the episode runner wraps each episode in it).
+
+    Context variables follow asyncio tasks and `asyncio.to_thread`, so calls made by concurrent
+    episodes are attributed to the right episode.
+    """
+    stats = RewardStats()
+    token = _CURRENT.set(stats)
+    try:
+        yield stats
+    finally:
+        _CURRENT.reset(token)
+
+
+def _count(field: str) -> None:
+    for st in (GLOBAL_REWARD_STATS, _CURRENT.get()):
+        if st is not None:
+            setattr(st, field, getattr(st, field) + 1)
+
+
+def default_max_workers() -> int:
+    """Half the cores, at least one (AReaL's heuristic without the per-GPU split)."""
+    return max((os.cpu_count() or 1) // 2, 1)
+
+
+class _PoolRegistry:
+    """Process pools shared by all wrappers of one process, keyed by (max_workers, start method)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pools: dict[tuple[int, str], ProcessPoolExecutor] = {}
+
+    def get(self, key: tuple[int, str]) -> ProcessPoolExecutor:
+        with self._lock:
+            pool = self._pools.get(key)
+            if pool is None:
+                pool = ProcessPoolExecutor(max_workers=key[0], mp_context=multiprocessing.get_context(key[1]))
+                self._pools[key] = pool
+            return pool
+
+    def replace(self, key: tuple[int, str], old: ProcessPoolExecutor) -> None:
+        """Retire `old` (killing its workers) unless someone already did."""
+        with self._lock:
+            if self._pools.get(key) is old:
+                del self._pools[key]
+        _terminate(old)
+
+    def shutdown_all(self) -> None:
+        with self._lock:
+            pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            _terminate(pool)
+
+
+def _terminate(pool: ProcessPoolExecutor) -> None:
+    # ProcessPoolExecutor has no public way to stop a running call before Python 3.14
+    # (terminate_workers); a hung reward function would otherwise hold its worker forever.
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for p in procs:
+        with contextlib.suppress(Exception):
+            p.terminate()
+
+
+POOLS = _PoolRegistry()
+atexit.register(POOLS.shutdown_all)
+
+
+class AsyncRewardWrapper:
+    """Awaitable wrapper of a synchronous reward function `fn(*args, **kwargs) -> float`.
+
+    `max_workers=None` picks half the cores; `max_workers=0` runs the function in a thread of
+    this process instead (for functions that cannot be pickled or are trivially cheap: the
+    timeout still returns 0.0, but the thread keeps running until the function returns).
+    `timeout_seconds` is accepted as an alias of `timeout` (AReaL's name).
+    """
+
+    def __init__(
+        self,
+        reward_fn: Callable[..., Any],
+        timeout: float = 15.0,
+        max_workers: int | None = None,
+        *,
+        timeout_seconds: float | None = None,
+        mp_context: str = "forkserver",
+        name: str | None = None,
+    ):
+        if isinstance(reward_fn, AsyncRewardWrapper):
+            reward_fn = reward_fn.reward_fn
+        if not callable(reward_fn):
+            raise TypeError(f"AsyncRewardWrapper: reward_fn must be callable, got {type(reward_fn).__name__}")
+        self.reward_fn = reward_fn
+        self.timeout = float(timeout_seconds if timeout_seconds is not None else timeout)
+        if self.timeout <= 0:
+            raise ValueError(f"AsyncRewardWrapper: timeout must be > 0 seconds, got {self.timeout}")
+        self.max_workers = default_max_workers() if max_workers is None else int(max_workers)
+        if self.max_workers < 0:
+            raise ValueError(f"AsyncRewardWrapper: max_workers must be >= 0, got {self.max_workers}")
+        self.name = name or getattr(reward_fn, "__qualname__", repr(reward_fn))
+        self.stats = RewardStats()
+        self._key = (self.max_workers, mp_context)
+        if self.max_workers > 0:
+            try:
+                pickle.dumps(reward_fn)
+            except Exception as e:
+                raise ValueError(
+                    f"reward function {self.name!r} cannot be pickled for the reward process pool ({e}); "
+                    "define it at module level, or pass max_workers=0 to run it in a thread"
+                ) from None
+
+    @property
+    def timeout_seconds(self) -> float:
+        return self.timeout
+
+    def _bump(self, field: str) -> None:
+        setattr(self.stats, field, getattr(self.stats, field) + 1)
+        _count(field)
+
+    async def __call__(self, *args: Any, **kwargs: Any) -> float:
+        self._bump("calls")
+        call = partial(self.reward_fn, *args, **kwargs)
+        for attempt in range(2):
+            pool = None
+            try:
+                if self.max_workers == 0:
+                    fut = asyncio.get_running_loop().run_in_executor(None, contextvars.copy_context().run, call)
+                else:
+                    pool = POOLS.get(self._key)
+                    fut = asyncio.get_running_loop().run_in_executor(pool, call)
+                value = await asyncio.wait_for(fut, timeout=self.timeout)
+            except (TimeoutError, asyncio.TimeoutError):
+                self._bump("timeouts")
+                logger.warning("reward %s timed out after %.1fs; reward 0.0", self.name, self.timeout)
+                if pool is not None:
+                    POOLS.replace(self._key, pool)
+                return 0.0
+            except BrokenProcessPool:
+                if pool is not None:
+                    POOLS.replace(self._key, pool)
+                if attempt == 0:
+                    continue
+                self._bump("failures")
+                logger.warning("reward %s: process pool broke twice; reward 0.0", self.name)
+                return 0.0
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the user's function raised (re-raised here by the pool)
+                self._bump("failures")
+                logger.warning("reward %s raised %s: %s; reward 0.0", self.name, type(e).__name__, e)
+                return 0.0
+            try:
+                return float(value)
+            except (TypeError, ValueError):
+                self._bump("failures")
+                logger.warning("reward %s returned %r (expected a number); reward 0.0", self.name, value)
+                return 0.0
+        return 0.0  # unreachable
+
+    @staticmethod
+    def shutdown_pools() -> None:
+        """Terminate every shared reward pool of this process (tests, end of run)."""
+        POOLS.shutdown_all()

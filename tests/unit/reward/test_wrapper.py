@@ -1,0 +1,93 @@
+"""AsyncRewardWrapper: process pool, exception / timeout / garbage -> 0.0 counted, recovery, stats."""
+
+import asyncio
+import time
+
+import _reward_test_fns as fns
+import pytest
+
+from mlrl.reward import GLOBAL_REWARD_STATS, AsyncRewardWrapper, RewardStats, collect_reward_stats
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _shutdown_pools():
+    yield
+    AsyncRewardWrapper.shutdown_pools()
+
+
+async def test_runs_in_another_process_and_passes_data():
+    import os
+
+    w = AsyncRewardWrapper(fns.worker_pid, max_workers=1, timeout=30)
+    pid = await w("p", "c", [1], [2, 3])
+    assert pid != float(os.getpid())
+    w2 = AsyncRewardWrapper(fns.length_reward, max_workers=1, timeout=30)
+    assert await w2("p", "c", [1], [2, 3, 4], answer="x") == 3.0
+    assert w2.stats == RewardStats(calls=1, failures=0, timeouts=0)
+
+
+async def test_exception_gives_zero_and_counts(caplog):
+    w = AsyncRewardWrapper(fns.raises, max_workers=1, timeout=30)
+    before = GLOBAL_REWARD_STATS.failures
+    with collect_reward_stats() as st:
+        assert await w("p", "c", [], []) == 0.0
+    assert "boom in reward" in caplog.text
+    assert w.stats.failures == 1 and st.failures == 1 and st.calls == 1
+    assert GLOBAL_REWARD_STATS.failures == before + 1
+
+
+async def test_non_numeric_return_is_a_failure():
+    w = AsyncRewardWrapper(fns.not_a_number, max_workers=1, timeout=30)
+    assert await w("p", "c", [], []) == 0.0
+    assert w.stats.failures == 1
+
+
+async def test_timeout_gives_zero_then_pool_recovers_and_inflight_calls_are_retried():
+    slow = AsyncRewardWrapper(fns.sleeps, max_workers=2, timeout=0.5)
+    medium = AsyncRewardWrapper(fns.sleeps, max_workers=2, timeout=20)
+    t0 = time.monotonic()
+    # Both land on the same shared pool; the timeout kills that pool while `medium` is running,
+    # so `medium` must be retried on the new pool and still return its value.
+    r_slow, r_med = await asyncio.gather(slow("p", "c", [], [], seconds=30), medium("p", "c", [], [], seconds=1.0))
+    elapsed = time.monotonic() - t0
+    assert r_slow == 0.0 and slow.stats.timeouts == 1
+    assert r_med == 1.0 and medium.stats.failures == 0 and medium.stats.timeouts == 0
+    assert elapsed < 10, "the hung call must not hold the run"
+    fast = AsyncRewardWrapper(fns.constant, max_workers=2, timeout=20)
+    assert await fast("p", "c", [], [], value=7.0) == 7.0
+
+
+def test_unpicklable_function_is_refused_with_a_clear_message():
+    with pytest.raises(ValueError, match="cannot be pickled.*max_workers=0"):
+        AsyncRewardWrapper(lambda *a, **k: 1.0, max_workers=1)
+
+
+async def test_thread_mode_accepts_closures_and_keeps_timeouts():
+    w = AsyncRewardWrapper(lambda p, c, pi, ci, **d: len(c), max_workers=0, timeout=5)
+    assert await w("p", "abcd", [], []) == 4.0
+    hung = AsyncRewardWrapper(lambda *a, **k: time.sleep(2) or 1.0, max_workers=0, timeout=0.2)
+    assert await hung("p", "c", [], []) == 0.0 and hung.stats.timeouts == 1
+
+
+async def test_stats_are_attributed_to_the_calling_episode():
+    ok = AsyncRewardWrapper(fns.constant, max_workers=1, timeout=30)
+    bad = AsyncRewardWrapper(fns.raises, max_workers=1, timeout=30)
+
+    async def episode(w, k):
+        with collect_reward_stats() as st:
+            for _ in range(k):
+                await w("p", "c", [], [])
+        return st
+
+    s_ok, s_bad = await asyncio.gather(episode(ok, 3), episode(bad, 2))
+    assert (s_ok.calls, s_ok.failures) == (3, 0)
+    assert (s_bad.calls, s_bad.failures) == (2, 2)
+
+
+def test_argument_validation():
+    with pytest.raises(ValueError, match="timeout"):
+        AsyncRewardWrapper(fns.constant, timeout=0)
+    with pytest.raises(TypeError, match="callable"):
+        AsyncRewardWrapper("not a function")
+    w = AsyncRewardWrapper(fns.constant, timeout_seconds=3.0, max_workers=1)
+    assert w.timeout == 3.0 == w.timeout_seconds
