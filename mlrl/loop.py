@@ -1,0 +1,215 @@
+"""The RL loop, in straight-line calls (read this file first).
+
+One step:  prompts -> episodes (engines + workflow + reward) -> samples -> advantages ->
+packed micro-batches -> trainer logprobs (old, reference) -> train step -> weight sync to the
+engines (versioned, verified) -> checkpoint / export -> metrics.
+
+Two modes:
+- sync (`train_sync`): on-policy; generation and training alternate; every sample of step k
+  was produced by weight version k-1.
+- async (`train_async`): a producer keeps `staleness` (eta) steps of generation in flight while
+  the trainer trains; a sample whose oldest token is more than eta versions behind the current
+  weights is dropped or re-weighted (rollout.stale_policy); the importance-sampling correction
+  (algorithm.rollout_is) handles the rest. Weight updates pause the engines (in-flight requests
+  finish first or are interrupted and resumed, per rollout.interrupt_on_update).
+
+The components come ready-made in `RunContext` (built and torn down by mlrl/run.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlrl.algorithms.advantages import compute_advantages
+from mlrl.algorithms.sampling import apply_overlong_shaping, filter_groups
+from mlrl.config import Config
+from mlrl.experience.packing import attach_per_sample, pack_step, unpack_per_sample
+from mlrl.metrics import Timer
+from mlrl.types import Sample
+
+
+@dataclass
+class RunContext:
+    cfg: Config
+    policy: Any            # mlrl.trainer.remote.RemotePolicy
+    engines: Any           # mlrl.rollout.pool.EnginePool
+    weight_sync: Any       # mlrl.weight_sync.WeightSync
+    runner: Any            # mlrl.workflow.runner.EpisodeRunner
+    sampler: Any           # mlrl.data.sampler.PromptSampler
+    logger: Any            # mlrl.metrics.MetricsLogger
+    checkpoint: Any        # mlrl.run.Checkpointer (save / export)
+    eval_rows: list | None = None
+    start_step: int = 0    # last completed step (0 = fresh run)
+    version: int = 0       # weight version the engines hold
+    progress: Any = None
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+async def train_sync(ctx: RunContext) -> None:
+    cfg = ctx.cfg
+    for step in range(ctx.start_step + 1, cfg.trainer.total_steps + 1):
+        timer = Timer()
+        with timer("step"):
+            with timer("rollout"):
+                rows = ctx.sampler.next_batch(cfg.trainer.prompts_per_step)
+                batch = await ctx.runner.run_batch(rows, cfg.trainer.samples_per_prompt)
+            samples, sample_metrics = select_trainable(ctx, batch.samples)
+            metrics = await asyncio.to_thread(train_on, ctx, samples, timer)
+            with timer("weight_sync"):
+                ctx.version = step
+                sync_metrics = await ctx.weight_sync.sync(ctx.version)
+            await after_step(ctx, step, timer)
+        finish_step(ctx, step, {**batch.metrics, **sample_metrics, **metrics, **sync_metrics, **timer.pop()})
+
+
+async def train_async(ctx: RunContext) -> None:
+    """Bounded-staleness asynchronous training: generation of up to eta steps ahead overlaps training."""
+    cfg = ctx.cfg
+    eta = cfg.rollout.staleness
+    groups: asyncio.Queue = asyncio.Queue()
+    producer = asyncio.create_task(_produce(ctx, groups, lookahead_prompts=(eta + 1) * cfg.trainer.prompts_per_step))
+    try:
+        for step in range(ctx.start_step + 1, cfg.trainer.total_steps + 1):
+            timer = Timer()
+            with timer("step"):
+                with timer("wait_rollout"):
+                    batch_samples, batch_metrics, stale = await _collect(ctx, groups, eta)
+                samples, sample_metrics = select_trainable(ctx, batch_samples)
+                metrics = await asyncio.to_thread(train_on, ctx, samples, timer)  # engines keep generating meanwhile
+                with timer("weight_sync"):
+                    ctx.version = step
+                    sync_metrics = await ctx.weight_sync.sync(ctx.version)
+                await after_step(ctx, step, timer)
+            finish_step(ctx, step, {**batch_metrics, **sample_metrics, **metrics, **sync_metrics,
+                                    "async/stale_dropped": float(stale), **timer.pop()})
+    finally:
+        producer.cancel()
+        await asyncio.gather(producer, return_exceptions=True)
+
+
+# --------------------------------------------------------------------------- the steps' parts
+
+
+def select_trainable(ctx: RunContext, samples: list[Sample]) -> tuple[list[Sample], dict[str, float]]:
+    """Reward shaping and group filtering before advantages (DAPO options)."""
+    a, s = ctx.cfg.algorithm, ctx.cfg.rollout.sampling
+    trainable = [x for x in samples if x.num_loss_tokens > 0 and x.status.value != "failed"]
+    metrics = {"samples/trainable": float(len(trainable)), "samples/total": float(len(samples))}
+    if a.overlong_buffer:
+        metrics["samples/overlong_penalised"] = float(apply_overlong_shaping(trainable, s.max_new_tokens, a.overlong_buffer, a.overlong_penalty))
+    if a.dynamic_sampling:
+        trainable, dropped = filter_groups(trainable)
+        metrics["samples/groups_dropped_equal_reward"] = float(dropped)
+    if not trainable:
+        raise RuntimeError("no trainable samples in this step (every episode failed or was filtered): see the episode metrics")
+    return trainable, metrics
+
+
+def train_on(ctx: RunContext, samples: list[Sample], timer: Timer) -> dict[str, float]:
+    """Advantages -> pack -> old / reference logprobs -> one train step (blocking trainer calls)."""
+    cfg, a = ctx.cfg, ctx.cfg.algorithm
+    temperature = cfg.rollout.sampling.temperature or 1.0
+    kl_in_reward = a.kl_in_reward and a.kl_coef > 0   # advantages then need the logprobs first
+    if not kl_in_reward:
+        compute_advantages(samples, a)
+    per_dp, pack_metrics = _pack(ctx, samples)
+    with timer("logprobs"):
+        old = _per_sample_logprobs(ctx, per_dp, samples, temperature, reference=False)
+        ref = _per_sample_logprobs(ctx, per_dp, samples, temperature, reference=True) if a.kl_coef > 0 else None
+    if kl_in_reward:
+        compute_advantages(samples, a, ref_logprobs=ref, policy_logprobs=old)
+        per_dp, pack_metrics = _pack(ctx, samples)
+    flat = [mb for rank in per_dp for mb in rank]
+    attach_per_sample(flat, "old_logprobs", old)
+    if ref is not None and not kl_in_reward:
+        attach_per_sample(flat, "ref_logprobs", ref)
+    with timer("train"):
+        train_metrics = ctx.policy.train_step(per_dp)
+    return {**pack_metrics, **{f"train/{k}": v for k, v in train_metrics.items()}}
+
+
+def _pack(ctx: RunContext, samples: list[Sample]):
+    cfg = ctx.cfg
+    return pack_step(samples, dp_size=ctx.policy.dp_size, token_budget=cfg.trainer.micro_batch_tokens,
+                     loss_agg=cfg.algorithm.loss_agg, norm_len=cfg.rollout.sampling.max_new_tokens)
+
+
+def _per_sample_logprobs(ctx: RunContext, per_dp, samples: list[Sample], temperature: float, *, reference: bool):
+    out = ctx.policy.compute_logprobs(per_dp, temperature, reference=reference)
+    flat = [mb for rank in per_dp for mb in rank]
+    return unpack_per_sample(flat, [lp for rank in out for lp, _ in rank], len(samples))
+
+
+async def after_step(ctx: RunContext, step: int, timer: Timer) -> None:
+    cfg = ctx.cfg
+    last = step == cfg.trainer.total_steps
+    if (cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0) or (last and cfg.checkpoint.save_at_end):
+        with timer("checkpoint"):
+            await asyncio.to_thread(ctx.checkpoint.save, ctx, step)
+    if (cfg.checkpoint.hf_export_every and step % cfg.checkpoint.hf_export_every == 0) or (last and cfg.checkpoint.hf_export_at_end):
+        with timer("hf_export"):
+            await asyncio.to_thread(ctx.checkpoint.export_hf, ctx, step)
+    if ctx.eval_rows and cfg.data.eval_every and (step % cfg.data.eval_every == 0 or last):
+        with timer("eval"):
+            ev = await ctx.runner.run_batch(ctx.eval_rows, 1, evaluation=True)
+            ctx.logger.log(step, {f"eval/{k}": v for k, v in ev.metrics.items()})
+
+
+def finish_step(ctx: RunContext, step: int, metrics: dict[str, float]) -> None:
+    metrics["weight_version"] = float(ctx.version)
+    ctx.logger.log(step, metrics)
+    ctx.history.append({"step": step, **metrics})
+    if ctx.progress is not None:
+        ctx.progress.update(1)
+        ctx.progress.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}",
+                                 gap=f"{metrics.get('train/mismatch/logprob_gap', float('nan')):.1e}")
+
+
+# --------------------------------------------------------------------------- async producer
+
+
+async def _produce(ctx: RunContext, out: asyncio.Queue, lookahead_prompts: int) -> None:
+    """Keep at most `lookahead_prompts` prompts in flight or waiting to be trained."""
+    budget = asyncio.Semaphore(lookahead_prompts)
+    ctx._async_budget = budget  # released by _collect when a group is consumed
+    tasks: set[asyncio.Task] = set()
+
+    async def one(row: Any) -> None:
+        group = await ctx.runner.run_group(row, ctx.cfg.trainer.samples_per_prompt)
+        await out.put(group)
+
+    try:
+        while True:
+            await budget.acquire()
+            row = ctx.sampler.next_batch(1)[0]
+            t = asyncio.create_task(one(row))
+            tasks.add(t)
+            t.add_done_callback(tasks.discard)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _collect(ctx: RunContext, groups: asyncio.Queue, eta: int) -> tuple[list[Sample], dict[str, float], int]:
+    """Take `prompts_per_step` groups; drop (or keep for re-weighting) samples older than eta versions."""
+    cfg = ctx.cfg
+    samples: list[Sample] = []
+    metrics_list = []
+    stale = 0
+    taken = 0
+    while taken < cfg.trainer.prompts_per_step:
+        group = await groups.get()
+        ctx._async_budget.release()
+        taken += 1
+        metrics_list.append(group.metrics)
+        for s in group.samples:
+            too_old = s.oldest_version >= 0 and ctx.version - s.oldest_version > eta
+            if too_old and cfg.rollout.stale_policy == "drop":
+                stale += 1
+                continue
+            samples.append(s)
+    merged = {k: sum(m[k] for m in metrics_list if k in m) / len(metrics_list) for k in metrics_list[0]} if metrics_list else {}
+    return samples, merged, stale
