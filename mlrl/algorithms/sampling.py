@@ -1,0 +1,62 @@
+"""DAPO's data-side tricks (Yu et al. 2025): dynamic sampling and overlong reward shaping.
+
+Dynamic sampling: a group whose rewards are all equal has zero group-relative advantage, so it
+adds compute and no gradient (and shrinks the effective batch); `filter_groups` drops such groups
+and reports how many, so the loop can sample more prompts until the batch is full again.
+
+Overlong shaping: a truncated answer is penalised smoothly inside a buffer before the length
+limit instead of abruptly at it. Both functions keep the order of the samples they keep.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from mlrl.types import Sample
+
+
+def filter_groups(samples: Sequence[Sample], atol: float = 0.0) -> tuple[list[Sample], int]:
+    """Drop every group (same Sample.group_id) whose rewards all lie within atol of each other.
+
+    Returns (kept samples in their original order, number of dropped GROUPS). A group of one
+    sample is dropped too: it has no spread, hence no group-relative signal.
+    """
+    by_group: dict[str, list[float]] = {}
+    for s in samples:
+        by_group.setdefault(s.group_id, []).append(float(s.reward))
+    flat = {g for g, rs in by_group.items() if max(rs) - min(rs) <= atol}
+    return [s for s in samples if s.group_id not in flat], len(flat)
+
+
+def overlong_penalty(response_len: int, max_len: int, buffer: int, penalty: float = 1.0) -> float:
+    """DAPO soft overlong punishment, added to the reward:
+
+        0                                            if |y| <= L_max - L_buf
+        max(((L_max - L_buf) - |y|) / L_buf, -penalty)  otherwise
+
+    With penalty = 1 this is the paper's formula (-1 at and beyond L_max). A smaller penalty caps
+    the punishment earlier; verl's overlong_penalty_factor instead scales the slope. buffer = 0
+    turns shaping off (0 for every length).
+    """
+    if buffer < 0 or max_len <= 0 or buffer > max_len:
+        raise ValueError(f"overlong shaping: got max_len={max_len}, buffer={buffer}; expected 0 <= buffer <= max_len, max_len > 0")
+    if penalty < 0:
+        raise ValueError(f"algorithm.overlong_penalty={penalty}: expected >= 0")
+    start = max_len - buffer
+    if buffer == 0 or response_len <= start:
+        return 0.0
+    return max((start - response_len) / buffer, -penalty)
+
+
+def apply_overlong_shaping(samples: Sequence[Sample], max_len: int, buffer: int, penalty: float = 1.0) -> int:
+    """Add overlong_penalty to each sample's reward in place; |y| is the number of policy tokens
+    (Sample.num_loss_tokens, the response length for single-turn samples). The penalty is also
+    recorded in Sample.metadata["overlong_penalty"]. Returns how many samples were penalised."""
+    n = 0
+    for s in samples:
+        p = overlong_penalty(s.num_loss_tokens, max_len, buffer, penalty)
+        s.metadata["overlong_penalty"] = p
+        if p < 0:
+            s.reward = float(s.reward) + p
+            n += 1
+    return n

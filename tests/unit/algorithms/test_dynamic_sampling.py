@@ -1,0 +1,41 @@
+"""DAPO dynamic sampling (filter_groups) and overlong reward shaping, by hand."""
+
+import pytest
+
+from mlrl.algorithms.sampling import apply_overlong_shaping, filter_groups, overlong_penalty
+from mlrl.types import Sample
+
+
+def _s(reward, group, n_resp=1):
+    n = 1 + n_resp
+    return Sample(tokens=[0] * n, loss_mask=[0] + [1] * n_resp, rollout_logprobs=[0.0] * n, versions=[-1] + [0] * n_resp, reward=reward, group_id=group)
+
+
+def test_filter_groups_drops_flat_groups_and_keeps_order():
+    samples = [_s(1, "a"), _s(0, "b"), _s(1, "a"), _s(1, "b"), _s(0, "c"), _s(0, "c"), _s(1, "d")]
+    kept, dropped = filter_groups(samples)
+    # a = [1, 1] flat, c = [0, 0] flat, d = [1] alone: 3 groups dropped; b = [0, 1] kept
+    assert dropped == 3
+    assert kept == [samples[1], samples[3]]
+    kept, dropped = filter_groups([_s(1.0, "x"), _s(1.05, "x")], atol=0.1)
+    assert (kept, dropped) == ([], 1)
+
+
+def test_overlong_penalty_hand_computed():
+    # L_max = 10, buffer 4: start at 6
+    # |y| = 6 -> 0 ; 7 -> (6 - 7)/4 = -.25 ; 10 -> -1 ; 12 -> -1.5 clipped to -1
+    assert [overlong_penalty(n, 10, 4) for n in (3, 6, 7, 10, 12)] == pytest.approx([0, 0, -0.25, -1.0, -1.0])
+    # penalty .5 caps earlier: 9 -> -.75 -> -.5 ; 7 -> -.25
+    assert overlong_penalty(9, 10, 4, penalty=0.5) == pytest.approx(-0.5)
+    assert overlong_penalty(7, 10, 4, penalty=0.5) == pytest.approx(-0.25)
+    assert overlong_penalty(10, 10, 0) == 0.0  # buffer 0 = off
+    with pytest.raises(ValueError, match="buffer=11"):
+        overlong_penalty(5, 10, 11)
+
+
+def test_apply_overlong_shaping_uses_policy_token_count():
+    samples = [_s(1.0, "a", n_resp=5), _s(1.0, "a", n_resp=8), _s(0.0, "a", n_resp=9)]
+    # L_max 10, buffer 4: 5 -> 0 ; 8 -> -.5 ; 9 -> -.75
+    assert apply_overlong_shaping(samples, 10, 4) == 2
+    assert [s.reward for s in samples] == pytest.approx([1.0, 0.5, -0.75])
+    assert samples[1].metadata["overlong_penalty"] == pytest.approx(-0.5)
