@@ -1,0 +1,235 @@
+"""Packing one RL step's samples into micro-batches for the DP ranks of the trainer.
+
+Order of operations, and the invariant each keeps:
+1. loss weights are computed over ALL samples of the step (mlrl.algorithms.losses.loss_agg_weights)
+   before any split, so sum over every micro-batch of every rank of sum_t loss_weight * l_t is the
+   step loss whatever the split (the MicroBatch contract in batch.py);
+2. samples go to DP ranks by longest-processing-time (longest first, to the rank with the fewest
+   tokens so far; ties to the lowest rank), which balances tokens;
+3. each rank's samples are packed into micro-batches of at most `token_budget` tokens by
+   first-fit decreasing; a sample is never split;
+4. every rank gets the same number of micro-batches (Megatron's schedules run the same number of
+   forward/backward passes on every DP rank): short ranks receive padding-only micro-batches,
+   whose loss weights are all 0;
+5. each micro-batch is right-padded to a multiple of `pad_multiple` (pad_multiple = token_budget
+   makes every micro-batch exactly token_budget long, e.g. for pipeline parallelism with fixed
+   shapes).
+
+Inside a micro-batch samples appear in increasing sample index. `sample_ids` index into the
+`samples` list given to pack_step; per-sample tensors (old / reference logprobs) come back with
+`attach_per_sample`, per-token trainer outputs go back to samples with `unpack_per_sample`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from typing import Iterable, Literal, Optional, Sequence
+
+import torch
+
+from mlrl.algorithms.advantages import TOKEN_ADVANTAGES_KEY
+from mlrl.algorithms.losses import loss_agg_weights
+from mlrl.experience.batch import MicroBatch
+from mlrl.types import Sample
+
+
+def _balance_ranks(lengths: Sequence[int], dp_size: int) -> list[list[int]]:
+    """LPT: longest sample first, to the rank with the fewest tokens (ties: lowest rank)."""
+    heap = [(0, r) for r in range(dp_size)]
+    ranks: list[list[int]] = [[] for _ in range(dp_size)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        tokens, r = heapq.heappop(heap)
+        ranks[r].append(i)
+        heapq.heappush(heap, (tokens + lengths[i], r))
+    return ranks
+
+
+def _first_fit_decreasing(indices: Sequence[int], lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Bins of sample indices, each with total length <= budget, in order of opening."""
+    bins: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(indices, key=lambda i: (-lengths[i], i)):
+        for b, room in enumerate(free):
+            if lengths[i] <= room:
+                bins[b].append(i)
+                free[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            free.append(budget - lengths[i])
+    return [sorted(b) for b in bins]
+
+
+def _token_advantages(s: Sample, index: int) -> list[float]:
+    tok = s.metadata.get(TOKEN_ADVANTAGES_KEY)
+    if tok is None:
+        return [float(s.advantage)] * len(s.tokens)
+    if len(tok) != len(s.tokens):
+        raise ValueError(f"samples[{index}].metadata[{TOKEN_ADVANTAGES_KEY!r}] has {len(tok)} values, expected len(tokens)={len(s.tokens)}")
+    return [float(a) for a in tok]
+
+
+def _build(samples: Sequence[Sample], ids: Sequence[int], weights: Sequence[float], pad_multiple: int, pad_token_id: int) -> MicroBatch:
+    tokens: list[int] = []
+    pos: list[int] = []
+    sid: list[int] = []
+    mask: list[float] = []
+    weight: list[float] = []
+    adv: list[float] = []
+    rollout: list[float] = []
+    cu = [0]
+    for i in ids:
+        s = samples[i]
+        n = len(s.tokens)
+        m = [1.0 if x else 0.0 for x in s.loss_mask]
+        tokens += s.tokens
+        pos += range(n)
+        sid += [i] * n
+        mask += m
+        weight += [weights[i] * x for x in m]
+        adv += [a * x for a, x in zip(_token_advantages(s, i), m)]
+        rollout += [float(x) for x in s.rollout_logprobs]
+        cu.append(cu[-1] + n)
+    length = max(pad_multiple, math.ceil(cu[-1] / pad_multiple) * pad_multiple)
+    pad = length - cu[-1]
+    f32 = torch.float32
+    return MicroBatch(
+        tokens=torch.tensor(tokens + [pad_token_id] * pad, dtype=torch.int64),
+        position_ids=torch.tensor(pos + [0] * pad, dtype=torch.int64),
+        cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+        sample_ids=torch.tensor(sid + [-1] * pad, dtype=torch.int64),
+        loss_mask=torch.tensor(mask + [0.0] * pad, dtype=f32),
+        loss_weight=torch.tensor(weight + [0.0] * pad, dtype=f32),
+        advantages=torch.tensor(adv + [0.0] * pad, dtype=f32),
+        rollout_logprobs=torch.tensor(rollout + [0.0] * pad, dtype=f32),
+    )
+
+
+def pack_step(
+    samples: Sequence[Sample],
+    *,
+    dp_size: int,
+    token_budget: int,
+    loss_agg: str,
+    pad_multiple: int = 1,
+    norm_len: Optional[int] = None,
+    pad_token_id: int = 0,
+) -> tuple[list[list[MicroBatch]], dict[str, float]]:
+    """Pack one step: returns (micro_batches[rank][k], metrics); every rank has the same count.
+
+    loss_agg / norm_len: the aggregation (algorithm.loss_agg) and Dr.GRPO's constant length for
+    seq-mean-token-sum-norm (see loss_agg_weights). token_budget (trainer.micro_batch_tokens) is
+    the maximum micro-batch length including padding, so it must be a multiple of pad_multiple.
+    Metrics: pack/padding_frac (padding tokens / all tokens, padding-only micro-batches
+    included), pack/micro_batches_per_rank, pack/tokens_per_rank_{min,max,mean} (real tokens),
+    pack/rank_imbalance (max / mean), pack/num_samples, pack/num_tokens, pack/num_loss_tokens.
+    """
+    if dp_size < 1:
+        raise ValueError(f"pack_step: dp_size={dp_size}, expected >= 1")
+    if pad_multiple < 1:
+        raise ValueError(f"pack_step: pad_multiple={pad_multiple}, expected >= 1")
+    if token_budget < 1 or token_budget % pad_multiple:
+        raise ValueError(f"pack_step: token_budget={token_budget} (trainer.micro_batch_tokens), expected a positive multiple of pad_multiple={pad_multiple}")
+    if not samples:
+        raise ValueError("pack_step: no samples to pack")
+    lengths = [len(s.tokens) for s in samples]
+    for i, n in enumerate(lengths):
+        if n == 0:
+            raise ValueError(f"pack_step: samples[{i}] has no tokens")
+        if n > token_budget:
+            raise ValueError(
+                f"pack_step: samples[{i}] has {n} tokens, more than token_budget={token_budget} "
+                "(trainer.micro_batch_tokens): raise the budget or lower the prompt / response limits"
+            )
+    weights = loss_agg_weights([s.num_loss_tokens for s in samples], loss_agg, norm_len)
+    bins = [_first_fit_decreasing(r, lengths, token_budget) for r in _balance_ranks(lengths, dp_size)]
+    per_rank = max(1, max(len(b) for b in bins))
+    out = [
+        [_build(samples, ids, weights, pad_multiple, pad_token_id) for ids in rank_bins]
+        + [_build(samples, [], weights, pad_multiple, pad_token_id) for _ in range(per_rank - len(rank_bins))]
+        for rank_bins in bins
+    ]
+    real = [sum(lengths[i] for b in rank_bins for i in b) for rank_bins in bins]
+    total = sum(mb.num_tokens for rank in out for mb in rank)
+    mean = sum(real) / dp_size
+    metrics = {
+        "pack/padding_frac": (total - sum(real)) / total,
+        "pack/micro_batches_per_rank": float(per_rank),
+        "pack/tokens_per_rank_min": float(min(real)),
+        "pack/tokens_per_rank_max": float(max(real)),
+        "pack/tokens_per_rank_mean": mean,
+        "pack/rank_imbalance": max(real) / mean,
+        "pack/num_samples": float(len(samples)),
+        "pack/num_tokens": float(sum(real)),
+        "pack/num_loss_tokens": float(sum(s.num_loss_tokens for s in samples)),
+    }
+    return out, metrics
+
+
+# --------------------------------------------------------------------------- per-sample <-> per-token
+
+
+def _segments(mb: MicroBatch) -> Iterable[tuple[int, int, int]]:
+    """(sample index, start, end) of each packed sample."""
+    cu = mb.cu_seqlens.tolist()
+    for k in range(len(cu) - 1):
+        yield int(mb.sample_ids[cu[k]]), cu[k], cu[k + 1]
+
+
+def gather_per_sample(mb: MicroBatch, per_sample: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[S] tensor for one micro-batch from per-sample [T_i] tensors (indexed by sample id), 0 on
+    padding. Differentiable (the inverse of unpack_per_sample for one micro-batch)."""
+    parts = []
+    ref = None
+    for i, a, b in _segments(mb):
+        if i >= len(per_sample):
+            raise ValueError(f"micro-batch holds sample {i} but only {len(per_sample)} per-sample tensors were given")
+        t = per_sample[i].reshape(-1)
+        if t.numel() != b - a:
+            raise ValueError(f"per-sample tensor {i} has {t.numel()} values, expected {b - a} (the sample's length)")
+        parts.append(t)
+        ref = t
+    pad = mb.num_tokens - int(mb.cu_seqlens[-1])
+    dtype = ref.dtype if ref is not None else torch.float32
+    device = ref.device if ref is not None else mb.tokens.device
+    parts.append(torch.zeros(pad, dtype=dtype, device=device))
+    return torch.cat(parts)
+
+
+def attach_per_sample(
+    micro_batches: Iterable[MicroBatch],
+    name: Literal["old_logprobs", "ref_logprobs"],
+    per_sample: Sequence[torch.Tensor],
+) -> None:
+    """Set mb.<name> (detached float32) on each micro-batch from per-sample [T_i] tensors indexed
+    like the step's sample list. For the pack_step output pass
+    `[mb for rank in packed for mb in rank]` (or one rank's list)."""
+    if name not in ("old_logprobs", "ref_logprobs"):
+        raise ValueError(f"attach_per_sample: name={name!r}, expected 'old_logprobs' or 'ref_logprobs'")
+    for mb in micro_batches:
+        setattr(mb, name, gather_per_sample(mb, per_sample).detach().to(torch.float32))
+
+
+def unpack_per_sample(
+    micro_batches: Sequence[MicroBatch], per_token: Sequence[torch.Tensor], num_samples: Optional[int] = None
+) -> list[torch.Tensor]:
+    """Per-micro-batch [S] outputs (e.g. trainer logprobs) -> one [T_i] tensor per sample, indexed
+    by sample id. micro_batches and per_token are aligned flat lists covering every sample of the
+    step exactly once (`[mb for rank in packed for mb in rank]`); num_samples defaults to the
+    largest sample id + 1. Missing or duplicated samples are an error."""
+    if len(micro_batches) != len(per_token):
+        raise ValueError(f"unpack_per_sample: {len(micro_batches)} micro-batches but {len(per_token)} per-token tensors")
+    found: dict[int, torch.Tensor] = {}
+    for k, (mb, t) in enumerate(zip(micro_batches, per_token)):
+        if t.shape[:1] != (mb.num_tokens,):
+            raise ValueError(f"unpack_per_sample: per_token[{k}] has shape {tuple(t.shape)}, expected ({mb.num_tokens}, ...)")
+        for i, a, b in _segments(mb):
+            if i in found:
+                raise ValueError(f"unpack_per_sample: sample {i} appears in more than one micro-batch")
+            found[i] = t[a:b]
+    n = num_samples if num_samples is not None else (max(found) + 1 if found else 0)
+    missing = [i for i in range(n) if i not in found]
+    if missing or len(found) != n:
+        raise ValueError(f"unpack_per_sample: samples {missing[:10]} missing (expected ids 0..{n - 1}, got {len(found)})")
+    return [found[i] for i in range(n)]
