@@ -155,7 +155,7 @@ class AlgorithmConfig:
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = "grpo"
     """Advantage estimator."""
     std_normalize: bool = True
-    """GRPO: divide by the group std (False = Dr.GRPO-style mean-centering only)."""
+    """GRPO: divide by the group std (False = mean-centering only; ignored by dr_grpo, which never divides)."""
     policy_loss: Literal["ppo", "dual_clip", "gspo"] = "ppo"
     """Policy-gradient loss."""
     eps_clip: float = 0.2
@@ -177,7 +177,7 @@ class AlgorithmConfig:
     rollout_is: Literal["none", "tis", "mis_token", "mis_seq"] = "none"
     """Train/rollout mismatch correction (none = off; required when staleness > 0)."""
     rollout_is_cap: float = 2.0
-    """Cap (TIS) or mask threshold (MIS) of the importance ratio."""
+    """Cap of the importance ratio: TIS truncates at cap; MIS masks ratios outside [1/cap, cap]."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards are all equal and refill."""
     overlong_buffer: int = 0
