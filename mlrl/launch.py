@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
 
         plan = make_plan(cfg, layout)
         print(format_plan(plan))
+        for why in plan.reasons:
+            print(f"dry-run: does not fit: {why}", file=sys.stderr)
         return 0 if plan.fits else 3
     from mlrl.run import run
 

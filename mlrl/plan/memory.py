@@ -1,0 +1,249 @@
+"""Per-GPU memory estimates for trainer ranks and vLLM engines (bytes; the planner prints GiB).
+
+These are planning estimates, not measurements: they decide whether a layout can fit before any
+GPU is touched. Every term, its source, and where we depart from the source:
+
+Parameters, gradients, optimizer state (Megatron-Core "Distributed Optimizer" guide,
+docs.nvidia.com/megatron-core/developer-guide/latest/api-guide/dist_optimizer.html): bytes per
+parameter, d = data-parallel size of that parameter's optimizer shard,
+    precision  params  grads(main, fp32 for bf16)  Adam state (fp32 master + m + v)
+    fp32         4        4                         8   (no separate master copy)
+    bf16         2        4                        12
+    fp16         2        2                        16   (the guide's 20 / 4 + 16/d)
+The optimizer column is divided by d with `use_distributed_optimizer` (grads and params are not
+sharded by it). d is dp*cp for dense parameters and the expert-data-parallel size
+world/(pp*ep*etp) for expert parameters (Megatron shards expert state over the expert-DP group).
+SGD keeps one fp32 momentum instead of Adam's two moments (4 bytes less per parameter).
+Parameters per rank: attention and MLP weights divided by TP, embedding / output layer divided by
+TP (vocab-parallel) on the first / last pipeline stage, norms and the MoE router replicated,
+experts divided by EP (experts per rank) and ETP (inside an expert).
+FP8 (trainer.fp8_recipe): Transformer Engine keeps the bf16 parameters and caches an FP8 copy of
+each linear weight: +1 byte per linear parameter (FP8 activations are not credited: conservative).
+A reference model (algorithm.kl_coef > 0) adds one more copy of the parameters.
+
+Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models", arXiv:2205.05198, Sec. 4): per layer and token the paper stores
+sbh(34 + 5as/h) bytes in 16-bit, with TP t and sequence parallelism sbh(34/t + 5as/(ht)),
+selective recomputation (recompute the attention core) sbh*34/t, and full recomputation only the
+layer input 2sbh (16-bit). We keep the paper's term-by-term derivation but adapt the terms to
+GQA, gated MLPs and no dropout (Qwen/Llama have none), with B bytes per activation element:
+    replicated unless sequence parallel: two norm inputs + QKV input + MLP input   4 h B
+    sharded by TP: Q, K, V and the attention output (out-proj input)               (2q + 2kv) B / t
+    gated MLP: gate+up output (2f) and the activation output (f)                    3 f B / t
+    MoE MLP instead: each token visits top-k experts: k (h + 3 f_e / etp) B, the router's
+        fp32 probabilities 4 E (both divided by t with sequence parallelism)
+    attention scores, softmax output (unfused attention only)                       a s B / t
+On GPU the Transformer Engine spec uses flash attention, which stores no s x s scores: the last
+term is 0 there, so `selective` (Megatron's default recompute module is the attention core)
+saves little on GPU; `full` stores only the layer input (h B, / t with SP) plus one layer's
+working set during its recomputation.
+Pipeline: with 1F1B, stage k holds min(pp - k, micro-batches) micro-batches in flight (the
+paper's Sec. 4.2.3: the first stage holds pp of them); the interleaved schedule multiplies by
+(1 + (pp - 1) / (pp * vpp)). The last stage adds the output layer: logits (B) and their fp32
+log-softmax (4) per vocabulary entry, V (B + 4) / t per token (the paper counts 4 sbv/t).
+Context parallelism divides the tokens of a micro-batch by cp.
+
+vLLM engines reserve gpu_memory_utilization * GPU memory and split it into weights (params /
+engine_tp in model.dtype), a profiled activation peak (estimated here from a forward pass of
+max_num_batched_tokens = 8192 tokens plus fp32 logits of 256 sequences), CUDA context/NCCL
+(1 GiB), CUDA graphs (0.5 GiB unless enforce_eager) and the KV cache, which gets the rest:
+2 (K and V) * layers * kv_heads/engine_tp * head_dim * B bytes per token. vLLM refuses to start
+when the KV cache cannot hold one sequence of max_model_len tokens.
+
+Colocated placement time-shares a GPU: during training the engine sleeps (vLLM sleep level 1:
+weights offloaded, KV cache freed, its CUDA context stays), during generation the trainer keeps
+only its parameters resident (gradients and optimizer state offloaded to host, as verl and slime
+do). The GPU must hold the larger of the two phases.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mlrl.plan.model import ModelShape
+
+GIB = float(1024**3)
+
+# (param bytes, main-grad bytes, Adam-state bytes) per parameter, from the Megatron guide above.
+PRECISION_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 4, 12), "fp16": (2, 2, 16)}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+CUDA_RUNTIME_GIB = 1.0        # CUDA context, cuBLAS workspace, NCCL buffers: typically 0.5-1.5 GiB
+CUDA_GRAPHS_GIB = 0.5         # vLLM CUDA-graph pool when enforce_eager is off
+VLLM_BATCHED_TOKENS = 8192    # vLLM's default max_num_batched_tokens (chunked prefill)
+VLLM_MAX_SEQS = 256           # sequences whose logits are materialised at once in the profile run
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """Parameters held by one trainer rank of a pipeline stage, in elements."""
+
+    dense: int      # everything except routed experts (sharded over dp*cp by the dist. optimizer)
+    expert: int     # routed-expert weights (sharded over the expert-DP group)
+    linear: int     # weights of linear layers (what FP8 caches)
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert
+
+
+@dataclass(frozen=True)
+class TrainerMemory:
+    """Bytes per trainer GPU of one pipeline stage."""
+
+    params: float
+    grads: float
+    optimizer: float
+    fp8_weights: float
+    reference: float
+    activations: float
+    runtime: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.fp8_weights + self.reference + self.activations + self.runtime
+
+    def parts(self) -> dict[str, float]:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer, "fp8": self.fp8_weights,
+                "reference": self.reference, "activations": self.activations, "runtime": self.runtime}
+
+
+@dataclass(frozen=True)
+class EngineMemory:
+    """Bytes per engine GPU (one TP rank of one engine)."""
+
+    budget: float          # gpu_memory_utilization * GPU memory: what vLLM takes
+    weights: float
+    activations: float
+    runtime: float         # CUDA context + graphs
+    kv_cache: float        # budget - the rest (negative = does not fit)
+    kv_bytes_per_token: float
+    max_model_len: int
+
+    @property
+    def kv_tokens(self) -> int:
+        return max(0, int(self.kv_cache // self.kv_bytes_per_token))
+
+
+def stage_layers(layers: int, pp: int, vpp: int | None, split: list[int] | None) -> list[list[int]]:
+    """Layer indices held by each pipeline rank (with vpp, rank k holds chunks k, k+pp, ...)."""
+    if split is not None:
+        out, start = [], 0
+        for n in split:
+            out.append(list(range(start, start + n)))
+            start += n
+        return out
+    v = vpp if vpp and vpp > 1 else 1
+    chunk = layers // (pp * v)
+    out = [[] for _ in range(pp)]
+    for c in range(pp * v):
+        out[c % pp].extend(range(c * chunk, (c + 1) * chunk))
+    return out
+
+
+def stage_params(shape: ModelShape, layers: list[int], *, first: bool, last: bool, pp: int,
+                 tp: int, ep: int, etp: int) -> StageParams:
+    dense = linear = expert = 0
+    for i in layers:
+        attn = shape.attention_params() // tp
+        dense += attn + shape.norm_params()
+        linear += attn
+        if shape.moe_layer[i]:
+            shared = shape.shared_expert_params() // tp
+            dense += shape.router_params() + shared
+            linear += shared
+            per_rank = (shape.experts // ep) * (shape.expert_params() // etp)
+            expert += per_rank
+            linear += per_rank
+        else:
+            mlp = shape.dense_mlp_params() // tp
+            dense += mlp
+            linear += mlp
+    emb = shape.embedding_params() // tp
+    if first:
+        dense += emb
+    if last:
+        dense += shape.hidden  # final norm
+        if not shape.tied or pp > 1:  # untied output layer, or the tied copy on the last stage
+            dense += emb
+    return StageParams(dense, expert, linear)
+
+
+def layer_activation_bytes(shape: ModelShape, moe: bool, *, act_bytes: int, tp: int, etp: int, sp: bool,
+                           flash: bool, recompute: str, seq_len: int) -> float:
+    """Bytes stored per token for one layer's backward (no recomputation of that layer)."""
+    b, h = act_bytes, shape.hidden
+    tok = tp if sp else 1
+    replicated = 4 * h * b / tok
+    attention = (2 * shape.q_width + 2 * shape.kv_width) * b / tp
+    scores = 0.0 if (flash or recompute != "none") else shape.heads * seq_len * b / tp
+    if moe:
+        mlp = (shape.top_k * (h + 3 * shape.expert_ffn / etp) * b + 4 * shape.experts) / tok
+        mlp += 3 * shape.shared_expert_ffn * b / tp
+    else:
+        mlp = 3 * shape.ffn * b / tp
+    return replicated + attention + scores + mlp
+
+
+def inflight_microbatches(stage: int, pp: int, vpp: int | None, micro_batches: int) -> float:
+    n = min(pp - stage, micro_batches)
+    if vpp and vpp > 1:
+        n *= 1 + (pp - 1) / (pp * vpp)
+    return n
+
+
+def stage_activation_bytes(shape: ModelShape, layers: list[int], *, last: bool, tokens: float, inflight: float,
+                           act_bytes: int, tp: int, etp: int, sp: bool, flash: bool, recompute: str,
+                           seq_len: int) -> float:
+    per_layer = [layer_activation_bytes(shape, shape.moe_layer[i], act_bytes=act_bytes, tp=tp, etp=etp, sp=sp,
+                                        flash=flash, recompute=recompute, seq_len=seq_len) for i in layers]
+    if recompute == "full":
+        kept = len(layers) * shape.hidden * act_bytes / (tp if sp else 1)
+        working = max(per_layer, default=0.0)
+        acts = tokens * (kept * inflight + working)
+    else:
+        acts = tokens * sum(per_layer) * inflight
+    if last:
+        acts += tokens * shape.vocab * (act_bytes + 4) / tp
+    return acts
+
+
+def trainer_memory(p: StageParams, *, precision: str, optimizer: str, distributed_optimizer: bool, dp_cp: int,
+                   edp: int, fp8: bool, reference: bool, activations: float) -> TrainerMemory:
+    pb, gb, ob = PRECISION_BYTES[precision]
+    if optimizer == "sgd":
+        ob -= 4
+    opt = p.dense * ob / (dp_cp if distributed_optimizer else 1) + p.expert * ob / (edp if distributed_optimizer else 1)
+    return TrainerMemory(
+        params=p.total * pb,
+        grads=p.total * gb,
+        optimizer=opt,
+        fp8_weights=p.linear * 1.0 if fp8 else 0.0,
+        reference=p.total * pb if reference else 0.0,
+        activations=activations,
+        runtime=CUDA_RUNTIME_GIB * GIB,
+    )
+
+
+def engine_memory(shape: ModelShape, *, engine_tp: int, dtype_bytes: int, gpu_bytes: float, utilization: float,
+                  max_model_len: int, enforce_eager: bool) -> EngineMemory:
+    t = engine_tp
+    weights = shape.total_params() * dtype_bytes / t
+    if shape.is_moe:
+        ffn_tokens = shape.top_k * shape.expert_ffn + shape.shared_expert_ffn
+    else:
+        ffn_tokens = shape.ffn
+    act = VLLM_BATCHED_TOKENS * dtype_bytes * (2 * shape.hidden + (shape.q_width + 2 * shape.kv_width) / t + 3 * ffn_tokens / t)
+    act += VLLM_MAX_SEQS * shape.vocab * 4 / t
+    runtime = (CUDA_RUNTIME_GIB + (0.0 if enforce_eager else CUDA_GRAPHS_GIB)) * GIB
+    budget = utilization * gpu_bytes
+    kv_heads = max(1, math.ceil(shape.kv_heads / t))  # KV heads are replicated when tp > kv_heads
+    kv_per_token = 2 * shape.layers * kv_heads * shape.head_dim * dtype_bytes
+    return EngineMemory(budget, weights, act, runtime, budget - weights - act - runtime, kv_per_token, max_model_len)
+
+
+def colocated_phases(trainer: TrainerMemory, engine: EngineMemory) -> tuple[float, float]:
+    """(training phase, generation phase) bytes on a GPU shared by a trainer rank and an engine rank."""
+    train = trainer.total + CUDA_RUNTIME_GIB * GIB   # the sleeping engine keeps its CUDA context
+    generate = engine.budget + trainer.params + trainer.runtime
+    return train, generate

@@ -1,0 +1,146 @@
+"""`make_plan(cfg, layout)`: placement, parallel layout and per-GPU memory for any cluster size.
+
+Runs anywhere (no GPU, no cluster, no weights): the model's sizes come from its config.json or a
+preset (`model.arch`). The plan is what `--dry-run` prints and what `mlrl.cluster` turns into Ray
+placement groups, so both agree on which GPU does what. Memory formulas and their sources are in
+`mlrl.plan.memory`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from mlrl.config.schema import Config
+from mlrl.config.validate import Layout
+from mlrl.modelzoo import hf_config_dict
+from mlrl.plan import memory as mem
+from mlrl.plan.model import ModelShape, model_shape
+from mlrl.plan.placement import GpuSlot, expert_dp, place, tp_groups_spanning_nodes, trainer_rank, TrainerRank
+
+
+@dataclass
+class Plan:
+    cfg: Config
+    layout: Layout
+    shape: ModelShape
+    cpu: bool                                    # gpus_per_node == 0: processes share the cores
+    slots: list[GpuSlot]                         # one per GPU, node-major (empty on CPU)
+    stage_layers: list[list[int]]                # layer indices per pipeline rank
+    stage_params: list[mem.StageParams]          # per pipeline rank, elements per trainer GPU
+    trainer_memory: list[mem.TrainerMemory]      # per pipeline rank
+    engine_memory: mem.EngineMemory | None
+    gpu_bytes: list[float]                       # peak bytes per slot (same order as slots)
+    micro_batches: int                           # per DP rank and optimizer step
+    seq_len: int                                 # max prompt + response tokens
+    capacity: float                              # cluster.gpu_memory_gb in bytes
+    reasons: list[str] = field(default_factory=list)   # why it does not fit (empty = fits)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return not self.reasons
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.shape.experts // self.layout.ep if self.shape.experts else 0
+
+    @property
+    def expert_dp(self) -> int:
+        return expert_dp(self.layout)
+
+    def trainer_ranks(self) -> list[TrainerRank]:
+        return [trainer_rank(r, self.layout) for r in range(self.layout.trainer_devices)]
+
+
+def make_plan(cfg: Config, layout: Layout) -> Plan:
+    hf = hf_config_dict(cfg.model.hf_dir, cfg.model.arch)
+    shape = model_shape(hf, cfg.model.arch or cfg.model.hf_dir)
+    c, t, r, p = cfg.cluster, cfg.trainer, cfg.rollout, cfg.parallel
+    cpu = c.gpus_per_node == 0
+    seq_len = cfg.data.max_prompt_tokens + r.sampling.max_new_tokens
+    samples = t.prompts_per_step * t.samples_per_prompt // t.mini_batches_per_step
+    micro = max(1, math.ceil(samples * seq_len / layout.dp / t.micro_batch_tokens))
+    layers = mem.stage_layers(shape.layers, layout.pp, layout.vpp, p.pp_layer_split)
+    params = [mem.stage_params(shape, ls, first=k == 0, last=k == layout.pp - 1, pp=layout.pp, tp=layout.tp,
+                               ep=layout.ep, etp=layout.etp) for k, ls in enumerate(layers)]
+    act_bytes = 4 if t.precision == "fp32" else 2
+    tokens = t.micro_batch_tokens / layout.cp
+    tmem = []
+    for k, ls in enumerate(layers):
+        acts = mem.stage_activation_bytes(
+            shape, ls, last=k == layout.pp - 1, tokens=tokens,
+            inflight=mem.inflight_microbatches(k, layout.pp, layout.vpp, micro), act_bytes=act_bytes, tp=layout.tp,
+            etp=layout.etp, sp=p.sequence_parallel, flash=not cpu, recompute=t.recompute,
+            seq_len=min(seq_len, t.micro_batch_tokens))
+        tmem.append(mem.trainer_memory(
+            params[k], precision=t.precision, optimizer=t.optimizer, distributed_optimizer=t.use_distributed_optimizer,
+            dp_cp=layout.dp * layout.cp, edp=expert_dp(layout), fp8=t.fp8_recipe != "none",
+            reference=cfg.algorithm.kl_coef > 0, activations=acts))
+    plan = Plan(cfg, layout, shape, cpu, [], layers, params, tmem, None, [], micro, seq_len, c.gpu_memory_gb * mem.GIB)
+    if seq_len > t.micro_batch_tokens:
+        plan.warnings.append(
+            f"a full-length sample ({seq_len} tokens = data.max_prompt_tokens + rollout.sampling.max_new_tokens) "
+            f"exceeds trainer.micro_batch_tokens={t.micro_batch_tokens}")
+    if cpu:
+        return plan
+    max_len = r.max_model_len or shape.max_positions or seq_len
+    plan.engine_memory = mem.engine_memory(
+        shape, engine_tp=r.engine_tp, dtype_bytes=mem.DTYPE_BYTES[cfg.model.dtype], gpu_bytes=plan.capacity,
+        utilization=r.gpu_memory_utilization, max_model_len=max_len, enforce_eager=r.enforce_eager)
+    plan.slots, problems = place(layout, c.nodes, c.gpus_per_node, r.num_engines, r.engine_tp, c.placement == "colocated")
+    plan.reasons.extend(problems)
+    plan.warnings.extend(tp_groups_spanning_nodes(layout, c.gpus_per_node))
+    _check_memory(plan)
+    return plan
+
+
+def _slot_bytes(plan: Plan, slot: GpuSlot) -> float:
+    e = plan.engine_memory
+    if slot.trainer and slot.engine and e is not None:
+        return max(mem.colocated_phases(plan.trainer_memory[slot.trainer.pp], e))
+    if slot.trainer:
+        return plan.trainer_memory[slot.trainer.pp].total
+    if slot.engine and e is not None:
+        return e.budget
+    return 0.0
+
+
+def _check_memory(plan: Plan) -> None:
+    plan.gpu_bytes = [_slot_bytes(plan, s) for s in plan.slots]
+    gib, cap = mem.GIB, plan.capacity
+    seen: set[tuple] = set()
+    for slot, used in zip(plan.slots, plan.gpu_bytes):
+        if used <= cap:
+            continue
+        if slot.trainer is not None:
+            key = ("trainer", slot.trainer.pp, slot.engine is not None)
+            role = f"trainer rank {slot.trainer.rank} (pp stage {slot.trainer.pp})"
+            parts = plan.trainer_memory[slot.trainer.pp].parts()
+            big = max(parts, key=parts.get)
+            detail = f"largest part: {big} {parts[big] / gib:.1f} GiB"
+            if slot.engine is not None:
+                role += f" + engine {slot.engine.engine} (colocated)"
+        else:
+            key = ("engine",)
+            role = f"engine {slot.engine.engine}" if slot.engine else "idle"
+            detail = "rollout.gpu_memory_utilization"
+        if key in seen:
+            continue
+        seen.add(key)
+        plan.reasons.append(
+            f"node {slot.node} GPU {slot.gpu}, {role}: needs {used / gib:.1f} GiB > cluster.gpu_memory_gb="
+            f"{cap / gib:g} by {(used - cap) / gib:.1f} GiB ({detail})")
+    e = plan.engine_memory
+    if e is not None and any(s.engine for s in plan.slots):
+        fixed = e.weights + e.activations + e.runtime
+        if e.kv_cache <= 0:
+            plan.reasons.append(
+                f"engine: weights {e.weights / gib:.1f} + activations {e.activations / gib:.1f} + runtime "
+                f"{e.runtime / gib:.1f} = {fixed / gib:.1f} GiB leave no KV cache within rollout.gpu_memory_utilization="
+                f"{plan.cfg.rollout.gpu_memory_utilization} x {cap / gib:g} GiB = {e.budget / gib:.1f} GiB "
+                f"(raise rollout.engine_tp)")
+        elif e.kv_tokens < e.max_model_len:
+            plan.reasons.append(
+                f"engine: KV cache of {e.kv_cache / gib:.1f} GiB holds {e.kv_tokens} tokens < one sequence of "
+                f"max_model_len={e.max_model_len} (set rollout.max_model_len or raise rollout.engine_tp)")

@@ -1,0 +1,151 @@
+"""`format_plan(plan)`: the text `--dry-run` prints (layout, placement, memory, verdict).
+
+One line per GPU so that `grep "node 3 "` answers "what runs on node 3"; the last line is the
+verdict (`fits` or `DOES NOT FIT`), so scripts can read the tail.
+"""
+
+from __future__ import annotations
+
+from mlrl.plan.memory import GIB, colocated_phases
+from mlrl.plan.planner import Plan
+
+
+def _g(x: float) -> str:
+    return f"{x / GIB:.2f}"
+
+
+def _count(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f}"
+
+
+def _ranges(idx: list[int]) -> str:
+    if not idx:
+        return "-"
+    out, start, prev = [], idx[0], idx[0]
+    for i in idx[1:] + [None]:
+        if i is not None and i == prev + 1:
+            prev = i
+            continue
+        out.append(f"{start}-{prev}" if prev > start else f"{start}")
+        if i is not None:
+            start = prev = i
+    return ",".join(out)
+
+
+def _header(plan: Plan) -> list[str]:
+    cfg, L, s = plan.cfg, plan.layout, plan.shape
+    t, r, c = cfg.trainer, cfg.rollout, cfg.cluster
+    kind = (f"MoE, {s.experts} experts top-{s.top_k}, {_count(s.total_params(active=True))} active"
+            if s.is_moe else "dense")
+    lines = [
+        f"model    {s.name} ({s.model_type}): {_count(s.total_params())} parameters ({kind}); {s.layers} layers, "
+        f"hidden {s.hidden}, {s.heads} heads / {s.kv_heads} KV heads, vocab {s.vocab}",
+    ]
+    if plan.cpu:
+        lines.append("cluster  this machine, CPU only (cluster.gpus_per_node=0): trainer processes and engines share the cores")
+    else:
+        lines.append(f"cluster  {c.nodes} node(s) x {c.gpus_per_node} GPUs = {L.total_devices} GPUs of "
+                     f"{c.gpu_memory_gb:g} GiB, placement {c.placement}")
+    lines.append(
+        f"trainer  {L.trainer_devices} {'process(es)' if plan.cpu else 'GPUs'}: tp={L.tp} pp={L.pp} vpp={L.vpp or '-'} "
+        f"cp={L.cp} dp={L.dp} | ep={L.ep} etp={L.etp} edp={plan.expert_dp}; sequence_parallel="
+        f"{'on' if cfg.parallel.sequence_parallel else 'off'}, precision {t.precision}, fp8 {t.fp8_recipe}, "
+        f"recompute {t.recompute}, distributed optimizer {'on' if t.use_distributed_optimizer else 'off'}")
+    for k, ls in enumerate(plan.stage_layers):
+        extra = (" + embedding" if k == 0 else "") + (" + output layer" if k == L.pp - 1 else "")
+        lines.append(f"         pp stage {k}: {len(ls)} layers ({_ranges(ls)}){extra}; "
+                     f"{_count(plan.stage_params[k].total)} parameters per {'process' if plan.cpu else 'GPU'}")
+    if s.experts:
+        lines.append(f"         experts: {s.experts} per MoE layer, {plan.experts_per_rank} per EP rank")
+    samples = t.prompts_per_step * t.samples_per_prompt // t.mini_batches_per_step
+    lines.append(f"batch    {t.prompts_per_step} prompts x {t.samples_per_prompt} samples / {t.mini_batches_per_step} "
+                 f"mini-batch(es) = {samples} samples per optimizer step, <= {plan.seq_len} tokens each; "
+                 f"micro-batch {t.micro_batch_tokens} tokens -> {plan.micro_batches} micro-batches per DP rank")
+    if plan.cpu:
+        lines.append(f"engines  {r.num_engines} vLLM CPU server(s), engine_tp={r.engine_tp}, KV cache {r.cpu_kv_cache_gb:g} GiB each")
+    else:
+        e = plan.engine_memory
+        lines.append(f"engines  {r.num_engines} x engine_tp {r.engine_tp} = {r.num_engines * r.engine_tp} GPUs "
+                     f"(vLLM, {cfg.model.dtype}, gpu_memory_utilization {r.gpu_memory_utilization}, "
+                     f"max_model_len {e.max_model_len if e else '-'})")
+    return lines
+
+
+def _cpu_processes(plan: Plan) -> list[str]:
+    lines = ["", "processes (this machine):"]
+    for tr in plan.trainer_ranks():
+        lines.append(f"  {tr.describe(plan.shape.is_moe)}   (torchrun, gloo)")
+    for e in range(plan.cfg.rollout.num_engines):
+        lines.append(f"  engine {e:>3}: vLLM CPU server at {plan.cfg.rollout.host} (OpenAI API)")
+    lines.append("")
+    lines.append("host memory per trainer process (GiB, rough; no GPU memory to fit on a CPU run):")
+    for k, m in enumerate(plan.trainer_memory):
+        parts = {name: v for name, v in m.parts().items() if name != "runtime"}
+        lines.append(f"  pp stage {k}: " + " + ".join(f"{n} {_g(v)}" for n, v in parts.items())
+                     + f" = {_g(sum(parts.values()))}")
+    lines.append("result: CPU run, nothing to fit")
+    return lines
+
+
+def _placement(plan: Plan) -> list[str]:
+    lines = ["", "placement (node -> GPU -> role), estimated peak GiB:"]
+    for slot, used in zip(plan.slots, plan.gpu_bytes):
+        roles = ([slot.trainer.describe(plan.shape.is_moe)] if slot.trainer else []) + \
+            ([slot.engine.describe()] if slot.engine else [])
+        roles = roles or ["idle"]
+        lines.append(f"  node {slot.node:>3} GPU {slot.gpu}  {'  +  '.join(roles):<78} {_g(used):>7}")
+    return lines
+
+
+def _memory(plan: Plan) -> list[str]:
+    lines = ["", f"memory per GPU (GiB; capacity {plan.cfg.cluster.gpu_memory_gb:g}):"]
+    counts: dict[int, int] = {}
+    for s in plan.slots:
+        if s.trainer:
+            counts[s.trainer.pp] = counts.get(s.trainer.pp, 0) + 1
+    for k, m in enumerate(plan.trainer_memory):
+        parts = " + ".join(f"{name} {_g(v)}" for name, v in m.parts().items())
+        lines.append(f"  trainer pp stage {k} ({counts.get(k, 0)} GPUs): {parts} = {_g(m.total)}")
+    e = plan.engine_memory
+    if e is not None:
+        seqs = e.kv_tokens // max(1, plan.seq_len)
+        lines.append(f"  engine (engine_tp {plan.cfg.rollout.engine_tp}): budget {_g(e.budget)} = weights {_g(e.weights)} + "
+                     f"activations {_g(e.activations)} + runtime {_g(e.runtime)} + KV cache {_g(e.kv_cache)} "
+                     f"({e.kv_tokens} tokens at {e.kv_bytes_per_token / 1024:.0f} KiB/token = {seqs} sequences of {plan.seq_len})")
+        if plan.cfg.cluster.placement == "colocated":
+            for k, m in enumerate(plan.trainer_memory):
+                train, gen = colocated_phases(m, e)
+                lines.append(f"  colocated GPU, pp stage {k}: training phase {_g(train)} (engine asleep), "
+                             f"generation phase {_g(gen)} (trainer keeps parameters only)")
+    return lines
+
+
+def _verdict(plan: Plan) -> list[str]:
+    lines = [""]
+    for w in plan.warnings:
+        lines.append(f"warning: {w}")
+    if plan.fits:
+        if plan.gpu_bytes:
+            i = max(range(len(plan.gpu_bytes)), key=plan.gpu_bytes.__getitem__)
+            s = plan.slots[i]
+            lines.append(f"result: fits (peak {_g(plan.gpu_bytes[i])} of {plan.cfg.cluster.gpu_memory_gb:g} GiB "
+                         f"on node {s.node} GPU {s.gpu})")
+    else:
+        lines.append("result: DOES NOT FIT")
+        lines += [f"  - {why}" for why in plan.reasons]
+        lines.append("  (options: larger parallel.tp / pp / ep, trainer.use_distributed_optimizer=true, "
+                     "trainer.recompute=full, smaller trainer.micro_batch_tokens, more nodes)")
+    return lines
+
+
+def format_plan(plan: Plan) -> str:
+    lines = _header(plan)
+    if plan.cpu:
+        lines += _cpu_processes(plan)
+        lines += [f"warning: {w}" for w in plan.warnings]
+    else:
+        lines += _placement(plan) + _memory(plan) + _verdict(plan)
+    return "\n".join(lines)

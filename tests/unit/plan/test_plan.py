@@ -1,0 +1,225 @@
+"""--dry-run planner: parameter counts, rank coordinates, memory terms and the CLI on 1/2/16 nodes.
+
+Hand-checked numbers come from the published HF config.json of Qwen3-8B / Qwen3-30B-A3B (the
+PRESETS in mlrl.modelzoo), written out here term by term rather than recomputed by the planner.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlrl.config import load_config, validate
+from mlrl.modelzoo import PRESETS
+from mlrl.plan import format_plan, make_plan, trainer_rank
+from mlrl.plan import memory as mem
+from mlrl.plan.model import model_shape
+
+ROOT = Path(__file__).resolve().parents[3]
+QWEN8B = ROOT / "launch" / "qwen3_8b_grpo.yaml"
+QWEN30B = ROOT / "launch" / "qwen3_30b_a3b_fp8.yaml"
+GIB = 1024**3
+
+# Qwen3-8B by hand: V=151936, h=4096, L=36, 32 heads x 128, 8 KV heads x 128, f=12288, untied.
+EMB_8B = 151936 * 4096
+ATTN_8B = 4096 * 4096 + 2 * 4096 * 1024 + 4096 * 4096      # q, k, v, o
+MLP_8B = 3 * 4096 * 12288
+NORMS_8B = 2 * 4096 + 2 * 128                                # 2 RMSNorms + Qwen3 q/k norms
+
+
+def plan_for(recipe, *overrides):
+    cfg = load_config(recipe, list(overrides))
+    return make_plan(cfg, validate(cfg, dry_run=True))
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "mlrl.launch", *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+def test_qwen3_param_totals_match_published_sizes():
+    s8 = model_shape(PRESETS["Qwen/Qwen3-8B"], "8b")
+    assert s8.total_params() == 36 * (ATTN_8B + MLP_8B + NORMS_8B) + 2 * EMB_8B + 4096 == 8_190_735_360
+    s30 = model_shape(PRESETS["Qwen/Qwen3-30B-A3B"], "30b")
+    attn = 2048 * 4096 + 2 * 2048 * 512 + 4096 * 2048
+    per_layer = attn + 2 * 2048 + 2 * 128 + 2048 * 128          # + router
+    expert = 3 * 2048 * 768
+    emb = 151936 * 2048
+    assert s30.total_params() == 48 * (per_layer + 128 * expert) + 2 * emb + 2048 == 30_532_122_624
+    assert s30.total_params(active=True) == 48 * (per_layer + 8 * expert) + 2 * emb + 2048  # 3.35 B
+    assert all(s30.moe_layer) and not any(s8.moe_layer)
+
+
+def test_qwen3_8b_params_per_tp_rank_and_bytes():
+    plan = plan_for(QWEN8B, "cluster.nodes=1", "rollout.num_engines=2", "parallel.tp=4")
+    per_rank = 36 * (ATTN_8B + MLP_8B) // 4 + 36 * NORMS_8B + 2 * EMB_8B // 4 + 4096
+    assert per_rank == 2_047_915_008
+    assert plan.stage_params[0].total == per_rank
+    m = plan.trainer_memory[0]
+    assert m.params == 2 * per_rank                       # bf16
+    assert m.grads == 4 * per_rank                        # fp32 main grads
+    assert m.optimizer == 12 * per_rank                   # dp=1: distributed optimizer shards nothing
+    assert round(m.params / GIB, 2) == 3.81
+
+
+def test_distributed_optimizer_divides_adam_state_by_dp():
+    on = plan_for(QWEN8B).trainer_memory[0]                               # tp=2, dp=32
+    off = plan_for(QWEN8B, "trainer.use_distributed_optimizer=false").trainer_memory[0]
+    assert off.optimizer == pytest.approx(32 * on.optimizer)
+    assert off.params == on.params and off.grads == on.grads
+
+
+def test_moe_expert_sharding_and_expert_dp():
+    plan = plan_for(QWEN30B)                               # tp=2 pp=2 ep=8 etp=1 -> dp=16, edp=4
+    assert plan.experts_per_rank == 16 and plan.expert_dp == 4
+    p0 = plan.stage_params[0]
+    assert p0.expert == 24 * 16 * 3 * 2048 * 768           # 24 layers x 16 local experts
+    m = plan.trainer_memory[0]
+    assert m.optimizer == pytest.approx(p0.dense * 12 / 16 + p0.expert * 12 / 4)
+    assert m.fp8_weights == p0.linear > 0
+
+
+def test_rank_coordinates_match_megatron_rank_generator():
+    from megatron.core.parallel_state import RankGenerator
+
+    from mlrl.config.validate import Layout
+
+    layout = Layout(tp=2, pp=2, cp=2, ep=2, etp=1, dp=2, vpp=None, trainer_devices=16, rollout_devices=0, total_devices=16)
+    coords = {r: trainer_rank(r, layout) for r in range(16)}
+    dense = RankGenerator(tp=2, ep=1, dp=2, pp=2, cp=2, order="tp-cp-ep-dp-pp")
+    expert = RankGenerator(tp=1, ep=2, dp=4, pp=2, cp=1, order="tp-cp-ep-dp-pp")
+    for gen, fields in ((dense, ("tp", "cp", "dp", "pp")), (expert, ("etp", "ep", "edp", "pp"))):
+        for name, token in zip(fields, ("tp", "cp" if gen is dense else "ep", "dp", "pp")):
+            for group in gen.get_ranks(token):
+                # inside a group the coordinate runs 0..n-1 and every other coordinate is constant
+                assert [getattr(coords[r], name) for r in group] == list(range(len(group)))
+                others = [f for f in fields if f != name]
+                assert len({tuple(getattr(coords[r], f) for f in others) for r in group}) == 1
+
+
+def test_activation_terms():
+    s = model_shape(PRESETS["Qwen/Qwen3-8B"], "8b")
+    kw = dict(act_bytes=2, tp=2, etp=2, flash=True, seq_len=4096)
+    # tp=2 + sequence parallel, bf16: 4h*2/2 + (2q+2kv)*2/2 + 3f*2/2 bytes per token
+    sp = mem.layer_activation_bytes(s, False, sp=True, recompute="selective", **kw)
+    assert sp == 4 * 4096 + (2 * 4096 + 2 * 1024) + 3 * 12288 == 63488
+    no_sp = mem.layer_activation_bytes(s, False, sp=False, recompute="selective", **kw)
+    assert no_sp - sp == 4 * 4096 * 2 / 2                    # replicated term no longer divided by tp
+    unfused = dict(kw, flash=False)
+    none = mem.layer_activation_bytes(s, False, sp=True, recompute="none", **unfused)
+    sel = mem.layer_activation_bytes(s, False, sp=True, recompute="selective", **unfused)
+    assert none - sel == 32 * 4096 * 2 / 2                  # softmax output a*s*B/t, dropped by selective
+    layers = list(range(36))
+    common = dict(last=False, tokens=1000, inflight=1, act_bytes=2, tp=2, etp=2, sp=True, flash=True, seq_len=4096)
+    full = mem.stage_activation_bytes(s, layers, recompute="full", **common)
+    assert full == 1000 * (36 * 4096 * 2 / 2 + sp)          # layer inputs + one layer's working set
+    assert mem.inflight_microbatches(0, 4, None, 100) == 4 and mem.inflight_microbatches(3, 4, None, 100) == 1
+    assert mem.inflight_microbatches(0, 4, None, 2) == 2
+    assert mem.inflight_microbatches(0, 4, 2, 100) == pytest.approx(4 * (1 + 3 / 8))
+
+
+def test_engine_kv_cache_per_token():
+    plan = plan_for(QWEN8B)
+    e = plan.engine_memory
+    assert e.kv_bytes_per_token == 2 * 36 * (8 // 2) * 128 * 2       # K and V, 4 KV heads per TP rank, bf16
+    assert e.weights == 8_190_735_360 * 2 / 2
+    assert e.budget == 0.85 * 80 * GIB
+    assert e.kv_cache == pytest.approx(e.budget - e.weights - e.activations - e.runtime)
+
+
+# --- the CLI --------------------------------------------------------------------------------
+
+def test_cli_qwen3_8b_16_nodes():
+    out = run_cli("--config", str(QWEN8B), "--dry-run", "--nodes", "16")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "16 node(s) x 8 GPUs = 128 GPUs" in text and "tp=2 pp=1 vpp=- cp=1 dp=32" in text
+    gpu_lines = [ln for ln in text.splitlines() if ln.startswith("  node ")]
+    assert len(gpu_lines) == 128
+    assert sum("trainer rank" in ln for ln in gpu_lines) == 64 and sum("engine" in ln for ln in gpu_lines) == 64
+    assert "node   0 GPU 3  trainer rank    3  tp1 cp0 dp1 pp0" in text
+    assert "node   7 GPU 7  trainer rank   63  tp1 cp0 dp31 pp0" in text
+    assert "node   8 GPU 0  engine   0 tp-rank 0" in text and "node  15 GPU 7  engine  31 tp-rank 1" in text
+    assert "trainer pp stage 0 (64 GPUs): params 7.63 + grads 15.26" in text     # 4.096 B params x 2 / 4 bytes
+    assert text.rstrip().splitlines()[-1].startswith("result: fits")
+
+
+def test_cli_qwen3_30b_a3b_16_nodes():
+    out = run_cli("--config", str(QWEN30B), "--dry-run", "--nodes", "16")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "tp=2 pp=2 vpp=- cp=1 dp=16 | ep=8 etp=1 edp=4" in text and "fp8 blockwise" in text
+    assert "experts: 128 per MoE layer, 16 per EP rank" in text
+    assert "pp stage 0: 24 layers (0-23) + embedding" in text and "pp stage 1: 24 layers (24-47) + output layer" in text
+    # rank 9: tp=9%2=1, dp=(9//2)%16=4, pp=0; ep=9%8=1, edp=(9//8)%4=1
+    assert "trainer rank    9  tp1 cp0 dp4 pp0 | ep1 etp0 edp1" in text
+    # rank 32 is the first rank of pp stage 1
+    assert "node   4 GPU 0  trainer rank   32  tp0 cp0 dp0 pp1" in text
+    assert "result: fits" in text
+
+
+@pytest.mark.parametrize("nodes,extra,trainer_gpus,engine_line", [
+    (1, ["rollout.num_engines=2", "parallel.tp=4"], 4, "node   0 GPU 4  engine   0 tp-rank 0"),
+    (2, ["rollout.num_engines=4"], 8, "node   1 GPU 0  engine   0 tp-rank 0"),
+])
+def test_cli_qwen3_8b_scaled_down(nodes, extra, trainer_gpus, engine_line):
+    out = run_cli("--config", str(QWEN8B), "--dry-run", "--nodes", str(nodes), *extra)
+    assert out.returncode == 0, out.stderr
+    assert f"trainer  {trainer_gpus} GPUs" in out.stdout and engine_line in out.stdout
+    assert "result: fits" in out.stdout
+    if nodes == 1:
+        assert "params 3.81 + grads 7.63 + optimizer 22.89" in out.stdout   # tp=4, dp=1: 2.048 B x (2, 4, 12) bytes
+
+
+def test_cli_colocated_two_nodes():
+    out = run_cli("--config", str(QWEN8B), "--dry-run", "--nodes", "2", "cluster.placement=colocated", "rollout.num_engines=8")
+    assert out.returncode == 0, out.stderr
+    assert "node   1 GPU 7  trainer rank   15  tp1 cp0 dp7 pp0  +  engine   7 tp-rank 1" in out.stdout
+    assert "colocated GPU, pp stage 0: training phase" in out.stdout
+
+
+def test_cli_does_not_fit_reports_gpu_role_and_excess():
+    out = run_cli("--config", str(QWEN8B), "--dry-run", "--nodes", "1", "rollout.num_engines=2", "parallel.tp=1",
+                  "parallel.sequence_parallel=false", "trainer.use_distributed_optimizer=false")
+    assert out.returncode == 3
+    assert "result: DOES NOT FIT" in out.stdout
+    line = next(ln for ln in out.stderr.splitlines() if "does not fit" in ln)
+    assert "node 0 GPU 0, trainer rank 0 (pp stage 0): needs" in line and "> cluster.gpu_memory_gb=80 by" in line
+    need = float(line.split("needs ")[1].split(" GiB")[0])
+    assert need > 18 * 8_190_735_360 / GIB                   # at least bf16 params + fp32 grads + Adam: 18 B/param
+
+
+def test_cli_engine_without_room_for_kv_cache():
+    out = run_cli("--config", str(QWEN30B), "--dry-run", "rollout.engine_tp=1", "rollout.num_engines=64", "cluster.gpu_memory_gb=40")
+    assert out.returncode == 3
+    assert "engine: weights 56.9" in out.stderr and "leave no KV cache" in out.stderr
+
+
+def test_cli_layout_error_is_a_config_error():
+    out = run_cli("--config", str(QWEN8B), "--dry-run", "--nodes", "1")     # 32 engines x 2 GPUs > 8 GPUs
+    assert out.returncode == 2
+    assert "leave none for the trainer" in out.stderr
+
+
+def test_engines_never_span_nodes():
+    from mlrl.config.validate import Layout
+    from mlrl.plan.placement import place
+
+    layout = Layout(tp=1, pp=1, cp=1, ep=1, etp=1, dp=1, vpp=None, trainer_devices=1, rollout_devices=15, total_devices=16)
+    slots, problems = place(layout, nodes=2, gpus_per_node=8, num_engines=4, engine_tp=3, colocated=False)
+    assert problems == []
+    # GPUs 1-3 and 4-6 on node 0; GPU 7 cannot start an engine of 3, so engine 2 starts on node 1
+    assert [s.engine.engine if s.engine else None for s in slots] == [None, 0, 0, 0, 1, 1, 1, None, 2, 2, 2, 3, 3, 3, None, None]
+    _, problems = place(layout, nodes=2, gpus_per_node=8, num_engines=5, engine_tp=3, colocated=False)
+    assert problems and "only 4 of rollout.num_engines=5 engines" in problems[0]
+    _, problems = place(layout, nodes=2, gpus_per_node=8, num_engines=3, engine_tp=3, colocated=True)
+    assert problems and "would span nodes 0 and 1" in problems[0]
+
+
+def test_cpu_run_prints_process_layout():
+    cfg = load_config(ROOT / "launch" / "cpu_default.yaml", ["trainer.world_size=4", "parallel.tp=2", "parallel.pp=2"])
+    plan = make_plan(cfg, validate(cfg, dry_run=True))
+    text = format_plan(plan)
+    assert plan.fits and plan.slots == []
+    assert "trainer rank    3  tp1 cp0 dp0 pp1   (torchrun, gloo)" in text
+    assert "engine   0: vLLM CPU server" in text and "result: CPU run" in text
