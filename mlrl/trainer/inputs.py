@@ -1,0 +1,128 @@
+"""A packed `MicroBatch` as the inputs of Megatron's GPTModel, and the label layout.
+
+The row [S] holds samples back to back, then padding. Megatron receives tokens [1, S'] and
+`PackedSeqParams(qkv_format="thd")` whose cu_seqlens cover the samples and, as one extra
+segment, the padding (THD kernels and the per-sample RoPE need the segments to tile the row).
+S' >= S only when the layout needs it: sequence parallelism needs S' divisible by tp, and
+context parallelism needs every segment padded to a multiple of 2*cp (GPU only; the padded
+row and `cu_seqlens_*_padded` are built here, and each CP rank keeps its slice).
+
+Labels: position p predicts tokens[p+1] when p+1 is in the same sample (`label_mask`); the
+trainer's logprob of token t is then the prediction made at t-1, and the first token of each
+sample gets 0 (the MicroBatch convention).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from mlrl.experience.batch import MicroBatch
+
+
+@dataclass
+class ModelInputs:
+    tokens: torch.Tensor          # [1, S'] int64 (this CP rank's part of the row on GPU with cp > 1)
+    position_ids: torch.Tensor    # [1, S'] int64
+    packed_seq_params: Any        # megatron PackedSeqParams
+    labels: torch.Tensor          # [S'] int64: next token of the same sample (0 where none)
+    label_mask: torch.Tensor      # [S'] bool: labels[p] is a real next token
+    length: int                   # S: the MicroBatch's own length (outputs are cut back to it)
+    cp_index: Optional[torch.Tensor] = None  # [S'/cp] positions of the full padded row held by this CP rank
+
+
+def segments(mb: MicroBatch) -> list[int]:
+    """Segment boundaries covering the whole row: the samples, then the padding tail if any."""
+    cu = [int(x) for x in mb.cu_seqlens.tolist()]
+    if not cu or cu[0] != 0:
+        raise ValueError(f"MicroBatch.cu_seqlens must start at 0, got {cu[:3]}")
+    if any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] > mb.num_tokens:
+        raise ValueError(f"MicroBatch.cu_seqlens must be non-decreasing and end <= {mb.num_tokens} tokens, got {cu}")
+    if cu[-1] < mb.num_tokens:
+        cu.append(mb.num_tokens)
+    return cu
+
+
+def check_window(mb: MicroBatch, sliding_window: Optional[int]) -> None:
+    if sliding_window is None:
+        return
+    cu = mb.cu_seqlens.tolist()
+    longest = max((b - a for a, b in zip(cu, cu[1:])), default=0)
+    if longest > sliding_window:
+        raise ValueError(f"sample of {longest} tokens exceeds the model's sliding_window={sliding_window} (not supported)")
+
+
+def build_inputs(mb: MicroBatch, device: torch.device, *, tp: int = 1, sequence_parallel: bool = False,
+                 cp: int = 1, cp_rank: int = 0) -> ModelInputs:
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    S = mb.num_tokens
+    tokens = mb.tokens.to(torch.int64)
+    pos = mb.position_ids.to(torch.int64)
+    bounds = segments(mb)
+    labels = torch.zeros(S, dtype=torch.int64)
+    label_mask = torch.zeros(S, dtype=torch.bool)
+    n_samples = mb.num_samples
+    for a, b in zip(bounds[:n_samples], bounds[1:n_samples + 1]):
+        if b - a > 1:
+            labels[a:b - 1] = tokens[a + 1:b]
+            label_mask[a:b - 1] = True
+
+    if cp > 1:
+        return _cp_inputs(tokens, pos, labels, label_mask, bounds, S, device, cp, cp_rank)
+
+    pad = (-S) % tp if sequence_parallel else 0
+    if pad:
+        if len(bounds) - 1 == n_samples:
+            bounds.append(S + pad)
+        else:
+            bounds[-1] = S + pad
+        tokens = torch.cat([tokens, tokens.new_zeros(pad)])
+        pos = torch.cat([pos, pos.new_zeros(pad)])
+        labels = torch.cat([labels, labels.new_zeros(pad)])
+        label_mask = torch.cat([label_mask, label_mask.new_zeros(pad)])
+    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+    max_len = max(b - a for a, b in zip(bounds, bounds[1:]))
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len, max_seqlen_kv=max_len)
+    return ModelInputs(tokens.unsqueeze(0).to(device), pos.unsqueeze(0).to(device), psp, labels.to(device),
+                       label_mask.to(device), S)
+
+
+def _cp_inputs(tokens, pos, labels, label_mask, bounds, S, device, cp, cp_rank) -> ModelInputs:
+    """GPU only: pad every segment to a multiple of 2*cp and keep this CP rank's THD slice."""
+    import transformer_engine_torch as tex
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    unit = 2 * cp
+    lens = [b - a for a, b in zip(bounds, bounds[1:])]
+    padded = [(n + unit - 1) // unit * unit for n in lens]
+    index = torch.cat([torch.arange(a, a + n) for a, n in zip(bounds, lens)])
+    dest = torch.cat([torch.arange(o, o + n) for o, n in zip(_cumsum(padded), lens)])
+    total = sum(padded)
+
+    def spread(x: torch.Tensor) -> torch.Tensor:
+        out = x.new_zeros(total)
+        out[dest] = x[index]
+        return out
+
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    cu_padded = torch.tensor(_cumsum(padded) + [total], dtype=torch.int32, device=device)
+    keep = tex.thd_get_partitioned_indices(cu_padded, total, cp, cp_rank).long().cpu()
+    max_len = max(padded)
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded,
+                          cu_seqlens_kv_padded=cu_padded, max_seqlen_q=max_len, max_seqlen_kv=max_len)
+    full_pos = torch.full((total,), -1, dtype=torch.int64)
+    full_pos[dest] = index  # original row position of each padded slot (-1 = CP padding)
+    return ModelInputs(spread(tokens)[keep].unsqueeze(0).to(device), spread(pos)[keep].unsqueeze(0).to(device), psp,
+                       spread(labels)[keep].to(device), spread(label_mask)[keep].to(device), S,
+                       cp_index=full_pos[keep].to(device))
+
+
+def _cumsum(xs: list[int]) -> list[int]:
+    out, acc = [], 0
+    for x in xs:
+        out.append(acc)
+        acc += x
+    return out

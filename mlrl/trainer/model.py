@@ -1,0 +1,143 @@
+"""Building the sharded GPTModel: TransformerConfig from the bridge spec + config, layer spec by
+device, one model chunk per virtual pipeline stage.
+
+- CPU: Megatron-Core's local layer spec (no Transformer Engine), its core attention replaced by
+  `PackedDotProductAttention` so packed (THD) micro-batches work; fusions off.
+- GPU: the Transformer Engine layer spec (THD attention, grouped-GEMM experts, FP8 recipes,
+  fused RoPE), recompute as configured.
+
+FP8, context parallelism and the TE spec are GPU code paths (tests in tests/gpu/); on CPU the
+config validation has already rejected them, and `build_transformer_config` re-checks.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mlrl.bridge import ArchSpec, ModelArch, padded_vocab_size
+from mlrl.config.schema import ParallelConfig, TrainerConfig
+from mlrl.config.validate import Layout
+from mlrl.trainer import cpu_compat
+
+_ACTIVATIONS = {"silu": F.silu}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# mlrl's fp8_recipe -> (TransformerConfig.fp8 format, TransformerConfig.fp8_recipe)
+_FP8 = {"tensorwise": ("hybrid", "tensorwise"), "delayed": ("hybrid", "delayed"),
+        "blockwise": ("e4m3", "blockwise"), "mxfp8": ("e4m3", "mxfp8")}
+
+
+def use_te() -> bool:
+    """The Transformer Engine spec is used exactly when CUDA is present."""
+    return not cpu_compat.needed()
+
+
+def params_dtype(trainer: TrainerConfig) -> torch.dtype:
+    return _DTYPES[trainer.precision]
+
+
+def build_transformer_config(spec: ArchSpec, arch: ModelArch, parallel: ParallelConfig, trainer: TrainerConfig,
+                             layout: Layout):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    fields: dict[str, Any] = spec.transformer_config(arch)
+    fields["activation_func"] = _ACTIVATIONS[fields["activation_func"]]
+    dtype = params_dtype(trainer)
+    gpu = use_te()
+    if not gpu and (trainer.fp8_recipe != "none" or layout.cp > 1):
+        raise RuntimeError("trainer.fp8_recipe / parallel.cp > 1 need CUDA and Transformer Engine")
+    fields.update(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp and layout.vpp > 1 else None,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+        sequence_parallel=parallel.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        # the loss arriving from mlrl is already normalised over the whole step: megatron must
+        # neither divide by the number of micro-batches nor average over DP (see policy.py)
+        calculate_per_token_loss=True,
+        variable_seq_lengths=layout.pp > 1,  # pipeline p2p sends shapes first (micro-batches differ in length)
+        use_cpu_initialization=not gpu,
+        perform_initialization=False,      # every parameter is loaded from the HF checkpoint
+        masked_softmax_fusion=False,
+        bias_activation_fusion=gpu,
+        bias_dropout_fusion=gpu,
+        apply_rope_fusion=gpu,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        attention_softmax_in_fp32=True,
+    )
+    if arch.is_moe:
+        fields.update(moe_token_dispatcher_type="alltoall", moe_grouped_gemm=gpu, moe_permute_fusion=False,
+                      moe_router_dtype="fp32")
+    if trainer.recompute == "selective":
+        fields.update(recompute_granularity="selective")
+    elif trainer.recompute == "full":
+        fields.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if trainer.fp8_recipe != "none":
+        fmt, recipe = _FP8[trainer.fp8_recipe]
+        fields.update(fp8=fmt, fp8_recipe=recipe)
+    if gpu and trainer.deterministic:
+        fields.update(deterministic_mode=True)
+    if parallel.pp_layer_split is not None:
+        # explicit uneven split -> Megatron's pipeline layout ("E" embedding, "t" layer, "L" loss)
+        stages = []
+        for r, n in enumerate(parallel.pp_layer_split):
+            stages.append(("E" if r == 0 else "") + "t" * n + ("L" if r == layout.pp - 1 else ""))
+        fields["pipeline_model_parallel_layout"] = "|".join(stages)
+    return TransformerConfig(**fields)
+
+
+def _local_block_spec(config, vp_stage, pp_rank):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from mlrl.trainer.packed_attention import PackedDotProductAttention
+
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
+                                       vp_stage=vp_stage, pp_rank=pp_rank)
+    layer_specs = []
+    for spec in block.layer_specs:
+        spec = copy.deepcopy(spec)
+        spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+        layer_specs.append(spec)
+    block.layer_specs = layer_specs
+    return block
+
+
+def _te_block_spec(config, vp_stage, pp_rank):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    return get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm",
+                                      vp_stage=vp_stage, pp_rank=pp_rank)
+
+
+def build_model_chunks(spec: ArchSpec, arch: ModelArch, config, layout: Layout) -> list[torch.nn.Module]:
+    """One GPTModel per virtual pipeline stage held by this rank (one without VPP), on device."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    kwargs = spec.gpt_model_kwargs(arch)
+    kwargs["vocab_size"] = padded_vocab_size(arch.vocab_size, layout.tp)
+    vpp = config.virtual_pipeline_model_parallel_size
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    chunks = []
+    for vp in range(vpp or 1):
+        vp_stage = vp if vpp else None
+        block = (_te_block_spec if use_te() else _local_block_spec)(config, vp_stage, pp_rank)
+        first = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+        last = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        with cpu_compat.cuda_tensor_methods():  # tied embeddings with PP call weight.data.cuda()
+            model = GPTModel(config=config, transformer_layer_spec=block, pre_process=first, post_process=last,
+                             parallel_output=True, vp_stage=vp_stage, **kwargs)
+        if use_te():
+            model.cuda(torch.cuda.current_device())
+        chunks.append(model)
+    return chunks

@@ -1,0 +1,324 @@
+"""`MegatronPolicy`: the trainer's policy on one rank (build, load, logprobs, train step, export).
+
+Runs inside every torchrun rank, SPMD: every method is a collective over all trainer ranks.
+
+    init_parallel(parallel, layout, seed) -> Ranks
+    MegatronPolicy(model_cfg, parallel, trainer_cfg, layout, *, hf_dir, trainable=True)
+      .compute_logprobs(micro_batches, temperature) -> [(logprobs [S], entropy [S]) per micro-batch]
+      .train_step(micro_batches, loss_fn, *, temperature=1.0) -> metrics dict
+      .iter_hf_buckets(bucket_bytes) -> Iterator[list[(hf_name, tensor)]]
+      .rank_info() -> dict;  .model / .optimizer / .scheduler;  .sharded_state_dict()
+
+Each DP rank passes its own micro-batches (the ranks of one DP rank's model-parallel group pass
+the same list); all DP ranks pass the same number of micro-batches.
+
+Loss normalisation (the contract of mlrl.experience.batch): `loss_fn(mb, logprobs, entropy)`
+returns the micro-batch's share of the step loss, already weighted by `mb.loss_weight`, so the
+step's gradient is the plain SUM over micro-batches and DP ranks. Megatron by default divides
+each micro-batch loss by the number of micro-batches and averages gradients over DP; here
+`calculate_per_token_loss=True` removes the division in schedules.forward_step_calc_loss
+(the loss function returns (loss, num_tokens, metrics)), makes DDP's gradient scaling factor
+1.0 (sum, not average_in_collective), and `finalize_model_grads` is called without num_tokens
+so it does not rescale by 1 / tokens: the result is exactly the sum.
+
+Learning rate: optimizer step k (1-based) uses Megatron's OptimizerParamScheduler at
+num_steps = k (linear warm-up from 0 reaches trainer.lr at k = warmup_steps; no step runs at
+lr 0); decay over trainer.total_steps * trainer.mini_batches_per_step optimizer steps.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from mlrl.bridge import HFCheckpoint, check_layout, spec_for
+from mlrl.config.schema import ModelConfig, ParallelConfig, TrainerConfig
+from mlrl.config.validate import Layout
+from mlrl.experience.batch import MicroBatch
+from mlrl.trainer import cpu_compat
+from mlrl.trainer.inputs import ModelInputs, build_inputs, check_window
+from mlrl.trainer.logprobs import align_to_tokens, vocab_parallel_logprobs
+from mlrl.trainer.model import build_model_chunks, build_transformer_config, params_dtype
+from mlrl.trainer.parallel import Ranks, device, init_parallel, ranks
+from mlrl.trainer.weights import LocalParams, iter_buckets
+
+LossFn = Callable[[MicroBatch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
+
+__all__ = ["MegatronPolicy", "init_parallel", "LossFn"]
+
+
+class MegatronPolicy:
+    def __init__(self, model_cfg: ModelConfig, parallel: ParallelConfig, trainer_cfg: TrainerConfig, layout: Layout, *,
+                 hf_dir: Path | str, trainable: bool = True):
+        from megatron.core import parallel_state
+
+        cpu_compat.apply()
+        if not parallel_state.model_parallel_is_initialized():
+            raise RuntimeError("MegatronPolicy: call mlrl.trainer.init_parallel(parallel, layout, seed) first")
+        self.trainer_cfg, self.parallel, self.layout, self.trainable = trainer_cfg, parallel, layout, trainable
+        self.hf_dir = Path(hf_dir)
+        cfg_path = self.hf_dir / "config.json"
+        if not cfg_path.is_file():
+            raise FileNotFoundError(f"model.hf_dir: {self.hf_dir} has no config.json")
+        self.hf_config = json.loads(cfg_path.read_text())
+        # everything that can be wrong with the input fails here, before any model is built
+        self.spec, self.arch = spec_for(self.hf_config)
+        check_layout(self.arch, tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp, cp=layout.cp,
+                     vpp=layout.vpp if layout.vpp and layout.vpp > 1 else None, pp_split=parallel.pp_layer_split)
+        ckpt = HFCheckpoint(self.hf_dir)
+        ckpt.check(self.spec, self.arch)
+
+        self.ranks: Ranks = ranks()
+        self.device = device()
+        self.config = build_transformer_config(self.spec, self.arch, parallel, trainer_cfg, layout)
+        chunks = build_model_chunks(self.spec, self.arch, self.config, layout)
+        vpp = self.config.virtual_pipeline_model_parallel_size
+        self.params = LocalParams(chunks, self.spec, self.arch, self.ranks, vpp=vpp, pp_split=parallel.pp_layer_split)
+        self.params.load_hf(ckpt)
+        self.optimizer = self.scheduler = None
+        if trainable:
+            self.model = self._wrap_ddp(chunks)
+            self._build_optimizer()
+        else:
+            for c in chunks:
+                c.requires_grad_(False)
+                c.eval()
+            self.model = chunks
+        self.optimizer_steps = 0
+
+    # ---- construction ----------------------------------------------------------------------------
+    def _wrap_ddp(self, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+        ddp_cfg = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, overlap_param_gather=False,
+            use_distributed_optimizer=self.trainer_cfg.use_distributed_optimizer, average_in_collective=False)
+        model = [DistributedDataParallel(config=self.config, ddp_config=ddp_cfg, module=c, disable_bucketing=i > 0)
+                 for i, c in enumerate(chunks)]
+
+        def finalize(model_chunks, num_tokens=None, *args, **kwargs):
+            # num_tokens dropped on purpose: gradients are sums of pre-normalised losses
+            return finalize_model_grads(model_chunks, None, *args, **kwargs)
+
+        self.config.finalize_model_grads_func = finalize
+        self.config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
+        return model
+
+    def _build_optimizer(self) -> None:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        t = self.trainer_cfg
+        dtype = params_dtype(t)
+        opt_cfg = OptimizerConfig(
+            optimizer=t.optimizer, lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
+            adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
+            # grad_clip 0 = off; a huge threshold keeps Megatron computing (and returning) the norm
+            clip_grad=t.grad_clip if t.grad_clip > 0 else 1e30,
+            bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
+            use_distributed_optimizer=t.use_distributed_optimizer)
+        with cpu_compat.cuda_tensor_methods():
+            self.optimizer = get_megatron_optimizer(opt_cfg, self.model)
+        self.config.grad_scale_func = self.optimizer.scale_loss
+        total = max(1, t.total_steps * t.mini_batches_per_step)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=t.warmup_steps,
+            lr_decay_steps=max(total, t.warmup_steps), lr_decay_style=t.lr_schedule, start_wd=t.weight_decay,
+            end_wd=t.weight_decay, wd_incr_steps=total, wd_incr_style="constant")
+
+    # ---- forward ---------------------------------------------------------------------------------
+    def _inputs(self, micro_batches: list[MicroBatch]) -> list[ModelInputs]:
+        out = []
+        for mb in micro_batches:
+            check_window(mb, self.arch.sliding_window)
+            out.append(build_inputs(mb, self.device, tp=self.layout.tp, sequence_parallel=self.parallel.sequence_parallel,
+                                    cp=self.layout.cp, cp_rank=self.ranks.cp))
+        return out
+
+    def _token_values(self, output: torch.Tensor, inp: ModelInputs, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """GPTModel output (vocab-parallel logits [1, S', V/tp]) -> (logprobs [S], entropy [S])."""
+        from megatron.core import parallel_state as ps
+
+        lp, ent = vocab_parallel_logprobs(output[0], inp.labels, temperature=temperature, vocab_size=self.arch.vocab_size,
+                                          tp_rank=self.ranks.tp, tp_size=self.ranks.tp_size,
+                                          tp_group=ps.get_tensor_model_parallel_group())
+        mask = inp.label_mask
+        if inp.cp_index is not None:
+            lp, ent, mask, index = (_cp_gather(x) for x in (lp, ent, mask, inp.cp_index))
+            keep = index >= 0
+            full = [torch.zeros(inp.length, dtype=x.dtype, device=x.device).index_put((index[keep],), x[keep])
+                    for x in (lp, ent, mask)]
+            lp, ent, mask = full
+        return align_to_tokens(lp, mask)[: inp.length], align_to_tokens(ent, mask)[: inp.length]
+
+    def _run(self, micro_batches: list[MicroBatch], inputs: list[ModelInputs], loss_func, *, forward_only: bool):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        items = list(zip(micro_batches, inputs))
+
+        def forward_step(data_iterator, model):
+            mb, inp = next(data_iterator)
+            out = model(inp.tokens, inp.position_ids, attention_mask=None, packed_seq_params=inp.packed_seq_params)
+            return out, partial(loss_func, mb, inp)
+
+        iters = [iter(items) for _ in self.model] if len(self.model) > 1 else iter(items)
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iters, model=self.model if len(self.model) > 1 else self.model[0],
+            num_microbatches=len(items), seq_length=max(i.tokens.shape[1] for i in inputs), micro_batch_size=1,
+            forward_only=forward_only)
+
+    def compute_logprobs(self, micro_batches: list[MicroBatch], temperature: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(logprobs [S], entropy [S]) per micro-batch (token-aligned, first token of each sample
+        and padding 0), on every rank of this DP rank's model-parallel group."""
+        if not micro_batches:
+            return []
+        inputs = self._inputs(micro_batches)
+        zero = torch.zeros((), device=self.device)
+
+        def loss_func(mb, inp, output):
+            lp, ent = self._token_values(output, inp, temperature)
+            return zero, torch.tensor(0, dtype=torch.int, device=self.device), {"lp": lp.detach(), "ent": ent.detach()}
+
+        for m in self.model:
+            m.eval()
+        with torch.no_grad():
+            store = self._run(micro_batches, inputs, loss_func, forward_only=True)
+        return self._broadcast_from_last_stage(store, [mb.num_tokens for mb in micro_batches])
+
+    def _broadcast_from_last_stage(self, store: list[dict], lengths: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        from megatron.core import parallel_state as ps
+
+        r = self.ranks
+        if r.is_last_stage:
+            flat = torch.cat([torch.cat([d["lp"], d["ent"]]) for d in store]).float()
+        else:
+            flat = torch.empty(2 * sum(lengths), dtype=torch.float32, device=self.device)
+        if r.pp_size > 1:
+            dist.broadcast(flat, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+        out, off = [], 0
+        for n in lengths:
+            out.append((flat[off:off + n].cpu(), flat[off + n:off + 2 * n].cpu()))
+            off += 2 * n
+        return out
+
+    # ---- train -----------------------------------------------------------------------------------
+    def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn, *, temperature: float = 1.0) -> dict[str, float]:
+        """One optimizer step over this DP rank's micro-batches. Returns (identical on every rank)
+        loss and loss_fn metrics summed over micro-batches and DP ranks, grad_norm (before
+        clipping), lr, tokens / loss_tokens (whole step), time_s, skipped (fp16 overflow)."""
+        from megatron.core import parallel_state as ps
+
+        if self.optimizer is None:
+            raise RuntimeError("train_step on a frozen policy (trainable=False)")
+        t0 = time.perf_counter()
+        inputs = self._inputs(micro_batches)
+        for m in self.model:
+            m.train()
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self.scheduler.step(1)
+
+        def loss_func(mb, inp, output):
+            lp, ent = self._token_values(output, inp, temperature)
+            loss, metrics = loss_fn(mb.to(self.device), lp, ent)
+            reported = {"loss": loss.detach().float()}
+            reported.update({k: torch.as_tensor(v, dtype=torch.float32, device=self.device).detach() for k, v in metrics.items()})
+            return loss, torch.tensor(int(mb.loss_mask.sum()), dtype=torch.int, device=self.device), reported
+
+        store = self._run(micro_batches, inputs, loss_func, forward_only=False)
+        with cpu_compat.cuda_tensor_methods():
+            ok, grad_norm, _ = self.optimizer.step()
+        self.optimizer_steps += 1
+
+        keys = sorted(store[0]) if store else []
+        sums = torch.zeros(len(keys) + 2, dtype=torch.float64, device=self.device)
+        for d in store:
+            sums[: len(keys)] += torch.stack([d[k].double() for k in keys])
+        sums[-2] = float(sum(int(mb.cu_seqlens[-1]) for mb in micro_batches))
+        sums[-1] = float(sum(float(mb.loss_mask.sum()) for mb in micro_batches))
+        if self.ranks.dp_size > 1:
+            dist.all_reduce(sums, group=ps.get_data_parallel_group())
+        keys = self._broadcast_keys(keys)
+        if self.ranks.pp_size > 1:
+            if not self.ranks.is_last_stage:
+                sums = torch.zeros(len(keys) + 2, dtype=torch.float64, device=self.device)
+            dist.broadcast(sums, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+        metrics = {k: float(v) for k, v in zip(keys, sums[: len(keys)].tolist())}
+        metrics.update(
+            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            lr=float(self.optimizer.param_groups[0]["lr"]),
+            tokens=float(sums[-2]), loss_tokens=float(sums[-1]),
+            num_micro_batches=float(len(micro_batches)), skipped=float(not ok),
+            time_s=time.perf_counter() - t0)
+        return metrics
+
+    def _broadcast_keys(self, keys: list[str]) -> list[str]:
+        if self.ranks.pp_size == 1:
+            return keys
+        from megatron.core import parallel_state as ps
+
+        obj = [keys]
+        dist.broadcast_object_list(obj, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+        return obj[0]
+
+    # ---- export / checkpoint hooks -----------------------------------------------------------------
+    def iter_hf_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Full HF-named tensors in buckets of ~bucket_bytes. A collective: every trainer rank
+        calls it and exhausts the iterator; only the sender of each pipeline stage (tp 0, dp 0,
+        cp 0: `rank_info()['is_stage_sender']`) yields, and it yields exactly its stage's
+        tensors (embedding on the first stage, final norm / lm_head on the last, the stage's
+        layers with all experts). Tensors may alias parameters until the next optimizer step."""
+        yield from iter_buckets(self.params.iter_hf(), bucket_bytes)
+
+    def rank_info(self) -> dict[str, Any]:
+        info = self.ranks.as_dict()
+        info.update(dp_rank=self.ranks.dp, is_stage_sender=self.ranks.is_stage_sender)
+        return info
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """Megatron's sharded state dicts for dist_checkpointing: {"model" or "model<i>": ...,
+        "optimizer": ..., "scheduler": ...} (optimizer / scheduler only when trainable)."""
+        if len(self.model) == 1:
+            sd: dict[str, Any] = {"model": self.model[0].sharded_state_dict()}
+        else:
+            sd = {f"model{i}": m.sharded_state_dict() for i, m in enumerate(self.model)}
+        if self.optimizer is not None:
+            sd["optimizer"] = self.optimizer.sharded_state_dict(sd)
+            sd["scheduler"] = self.scheduler.state_dict()
+        return sd
+
+
+def _cp_gather_nograd(x: torch.Tensor) -> torch.Tensor:
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_context_parallel_group()
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts)
+
+
+class _CPGatherFn(torch.autograd.Function):
+    """All-gather along dim 0 over the context-parallel group; backward keeps this rank's slice
+    (the loss is computed identically on every CP rank, so no gradient is summed)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        from megatron.core import parallel_state as ps
+
+        ctx.rank, ctx.n = ps.get_context_parallel_rank(), x.shape[0]
+        return _cp_gather_nograd(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[ctx.rank * ctx.n:(ctx.rank + 1) * ctx.n]
+
+
+def _cp_gather(x: torch.Tensor) -> torch.Tensor:
+    """GPU only (context parallel): this CP rank's per-token values -> the whole padded row."""
+    return _CPGatherFn.apply(x) if x.is_floating_point() else _cp_gather_nograd(x)
