@@ -7,7 +7,7 @@ Signature of every reward function (AReaL's):
 
 from mlrl.reward import builtin as _builtin  # noqa: F401  (registers the built-ins)
 from mlrl.reward.builtin import extract_boxed, extract_final_number, parse_number
-from mlrl.reward.registry import RewardFn, get_reward_fn, import_from_string, list_rewards, register_reward
+from mlrl.reward.registry import RewardFn, get_reward_fn, import_from_string, list_rewards, register_reward, reward_data
 from mlrl.reward.wrapper import (
     GLOBAL_REWARD_STATS,
     AsyncRewardWrapper,
@@ -30,4 +30,5 @@ __all__ = [
     "list_rewards",
     "parse_number",
     "register_reward",
+    "reward_data",
 ]

@@ -20,6 +20,14 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 _REWARDS: dict[str, RewardFn] = {}
 
+RESERVED_ARGS = ("prompt", "completions", "prompt_ids", "completion_ids")
+
+
+def reward_data(data: dict[str, Any]) -> dict[str, Any]:
+    """The row's fields as reward keyword arguments, minus the four positional names a row may
+    also use (a `prompt` column would otherwise collide with the `prompt` argument)."""
+    return {k: v for k, v in data.items() if k not in RESERVED_ARGS}
+
 
 def register_reward(name: str) -> Callable[[F], F]:
     """Decorator: `@register_reward("my_reward")` makes `workflow.reward=my_reward` find the function."""

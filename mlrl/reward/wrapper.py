@@ -13,7 +13,8 @@ Invariants kept here:
   the new pool (they did nothing wrong);
 - pools are shared per (max_workers, start method) inside one process, like AReaL's, and use the
   `forkserver` start method by default: forking a process that holds tokenizer / HTTP / OpenMP
-  threads can deadlock the child.
+  threads can deadlock the child. Like vLLM's spawned engine, this re-imports the main script in
+  the workers: training scripts need an `if __name__ == "__main__":` guard.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -79,6 +81,15 @@ def _count(field: str) -> None:
 def default_max_workers() -> int:
     """Half the cores, at least one (AReaL's heuristic without the per-GPU split)."""
     return max((os.cpu_count() or 1) // 2, 1)
+
+
+def default_start_method() -> str:
+    """`forkserver`, unless the main module is a file that does not exist (a script piped through
+    stdin): forkserver/spawn children re-import the main module by path and would fail, so `fork`."""
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    if main_file and not os.path.exists(main_file):
+        return "fork"
+    return "forkserver"
 
 
 class _PoolRegistry:
@@ -140,7 +151,7 @@ class AsyncRewardWrapper:
         max_workers: int | None = None,
         *,
         timeout_seconds: float | None = None,
-        mp_context: str = "forkserver",
+        mp_context: str | None = None,
         name: str | None = None,
     ):
         if isinstance(reward_fn, AsyncRewardWrapper):
@@ -156,7 +167,7 @@ class AsyncRewardWrapper:
             raise ValueError(f"AsyncRewardWrapper: max_workers must be >= 0, got {self.max_workers}")
         self.name = name or getattr(reward_fn, "__qualname__", repr(reward_fn))
         self.stats = RewardStats()
-        self._key = (self.max_workers, mp_context)
+        self._key = (self.max_workers, mp_context or default_start_method())
         if self.max_workers > 0:
             try:
                 pickle.dumps(reward_fn)

@@ -1,0 +1,21 @@
+"""Datasets: `get_dataset(name_or_path, split, kind="rl"|"sft", tokenizer, max_length)` over local
+jsonl / json / parquet files, registered datasets (`@register_dataset`, e.g. `gsm8k`) and synthetic
+verifiable tasks (`synthetic:copy_digit`, `synthetic:add_digits`, `synthetic:arith_word`)."""
+
+from mlrl.data.registry import SFTDataset, get_dataset, list_datasets, register_dataset
+from mlrl.data.rows import DatasetError, RLDataset, normalise_rl_row
+from mlrl.data.sft import sft_example, tokenize_messages
+from mlrl.data.synthetic import TASKS as SYNTHETIC_TASKS
+
+__all__ = [
+    "DatasetError",
+    "RLDataset",
+    "SFTDataset",
+    "SYNTHETIC_TASKS",
+    "get_dataset",
+    "list_datasets",
+    "normalise_rl_row",
+    "register_dataset",
+    "sft_example",
+    "tokenize_messages",
+]

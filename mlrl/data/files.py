@@ -1,0 +1,96 @@
+"""Reading local dataset files: `.jsonl` / `.json` with the json module, `.parquet` (and folders saved
+with `datasets.save_to_disk`) through Hugging Face `datasets`.
+
+Why jsonl is not read through `datasets.load_dataset("json")`: its Arrow-based reader infers one
+type per column across rows (the answer "7" becomes the integer 7, "0.50" becomes 0.5, missing
+keys become None) and reports malformed input without a line number; a verifiable reward needs
+the answer exactly as written, and a bad row must be named by file and line. Parquet carries its
+own schema, so `datasets` reads it without guessing.
+
+`read_rows` yields (where, row) pairs, where = "file:line" or "file:row N", and a problem on a line
+either raises DatasetError or, with skip_malformed, is reported through the `skipped` list.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from mlrl.data.rows import DatasetError
+
+SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+def find_split_file(folder: Path, split: str) -> Path:
+    """`<folder>/<split>.{jsonl,json,parquet}` (also `<split>-*.parquet` shards: the first one)."""
+    for suf in SUFFIXES:
+        p = folder / f"{split}{suf}"
+        if p.is_file():
+            return p
+    shards = sorted(folder.glob(f"{split}-*.parquet")) + sorted((folder / "data").glob(f"{split}-*.parquet"))
+    if shards:
+        return shards[0]
+    have = sorted(p.name for p in folder.iterdir() if p.suffix in SUFFIXES) if folder.is_dir() else []
+    raise DatasetError(f"{folder}: no file for split {split!r} (looked for {split}.jsonl/.json/.parquet); found: {have}")
+
+
+def read_rows(path: Path, skip_malformed: bool, skipped: list[str]) -> Iterator[tuple[str, Any]]:
+    if path.suffix == ".jsonl":
+        yield from _read_jsonl(path, skip_malformed, skipped)
+    elif path.suffix == ".json":
+        yield from _read_json(path)
+    elif path.suffix == ".parquet" or path.is_dir():
+        yield from _read_hf(path)
+    else:
+        raise DatasetError(f"{path}: unsupported file type {path.suffix!r} (expected .jsonl, .json or .parquet)")
+
+
+def _read_jsonl(path: Path, skip_malformed: bool, skipped: list[str]) -> Iterator[tuple[str, Any]]:
+    try:
+        f = path.open("r", encoding="utf-8")
+    except OSError as e:
+        raise DatasetError(f"{path}: cannot open ({e.strerror})") from None
+    with f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                msg = f"{where}: invalid JSON ({e.msg} at column {e.colno})"
+                if not skip_malformed:
+                    raise DatasetError(msg) from None
+                skipped.append(msg)
+                continue
+            yield where, row
+
+
+def _read_json(path: Path) -> Iterator[tuple[str, Any]]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise DatasetError(f"{path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(data, list):
+        raise DatasetError(f"{path}: a .json dataset must hold a list of rows, got {type(data).__name__}")
+    for i, row in enumerate(data):
+        yield f"{path}: row {i}", row
+
+
+def _read_hf(path: Path) -> Iterator[tuple[str, Any]]:
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        if path.is_dir():
+            ds = datasets.load_from_disk(str(path))
+        else:
+            ds = datasets.load_dataset("parquet", data_files=str(path), split="train")
+    except Exception as e:
+        raise DatasetError(f"{path}: cannot read with Hugging Face datasets: {type(e).__name__}: {e}") from None
+    if isinstance(ds, datasets.DatasetDict):
+        raise DatasetError(f"{path}: holds several splits ({', '.join(ds)}); point at one of them")
+    for i, row in enumerate(ds):
+        yield f"{path}: row {i}", row

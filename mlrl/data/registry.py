@@ -1,0 +1,162 @@
+"""`get_dataset`: one entry point for every dataset a config can name, and the registry behind it.
+
+`name_or_path` may be:
+- `synthetic:<task>` — a generated verifiable task (`mlrl.data.synthetic`);
+- a registered name (`@register_dataset("name")` on a loader `fn(split, **kwargs) -> list[dict]`),
+  e.g. `gsm8k`;
+- a file (`.jsonl`, `.json`, `.parquet`), or a folder holding `<split>.jsonl|.json|.parquet` (or a
+  folder written by `datasets.save_to_disk`).
+
+`kind="rl"` returns an `RLDataset` of prompt rows; with a tokenizer and `max_length`, prompts whose
+chat-templated length exceeds it are dropped and counted. `kind="sft"` returns an `SFTDataset` of
+`{"input_ids", "loss_mask"}` (a tokenizer is required; sequences longer than `max_length` are cut
+and counted).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mlrl.data import synthetic
+from mlrl.data.files import find_split_file, read_rows
+from mlrl.data.rows import DatasetError, RLDataset, normalise_rl_row
+from mlrl.data.sft import sft_example
+
+Loader = Callable[..., list[dict[str, Any]]]
+_DATASETS: dict[str, Loader] = {}
+
+
+def register_dataset(name: str) -> Callable[[Loader], Loader]:
+    """Decorator: `@register_dataset("my_data")` on `fn(split: str, **kwargs) -> list[dict]` (RL rows)."""
+    if not isinstance(name, str) or not name or name.startswith("synthetic:"):
+        raise ValueError(f"register_dataset: invalid name {name!r}")
+
+    def deco(fn: Loader) -> Loader:
+        if name in _DATASETS and _DATASETS[name] is not fn:
+            raise ValueError(f"dataset {name!r} is already registered")
+        _DATASETS[name] = fn
+        return fn
+
+    return deco
+
+
+def list_datasets() -> list[str]:
+    from mlrl.data import gsm8k  # noqa: F401  (registers itself)
+
+    return sorted(_DATASETS) + [f"synthetic:{t}" for t in sorted(synthetic.TASKS)]
+
+
+@dataclass
+class SFTDataset(Sequence):
+    """Tokenised SFT examples: each `{"input_ids": [T], "loss_mask": [T]}`."""
+
+    examples: list[dict[str, list[int]]]
+    name: str = ""
+    split: str = "train"
+    skipped: list[str] = field(default_factory=list)
+    truncated: int = 0
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i: Any) -> Any:
+        return self.examples[i]
+
+
+def _raw_rows(name_or_path: str, split: str, skip_malformed: bool, skipped: list[str], seed: int,
+              num_rows: int | None, kwargs: dict[str, Any]) -> tuple[list[tuple[str, Any]], str | None]:
+    if name_or_path.startswith("synthetic:"):
+        task = name_or_path.split(":", 1)[1]
+        rows = synthetic.generate(task, split, seed=seed, num_rows=num_rows or 512, **kwargs)
+        return [(f"{name_or_path}[{i}]", r) for i, r in enumerate(rows)], synthetic.TASKS[task].reward
+    from mlrl.data import gsm8k  # noqa: F401  (registers itself)
+
+    if name_or_path in _DATASETS:
+        rows = _DATASETS[name_or_path](split, **kwargs)
+        return [(f"{name_or_path}/{split}[{i}]", r) for i, r in enumerate(rows)], getattr(_DATASETS[name_or_path], "reward", None)
+    path = Path(name_or_path).expanduser()
+    if not path.exists():
+        raise DatasetError(f"dataset {name_or_path!r}: no such file or folder, and not a registered name "
+                           f"(registered: {', '.join(list_datasets())})")
+    if path.is_dir() and not (path / "dataset_info.json").exists() and not (path / "state.json").exists():
+        path = find_split_file(path, split)
+    return list(read_rows(path, skip_malformed, skipped)), None
+
+
+def get_dataset(
+    name_or_path: str,
+    split: str = "train",
+    kind: str = "rl",
+    tokenizer: Any = None,
+    max_length: int | None = None,
+    *,
+    skip_malformed: bool = False,
+    require_answer: bool = True,
+    seed: int = 0,
+    num_rows: int | None = None,
+    **kwargs: Any,
+) -> RLDataset | SFTDataset:
+    """Load a dataset for RL prompts (`kind="rl"`) or supervised fine-tuning (`kind="sft"`).
+
+    `seed` / `num_rows` apply to synthetic tasks (num_rows also caps other sources); extra kwargs go
+    to the registered loader or the synthetic generator."""
+    if kind not in ("rl", "sft"):
+        raise ValueError(f"get_dataset: kind must be 'rl' or 'sft', got {kind!r}")
+    if kind == "sft" and tokenizer is None:
+        raise ValueError("get_dataset: kind='sft' needs the model's tokenizer")
+    skipped: list[str] = []
+    raw, reward = _raw_rows(str(name_or_path), split, skip_malformed, skipped, seed, num_rows, kwargs)
+    if num_rows is not None and not str(name_or_path).startswith("synthetic:"):
+        raw = raw[:num_rows]
+    if kind == "rl":
+        return _build_rl(raw, str(name_or_path), split, skipped, skip_malformed, require_answer, tokenizer, max_length, reward)
+    return _build_sft(raw, str(name_or_path), split, skipped, skip_malformed, tokenizer, max_length)
+
+
+def _build_rl(raw, name, split, skipped, skip_malformed, require_answer, tokenizer, max_length, reward) -> RLDataset:
+    from mlrl.workflow.api import apply_chat_template
+
+    rows, too_long = [], 0
+    for where, row in raw:
+        try:
+            r = normalise_rl_row(row, where, require_answer)
+        except DatasetError as e:
+            if not skip_malformed:
+                raise
+            skipped.append(str(e))
+            continue
+        if tokenizer is not None and max_length is not None:
+            n = len(apply_chat_template(tokenizer, r["messages"], add_generation_prompt=True))
+            if n > max_length:
+                too_long += 1
+                continue
+        rows.append(r)
+    if not rows:
+        raise DatasetError(f"dataset {name!r} split {split!r}: no usable rows "
+                           f"({len(skipped)} malformed, {too_long} longer than {max_length} tokens)")
+    return RLDataset(rows, name=name, split=split, skipped=skipped, too_long=too_long, reward=reward)
+
+
+def _build_sft(raw, name, split, skipped, skip_malformed, tokenizer, max_length) -> SFTDataset:
+    examples, truncated = [], 0
+    for where, row in raw:
+        try:
+            ids, mask = sft_example(tokenizer, row, where)
+        except DatasetError as e:
+            if not skip_malformed:
+                raise
+            skipped.append(str(e))
+            continue
+        if max_length is not None and len(ids) > max_length:
+            ids, mask = ids[:max_length], mask[:max_length]
+            truncated += 1
+        if not any(mask):
+            skipped.append(f"{where}: no trainable token left (after truncation to {max_length})")
+            continue
+        examples.append({"input_ids": ids, "loss_mask": mask})
+    if not examples:
+        raise DatasetError(f"dataset {name!r} split {split!r}: no usable SFT examples ({len(skipped)} skipped)")
+    return SFTDataset(examples, name=name, split=split, skipped=skipped, truncated=truncated)

@@ -1,0 +1,59 @@
+"""SFT tokenisation: a conversation (or prompt + completion) -> `input_ids` + `loss_mask`.
+
+Invariants: the loss mask is 1 exactly on the tokens of assistant turns as the chat template renders
+them — without the role header the template puts before them (computed as the difference between
+the conversation rendered up to that turn with a generation prompt, and rendered including it);
+every other token is 0. Rendering must be prefix-stable (each longer conversation extends the
+shorter one token for token); a template that re-renders earlier turns gets a clear error rather
+than a silently shifted mask. Plain `prompt` + `completion` strings are tokenised without a template,
+with EOS appended to the completion (trained on).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlrl.data.rows import DatasetError, normalise_messages
+from mlrl.workflow.api import apply_chat_template
+
+
+def tokenize_messages(tokenizer: Any, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
+    """(input_ids, loss_mask) of a conversation; the mask covers assistant turns."""
+    ids: list[int] = []
+    mask: list[int] = []
+    for i, m in enumerate(messages):
+        full = apply_chat_template(tokenizer, messages[: i + 1])
+        if m["role"] == "assistant":
+            head = apply_chat_template(tokenizer, messages[:i], add_generation_prompt=True) if i else []
+            if full[: len(head)] != head or head[: len(ids)] != ids:
+                raise DatasetError("the chat template is not prefix-stable around assistant turns; cannot build a loss mask")
+            mask += [0] * (len(head) - len(ids)) + [1] * (len(full) - len(head))
+        else:
+            if full[: len(ids)] != ids:
+                raise DatasetError("the chat template re-renders earlier turns when a turn is added; cannot build a loss mask")
+            mask += [0] * (len(full) - len(ids))
+        ids = full
+    return ids, mask
+
+
+def sft_example(tokenizer: Any, row: dict[str, Any], where: str) -> tuple[list[int], list[int]]:
+    """One row -> (input_ids, loss_mask). Accepted rows: `messages` with assistant turns; `prompt` +
+    `completion` (or `response`) strings; an RL row (`messages` + `answer`, the answer becomes the
+    assistant turn)."""
+    if not isinstance(row, dict):
+        raise DatasetError(f"{where}: a row must be a JSON object")
+    if "messages" in row:
+        msgs = normalise_messages(row["messages"], where)
+        if not any(m["role"] == "assistant" for m in msgs):
+            if row.get("answer") is None:
+                raise DatasetError(f"{where}: an SFT row needs an assistant turn (or an 'answer' to use as one)")
+            msgs = msgs + [{"role": "assistant", "content": str(row["answer"])}]
+        return tokenize_messages(tokenizer, msgs)
+    completion = row.get("completion", row.get("response"))
+    if isinstance(row.get("prompt"), str) and isinstance(completion, str):
+        p = list(tokenizer(row["prompt"])["input_ids"])
+        c = list(tokenizer(completion, add_special_tokens=False)["input_ids"])
+        if tokenizer.eos_token_id is not None:
+            c.append(tokenizer.eos_token_id)
+        return p + c, [0] * len(p) + [1] * len(c)
+    raise DatasetError(f"{where}: an SFT row needs 'messages', or 'prompt' and 'completion' strings; keys: {sorted(row)}")

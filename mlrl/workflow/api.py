@@ -1,0 +1,159 @@
+"""The native workflow API, in AReaL's shape: `RolloutWorkflow.arun_episode(engine, data)` turns one
+dataset row into scored, trainable sequences by awaiting `engine.agenerate(ModelRequest)`.
+
+What an episode may return (the runner converts it with `mlrl.workflow.samples.to_samples`):
+- `None`: the episode is rejected (counted, nothing trained on);
+- a `Sample`, or a list of them;
+- AReaL's dict: `input_ids`, `loss_mask`, `logprobs`, `versions`, `rewards` (+ optional
+  `attention_mask`), as lists or torch tensors, with or without the leading batch dimension —
+  or a list of such dicts;
+- named interactions `{completion_id: Interaction}` (what the OpenAI proxy records);
+- `EpisodeOutput`, when the workflow also reports a termination reason, correctness or metrics.
+
+Rules of the road (AReaL's): await all I/O; put expensive setup in `__init__` (one instance
+serves every concurrent episode); wrap reward functions in `AsyncRewardWrapper`.
+Optional hooks the runner honours: `group_native = True` with `arun_group(engine, data, n)` for
+workflows that produce all n samples of a prompt in one run (Trinity's repeatable workflows; it
+may return one result or a list of `EpisodeOutput`, one per episode), and `aclose()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from mlrl import types as _types
+from mlrl.types import GenerationHyperparameters, ModelResponse, Sample, StopReason, TerminationReason
+
+if "tokenizer" in {f.name for f in dataclasses.fields(_types.ModelRequest)}:
+    ModelRequest = _types.ModelRequest
+else:
+
+    @dataclass
+    class ModelRequest(_types.ModelRequest):  # type: ignore[no-redef]
+        """`mlrl.types.ModelRequest` plus AReaL's `tokenizer` field (kept in-process, never sent to
+        an engine), so AReaL workflows that pass `tokenizer=` run unchanged."""
+
+        tokenizer: Any = None
+
+
+@runtime_checkable
+class InferenceEngine(Protocol):
+    """What a workflow may call: one generation per request, token ids in and out."""
+
+    async def agenerate(self, req: ModelRequest) -> ModelResponse: ...
+
+
+class EpisodeStatus(str, enum.Enum):
+    """How the runner records one episode."""
+
+    COMPLETED = "completed"
+    REJECTED = "rejected"   # the workflow returned None (or no samples)
+    TIMEOUT = "timeout"     # the per-episode timeout fired
+    ERROR = "error"         # the workflow raised, or an engine request failed
+
+
+@dataclass
+class EpisodeOutput:
+    """A workflow result with the episode-level facts a bare list of samples cannot carry."""
+
+    samples: list[Sample] = field(default_factory=list)
+    status: EpisodeStatus = EpisodeStatus.COMPLETED
+    termination_reason: TerminationReason | None = None
+    is_correct: bool | None = None          # None = derive from the reward (> 0)
+    metrics: dict[str, float] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)   # "error": {error_message, error_type, traceback}
+
+
+class RolloutWorkflow(ABC):
+    """Base class of native workflows (AReaL's `areal.api.workflow_api.RolloutWorkflow`)."""
+
+    group_native: bool = False  # True: the runner calls arun_group(engine, data, n) once per prompt
+
+    @abstractmethod
+    async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> Any:
+        """Run one episode on `data` (a dataset row) and return its trainable result, or None to reject it."""
+        raise NotImplementedError
+
+
+def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], *, tokenize: bool = True, **kwargs: Any) -> Any:
+    """`tokenizer.apply_chat_template` returning `list[int]` when tokenizing (transformers >= 5
+    returns a BatchEncoding by default). Same helper as `areal.utils.hf_utils.apply_chat_template`."""
+    if tokenize:
+        kwargs.setdefault("return_dict", False)
+    out = tokenizer.apply_chat_template(messages, tokenize=tokenize, **kwargs)
+    if tokenize and not isinstance(out, list):
+        out = out["input_ids"]
+    if tokenize and out and isinstance(out[0], list):  # batched by mistake
+        raise ValueError("apply_chat_template: expected one conversation (a list of message dicts)")
+    return list(out) if tokenize else out
+
+
+_TOKENIZERS: dict[str, Any] = {}
+
+
+def load_hf_tokenizer(path_or_spec: str) -> Any:
+    """The HF tokenizer of a model folder or `builtin:<name>` (cached per process; pad = eos if unset)."""
+    from mlrl.modelzoo import resolve_model_dir
+
+    key = str(path_or_spec)
+    if key not in _TOKENIZERS:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(resolve_model_dir(key)))
+        if tok.pad_token_id is None:
+            tok.pad_token_id = tok.eos_token_id
+        _TOKENIZERS[key] = tok
+    return _TOKENIZERS[key]
+
+
+def gconfig_from_sampling(sampling: Any) -> GenerationHyperparameters:
+    """GenerationHyperparameters from `mlrl.config.schema.SamplingConfig` (temperature 0 = greedy)."""
+    return GenerationHyperparameters(
+        n_samples=1,
+        max_new_tokens=int(sampling.max_new_tokens),
+        temperature=float(sampling.temperature),
+        top_p=float(sampling.top_p),
+        top_k=int(sampling.top_k),
+        greedy=float(sampling.temperature) == 0.0,
+    )
+
+
+def sample_from_response(resp: ModelResponse, reward: float, **metadata: Any) -> Sample:
+    """One single-turn sample: prompt (masked out) followed by the response (trained on)."""
+    p, r = resp.input_len, resp.output_len
+    if len(resp.output_logprobs) != r or len(resp.output_versions) != r:
+        raise ValueError(
+            f"ModelResponse has {r} output tokens but {len(resp.output_logprobs)} logprobs and "
+            f"{len(resp.output_versions)} versions (an engine must return one of each per token)"
+        )
+    from mlrl.types import SampleStatus
+
+    return Sample(
+        tokens=list(resp.input_tokens) + list(resp.output_tokens),
+        loss_mask=[0] * p + [1] * r,
+        rollout_logprobs=[0.0] * p + [float(x) for x in resp.output_logprobs],
+        versions=[-1] * p + [int(v) for v in resp.output_versions],
+        reward=float(reward),
+        prompt_len=p,
+        status=SampleStatus.TRUNCATED if resp.stop_reason == StopReason.LENGTH else SampleStatus.COMPLETED,
+        metadata=dict(metadata),
+    )
+
+
+__all__ = [
+    "EpisodeOutput",
+    "EpisodeStatus",
+    "GenerationHyperparameters",
+    "InferenceEngine",
+    "ModelRequest",
+    "ModelResponse",
+    "RolloutWorkflow",
+    "apply_chat_template",
+    "gconfig_from_sampling",
+    "load_hf_tokenizer",
+    "sample_from_response",
+]

@@ -1,0 +1,154 @@
+"""Workflow registry and construction: `workflow.name` in the config is a registered name
+(`@register_workflow("name")`) or a dotted path `pkg.module.Class`; `build_workflow` turns it into
+one `RolloutWorkflow` instance, built once per run (never per episode).
+
+What a name may resolve to, and what it becomes:
+- a `RolloutWorkflow` subclass (or any class with `arun_episode`): instantiated with the
+  configured kwargs plus, when its `__init__` asks for them, `tokenizer`, `gconfig`,
+  `reward_fn` (the raw function named by `workflow.reward`), `reward_timeout_s`, `reward_workers`;
+- a Trinity-style `mlrl.workflow.compat.trinity.Workflow` subclass: wrapped in
+  `TrinityWorkflowAdapter`;
+- an rLLM-style `mlrl.workflow.compat.rllm.Workflow` subclass: wrapped in `RLLMWorkflowAdapter`;
+- any other class or object with `async def run(data, **extra_kwargs)`: an agent, wrapped in
+  `OpenAIAgentWorkflow` (it talks to the model through the OpenAI-compatible proxy).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from mlrl.reward import get_reward_fn, import_from_string
+from mlrl.types import GenerationHyperparameters
+
+T = TypeVar("T")
+
+_WORKFLOWS: dict[str, Any] = {}
+
+
+def register_workflow(name: str) -> Callable[[T], T]:
+    """Decorator: `@register_workflow("my_flow")` on a workflow class (or an agent class)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"register_workflow: name must be a non-empty string, got {name!r}")
+
+    def deco(obj: T) -> T:
+        prev = _WORKFLOWS.get(name)
+        if prev is not None and prev is not obj and _qual(prev) != _qual(obj):
+            raise ValueError(f"workflow {name!r} is already registered to {_qual(prev)}")
+        _WORKFLOWS[name] = obj
+        return obj
+
+    return deco
+
+
+def _qual(obj: Any) -> str:
+    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
+
+
+def list_workflows() -> list[str]:
+    _ensure_builtins()
+    return sorted(_WORKFLOWS)
+
+
+def _ensure_builtins() -> None:
+    # The built-ins register themselves on import; importing them lazily keeps `import mlrl.workflow` light.
+    from mlrl.workflow import agent, multi_turn, rlvr  # noqa: F401
+
+
+def get_workflow(name_or_path: str) -> Any:
+    """The registered class/object for `name_or_path`, or the object at a dotted path."""
+    _ensure_builtins()
+    if name_or_path in _WORKFLOWS:
+        return _WORKFLOWS[name_or_path]
+    if "." in name_or_path or ":" in name_or_path:
+        return import_from_string(name_or_path)
+    raise ValueError(f"workflow.name: unknown workflow {name_or_path!r}; registered: {', '.join(sorted(_WORKFLOWS))}")
+
+
+def _accepts(fn: Any, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params
+
+
+def _is_agent(obj: Any) -> bool:
+    run = getattr(obj, "run", None)
+    return run is not None and inspect.iscoroutinefunction(run) and not hasattr(obj, "arun_episode")
+
+
+def build_workflow(
+    spec: Any,
+    *,
+    kwargs: dict[str, Any] | None = None,
+    tokenizer: Any = None,
+    gconfig: GenerationHyperparameters | None = None,
+    reward: Any = None,
+    reward_timeout_s: float = 30.0,
+    reward_workers: int | None = None,
+) -> Any:
+    """One workflow instance (with `arun_episode`) for `spec`: a name, dotted path, class or instance."""
+    from mlrl.workflow.compat import rllm as rllm_compat
+    from mlrl.workflow.compat import trinity as trinity_compat
+
+    kwargs = dict(kwargs or {})
+    obj = get_workflow(spec) if isinstance(spec, str) else spec
+    reward_fn = get_reward_fn(reward) if reward is not None else None
+    context = {
+        "tokenizer": tokenizer,
+        "gconfig": gconfig if gconfig is not None else GenerationHyperparameters(),
+        "reward_fn": reward_fn,
+        "reward_timeout_s": reward_timeout_s,
+        "reward_workers": reward_workers,
+    }
+
+    if inspect.isclass(obj) and issubclass(obj, trinity_compat.Workflow):
+        return trinity_compat.TrinityWorkflowAdapter(obj, reward_fn=reward_fn, **_pick(trinity_compat.TrinityWorkflowAdapter, context, kwargs))
+    if inspect.isclass(obj) and issubclass(obj, rllm_compat.Workflow):
+        return rllm_compat.RLLMWorkflowAdapter(obj, **_pick(rllm_compat.RLLMWorkflowAdapter, context, kwargs))
+    if hasattr(obj, "arun_episode"):
+        if inspect.isclass(obj):
+            return obj(**_pick(obj, context, kwargs))
+        if kwargs:
+            raise ValueError(f"workflow.kwargs given for an already-built workflow instance {_qual(type(obj))}")
+        return obj
+    if _is_agent(obj):
+        from mlrl.workflow.agent import OpenAIAgentWorkflow
+
+        agent_kwargs = kwargs.pop("agent_kwargs", {})
+        agent = obj(**agent_kwargs) if inspect.isclass(obj) else obj
+        return OpenAIAgentWorkflow(agent, **_pick(OpenAIAgentWorkflow, context, kwargs))
+    if callable(obj) and not inspect.isclass(obj):  # a registered factory function
+        built = obj(**_pick(obj, context, kwargs))
+        if not hasattr(built, "arun_episode"):
+            raise ValueError(f"workflow factory {_qual(obj)} returned {type(built).__name__}, which has no arun_episode")
+        return built
+    raise ValueError(
+        f"workflow {spec!r} resolves to {_qual(obj)}, which is neither a RolloutWorkflow (arun_episode), "
+        "a Trinity or rLLM Workflow subclass, nor an agent with `async def run(data, **extra_kwargs)`"
+    )
+
+
+def _pick(target: Any, context: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """kwargs plus the context entries `target.__init__` (or the function) declares and kwargs lack."""
+    fn = target.__init__ if inspect.isclass(target) else target
+    out = dict(kwargs)
+    for name, value in context.items():
+        if name not in out and value is not None and _accepts(fn, name):
+            out[name] = value
+    return out
+
+
+def build_workflow_from_config(cfg: Any, *, tokenizer: Any, gconfig: GenerationHyperparameters) -> Any:
+    """`build_workflow` from `mlrl.config.schema.WorkflowConfig` (name, reward, kwargs, reward pool settings)."""
+    return build_workflow(
+        cfg.name,
+        kwargs=cfg.kwargs,
+        tokenizer=tokenizer,
+        gconfig=gconfig,
+        reward=cfg.reward,
+        reward_timeout_s=cfg.reward_timeout_s,
+        reward_workers=cfg.reward_workers,
+    )

@@ -1,0 +1,301 @@
+"""The episode runner: turns the prompts of one RL step into GRPO groups of trainable samples.
+
+`run_batch(rows, n)` runs n episodes per row (one workflow instance serves them all), at most
+`max_concurrency` episodes at a time, each under `episode_timeout_s`, and returns one
+`GroupResult` per row, in row order. Nothing an episode does stops the batch:
+- the workflow returns None (or no samples)       -> REJECTED, counted;
+- the per-episode timeout fires                    -> TIMEOUT, counted, the run continues;
+- the workflow raises, or an engine request fails -> ERROR, with message, type and traceback in
+  `EpisodeResult.info["error"]` (rLLM's layout);
+- reward-function failures / timeouts inside the episode are counted per episode.
+Only COMPLETED episodes contribute samples; every sample of a group carries the group's id
+(an adapter may add a suffix, e.g. rLLM's trajectory name, so that different roles form
+different groups). `summarize(groups)` gives the step's rollout metrics.
+
+Each episode gets a deep copy of its row (workflows may append to `messages`) and a thin wrapper
+around the engine that records every response, so truncation and engine failures are seen for
+any workflow type.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import math
+import time
+import traceback
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlrl.reward import RewardStats, collect_reward_stats
+from mlrl.types import ModelResponse, Sample, SampleStatus, StopReason, TerminationReason
+from mlrl.workflow.api import EpisodeOutput, EpisodeStatus
+from mlrl.workflow.samples import to_samples
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EpisodeResult:
+    """One episode as the runner recorded it."""
+
+    status: EpisodeStatus
+    samples: list[Sample] = field(default_factory=list)
+    termination_reason: TerminationReason | None = None
+    is_correct: bool | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+    reward_stats: RewardStats = field(default_factory=RewardStats)
+    duration_s: float = 0.0
+    index: int = 0
+
+    @property
+    def reward(self) -> float | None:
+        return sum(s.reward for s in self.samples) / len(self.samples) if self.samples else None
+
+    @property
+    def correct(self) -> bool:
+        if self.is_correct is not None:
+            return bool(self.is_correct)
+        return any(s.reward > 0 for s in self.samples)
+
+
+@dataclass
+class GroupResult:
+    """The n episodes of one prompt."""
+
+    group_id: str
+    data: dict[str, Any]
+    episodes: list[EpisodeResult]
+
+    @property
+    def samples(self) -> list[Sample]:
+        return [s for e in self.episodes if e.status == EpisodeStatus.COMPLETED for s in e.samples]
+
+    @property
+    def rewards(self) -> list[float]:
+        return [s.reward for s in self.samples]
+
+    def count(self, status: EpisodeStatus) -> int:
+        return sum(e.status == status for e in self.episodes)
+
+
+class _RecordingEngine:
+    """Passes everything through to the engine and remembers the responses of one episode."""
+
+    def __init__(self, engine: Any):
+        self._engine = engine
+        self.responses: list[ModelResponse] = []
+
+    async def agenerate(self, req: Any) -> ModelResponse:
+        resp = await self._engine.agenerate(req)
+        self.responses.append(resp)
+        return resp
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+
+class EpisodeRunner:
+    """Runs episodes of `workflow` (anything with `arun_episode(engine, data)`) against `engine`."""
+
+    def __init__(
+        self,
+        workflow: Any,
+        engine: Any,
+        *,
+        max_concurrency: int = 64,
+        episode_timeout_s: float = 300.0,
+        metric_prefix: str = "rollout",
+        max_logged_errors: int = 5,
+    ):
+        if not hasattr(workflow, "arun_episode"):
+            raise TypeError(f"EpisodeRunner: {type(workflow).__name__} has no arun_episode (build it with mlrl.workflow.build_workflow)")
+        if max_concurrency < 1:
+            raise ValueError(f"EpisodeRunner: max_concurrency must be >= 1, got {max_concurrency}")
+        self.workflow = workflow
+        self.engine = engine
+        self.max_concurrency = max_concurrency
+        self.episode_timeout_s = episode_timeout_s
+        self.metric_prefix = metric_prefix
+        self._sem = asyncio.Semaphore(max_concurrency)
+        self._errors_logged = 0
+        self._max_logged_errors = max_logged_errors
+        self.last_metrics: dict[str, float] = {}
+
+    @classmethod
+    def from_config(cls, cfg: Any, workflow: Any, engine: Any, **kw: Any) -> "EpisodeRunner":
+        """From `mlrl.config.schema.WorkflowConfig` (max_concurrency, episode_timeout_s)."""
+        return cls(workflow, engine, max_concurrency=cfg.max_concurrency, episode_timeout_s=cfg.episode_timeout_s, **kw)
+
+    # --- public API ----------------------------------------------------------------------------
+    async def run_batch(self, rows: Sequence[dict[str, Any]], n: int) -> list[GroupResult]:
+        """n episodes per row; one GroupResult per row, in order. Sets `last_metrics`."""
+        groups = await asyncio.gather(*(self.run_group(row, n) for row in rows))
+        self.last_metrics = summarize(groups, self.metric_prefix)
+        return list(groups)
+
+    async def run_group(self, data: dict[str, Any], n: int, *, group_id: str | None = None) -> GroupResult:
+        """n episodes of one prompt (the GRPO group)."""
+        if n < 1:
+            raise ValueError(f"run_group: n must be >= 1, got {n}")
+        gid = group_id or uuid.uuid4().hex[:16]
+        if getattr(self.workflow, "group_native", False):
+            episodes = await self._run(data, gid, 0, n, group_call=True)
+        else:
+            parts = await asyncio.gather(*(self._run(data, gid, i, 1) for i in range(n)))
+            episodes = [e for part in parts for e in part]
+        for i, e in enumerate(episodes):
+            e.index = i
+            for s in e.samples:
+                suffix = s.metadata.pop("group_suffix", None)
+                s.group_id = f"{gid}:{suffix}" if suffix else gid
+                s.metadata.setdefault("episode", f"{gid}/{i}")
+        return GroupResult(group_id=gid, data=data, episodes=episodes)
+
+    async def run_episode(self, data: dict[str, Any]) -> EpisodeResult:
+        """One episode outside any group (evaluation, debugging)."""
+        return (await self.run_group(data, 1)).episodes[0]
+
+    async def aclose(self) -> None:
+        close = getattr(self.workflow, "aclose", None)
+        if close is not None:
+            await close()
+
+    # --- internals -----------------------------------------------------------------------------
+    async def _run(self, data: dict[str, Any], gid: str, index: int, n: int, group_call: bool = False) -> list[EpisodeResult]:
+        """One workflow call: one episode, or the n episodes of a `group_native` workflow's arun_group."""
+        async with self._sem:
+            engine = _RecordingEngine(self.engine)
+            t0 = time.monotonic()
+            row = copy.deepcopy(data)
+            with collect_reward_stats() as stats:
+                try:
+                    if group_call:
+                        coro = self.workflow.arun_group(engine, row, n)
+                    else:
+                        coro = self.workflow.arun_episode(engine, row)
+                    if self.episode_timeout_s and self.episode_timeout_s > 0:
+                        async with asyncio.timeout(self.episode_timeout_s):
+                            try:
+                                result = await coro
+                            except TimeoutError:  # raised by the workflow itself; ours surfaces at exit of the block
+                                raise _InnerTimeout(traceback.format_exc()) from None
+                    else:
+                        result = await coro
+                except TimeoutError:
+                    results = [EpisodeResult(EpisodeStatus.TIMEOUT, termination_reason=TerminationReason.TIMEOUT,
+                                             info={"timeout_s": self.episode_timeout_s}) for _ in range(n)]
+                except _InnerTimeout as e:
+                    results = [self._error_result("TimeoutError", "a timeout inside the workflow", e.tb) for _ in range(n)]
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:
+                    results = [self._error_result(type(e).__name__, str(e), traceback.format_exc()) for _ in range(n)]
+                else:
+                    grouped = group_call and isinstance(result, list) and all(isinstance(r, EpisodeOutput) for r in result)
+                    outputs = result if grouped else [result]
+                    results = [self._convert(o, engine.responses) for o in outputs]
+            dt = time.monotonic() - t0
+            for r in results:
+                r.duration_s = dt
+                r.reward_stats = stats
+                if r.status == EpisodeStatus.ERROR:
+                    self._log_error(gid, index, r.info.get("error", {}))
+            return results
+
+    def _error_result(self, etype: str, message: str, tb: str) -> EpisodeResult:
+        return EpisodeResult(EpisodeStatus.ERROR, termination_reason=TerminationReason.ERROR,
+                             info={"error": {"error_message": message, "error_type": etype, "traceback": tb}})
+
+    def _convert(self, result: Any, responses: list[ModelResponse]) -> EpisodeResult:
+        if isinstance(result, EpisodeOutput):
+            status = result.status
+            samples = list(result.samples) if status == EpisodeStatus.COMPLETED else []
+            if status == EpisodeStatus.COMPLETED and not samples:
+                status = EpisodeStatus.REJECTED
+            return EpisodeResult(status, samples, result.termination_reason, result.is_correct, dict(result.metrics), dict(result.info))
+        failed = [r for r in responses if r.stop_reason in (StopReason.ERROR, StopReason.ABORT)]
+        if failed:
+            msg = f"engine request {failed[0].rid} ended with {failed[0].stop_reason.value}: {failed[0].error}"
+            return self._error_result("EngineError", msg, "")
+        samples = to_samples(result)
+        _mark_truncated(samples, responses)
+        if not samples:
+            return EpisodeResult(EpisodeStatus.REJECTED)
+        return EpisodeResult(EpisodeStatus.COMPLETED, samples)
+
+    def _log_error(self, gid: str, index: int, err: dict[str, Any]) -> None:
+        if self._errors_logged < self._max_logged_errors:
+            self._errors_logged += 1
+            logger.warning("episode %s/%d failed: %s: %s\n%s", gid, index, err.get("error_type"), err.get("error_message"),
+                           err.get("traceback", ""))
+
+
+class _InnerTimeout(Exception):
+    """A TimeoutError raised by the workflow itself (not our per-episode timeout)."""
+
+    def __init__(self, tb: str):
+        super().__init__("timeout inside the workflow")
+        self.tb = tb
+
+
+def _mark_truncated(samples: list[Sample], responses: list[ModelResponse]) -> None:
+    cut = [r.output_tokens for r in responses if r.stop_reason == StopReason.LENGTH and r.output_tokens]
+    for s in samples:
+        if s.status == SampleStatus.COMPLETED and any(len(o) <= len(s.tokens) and s.tokens[-len(o):] == list(o) for o in cut):
+            s.status = SampleStatus.TRUNCATED
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def summarize(groups: Sequence[GroupResult], prefix: str = "rollout") -> dict[str, float]:
+    """Rollout metrics of one step: episode outcomes, reward, accuracy, reward-function failures,
+    response lengths, truncation, episode time, groups without reward variance, and the mean of
+    every metric the workflow reported (under `<prefix>/wf/`)."""
+    p = prefix
+    episodes = [e for g in groups for e in g.episodes]
+    done = [e for e in episodes if e.status == EpisodeStatus.COMPLETED]
+    samples = [s for g in groups for s in g.samples]
+    count = {st: sum(e.status == st for e in episodes) for st in EpisodeStatus}
+    rs = RewardStats()
+    for e in {id(e.reward_stats): e.reward_stats for e in episodes}.values():
+        rs.add(e)
+    m: dict[str, float] = {
+        f"{p}/groups": float(len(groups)),
+        f"{p}/episodes": float(len(episodes)),
+        f"{p}/completed": float(count[EpisodeStatus.COMPLETED]),
+        f"{p}/rejected": float(count[EpisodeStatus.REJECTED]),
+        f"{p}/timeouts": float(count[EpisodeStatus.TIMEOUT]),
+        f"{p}/errors": float(count[EpisodeStatus.ERROR]),
+        f"{p}/episode_failures": float(count[EpisodeStatus.TIMEOUT] + count[EpisodeStatus.ERROR]),
+        f"{p}/samples": float(len(samples)),
+        f"{p}/reward_fn_calls": float(rs.calls),
+        f"{p}/reward_fn_failures": float(rs.failures),
+        f"{p}/reward_fn_timeouts": float(rs.timeouts),
+    }
+    if samples:
+        rewards = [s.reward for s in samples]
+        mu = _mean(rewards)
+        m[f"{p}/reward_mean"] = mu
+        m[f"{p}/reward_std"] = math.sqrt(_mean([(r - mu) ** 2 for r in rewards]))
+        m[f"{p}/response_tokens_mean"] = _mean([float(s.num_loss_tokens) for s in samples])
+        m[f"{p}/truncated_frac"] = _mean([float(s.status == SampleStatus.TRUNCATED) for s in samples])
+    if done:
+        m[f"{p}/accuracy"] = _mean([float(e.correct) for e in done])
+    if episodes:
+        m[f"{p}/episode_time_mean"] = _mean([e.duration_s for e in episodes])
+        m[f"{p}/episode_time_max"] = max(e.duration_s for e in episodes)
+    multi = [g for g in groups if len(g.samples) >= 2]
+    if multi:
+        m[f"{p}/zero_std_group_frac"] = _mean([float(len(set(g.rewards)) == 1) for g in multi])
+    keys = sorted({k for e in done for k in e.metrics})
+    for k in keys:
+        vals = [float(e.metrics[k]) for e in done if k in e.metrics]
+        m[f"{p}/wf/{k}"] = _mean(vals)
+    return m
