@@ -47,7 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         from mlrl.plan import format_plan, make_plan
 
-        plan = make_plan(cfg, layout)
+        try:
+            plan = make_plan(cfg, layout)
+        except ConfigError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            return 2
         print(format_plan(plan))
         for why in plan.reasons:
             print(f"dry-run: does not fit: {why}", file=sys.stderr)

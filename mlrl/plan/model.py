@@ -19,11 +19,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from mlrl.config.loader import ConfigError
+
 _BIASED_QKV = {"qwen2", "qwen2_moe"}
 _QK_NORM = {"qwen3", "qwen3_moe"}
 
 
-class ModelShapeError(ValueError):
+class ModelShapeError(ConfigError):
     """The HF config lacks a field the planner needs."""
 
 
