@@ -105,12 +105,12 @@ def build_workflow(
     }
 
     if inspect.isclass(obj) and issubclass(obj, trinity_compat.Workflow):
-        return trinity_compat.TrinityWorkflowAdapter(obj, reward_fn=reward_fn, **_pick(trinity_compat.TrinityWorkflowAdapter, context, kwargs))
+        return _construct(spec, trinity_compat.TrinityWorkflowAdapter, context, kwargs, obj)
     if inspect.isclass(obj) and issubclass(obj, rllm_compat.Workflow):
-        return rllm_compat.RLLMWorkflowAdapter(obj, **_pick(rllm_compat.RLLMWorkflowAdapter, context, kwargs))
+        return _construct(spec, rllm_compat.RLLMWorkflowAdapter, context, kwargs, obj)
     if hasattr(obj, "arun_episode"):
         if inspect.isclass(obj):
-            return obj(**_pick(obj, context, kwargs))
+            return _construct(spec, obj, context, kwargs)
         if kwargs:
             raise ValueError(f"workflow.kwargs given for an already-built workflow instance {_qual(type(obj))}")
         return obj
@@ -119,9 +119,9 @@ def build_workflow(
 
         agent_kwargs = kwargs.pop("agent_kwargs", {})
         agent = obj(**agent_kwargs) if inspect.isclass(obj) else obj
-        return OpenAIAgentWorkflow(agent, **_pick(OpenAIAgentWorkflow, context, kwargs))
+        return _construct(spec, OpenAIAgentWorkflow, context, kwargs, agent)
     if callable(obj) and not inspect.isclass(obj):  # a registered factory function
-        built = obj(**_pick(obj, context, kwargs))
+        built = _construct(spec, obj, context, kwargs)
         if not hasattr(built, "arun_episode"):
             raise ValueError(f"workflow factory {_qual(obj)} returned {type(built).__name__}, which has no arun_episode")
         return built
@@ -129,6 +129,14 @@ def build_workflow(
         f"workflow {spec!r} resolves to {_qual(obj)}, which is neither a RolloutWorkflow (arun_episode), "
         "a Trinity or rLLM Workflow subclass, nor an agent with `async def run(data, **extra_kwargs)`"
     )
+
+
+def _construct(spec: Any, target: Any, context: dict[str, Any], kwargs: dict[str, Any], *args: Any) -> Any:
+    try:
+        return target(*args, **_pick(target, context, kwargs))
+    except TypeError as e:
+        raise ValueError(f"workflow {spec!r} could not be built with {_qual(target)}: {e} "
+                         "(constructor arguments come from workflow.kwargs; reward_fn from workflow.reward)") from e
 
 
 def _pick(target: Any, context: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,132 @@
+"""Registry lookup / construction, and the built-in rlvr and multi_turn workflows on a scripted engine."""
+
+import pytest
+from conftest import last_user_word
+
+from mlrl.config.schema import WorkflowConfig
+from mlrl.types import GenerationHyperparameters, SampleStatus, TerminationReason
+from mlrl.workflow import (
+    EpisodeOutput,
+    RolloutWorkflow,
+    apply_chat_template,
+    build_workflow,
+    build_workflow_from_config,
+    get_workflow,
+    list_workflows,
+    register_workflow,
+)
+from mlrl.workflow.agent import OpenAIAgentWorkflow
+from mlrl.workflow.multi_turn import MultiTurnWorkflow
+from mlrl.workflow.rlvr import RLVRWorkflow
+from mlrl.workflow.testing import ScriptedEngine, scripted_logprob
+
+G = GenerationHyperparameters(max_new_tokens=6)
+ROW = {"messages": [{"role": "user", "content": "copy 7"}], "answer": "7"}
+
+
+class Counting(RolloutWorkflow):
+    built = 0
+
+    def __init__(self, tokenizer, factor=1.0):
+        Counting.built += 1
+        self.tokenizer, self.factor = tokenizer, factor
+
+    async def arun_episode(self, engine, data):
+        return None
+
+
+class Agent:
+    async def run(self, data, **extra_kwargs):
+        return 1.0
+
+
+def test_registry_names_paths_and_injection(tok):
+    assert {"rlvr", "multi_turn", "openai_agent"} <= set(list_workflows())
+    register_workflow("unit_counting")(Counting)
+    wf = build_workflow("unit_counting", kwargs={"factor": 2.0}, tokenizer=tok, gconfig=G)
+    assert isinstance(wf, Counting) and wf.tokenizer is tok and wf.factor == 2.0
+    wf2 = build_workflow(f"{__name__}.Counting", tokenizer=tok)
+    assert isinstance(wf2, Counting)
+    assert get_workflow("rlvr") is RLVRWorkflow
+    agent_wf = build_workflow(f"{__name__}.Agent", tokenizer=tok, gconfig=G)
+    assert isinstance(agent_wf, OpenAIAgentWorkflow) and isinstance(agent_wf.agent, Agent)
+
+
+def test_registry_errors():
+    with pytest.raises(ValueError, match="unknown workflow 'nope'.*rlvr"):
+        get_workflow("nope")
+    with pytest.raises(ValueError, match="neither a RolloutWorkflow"):
+        build_workflow("collections.OrderedDict")
+    with pytest.raises(ValueError, match="already registered"):
+        register_workflow("rlvr")(Counting)
+    with pytest.raises(ValueError, match="could not be built.*reward_fn"):
+        build_workflow("rlvr", tokenizer=object())
+
+
+def test_build_from_config_uses_reward_settings(tok):
+    cfg = WorkflowConfig(name="rlvr", reward="gsm8k", reward_timeout_s=7.0, reward_workers=1)
+    wf = build_workflow_from_config(cfg, tokenizer=tok, gconfig=G)
+    assert isinstance(wf, RLVRWorkflow)
+    assert wf.reward.timeout == 7.0 and wf.reward.max_workers == 1 and wf.reward.reward_fn.__name__ == "gsm8k_reward"
+
+
+async def test_rlvr_sample_is_exactly_what_the_engine_produced(tok):
+    eng = ScriptedEngine.from_text(tok, last_user_word, version=5)
+    wf = RLVRWorkflow("exact_match", G, tok, reward_workers=1)
+    s = await wf.arun_episode(eng, ROW)
+    prompt = apply_chat_template(tok, ROW["messages"], add_generation_prompt=True)
+    out = eng.responses[0].output_tokens
+    assert tok.decode(out, skip_special_tokens=True) == "7"
+    assert s.tokens == prompt + out and s.prompt_len == len(prompt)
+    assert s.loss_mask == [0] * len(prompt) + [1] * len(out)
+    assert s.rollout_logprobs[len(prompt):] == [scripted_logprob(t, i) for i, t in enumerate(out)]
+    assert s.versions == [-1] * len(prompt) + [5] * len(out)
+    assert s.reward == 1.0 and s.status == SampleStatus.COMPLETED
+    bad = ScriptedEngine.from_text(tok, lambda p: "3 3 3 3 3 3 3")
+    s2 = await wf.arun_episode(bad, ROW)
+    assert s2.reward == 0.0 and s2.status == SampleStatus.TRUNCATED and sum(s2.loss_mask) == 6
+
+
+async def test_multi_turn_feedback_loop_masks_only_model_tokens(tok):
+    # wrong, wrong, right: three model turns, two feedback turns.
+    answers = iter(["1", "2", "7"])
+    eng = ScriptedEngine.from_text(tok, lambda p: next(answers), version=2)
+    wf = MultiTurnWorkflow("exact_match", G, tok, max_turns=5, turn_discount=0.5, feedback="try again", reward_workers=1)
+    out = await wf.arun_episode(eng, ROW)
+    assert isinstance(out, EpisodeOutput) and out.termination_reason == TerminationReason.ENV_DONE and out.is_correct
+    (s,) = out.samples
+    assert s.reward == 1.0 * 0.5**2 and out.metrics["num_turns"] == 3.0
+    r1, r2, r3 = eng.responses
+    assert r3.input_tokens[: len(r2.input_tokens)] == r2.input_tokens  # each turn extends the last
+    assert s.tokens == r3.input_tokens + r3.output_tokens
+    trained = [t for t, m in zip(s.tokens, s.loss_mask) if m]
+    assert trained == r1.output_tokens + r2.output_tokens + r3.output_tokens
+    feedback = apply_chat_template(tok, [{"role": "assistant", "content": "x"}, {"role": "user", "content": "try again"}],
+                                   add_generation_prompt=True)[len(apply_chat_template(tok, [{"role": "assistant", "content": "x"}])):]
+    i = len(r1.input_tokens) + len(r1.output_tokens)
+    assert s.tokens[i : i + len(feedback)] == feedback and s.loss_mask[i : i + len(feedback)] == [0] * len(feedback)
+    assert [v for v, m in zip(s.versions, s.loss_mask) if not m] == [-1] * (len(s.tokens) - len(trained))
+
+
+async def test_multi_turn_turn_limit_and_env_stop(tok):
+    eng = ScriptedEngine.from_text(tok, lambda p: "1")
+    wf = MultiTurnWorkflow("exact_match", G, tok, max_turns=2, reward_workers=1)
+    out = await wf.arun_episode(eng, ROW)
+    assert out.termination_reason == TerminationReason.MAX_TURNS_EXCEEDED and out.samples[0].reward == 0.0
+    assert len(eng.responses) == 2 and not out.is_correct
+
+    stop_after_one = MultiTurnWorkflow("exact_match", G, tok, max_turns=4, reward_workers=1,
+                                       feedback_fn=lambda data, completion, reward, turn: None)
+    out2 = await stop_after_one.arun_episode(ScriptedEngine.from_text(tok, lambda p: "1"), ROW)
+    assert out2.termination_reason == TerminationReason.ENV_DONE and out2.metrics["num_turns"] == 1.0
+
+    capped = MultiTurnWorkflow("exact_match", G, tok, max_turns=4, max_total_tokens=16, reward_workers=1)
+    out3 = await capped.arun_episode(ScriptedEngine.from_text(tok, lambda p: "1"), ROW)
+    assert out3.termination_reason == TerminationReason.MAX_PROMPT_LENGTH_EXCEEDED
+
+
+def test_multi_turn_argument_checks(tok):
+    with pytest.raises(ValueError, match="max_turns"):
+        MultiTurnWorkflow("exact_match", G, tok, max_turns=0)
+    with pytest.raises(ValueError, match="turn_discount"):
+        MultiTurnWorkflow("exact_match", G, tok, turn_discount=0.0)
