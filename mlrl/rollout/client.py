@@ -1,0 +1,226 @@
+"""Async HTTP client of ONE mlrl vLLM engine: generation plus the control endpoints.
+
+Generation uses vLLM's token-in/token-out endpoint `POST /inference/v1/generate` (enabled by
+`--enable-scale-out`) rather than `/v1/completions`: it takes prompt token ids, returns output
+token ids with the logprob of every sampled token, and — unlike /v1/completions — the weight
+version that produced each token (`weight_versions` spans recorded by the engine core, set by
+`/finish_weight_update`). One call = one `Segment`; the pool stitches segments of an
+interrupted request together.
+
+Errors are typed so the pool can tell a bad request from a dead engine:
+- `EngineRequestError`: the engine refused this request (HTTP 4xx: prompt longer than the
+  context, invalid sampling parameters, token id out of vocabulary, ...). The engine is fine.
+- `EngineUnavailableError`: transport failure or HTTP 5xx (connection refused / reset, engine
+  dead). The request may be re-issued elsewhere.
+- `EngineAuthError`: HTTP 401 — the token is wrong; a configuration error, never retried.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import httpx
+
+from mlrl.types import GenerationHyperparameters
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class EngineError(RuntimeError):
+    """Base class of the errors of one engine call."""
+
+
+class EngineRequestError(EngineError):
+    """The engine refused the request (HTTP 4xx other than 401); the message is the engine's."""
+
+
+class EngineUnavailableError(EngineError):
+    """The engine could not be reached or failed internally (transport error, HTTP 5xx)."""
+
+
+class EngineAuthError(EngineError):
+    """HTTP 401: the per-job token was refused."""
+
+
+@dataclass
+class Segment:
+    """Output of one generation call (one contiguous piece of a response)."""
+
+    tokens: list[int] = field(default_factory=list)      # [R_seg]
+    logprobs: list[float] = field(default_factory=list)  # [R_seg]
+    versions: list[int] = field(default_factory=list)    # [R_seg] weight version of each token
+    finish: str = "stop"                                 # vLLM finish_reason
+    stop_reason: Any = None                              # stop string / token id that ended it
+    text: str = ""
+
+
+def sampling_params(g: GenerationHyperparameters, *, max_tokens: int | None = None, min_tokens: int | None = None) -> dict[str, Any]:
+    """vLLM SamplingParams (JSON) for one request; logprobs=0 returns the sampled token's logprob only."""
+    sp: dict[str, Any] = {
+        "n": 1,
+        "max_tokens": g.max_new_tokens if max_tokens is None else max_tokens,
+        "min_tokens": g.min_new_tokens if min_tokens is None else min_tokens,
+        "temperature": 0.0 if g.greedy else g.temperature,
+        "top_p": g.top_p,
+        "top_k": g.top_k,
+        "logprobs": 0,
+    }
+    if g.stop_token_ids:
+        sp["stop_token_ids"] = list(g.stop_token_ids)
+    if g.stop:
+        sp["stop"] = list(g.stop)
+    return sp
+
+
+def _versions(spans: list[dict[str, Any]] | None, n: int, default: int) -> list[int]:
+    """Per-token versions from vLLM's `[{"version", "start", "end"}]` spans (non-integer labels -> default)."""
+    out = [default] * n
+    for s in spans or []:
+        try:
+            v = int(s["version"])
+        except (TypeError, ValueError):
+            v = default
+        for i in range(max(0, int(s["start"])), min(n, int(s["end"]))):
+            out[i] = v
+    return out
+
+
+class EngineClient:
+    """One engine's HTTP API. All methods are coroutines; one instance per engine, shared by all requests."""
+
+    def __init__(self, url: str, token: str, *, timeout_s: float = 600.0, max_connections: int = 256, name: str = "engine") -> None:
+        self.url = url
+        self.name = name
+        self._timeout_s = timeout_s
+        self._http = httpx.AsyncClient(
+            base_url=url, headers={"Authorization": f"Bearer {token}"},
+            timeout=httpx.Timeout(timeout_s, connect=10.0),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections))
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _post(self, path: str, *, json: Any = None, params: dict | None = None, timeout: float | None = None) -> Any:
+        try:
+            r = await self._http.post(path, json=json, params=params,
+                                      timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout)
+        except httpx.TransportError as e:
+            raise EngineUnavailableError(f"{self.name} ({self.url}{path}): {type(e).__name__}: {e}") from e
+        return self._check(r, path)
+
+    async def _get(self, path: str, *, timeout: float | None = None) -> Any:
+        try:
+            r = await self._http.get(path, timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout)
+        except httpx.TransportError as e:
+            raise EngineUnavailableError(f"{self.name} ({self.url}{path}): {type(e).__name__}: {e}") from e
+        return self._check(r, path)
+
+    def _check(self, r: httpx.Response, path: str) -> Any:
+        if r.status_code == 200:
+            return r.json() if r.content else None
+        try:
+            body = r.json()
+            msg = body.get("error", body) if isinstance(body, dict) else body
+            if isinstance(msg, dict):
+                msg = msg.get("message", msg)
+        except ValueError:
+            msg = r.text[:500]
+        text = f"{self.name} {path}: HTTP {r.status_code}: {msg}"
+        if r.status_code == 401:
+            raise EngineAuthError(text)
+        if 400 <= r.status_code < 500:
+            raise EngineRequestError(text)
+        raise EngineUnavailableError(text)
+
+    # ------------------------------------------------------------------ generation
+
+    async def generate(self, prompt_ids: list[int], gconfig: GenerationHyperparameters, *, request_id: str,
+                       default_version: int, max_tokens: int | None = None, min_tokens: int | None = None) -> Segment:
+        body = {"request_id": request_id, "token_ids": list(prompt_ids), "output_mode": "text",
+                "sampling_params": sampling_params(gconfig, max_tokens=max_tokens, min_tokens=min_tokens)}
+        js = await self._post("/inference/v1/generate", json=body)
+        try:
+            ch = js["choices"][0]
+            tokens = list(ch.get("token_ids") or [])
+            content = (ch.get("logprobs") or {}).get("content") or []
+            logprobs = [float(c["logprob"]) for c in content]
+        except (KeyError, IndexError, TypeError) as e:
+            raise EngineUnavailableError(f"{self.name}: malformed /inference/v1/generate answer ({e}): {str(js)[:300]}") from e
+        if len(logprobs) != len(tokens):
+            raise EngineUnavailableError(f"{self.name}: {len(tokens)} tokens but {len(logprobs)} logprobs in the answer")
+        return Segment(tokens=tokens, logprobs=logprobs, versions=_versions(ch.get("weight_versions"), len(tokens), default_version),
+                       finish=ch.get("finish_reason") or "stop", stop_reason=ch.get("stop_reason"), text=ch.get("text") or "")
+
+    async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+        """logprob of token i given tokens[:i], for i = 1..len-1 (teacher forcing; raw logits, temperature 1)."""
+        body = {"token_ids": list(token_ids), "sampling_params": {"max_tokens": 1, "prompt_logprobs": 0, "temperature": 0.0}}
+        js = await self._post("/inference/v1/generate", json=body)
+        out = []
+        for tok, entry in zip(token_ids[1:], (js.get("prompt_logprobs") or [None])[1:]):
+            if not entry or str(tok) not in entry:
+                raise EngineUnavailableError(f"{self.name}: no prompt logprob for token {tok} in the answer")
+            out.append(float(entry[str(tok)]["logprob"]))
+        if len(out) != len(token_ids) - 1:
+            raise EngineUnavailableError(f"{self.name}: expected {len(token_ids) - 1} prompt logprobs, got {len(out)}")
+        return out
+
+    async def tokenize_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
+        body: dict[str, Any] = {"messages": messages, "add_generation_prompt": add_generation_prompt}
+        if template_kwargs:
+            body["chat_template_kwargs"] = template_kwargs
+        return list((await self._post("/tokenize", json=body))["tokens"])
+
+    async def abort(self, request_ids: list[str]) -> None:
+        """Abort requests by the ids given to `generate` (they return with finish_reason "abort")."""
+        if request_ids:
+            await self._post("/abort_requests", json={"request_ids": list(request_ids)})
+
+    # ------------------------------------------------------------------ control
+
+    async def health(self) -> bool:
+        try:
+            await self._get("/health", timeout=5.0)
+            return True
+        except EngineError:
+            return False
+
+    async def pause(self, mode: Literal["abort", "wait", "keep"] = "wait", *, timeout: float | None = None) -> None:
+        await self._post("/pause", params={"mode": mode}, timeout=timeout)
+
+    async def resume(self) -> None:
+        await self._post("/resume")
+
+    async def is_paused(self) -> bool:
+        return bool((await self._get("/is_paused"))["is_paused"])
+
+    async def set_weight_version(self, version: int) -> None:
+        await self._post("/update_weight_version", json={"new_version": str(version)})
+
+    async def weight_version(self) -> str:
+        return str((await self._get("/weight_info"))["weight_version"])
+
+    async def reset_prefix_cache(self) -> bool:
+        return bool((await self._post("/reset_prefix_cache"))["success"])
+
+    async def init_weight_transfer(self, init_info: dict[str, Any], *, timeout: float | None = None) -> None:
+        await self._post("/init_weight_transfer_engine", json={"init_info": init_info}, timeout=timeout)
+
+    async def shutdown_weight_transfer(self) -> None:
+        await self._post("/shutdown_weight_transfer_engine")
+
+    async def start_weight_update(self) -> None:
+        await self._post("/start_weight_update")
+
+    async def update_weights(self, update_info: dict[str, Any], *, timeout: float | None = None) -> None:
+        await self._post("/update_weights", json={"update_info": update_info}, timeout=timeout)
+
+    async def finish_weight_update(self, version: int, *, timeout: float | None = None) -> None:
+        await self._post("/finish_weight_update", json={"weight_version": str(version)}, timeout=timeout)
+
+    async def collective_rpc(self, method: str, *, args: list[str] | None = None, kwargs: dict[str, str] | None = None,
+                             timeout: float | None = None) -> list[Any]:
+        """Call a worker(-extension) method on every worker of this engine; one result per worker."""
+        body: dict[str, Any] = {"method": method, "args": list(args or []), "kwargs": dict(kwargs or {})}
+        js = await self._post("/collective_rpc", json=body, timeout=timeout)
+        return list((js or {}).get("results", []))

@@ -1,0 +1,452 @@
+"""`EnginePool`: the `engine` workflows call — `await pool.agenerate(ModelRequest) -> ModelResponse`.
+
+It owns N vLLM servers (`EngineServer`) and routes requests to them. Invariants:
+- **exactly once**: every `agenerate` call returns exactly one `ModelResponse`. A request whose
+  engine dies is re-issued on another engine (from the last fully received segment: nothing
+  the dead engine produced after that point ever reached the caller), so no request is lost or
+  answered twice; the dead engine is restarted in the background.
+- **bad requests fail alone**: a request the engine refuses (prompt longer than the context,
+  invalid sampling parameters, token id out of range, n_samples != 1) returns a `ModelResponse`
+  with `stop_reason=ERROR` and the engine's message in `error`; `agenerate` does not raise for
+  request-level failures, and the pool keeps serving.
+- **routing**: least-loaded engine under a per-engine cap (`RolloutConfig.max_concurrent_requests`);
+  requests carrying a `session_id` stick to the engine that served the session before (its
+  prefix cache holds the conversation) while that engine is healthy.
+- **versions**: every output token carries the weight version the engine recorded for it
+  (engine core spans, set at `/finish_weight_update`).
+- **pause / resume around weight updates**: `pause("wait")` lets in-flight requests finish,
+  `pause("abort")` interrupts them; interrupted requests wait inside `agenerate` and continue
+  after `resume()` as partial rollouts — the new call's prompt is the original prompt plus the
+  tokens generated so far, so the continuation is computed by the new weights on a prefix
+  recomputed by them (the prefix cache is reset by the update), and the tokens before the
+  interruption keep their old version. vLLM's own `pause(mode="keep")` was not used: it would
+  continue on a KV cache computed by the old weights, which matches neither weight version.
+- an engine restarted while the pool's version is newer than the model folder's holds stale
+  weights: it is not routed to until the weight sync (the `refresher` hook installed by
+  `mlrl.weight_sync`) brings it to the current version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import enum
+import logging
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Literal, Sequence
+
+from mlrl.config.schema import RolloutConfig
+from mlrl.rollout.client import EngineAuthError, EngineClient, EngineRequestError, EngineUnavailableError, Segment
+from mlrl.rollout.server import EngineServer, EngineStartError, ServerSpec
+from mlrl.types import ModelRequest, ModelResponse, StopReason
+
+log = logging.getLogger(__name__)
+
+PauseMode = Literal["wait", "abort"]
+_FINISH = {"stop": StopReason.STOP, "length": StopReason.LENGTH, "abort": StopReason.ABORT, "error": StopReason.ERROR}
+_MAX_FAILOVERS = 8          # re-issues of one request after engine failures before giving up
+_STICKY_SESSIONS = 100_000  # remembered session -> engine assignments (LRU)
+
+
+class PoolClosedError(RuntimeError):
+    """The pool was used before `start()` or after `shutdown()`."""
+
+
+class EngineState(str, enum.Enum):
+    STARTING = "starting"
+    READY = "ready"            # routable
+    STALE = "stale"            # alive, but holds an older weight version than the pool
+    DEAD = "dead"              # failed; a restart is scheduled or the restart budget is spent
+    RESTARTING = "restarting"
+    STOPPED = "stopped"
+
+
+@dataclass
+class EngineHandle:
+    """One engine as the pool and the weight sync see it."""
+
+    index: int
+    server: EngineServer
+    client: EngineClient | None = None
+    state: EngineState = EngineState.STARTING
+    in_flight: int = 0
+    incarnation: int = 0     # +1 per (re)start: a weight-sync group must be rebuilt when it changes
+    restarts: int = 0
+    running: dict[str, str] = field(default_factory=dict)  # attempt id -> request id
+
+    @property
+    def name(self) -> str:
+        return self.server.spec.name
+
+    @property
+    def routable(self) -> bool:
+        return self.state == EngineState.READY
+
+    @property
+    def live(self) -> bool:
+        """Serving HTTP (ready or stale): what a weight sync must reach."""
+        return self.state in (EngineState.READY, EngineState.STALE)
+
+
+class EnginePool:
+    """N vLLM engines behind one `agenerate`. Use as `async with EnginePool(...) as pool:`."""
+
+    def __init__(self, cfg: RolloutConfig, model_dir: str | Path, *, dtype: str = "float32", token: str | None = None,
+                 run_dir: str | Path | None = None, initial_version: int = 0,
+                 cuda_devices: Sequence[Sequence[int]] | None = None, max_restarts: int = 3) -> None:
+        if cfg.num_engines < 1:
+            raise ValueError(f"rollout.num_engines must be >= 1, got {cfg.num_engines}")
+        if cfg.max_concurrent_requests < 1:
+            raise ValueError(f"rollout.max_concurrent_requests must be >= 1, got {cfg.max_concurrent_requests}")
+        if not (Path(model_dir) / "config.json").is_file():
+            raise ValueError(f"EnginePool model_dir: {model_dir} is not a Hugging Face model folder (no config.json)")
+        if cuda_devices is not None and len(cuda_devices) != cfg.num_engines:
+            raise ValueError(f"cuda_devices lists {len(cuda_devices)} engines, rollout.num_engines is {cfg.num_engines}")
+        self.cfg = cfg
+        self.model_dir = str(model_dir)
+        self.dtype = dtype
+        self.token = token or secrets.token_urlsafe(32)
+        self.run_dir = Path(run_dir) if run_dir else Path(f"/tmp/mlrl-engines-{os.getpid()}")
+        self.initial_version = initial_version
+        self.max_restarts = max_restarts
+        omp = max(1, ((os.cpu_count() or 2) - 1) // (cfg.num_engines * cfg.engine_tp))
+        self.engines: list[EngineHandle] = []
+        for i in range(cfg.num_engines):
+            spec = ServerSpec.from_config(cfg, f"engine-{i}", self.model_dir, dtype, self.token, omp_threads=omp,
+                                          log_path=str(self.run_dir / "engines" / f"engine-{i}.log"),
+                                          cuda_devices=None if cuda_devices is None else list(cuda_devices[i]))
+            self.engines.append(EngineHandle(i, EngineServer(spec)))
+        self._version = initial_version
+        self._cond = asyncio.Condition()
+        self._paused = False
+        self._started = False
+        self._closed = False
+        self._sticky: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._active: dict[str, tuple[EngineHandle, str]] = {}   # rid -> (engine, attempt id) of the running call
+        self._user_aborted: set[str] = set()
+        self._tasks: set[asyncio.Task] = set()
+        self.refresher: Callable[[], Awaitable[Any]] | None = None  # installed by the weight sync
+        self.stats = collections.Counter()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> "EnginePool":
+        if self._started:
+            return self
+        self._started = True
+        for e in self.engines:
+            e.server.start()
+        results = await asyncio.gather(*(asyncio.to_thread(e.server.wait_ready, self.cfg.startup_timeout_s) for e in self.engines),
+                                       return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await asyncio.gather(*(asyncio.to_thread(e.server.stop) for e in self.engines))
+            self._closed = True
+            if all(isinstance(r, EngineStartError) for r in errors):
+                raise EngineStartError("\n\n".join(str(r) for r in errors))
+            raise errors[0]
+        for e in self.engines:
+            await self._connect(e)
+        return self
+
+    async def _connect(self, e: EngineHandle) -> None:
+        if e.client is not None:
+            await e.client.aclose()
+        e.client = EngineClient(e.server.url, self.token, timeout_s=self.cfg.request_timeout_s,
+                                max_connections=self.cfg.max_concurrent_requests + 16, name=e.name)
+        await e.client.set_weight_version(self.initial_version)  # the model folder's weights
+        e.incarnation += 1
+        e.state = EngineState.READY if self._version == self.initial_version else EngineState.STALE
+
+    async def shutdown(self) -> None:
+        if self._closed and not self._started:
+            return
+        self._closed = True
+        async with self._cond:
+            self._cond.notify_all()
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*(asyncio.to_thread(e.server.stop) for e in self.engines), return_exceptions=True)
+        for e in self.engines:
+            e.state = EngineState.STOPPED
+            if e.client is not None:
+                await e.client.aclose()
+
+    async def __aenter__(self) -> "EnginePool":
+        return await self.start()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.shutdown()
+
+    @property
+    def version(self) -> int:
+        """Weight version the routable engines hold."""
+        return self._version
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def live_engines(self) -> list[EngineHandle]:
+        return [e for e in self.engines if e.live]
+
+    # ------------------------------------------------------------------ generation
+
+    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        """Generate for one request; returns exactly once (see the module docstring for the error contract)."""
+        t0 = time.monotonic()
+        resp = ModelResponse(input_tokens=list(req.input_ids), rid=req.rid)
+        if not self._started or self._closed:
+            raise PoolClosedError("EnginePool.agenerate called on a pool that is not started (or already shut down)")
+        bad = _validate(req)
+        if bad:
+            return _failed(resp, bad, t0)
+        self.stats["requests"] += 1
+        try:
+            return await asyncio.wait_for(self._run(req, resp, t0), timeout=self.cfg.request_timeout_s)
+        except asyncio.TimeoutError:
+            self.stats["timeouts"] += 1
+            return _failed(resp, f"request {req.rid} timed out after {self.cfg.request_timeout_s:.0f} s (rollout.request_timeout_s)", t0)
+        finally:
+            self._user_aborted.discard(req.rid)
+
+    async def _run(self, req: ModelRequest, resp: ModelResponse, t0: float) -> ModelResponse:
+        g = req.gconfig
+        failovers = 0
+        attempt = 0
+        while True:
+            if req.rid in self._user_aborted:
+                return _finish(resp, StopReason.ABORT, t0)
+            remaining = g.max_new_tokens - resp.output_len
+            if remaining <= 0:
+                return _finish(resp, StopReason.LENGTH, t0)
+            try:
+                e = await self._acquire(req)
+            except PoolClosedError as err:
+                return _finish(resp, StopReason.INTERRUPT, t0, error=str(err)) if resp.output_len else _failed(resp, str(err), t0)
+            if e is None:  # aborted while waiting
+                return _finish(resp, StopReason.ABORT, t0)
+            attempt_id = f"{req.rid}-{attempt}"
+            attempt += 1
+            self._active[req.rid] = (e, attempt_id)
+            e.running[attempt_id] = req.rid
+            try:
+                seg = await e.client.generate(req.input_ids + resp.output_tokens, g, request_id=attempt_id,
+                                              default_version=self._version, max_tokens=remaining,
+                                              min_tokens=max(0, g.min_new_tokens - resp.output_len))
+            except EngineRequestError as err:
+                if resp.output_len:  # a continuation no longer fits the context: the rollout is complete
+                    return _finish(resp, StopReason.LENGTH, t0)
+                self.stats["bad_requests"] += 1
+                return _failed(resp, str(err), t0)
+            except EngineAuthError as err:
+                return _failed(resp, str(err), t0)
+            except EngineUnavailableError as err:
+                failovers += 1
+                self.stats["failovers"] += 1
+                log.warning("request %s: %s; re-issuing elsewhere (%d)", req.rid, err, failovers)
+                await self._check_engine(e)
+                if failovers > _MAX_FAILOVERS:
+                    return _failed(resp, f"request {req.rid} failed on {failovers} engines, last error: {err}", t0)
+                continue
+            finally:
+                e.running.pop(attempt_id, None)
+                self._active.pop(req.rid, None)
+                await self._release(e)
+            _append(resp, seg, e.name)
+            if seg.finish == "abort":
+                if req.rid in self._user_aborted:
+                    return _finish(resp, StopReason.ABORT, t0)
+                self.stats["interrupted"] += 1
+                continue  # interrupted by a weight update: resumes after `resume()` (acquire waits)
+            return _finish(resp, _FINISH.get(seg.finish, StopReason.STOP), t0)
+
+    async def achat(self, messages: list[dict[str, Any]], gconfig=None, *, session_id: str | None = None,
+                    rid: str | None = None, **template_kwargs: Any) -> ModelResponse:
+        """Chat variant: the engine's chat template turns `messages` into prompt ids, then `agenerate`."""
+        engine = next((e for e in self.engines if e.routable), None) or next((e for e in self.engines if e.live), None)
+        kw: dict[str, Any] = {"session_id": session_id}
+        if gconfig is not None:
+            kw["gconfig"] = gconfig
+        if rid is not None:
+            kw["rid"] = rid
+        if engine is None or engine.client is None:
+            req = ModelRequest(input_ids=[], **kw)
+            return _failed(ModelResponse(input_tokens=[], rid=req.rid), "no live engine to apply the chat template", time.monotonic())
+        try:
+            ids = await engine.client.tokenize_chat(messages, **template_kwargs)
+        except EngineRequestError as err:
+            req = ModelRequest(input_ids=[], **kw)
+            return _failed(ModelResponse(input_tokens=[], rid=req.rid), str(err), time.monotonic())
+        return await self.agenerate(ModelRequest(input_ids=ids, **kw))
+
+    async def abort(self, rid: str) -> bool:
+        """Abort one request: its `agenerate` returns ABORT with the tokens produced so far. False if unknown."""
+        self._user_aborted.add(rid)
+        async with self._cond:
+            self._cond.notify_all()
+        active = self._active.get(rid)
+        if active is None:
+            return False
+        e, attempt_id = active
+        try:
+            await e.client.abort([attempt_id])
+        except (EngineUnavailableError, EngineRequestError):
+            pass
+        return True
+
+    # ------------------------------------------------------------------ routing
+
+    def _choose(self, req: ModelRequest) -> EngineHandle | None:
+        cap = self.cfg.max_concurrent_requests
+        if req.session_id is not None and req.session_id in self._sticky:
+            e = self.engines[self._sticky[req.session_id]]
+            if e.routable:
+                self._sticky.move_to_end(req.session_id)
+                return e if e.in_flight < cap else None  # wait for it: the conversation's KV lives there
+        cands = [e for e in self.engines if e.routable and e.in_flight < cap]
+        if not cands:
+            return None
+        e = min(cands, key=lambda x: (x.in_flight, x.index))
+        if req.session_id is not None:
+            self._sticky[req.session_id] = e.index
+            if len(self._sticky) > _STICKY_SESSIONS:
+                self._sticky.popitem(last=False)
+        return e
+
+    async def _acquire(self, req: ModelRequest) -> EngineHandle | None:
+        async with self._cond:
+            while True:
+                if self._closed:
+                    raise PoolClosedError("the engine pool was shut down")
+                if req.rid in self._user_aborted:
+                    return None
+                if not self._paused:
+                    e = self._choose(req)
+                    if e is not None:
+                        e.in_flight += 1
+                        return e
+                await self._cond.wait()
+
+    async def _release(self, e: EngineHandle) -> None:
+        async with self._cond:
+            e.in_flight -= 1
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ failures
+
+    async def _check_engine(self, e: EngineHandle) -> None:
+        """After a transport error: if the engine is really gone, take it out and restart it in the background."""
+        if not e.live:
+            return
+        if e.server.alive() and await e.client.health():
+            return  # transient (e.g. one request's 5xx): keep the engine
+        async with self._cond:
+            if not e.live:
+                return
+            e.state = EngineState.DEAD
+            self._cond.notify_all()
+        self.stats["engine_deaths"] += 1
+        log.error("%s died; in-flight requests are re-issued on the other engines. Log tail:\n%s", e.name, e.server.log_tail(15))
+        if e.restarts < self.max_restarts and not self._closed:
+            t = asyncio.create_task(self._restart(e))
+            self._tasks.add(t)
+            t.add_done_callback(self._tasks.discard)
+
+    async def _restart(self, e: EngineHandle) -> None:
+        e.restarts += 1
+        e.state = EngineState.RESTARTING
+        try:
+            await asyncio.to_thread(e.server.stop)
+            e.server.start()
+            await asyncio.to_thread(e.server.wait_ready, self.cfg.startup_timeout_s)
+            await self._connect(e)
+        except Exception as err:  # noqa: BLE001 - the engine stays out of rotation
+            e.state = EngineState.DEAD
+            log.error("restart of %s failed: %s", e.name, err)
+            return
+        self.stats["restarts"] += 1
+        async with self._cond:
+            self._cond.notify_all()
+        if e.state == EngineState.STALE and self.refresher is not None:
+            await self.refresher()
+
+    # ------------------------------------------------------------------ weight updates
+
+    async def pause(self, mode: PauseMode | None = None) -> None:
+        """Stop dispatching; "wait": let in-flight requests finish, "abort": interrupt them (they resume
+        after `resume()`). Returns when no request is running on any engine; engines are paused too."""
+        mode = mode or ("abort" if self.cfg.interrupt_on_update else "wait")
+        if mode not in ("wait", "abort"):
+            raise ValueError(f"pause mode must be 'wait' or 'abort', got {mode!r}")
+        async with self._cond:
+            self._paused = True
+        if mode == "abort":
+            await asyncio.gather(*(e.client.pause("abort") for e in self.live_engines()), return_exceptions=True)
+        while not await self._drained(timeout_s=1.0):
+            if mode == "abort":  # a request that reached its engine after the engine-level abort waits there: abort it
+                await asyncio.gather(*(e.client.abort(list(e.running)) for e in self.live_engines() if e.running),
+                                     return_exceptions=True)
+        await asyncio.gather(*(e.client.pause("wait") for e in self.live_engines()), return_exceptions=True)
+
+    async def _drained(self, timeout_s: float) -> bool:
+        async with self._cond:
+            try:
+                await asyncio.wait_for(self._cond.wait_for(lambda: all(e.in_flight == 0 for e in self.engines) or self._closed),
+                                       timeout_s)
+                return True
+            except asyncio.TimeoutError:
+                return False
+
+    def commit_version(self, version: int, engines: Sequence[EngineHandle]) -> None:
+        """Record that `engines` now hold `version` (called by the weight sync before `resume`)."""
+        self._version = version
+        synced = {e.index for e in engines}
+        for e in self.engines:
+            if e.live:
+                e.state = EngineState.READY if e.index in synced else EngineState.STALE
+
+    async def resume(self) -> None:
+        """Resume the engines and dispatching; interrupted requests continue."""
+        await asyncio.gather(*(e.client.resume() for e in self.live_engines()), return_exceptions=True)
+        async with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+
+# ---------------------------------------------------------------------- response assembly
+
+
+def _validate(req: ModelRequest) -> str | None:
+    g = req.gconfig
+    if not req.input_ids:
+        return "ModelRequest.input_ids is empty (expected the prompt token ids)"
+    if g.n_samples != 1:
+        return f"GenerationHyperparameters.n_samples={g.n_samples}: the pool returns one response per call; call agenerate once per sample"
+    if g.max_new_tokens < 1:
+        return f"GenerationHyperparameters.max_new_tokens={g.max_new_tokens}: expected >= 1"
+    return None
+
+
+def _append(resp: ModelResponse, seg: Segment, engine: str) -> None:
+    resp.output_tokens += seg.tokens
+    resp.output_logprobs += seg.logprobs
+    resp.output_versions += seg.versions
+    resp.text += seg.text
+    resp.engine = engine
+
+
+def _finish(resp: ModelResponse, reason: StopReason, t0: float, error: str | None = None) -> ModelResponse:
+    resp.stop_reason = reason
+    resp.error = error
+    resp.latency = time.monotonic() - t0
+    return resp
+
+
+def _failed(resp: ModelResponse, error: str, t0: float) -> ModelResponse:
+    return _finish(resp, StopReason.ERROR, t0, error=error)

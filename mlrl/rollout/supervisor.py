@@ -1,0 +1,96 @@
+"""Keeps one vLLM server's process tree tied to the mlrl process that launched it.
+
+Why a separate supervisor: a vLLM OpenAI server is three process levels (API server ->
+EngineCore -> Worker). Killing the API server alone leaves EngineCore and its workers running
+(measured: they are re-parented to init and keep their memory), and PR_SET_PDEATHSIG does not
+propagate to grandchildren (it is cleared on fork). So every server is started as
+
+    python -m mlrl.rollout.supervisor --pgid-file F --parent-pid P -- <vllm command...>
+
+which puts the vLLM tree into its own process group, writes that group id to F, and then:
+- exits with the server's exit code when the server dies (after killing what is left of the group);
+- on SIGTERM / SIGINT (clean shutdown) sends SIGTERM to the group, waits `--grace` seconds, then
+  SIGKILLs it;
+- when the launching process P disappears (its pid is no longer our parent: killed, crashed,
+  exited without cleanup) it kills the group, so no engine outlives the job.
+
+Standard library only: it must start fast and import neither torch nor vllm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+
+
+def _kill_group(pgid: int, grace_s: float) -> None:
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--pgid-file", required=True, help="where to write the server's process-group id")
+    p.add_argument("--parent-pid", type=int, required=True, help="pid of the launching mlrl process")
+    p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- followed by the server command")
+    args = p.parse_args(argv)
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        p.error("missing server command after --")
+
+    stop = {"signal": 0}
+
+    def on_signal(signum, _frame):
+        stop["signal"] = signum
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    child = subprocess.Popen(cmd, start_new_session=True)  # own group: killpg reaches EngineCore + workers
+    pgid = child.pid
+    tmp = f"{args.pgid_file}.tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{pgid}\n")
+    os.replace(tmp, args.pgid_file)
+
+    code = 0
+    while True:
+        rc = child.poll()
+        if rc is not None:
+            code = rc
+            break
+        if stop["signal"]:
+            code = 128 + stop["signal"]
+            break
+        if os.getppid() != args.parent_pid:  # the launcher is gone (we were re-parented)
+            code = 129
+            break
+        time.sleep(0.2)
+    _kill_group(pgid, args.grace)
+    try:
+        child.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

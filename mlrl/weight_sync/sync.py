@@ -1,0 +1,231 @@
+"""`WeightSync.sync(version) -> SyncReport`: one verified weight update of every live engine.
+
+The loop calls only `await weight_sync.sync(version)`; the transport (broadcast / disk / CUDA
+IPC, see mlrl.weight_sync.transports) is chosen once by `make_weight_sync(cfg, pool, source)`.
+
+Order of one sync (the same for every transport):
+    pool.pause()            in-flight requests finish first or are interrupted (rollout.interrupt_on_update);
+                            the engines are idle and paused (vLLM /pause) — updates never race generation
+    transfer                start -> receive + load -> finish(version) on every engine (transport-specific)
+    verify checksums        each worker's per-sender (tensor count, bytes, digest) == the sender's report,
+                            and no model parameter was left without a tensor
+    reset prefix caches     KV computed with the old weights must never be reused
+    canary                  engines resumed (pool still closed): the engines' logprobs of a fixed token
+                            sequence vs the trainer's (`source.canary_logprobs`), max |diff| <= canary_tolerance
+    commit + pool.resume()  the pool's version becomes `version`; interrupted requests continue
+A failed transfer, checksum or canary check is retried once (a broadcast group is rebuilt);
+a second failure raises `WeightSyncError` and leaves the pool paused: training must not go on
+against engines whose weights are not the trainer's.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
+
+from mlrl.config.schema import WeightSyncConfig
+from mlrl.weight_sync.sender import SendReport
+from mlrl.weight_sync.source import WeightSource
+
+if TYPE_CHECKING:  # the pool is only driven through its public methods; no import cycle at run time
+    from mlrl.rollout.pool import EngineHandle, EnginePool
+
+log = logging.getLogger(__name__)
+CANARY_PROMPT, CANARY_COMPLETION = 8, 16
+
+
+class WeightSyncError(RuntimeError):
+    """A sync failed twice (transfer, checksum or canary); the message says which check and by how much."""
+
+
+class _Mismatch(Exception):
+    """One attempt's verification failed (retried once)."""
+
+
+@dataclass
+class SyncReport(Mapping):
+    """Outcome of one sync. Also a read-only mapping of metrics ("weight_sync/<name>" -> float)."""
+
+    version: int
+    transport: str
+    engines: int = 0
+    tensors: int = 0
+    bytes: int = 0
+    attempts: int = 1
+    seconds: float = 0.0           # pause -> resume
+    pause_s: float = 0.0           # draining / interrupting in-flight requests
+    transfer_s: float = 0.0        # start -> finish on the engines (send + receive + load)
+    verify_s: float = 0.0          # checksum comparison, prefix-cache reset, canary
+    engine_apply_s: float = 0.0    # max over workers of vLLM's finalize (layer-wise processing + LM-head refresh)
+    canary_max_abs_diff: float = 0.0
+    sender_reports: list[SendReport] = field(default_factory=list, repr=False)
+    engine_reports: list[dict[str, Any]] = field(default_factory=list, repr=False)
+
+    def metrics(self) -> dict[str, float]:
+        rate = self.bytes / self.transfer_s if self.transfer_s > 0 else 0.0
+        return {f"weight_sync/{k}": float(v) for k, v in (
+            ("version", self.version), ("seconds", self.seconds), ("pause_s", self.pause_s),
+            ("transfer_s", self.transfer_s), ("verify_s", self.verify_s), ("engine_apply_s", self.engine_apply_s),
+            ("bytes", self.bytes), ("bytes_per_s", rate), ("tensors", self.tensors), ("engines", self.engines),
+            ("attempts", self.attempts), ("canary_max_abs_diff", self.canary_max_abs_diff))}
+
+    def __getitem__(self, key: str) -> float:
+        return self.metrics()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.metrics())
+
+    def __len__(self) -> int:
+        return len(self.metrics())
+
+
+def canary_tokens(vocab_size: int) -> tuple[list[int], list[int]]:
+    """A fixed, model-independent token sequence spread over the vocabulary (prompt, completion)."""
+    ids = [(11 + 7919 * i) % vocab_size for i in range(CANARY_PROMPT + CANARY_COMPLETION)]
+    return ids[:CANARY_PROMPT], ids[CANARY_PROMPT:]
+
+
+def verify_reports(senders: Sequence[SendReport], engines: Sequence["EngineHandle"], reports: Sequence[list[dict[str, Any]]],
+                   version: int) -> tuple[int, int, float]:
+    """Raise _Mismatch unless every worker of every engine received exactly what each sender sent.
+    Returns (tensors, bytes, max finalize seconds)."""
+    by_sender = {r.sender: r for r in senders}
+    apply_s = 0.0
+    for e, workers in zip(engines, reports):
+        if not workers:
+            raise _Mismatch(f"{e.name}: no weight report from its workers")
+        for w in workers:
+            if not isinstance(w, dict) or w.get("version") != version:
+                raise _Mismatch(f"{e.name}: worker report is for version {w.get('version') if isinstance(w, dict) else w!r}, expected {version}")
+            if w.get("missing"):
+                raise _Mismatch(f"{e.name} worker {w.get('worker')}: {len(w['missing'])} parameters received no tensor, e.g. {w['missing'][:5]}")
+            streams = {s["sender"]: s for s in w.get("streams", [])}
+            if set(streams) != set(by_sender):
+                raise _Mismatch(f"{e.name} worker {w.get('worker')}: streams from senders {sorted(streams)}, expected {sorted(by_sender)}")
+            for s, sent in by_sender.items():
+                got = streams[s]
+                if (got["tensors"], got["bytes"], got["digest"]) != (sent.tensors, sent.bytes, sent.digest):
+                    raise _Mismatch(f"{e.name} worker {w.get('worker')}: from sender {s} received {got['tensors']} tensors / "
+                                    f"{got['bytes']} bytes / digest {got['digest'][:12]}, sent {sent.tensors} / {sent.bytes} / {sent.digest[:12]}")
+            apply_s = max(apply_s, float(w.get("finalize_s", 0.0)))
+    return sum(r.tensors for r in senders), sum(r.bytes for r in senders), apply_s
+
+
+class WeightSync(abc.ABC):
+    """Pushes the trainer's weights into every live engine of the pool, verified. Subclasses implement `_transfer`."""
+
+    transport: str = ""
+
+    def __init__(self, cfg: WeightSyncConfig, pool: "EnginePool", source: WeightSource) -> None:
+        if cfg.bucket_mb <= 0:
+            raise ValueError(f"weight_sync.bucket_mb must be > 0, got {cfg.bucket_mb}")
+        self.cfg = cfg
+        self.pool = pool
+        self.source = source
+        self.bucket_bytes = int(cfg.bucket_mb * (1 << 20))
+        self._lock = asyncio.Lock()
+        cfg_json = json.loads((Path(pool.model_dir) / "config.json").read_text())
+        vocab = int(cfg_json.get("vocab_size") or cfg_json.get("text_config", {}).get("vocab_size", 0))
+        if vocab <= 0:
+            raise ValueError(f"{pool.model_dir}/config.json has no vocab_size (needed for the canary prompt)")
+        self.canary = canary_tokens(vocab)
+        self.history: list[SyncReport] = []
+
+    @abc.abstractmethod
+    async def _transfer(self, version: int, engines: list["EngineHandle"]) -> tuple[list[SendReport], list[list[dict[str, Any]]]]:
+        """Move the weights into `engines` and finish the update with `version` (paused engines);
+        return the senders' reports and each engine's per-worker reports."""
+
+    async def _after_failure(self) -> None:
+        """Reset transport state after a failed attempt (e.g. tear down a broadcast group)."""
+
+    async def close(self) -> None:
+        """Release transport resources (groups, files kept for restarts)."""
+
+    async def sync(self, version: int) -> SyncReport:
+        async with self._lock:
+            t0 = time.perf_counter()
+            await self.pool.pause()
+            rep = SyncReport(version=version, transport=self.transport, pause_s=time.perf_counter() - t0)
+            last: BaseException | None = None
+            for attempt in (1, 2):
+                rep.attempts = attempt
+                engines = self.pool.live_engines()
+                if not engines:
+                    raise WeightSyncError("weight sync: no live engine to update")
+                try:
+                    await self._attempt(version, engines, rep)
+                    break
+                except Exception as err:  # noqa: BLE001 - retried once, then raised with the first cause
+                    last = err
+                    log.warning("weight sync v%d attempt %d failed: %s", version, attempt, err)
+                    await self._after_failure()
+                    await asyncio.gather(*(e.client.pause("wait") for e in self.pool.live_engines()), return_exceptions=True)
+            else:
+                raise WeightSyncError(f"weight sync to version {version} ({self.transport}) failed twice; engines left paused. "
+                                      f"Last error: {type(last).__name__}: {last}") from last
+            self.pool.commit_version(version, engines)
+            await self.pool.resume()
+            rep.seconds = time.perf_counter() - t0
+            self.history.append(rep)
+            return rep
+
+    async def _attempt(self, version: int, engines: list["EngineHandle"], rep: SyncReport) -> None:
+        t = time.perf_counter()
+        senders, reports = await self._transfer(version, engines)
+        rep.transfer_s = time.perf_counter() - t
+        t = time.perf_counter()
+        if self.cfg.verify_checksums:
+            rep.tensors, rep.bytes, rep.engine_apply_s = verify_reports(senders, engines, reports, version)
+        else:
+            rep.tensors, rep.bytes = sum(r.tensors for r in senders), sum(r.bytes for r in senders)
+        ok = await asyncio.gather(*(e.client.reset_prefix_cache() for e in engines))
+        if not all(ok):
+            raise _Mismatch(f"prefix cache reset refused by {[e.name for e, k in zip(engines, ok) if not k]} (requests still hold blocks)")
+        await asyncio.gather(*(e.client.resume() for e in engines))  # the pool stays closed: only the canary runs
+        if self.cfg.canary_tolerance > 0:
+            rep.canary_max_abs_diff = await self._canary(engines)
+            if rep.canary_max_abs_diff > self.cfg.canary_tolerance:
+                raise _Mismatch(f"canary logprobs differ from the trainer's by {rep.canary_max_abs_diff:.3g} "
+                                f"> weight_sync.canary_tolerance={self.cfg.canary_tolerance:g}")
+        rep.engines = len(engines)
+        rep.sender_reports, rep.engine_reports = senders, [w for ws in reports for w in ws]
+        rep.verify_s = time.perf_counter() - t
+
+    async def _canary(self, engines: list["EngineHandle"]) -> float:
+        prompt, completion = self.canary
+        want = await asyncio.to_thread(self.source.canary_logprobs, prompt, completion)
+        if len(want) != len(completion):
+            raise _Mismatch(f"source.canary_logprobs returned {len(want)} values for {len(completion)} tokens")
+        got = await asyncio.gather(*(e.client.prompt_logprobs(prompt + completion) for e in engines))
+        return max(abs(a - b) for g in got for a, b in zip(g[-len(completion):], want))
+
+
+def make_weight_sync(cfg: WeightSyncConfig, pool: "EnginePool", source: WeightSource, *, run_dir: str | Path | None = None,
+                     store_host: str | None = None) -> WeightSync:
+    """The configured transport. Installs itself as the pool's refresher: an engine restarted after a
+    crash is brought to the pool's current version by a full sync before it serves again."""
+    from mlrl.weight_sync.transports import BroadcastWeightSync, CudaIpcWeightSync, DiskWeightSync
+
+    if cfg.transport == "broadcast":
+        ws: WeightSync = BroadcastWeightSync(cfg, pool, source, store_host=store_host)
+    elif cfg.transport == "disk":
+        root = Path(cfg.disk_dir) if cfg.disk_dir else Path(run_dir or pool.run_dir) / "weight_sync"
+        ws = DiskWeightSync(cfg, pool, source, root=root)
+    elif cfg.transport == "cuda_ipc":
+        ws = CudaIpcWeightSync(cfg, pool, source)
+    else:
+        raise ValueError(f"weight_sync.transport: unknown {cfg.transport!r} (expected broadcast, disk or cuda_ipc)")
+
+    async def refresh() -> None:
+        await ws.sync(pool.version)
+
+    pool.refresher = refresh
+    return ws
