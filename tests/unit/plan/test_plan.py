@@ -34,7 +34,17 @@ def plan_for(recipe, *overrides):
 
 
 def run_cli(*args):
+    """`python -m mlrl.launch ...` in a subprocess (each costs an interpreter + imports: a few seconds)."""
     return subprocess.run([sys.executable, "-m", "mlrl.launch", *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+def run_main(capsys, *args):
+    """The same entry point in-process (mlrl.launch.main), for the cheaper checks."""
+    from mlrl.launch import main
+
+    code = main(list(args))
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out.out, out.err)
 
 
 def test_qwen3_param_totals_match_published_sizes():
@@ -171,8 +181,8 @@ def test_cli_qwen3_8b_scaled_down(nodes, extra, trainer_gpus, engine_line):
         assert "params 3.81 + grads 7.63 + optimizer 22.89" in out.stdout   # tp=4, dp=1: 2.048 B x (2, 4, 12) bytes
 
 
-def test_cli_colocated_two_nodes():
-    out = run_cli("--config", str(QWEN8B), "--dry-run", "--nodes", "2", "cluster.placement=colocated", "rollout.num_engines=8")
+def test_cli_colocated_two_nodes(capsys):
+    out = run_main(capsys, "--config", str(QWEN8B), "--dry-run", "--nodes", "2", "cluster.placement=colocated", "rollout.num_engines=8")
     assert out.returncode == 0, out.stderr
     assert "node   1 GPU 7  trainer rank   15  tp1 cp0 dp7 pp0  +  engine   7 tp-rank 1" in out.stdout
     assert "colocated GPU, pp stage 0: training phase" in out.stdout
@@ -189,14 +199,14 @@ def test_cli_does_not_fit_reports_gpu_role_and_excess():
     assert need > 18 * 8_190_735_360 / GIB                   # at least bf16 params + fp32 grads + Adam: 18 B/param
 
 
-def test_cli_engine_without_room_for_kv_cache():
-    out = run_cli("--config", str(QWEN30B), "--dry-run", "rollout.engine_tp=1", "rollout.num_engines=64", "cluster.gpu_memory_gb=40")
+def test_cli_engine_without_room_for_kv_cache(capsys):
+    out = run_main(capsys, "--config", str(QWEN30B), "--dry-run", "rollout.engine_tp=1", "rollout.num_engines=64", "cluster.gpu_memory_gb=40")
     assert out.returncode == 3
     assert "engine: weights 56.9" in out.stderr and "leave no KV cache" in out.stderr
 
 
-def test_cli_layout_error_is_a_config_error():
-    out = run_cli("--config", str(QWEN8B), "--dry-run", "--nodes", "1")     # 32 engines x 2 GPUs > 8 GPUs
+def test_cli_layout_error_is_a_config_error(capsys):
+    out = run_main(capsys, "--config", str(QWEN8B), "--dry-run", "--nodes", "1")     # 32 engines x 2 GPUs > 8 GPUs
     assert out.returncode == 2
     assert "leave none for the trainer" in out.stderr
 
