@@ -233,3 +233,13 @@ def test_cpu_run_prints_process_layout():
     assert plan.fits and plan.slots == []
     assert "trainer rank    3  tp1 cp0 dp0 pp1   (torchrun, gloo)" in text
     assert "engine   0: vLLM CPU server" in text and "result: CPU run" in text
+
+
+def test_smollm2_cpu_recipe_matches_its_task():
+    from mlrl.data.synthetic import TASKS
+    from mlrl.reward import list_rewards
+
+    cfg = load_config(ROOT / "launch" / "smollm2_cpu.yaml")
+    assert cfg.model.hf_dir == "builtin:smollm2-135m-instruct" and cfg.cluster.gpus_per_node == 0
+    task = cfg.data.train.removeprefix("synthetic:")
+    assert TASKS[task].reward == cfg.workflow.reward and cfg.workflow.reward in list_rewards()
