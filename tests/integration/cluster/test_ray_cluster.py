@@ -83,3 +83,12 @@ def test_too_few_nodes_fails_clearly(cluster):
         wait_for_nodes(3, 4, timeout_s=1, poll_s=0.5)
     with pytest.raises(ClusterError, match=r"has 0 node\(s\) with >= 8 GPUs"):
         wait_for_nodes(2, 8, timeout_s=0.5, poll_s=0.5)
+
+
+def test_wait_cli(cluster, capsys):
+    from mlrl.cluster.__main__ import main
+
+    assert main(["wait", "--address", cluster.address, "--nodes", "2", "--gpus-per-node", "4", "--timeout", "5"]) == 0
+    assert "2 node(s) with >= 4 GPUs" in capsys.readouterr().out
+    assert main(["wait", "--address", cluster.address, "--nodes", "3", "--gpus-per-node", "4", "--timeout", "1"]) == 1
+    assert "cluster.nodes=3 x cluster.gpus_per_node=4 are needed" in capsys.readouterr().err
