@@ -1,5 +1,6 @@
 """Workflow registry and construction: `workflow.name` in the config is a registered name
-(`@register_workflow("name")`) or a dotted path `pkg.module.Class`; `build_workflow` turns it into
+(`@register_workflow("name")`, or Trinity's `@WORKFLOWS.register_module("name")` of ported code)
+or a dotted path `pkg.module.Class`; `build_workflow` turns it into
 one `RolloutWorkflow` instance, built once per run (never per episode).
 
 What a name may resolve to, and what it becomes:
@@ -61,6 +62,10 @@ def get_workflow(name_or_path: str) -> Any:
     _ensure_builtins()
     if name_or_path in _WORKFLOWS:
         return _WORKFLOWS[name_or_path]
+    from mlrl.workflow.compat.trinity import WORKFLOWS as TRINITY_WORKFLOWS
+
+    if TRINITY_WORKFLOWS.get(name_or_path) is not None:  # @WORKFLOWS.register_module("name") of ported Trinity code
+        return TRINITY_WORKFLOWS.get(name_or_path)
     if "." in name_or_path or ":" in name_or_path:
         return import_from_string(name_or_path)
     raise ValueError(f"workflow.name: unknown workflow {name_or_path!r}; registered: {', '.join(sorted(_WORKFLOWS))}")

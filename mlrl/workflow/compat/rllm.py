@@ -18,8 +18,9 @@ the mlrl engine through the model's chat template, and Episode -> Samples conver
   one sequence (loss mask on every response); other steps become one sample each; all carry the
   trajectory reward. `"step"`: one sample per step with its own (shaped / MC-return) reward.
   `"auto"` (default) picks "step" when gamma > 0 or reward_bonus_coeff > 0, else "trajectory";
-- ERROR / TIMEOUT episodes are not trained on (recorded with their info); steps without token ids
-  are skipped (counted in the episode info).
+- steps an agent recorded from text only get the token ids of the engine call they came from
+  (matched by conversation, else by text; never re-tokenized); ERROR / TIMEOUT episodes are not
+  trained on (recorded with their info); steps still without token ids are skipped and counted.
 """
 
 from __future__ import annotations
@@ -195,6 +196,10 @@ class MlrlRolloutEngine(RolloutEngine):
         self.tokenizer = tokenizer
         self.gconfig = gconfig
         self.engine = engine
+        self.calls: list[tuple[list[dict], ModelOutput]] = []   # this episode's (messages, output), in order
+
+    def bind(self, engine: Any) -> None:
+        self.engine, self.calls = engine, []
 
     async def get_model_response(self, messages: list[dict], **kwargs: Any) -> ModelOutput:
         if self.engine is None:
@@ -218,13 +223,15 @@ class MlrlRolloutEngine(RolloutEngine):
         if not sep:
             reasoning, content = "", text
         versions = list(resp.output_versions)
-        return ModelOutput(
+        out = ModelOutput(
             text=text, content=content.strip() if sep else content, reasoning=reasoning.replace("<think>", "").strip(),
             prompt_ids=list(resp.input_tokens), completion_ids=list(resp.output_tokens), logprobs=list(resp.output_logprobs),
             prompt_length=resp.input_len, completion_length=resp.output_len,
             finish_reason="length" if resp.stop_reason == StopReason.LENGTH else "stop",
             weight_version=min(versions) if versions else None, versions=versions,
         )
+        self.calls.append((copy.deepcopy(messages), out))
+        return out
 
 
 class Workflow(ABC):
@@ -440,12 +447,15 @@ class RLLMWorkflowAdapter(RolloutWorkflow):
         self.gconfig = (gconfig or GenerationHyperparameters()).new(n_samples=1)
         self.step_rewards = step_rewards
         self.workflow_kwargs = workflow_kwargs
-        self.executor = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="rllm-wf")
+        self._max_threads = max_threads
+        self.executor: ThreadPoolExecutor | None = None
         self._idle: list[Workflow] = []
 
     def _acquire(self) -> Workflow:
         if self._idle:
             return self._idle.pop()
+        if self.executor is None:
+            self.executor = ThreadPoolExecutor(max_workers=self._max_threads, thread_name_prefix="rllm-wf")
         wf = self.workflow_cls(rollout_engine=MlrlRolloutEngine(self.tokenizer, self.gconfig), executor=self.executor,
                                **self.workflow_kwargs)
         if not wf.is_multithread_safe():
@@ -454,15 +464,17 @@ class RLLMWorkflowAdapter(RolloutWorkflow):
 
     async def arun_episode(self, engine: Any, data: dict[str, Any]) -> EpisodeOutput:
         wf = self._acquire()
+        calls: list[tuple[list[dict], ModelOutput]] = []
         try:
-            wf.rollout_engine.engine = engine
+            wf.rollout_engine.bind(engine)
             uid = f"{uuid.uuid4().hex[:12]}:0"
             wf.uid, wf.task, wf._completed_trajectories = uid, data, []
             episode = await wf.run_with_termination_handling(task=data, uid=uid)
+            calls = wf.rollout_engine.calls
         finally:
-            if isinstance(wf.rollout_engine, MlrlRolloutEngine):
-                wf.rollout_engine.engine = None
+            wf.rollout_engine.bind(None)
             self._idle.append(wf)
+        attach_model_outputs(episode, calls)
         return self.episode_to_output(episode, wf)
 
     def episode_to_output(self, episode: Episode, wf: Workflow) -> EpisodeOutput:
@@ -489,7 +501,38 @@ class RLLMWorkflowAdapter(RolloutWorkflow):
                              is_correct=bool(episode.is_correct), metrics=metrics, info=info)
 
     async def aclose(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        """Stop the worker threads; instances are rebuilt if the adapter is used afterwards."""
+        if self.executor is not None:
+            self.executor.shutdown(wait=False, cancel_futures=True)
+            self.executor = None
+        self._idle.clear()
+
+
+def attach_model_outputs(episode: Episode, calls: list[tuple[list[dict], ModelOutput]]) -> None:
+    """Give token ids to steps an agent recorded from text only (`update_from_model(response)`):
+    the engine call whose messages equal the step's conversation before its answer (else whose text
+    equals the step's model_response), each call used once. Nothing is re-tokenized."""
+    unused = list(calls)
+    for traj in episode.trajectories:
+        for st in traj.steps:
+            if st.response_ids or not unused:
+                continue
+            prompt = [m for m in st.chat_completions[:-1]] if st.chat_completions else None
+            match = next((c for c in unused if prompt is not None and _same_messages(c[0], prompt)), None)
+            if match is None:
+                match = next((c for c in unused if st.model_response and c[1].text == st.model_response), None)
+            if match is None:
+                continue
+            unused.remove(match)
+            mo = match[1]
+            st.prompt_ids, st.response_ids = list(mo.prompt_ids or []), list(mo.completion_ids or [])
+            st.logprobs, st.versions = list(mo.logprobs or []), list(mo.versions or [])
+            if getattr(st, "model_output", None) is None and hasattr(st, "model_output"):
+                st.model_output = mo
+
+
+def _same_messages(a: list[dict], b: list[dict]) -> bool:
+    return len(a) == len(b) and all(x.get("role") == y.get("role") and x.get("content") == y.get("content") for x, y in zip(a, b))
 
 
 def _step_versions(step: Any) -> list[int]:

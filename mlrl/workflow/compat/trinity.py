@@ -420,7 +420,8 @@ class TrinityWorkflowAdapter(RolloutWorkflow):
         self.auxiliary_models = auxiliary_models
         self.enable_history = enable_history
         self.proxy = OpenAIProxy(tokenizer, default_gconfig=self.gconfig)
-        self._threads = concurrent.futures.ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="trinity-wf")
+        self._max_threads = max_threads
+        self._threads: concurrent.futures.ThreadPoolExecutor | None = None
         self._idle: list[Workflow] = []
         self._lock = threading.Lock()
         self.group_native = _class_repeatable(workflow_cls)
@@ -461,6 +462,8 @@ class TrinityWorkflowAdapter(RolloutWorkflow):
     async def _run(self, engine: Any, data: dict[str, Any], repeat: int, run_id_base: int) -> list[EpisodeOutput]:
         if not self.proxy.started:
             await self.proxy.start()
+        if self._threads is None:
+            self._threads = concurrent.futures.ThreadPoolExecutor(max_workers=self._max_threads, thread_name_prefix="trinity-wf")
         self._loop = asyncio.get_running_loop()
         task = self._task(data, repeat)
         holder: dict[str, Any] = {}
@@ -510,8 +513,13 @@ class TrinityWorkflowAdapter(RolloutWorkflow):
         return outs
 
     async def aclose(self) -> None:
+        """Stop the proxy and the worker threads; the adapter starts them again if used afterwards."""
         await self.proxy.aclose()
-        self._threads.shutdown(wait=False, cancel_futures=True)
+        if self._threads is not None:
+            self._threads.shutdown(wait=False, cancel_futures=True)
+            self._threads = None
+        with self._lock:
+            self._idle.clear()  # their OpenAI clients point at the stopped proxy
 
 
 class _EpisodeEngine(threading.local):

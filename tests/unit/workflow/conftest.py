@@ -1,4 +1,4 @@
-"""Shared fixtures of the workflow tests: the tiny model's tokenizer and a scripted engine factory."""
+"""Shared fixtures of the workflow tests: the tiny model's tokenizer; reward pools shut down at the end."""
 
 import pytest
 
@@ -16,8 +16,3 @@ def _reward_pools():
     yield
     AsyncRewardWrapper.shutdown_pools()
 
-
-def last_user_word(prompt: str) -> str:
-    """The word before the final ' . assistant :' of a tiny-template prompt ('user : copy 7 . assistant :' -> '7')."""
-    words = prompt.split()
-    return words[-4]

@@ -2,7 +2,7 @@
 
 import openai
 import pytest
-from conftest import last_user_word
+from _wf_helpers import last_user_word
 
 from mlrl.types import GenerationHyperparameters
 from mlrl.workflow import EpisodeRunner, EpisodeStatus, build_workflow

@@ -1,7 +1,7 @@
 """Registry lookup / construction, and the built-in rlvr and multi_turn workflows on a scripted engine."""
 
 import pytest
-from conftest import last_user_word
+from _wf_helpers import last_user_word
 
 from mlrl.config.schema import WorkflowConfig
 from mlrl.types import GenerationHyperparameters, SampleStatus, TerminationReason

@@ -5,7 +5,7 @@ import asyncio
 import httpx
 import openai
 import pytest
-from conftest import last_user_word
+from _wf_helpers import last_user_word
 
 from mlrl.types import GenerationHyperparameters
 from mlrl.workflow import apply_chat_template

@@ -1,0 +1,185 @@
+"""get_dataset: files (jsonl / json / parquet / folders), malformed rows, registry, synthetic tasks, GSM8K, SFT."""
+
+import json
+import os
+import re
+
+import pytest
+
+from mlrl.data import DatasetError, RLDataset, SFTDataset, get_dataset, list_datasets, register_dataset, tokenize_messages
+from mlrl.data.gsm8k import gsm8k_dir
+from mlrl.data.synthetic import TASKS, generate
+from mlrl.modelzoo import SPECIALS, WORDS
+from mlrl.reward import extract_final_number, get_reward_fn
+from mlrl.workflow import apply_chat_template, load_hf_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_hf_tokenizer("builtin:tiny-llama")
+
+
+def write_jsonl(path, rows, raw_lines=()):
+    lines = [json.dumps(r) for r in rows] + list(raw_lines)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+ROW = {"messages": [{"role": "user", "content": "copy 7"}], "answer": "007", "level": 3}
+
+
+def test_jsonl_rows_keep_answers_and_metadata_exactly(tmp_path):
+    p = write_jsonl(tmp_path / "d.jsonl", [ROW, {"question": "copy 2", "answer": 2}, {"prompt": "copy 3", "answer": "3"}])
+    ds = get_dataset(str(p))
+    assert isinstance(ds, RLDataset) and len(ds) == 3
+    assert ds[0] == ROW                               # "007" stays a string, metadata kept
+    assert ds[1]["messages"] == [{"role": "user", "content": "copy 2"}] and ds[1]["answer"] == 2 and ds[1]["question"] == "copy 2"
+    assert ds[2]["messages"][0]["content"] == "copy 3"
+
+
+def test_malformed_rows_name_file_and_line_or_are_counted(tmp_path):
+    p = write_jsonl(tmp_path / "bad.jsonl", [ROW], raw_lines=["", '{"messages": [}', json.dumps({"messages": []}),
+                                                           json.dumps({"messages": [{"role": "user", "content": "x"}]})])
+    with pytest.raises(DatasetError, match=re.escape(f"{p}:3: invalid JSON")):
+        get_dataset(str(p))
+    ds = get_dataset(str(p), skip_malformed=True)
+    assert len(ds) == 1 and len(ds.skipped) == 3
+    assert ds.skipped[0].startswith(f"{p}:3: invalid JSON")
+    assert ds.skipped[1].startswith(f"{p}:4: 'messages' must be a non-empty list")
+    assert ds.skipped[2].startswith(f"{p}:5: the row has no 'answer'")
+    assert len(get_dataset(str(p), skip_malformed=True, require_answer=False)) == 2
+
+
+@pytest.mark.parametrize(
+    "row,msg",
+    [
+        ({"messages": [{"role": "robot", "content": "x"}], "answer": 1}, "messages\\[0\\].role must be one of"),
+        ({"messages": [{"role": "user", "content": 3}], "answer": 1}, "messages\\[0\\].content must be a string"),
+        ({"text": "hi", "answer": 1}, "the row has no 'messages'"),
+        ([1, 2], "a row must be a JSON object"),
+    ],
+)
+def test_row_errors(tmp_path, row, msg):
+    p = write_jsonl(tmp_path / "r.jsonl", [row])
+    with pytest.raises(DatasetError, match=f"{re.escape(str(p))}:1: {msg}"):
+        get_dataset(str(p))
+
+
+def test_json_parquet_and_split_folders(tmp_path):
+    import datasets
+
+    (tmp_path / "train.json").write_text(json.dumps([ROW, ROW]))
+    datasets.Dataset.from_list([ROW] * 3).to_parquet(str(tmp_path / "test.parquet"))
+    assert len(get_dataset(str(tmp_path), split="train")) == 2
+    pq = get_dataset(str(tmp_path), split="test")
+    assert len(pq) == 3 and pq[0]["answer"] == "007" and pq[0]["messages"] == ROW["messages"]
+    with pytest.raises(DatasetError, match="no file for split 'valid'"):
+        get_dataset(str(tmp_path), split="valid")
+    with pytest.raises(DatasetError, match="no such file or folder, and not a registered name"):
+        get_dataset(str(tmp_path / "nope.jsonl"))
+    (tmp_path / "x.json").write_text("{\n  bad")
+    with pytest.raises(DatasetError, match=re.escape(f"{tmp_path / 'x.json'}:2: invalid JSON")):
+        get_dataset(str(tmp_path / "x.json"))
+
+
+def test_max_length_drops_long_prompts(tmp_path, tok):
+    long = {"messages": [{"role": "user", "content": " ".join(["copy"] * 40)}], "answer": "1"}
+    p = write_jsonl(tmp_path / "d.jsonl", [ROW, long])
+    ds = get_dataset(str(p), tokenizer=tok, max_length=16)
+    assert len(ds) == 1 and ds.too_long == 1
+
+
+def test_registry_and_batches():
+    @register_dataset("unit_tiny")
+    def load(split, k=2):
+        return [{"messages": [{"role": "user", "content": f"copy {i}"}], "answer": str(i)} for i in range(k)]
+
+    ds = get_dataset("unit_tiny", k=5)
+    assert len(ds) == 5 and "unit_tiny" in list_datasets() and "synthetic:copy_digit" in list_datasets()
+    with pytest.raises(ValueError, match="already registered"):
+        register_dataset("unit_tiny")(lambda split: [])
+    b1 = [r["answer"] for b in ds.batches(2, epoch=0, seed=3) for r in b]
+    b2 = [r["answer"] for b in ds.batches(2, epoch=0, seed=3) for r in b]
+    b3 = [r["answer"] for b in ds.batches(2, epoch=1, seed=3) for r in b]
+    assert b1 == b2 and len(b1) == 4 and b1 != b3  # same (seed, epoch) -> same order; next epoch reshuffles
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_synthetic_tasks_are_deterministic_and_split(task):
+    a, b = generate(task, "train", seed=1, num_rows=200), generate(task, "train", seed=1, num_rows=200)
+    assert a == b and generate(task, "train", seed=2, num_rows=200) != a
+    test = generate(task, "test", seed=1, num_rows=100)
+    assert test != a[:100]
+    if TASKS[task].heldout is not None:
+        train_prompts = {r["messages"][0]["content"] for r in generate(task, "train", seed=0, num_rows=2000)}
+        test_prompts = {r["messages"][0]["content"] for r in generate(task, "test", seed=0, num_rows=500)}
+        assert not train_prompts & test_prompts
+    ds = get_dataset(f"synthetic:{task}", num_rows=7)
+    assert len(ds) == 7 and ds.reward == TASKS[task].reward
+
+
+@pytest.mark.parametrize("task", ["copy_digit", "add_digits"])
+def test_tiny_tasks_fit_the_tiny_vocabulary(task, tok):
+    vocab = set(SPECIALS + WORDS)
+    for r in generate(task, "train", num_rows=300):
+        assert all(w in vocab for w in r["messages"][0]["content"].split())
+        ids = apply_chat_template(tok, r["messages"], add_generation_prompt=True)
+        assert tok.unk_token_id not in ids
+        ans = tok(r["answer"], add_special_tokens=False)["input_ids"]
+        assert len(ans) == 1 and tok.decode(ans) == r["answer"]  # a one-token answer
+        reward = get_reward_fn("exact_match")
+        assert reward("", r["answer"], [], [], **r) == 1.0
+    if task == "add_digits":
+        for r in generate(task, "test", num_rows=50):
+            _, a, b = r["messages"][0]["content"].split()
+            assert int(a) + int(b) == int(r["answer"]) < 10
+
+
+def test_arith_word_answers_are_right():
+    for r in generate("arith_word", "train", num_rows=300):
+        q = r["messages"][0]["content"]
+        a, b = map(int, re.findall(r"\d+", q)[:2])
+        expected = a * b if "in each bag" in q else (a - b if ("gives" in q or "lost" in q) else a + b)
+        assert int(r["answer"]) == expected >= 0
+        assert get_reward_fn("gsm8k")("", f"So the answer is \\boxed{{{expected}}}.", [], [], **r) == 1.0
+        assert extract_final_number(f"{a} and {b} give {expected}") == expected
+
+
+@pytest.mark.skipif(not gsm8k_dir().is_dir(), reason=f"GSM8K folder {gsm8k_dir()} is absent")
+def test_gsm8k_from_the_shared_folder():
+    ds = get_dataset("gsm8k", split="test")
+    assert len(ds) == 1319 and ds.reward == "gsm8k"
+    row = ds[0]
+    assert re.fullmatch(r"-?\d+(\.\d+)?", row["answer"]) and "####" in row["solution"]
+    assert row["messages"][0]["role"] == "user" and "\\boxed{}" in row["messages"][0]["content"]
+    assert get_reward_fn("gsm8k")("", row["solution"], [], [], **row) == 1.0
+
+
+def test_gsm8k_dir_override_and_missing_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLRL_GSM8K_DIR", str(tmp_path))
+    (tmp_path / "train.jsonl").write_text(json.dumps({"question": "1+1?", "answer": "1+1=2\n#### 2"}) + "\n")
+    ds = get_dataset("gsm8k")
+    assert ds[0]["answer"] == "2" and len(ds) == 1
+    monkeypatch.setenv("MLRL_GSM8K_DIR", str(tmp_path / "absent"))
+    with pytest.raises(DatasetError, match="MLRL_GSM8K_DIR"):
+        get_dataset("gsm8k")
+    assert os.environ["MLRL_GSM8K_DIR"].endswith("absent")
+
+
+def test_sft_masks_cover_assistant_content_only(tok, tmp_path):
+    msgs = [{"role": "user", "content": "copy 7"}, {"role": "assistant", "content": "7"},
+            {"role": "user", "content": "copy 3"}, {"role": "assistant", "content": "3"}]
+    ids, mask = tokenize_messages(tok, msgs)
+    assert ids == apply_chat_template(tok, msgs)
+    assert tok.decode([t for t, m in zip(ids, mask) if m]) == "7 . 3 ."
+    p = write_jsonl(tmp_path / "sft.jsonl", [{"messages": msgs}, dict(ROW, answer="9"), {"prompt": "copy 4", "completion": "4"}])
+    ds = get_dataset(str(p), kind="sft", tokenizer=tok)
+    assert isinstance(ds, SFTDataset) and len(ds) == 3
+    rl_as_sft = ds[1]
+    assert tok.decode([t for t, m in zip(rl_as_sft["input_ids"], rl_as_sft["loss_mask"]) if m]) == "9 ."
+    plain = ds[2]
+    assert plain["input_ids"][-1] == tok.eos_token_id and plain["loss_mask"] == [0, 0, 1, 1]
+    cut = get_dataset(str(p), kind="sft", tokenizer=tok, max_length=6, skip_malformed=True)
+    assert cut.truncated >= 1 and all(len(e["input_ids"]) <= 6 for e in cut)
+    with pytest.raises(ValueError, match="needs the model's tokenizer"):
+        get_dataset(str(p), kind="sft")
