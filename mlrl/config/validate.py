@@ -206,7 +206,7 @@ def validate(cfg: Config, *, has_cuda: bool | None = None, dry_run: bool = False
     `model.arch` and the local machine's lack of CUDA is not an error.
     """
     if has_cuda is None:
-        has_cuda = _cuda_available()
+        has_cuda = dry_run or _cuda_available()  # a dry run never needs the local GPU (and skips importing torch)
     _check_ranges(cfg)
     _check_mode(cfg)
     _check_devices(cfg, has_cuda=has_cuda or dry_run)
