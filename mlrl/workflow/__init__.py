@@ -18,15 +18,17 @@ from mlrl.workflow.api import (
     RolloutWorkflow,
     apply_chat_template,
     gconfig_from_sampling,
+    is_evaluation,
     load_hf_tokenizer,
     sample_from_response,
 )
 from mlrl.workflow.registry import build_workflow, build_workflow_from_config, get_workflow, list_workflows, register_workflow
-from mlrl.workflow.runner import EpisodeResult, EpisodeRunner, GroupResult, summarize
+from mlrl.workflow.runner import BatchResult, EpisodeResult, EpisodeRunner, GroupResult, summarize
 from mlrl.workflow.samples import WorkflowResultError, to_samples
 
 __all__ = [
     "AsyncRewardWrapper",
+    "BatchResult",
     "EpisodeOutput",
     "EpisodeResult",
     "EpisodeRunner",
@@ -45,6 +47,7 @@ __all__ = [
     "build_workflow_from_config",
     "gconfig_from_sampling",
     "get_workflow",
+    "is_evaluation",
     "list_workflows",
     "load_hf_tokenizer",
     "register_workflow",

@@ -19,6 +19,7 @@ may return one result or a list of `EpisodeOutput`, one per episode), and `aclos
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import enum
 from abc import ABC, abstractmethod
@@ -38,6 +39,15 @@ else:
         an engine), so AReaL workflows that pass `tokenizer=` run unchanged."""
 
         tokenizer: Any = None
+
+
+EVALUATION: contextvars.ContextVar[bool] = contextvars.ContextVar("mlrl_evaluation", default=False)
+
+
+def is_evaluation() -> bool:
+    """True inside episodes the runner runs for evaluation (`run_batch(..., evaluation=True)`);
+    AReaL's `workflow_context.get().is_eval`."""
+    return EVALUATION.get()
 
 
 @runtime_checkable
@@ -154,6 +164,7 @@ __all__ = [
     "RolloutWorkflow",
     "apply_chat_template",
     "gconfig_from_sampling",
+    "is_evaluation",
     "load_hf_tokenizer",
     "sample_from_response",
 ]

@@ -20,7 +20,7 @@ from typing import Any
 
 from mlrl.reward import AsyncRewardWrapper, import_from_string, reward_data
 from mlrl.types import GenerationHyperparameters, Sample, SampleStatus, StopReason, TerminationReason
-from mlrl.workflow.api import EpisodeOutput, InferenceEngine, ModelRequest, RolloutWorkflow, apply_chat_template
+from mlrl.workflow.api import EpisodeOutput, InferenceEngine, ModelRequest, RolloutWorkflow, apply_chat_template, is_evaluation
 from mlrl.workflow.registry import register_workflow
 from mlrl.workflow.rlvr import make_reward
 
@@ -49,6 +49,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
         max_total_tokens: int | None = None,
         reward_timeout_s: float = 15.0,
         reward_workers: int | None = None,
+        eval_gconfig: GenerationHyperparameters | None = None,
     ):
         if max_turns <= 0:
             raise ValueError(f"multi_turn: max_turns must be positive, got {max_turns}")
@@ -58,6 +59,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
             raise ValueError("multi_turn needs the model's tokenizer")
         self.tokenizer = tokenizer
         self.gconfig = gconfig.new(n_samples=1)
+        self.eval_gconfig = (eval_gconfig or gconfig).new(n_samples=1)
         self.max_turns = max_turns
         self.turn_discount = turn_discount
         self.feedback = feedback
@@ -97,8 +99,9 @@ class MultiTurnWorkflow(RolloutWorkflow):
         reason = TerminationReason.MAX_TURNS_EXCEEDED
         last_stop = StopReason.STOP
         eos = self.tokenizer.eos_token_id
+        gconfig = self.eval_gconfig if is_evaluation() else self.gconfig
         while True:
-            req = ModelRequest(input_ids=list(input_ids), gconfig=self.gconfig, session_id=session, tokenizer=self.tokenizer)
+            req = ModelRequest(input_ids=list(input_ids), gconfig=gconfig, session_id=session, tokenizer=self.tokenizer)
             resp = await engine.agenerate(req)
             if resp.input_tokens[: len(seq)] != seq:
                 raise RuntimeError("multi_turn: the engine's input tokens do not extend the episode's sequence")
@@ -122,7 +125,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
             if eos is not None and (not resp.output_tokens or resp.output_tokens[-1] != eos):
                 nxt.append(eos)
             nxt += self.feedback_ids(text)
-            if self.max_total_tokens is not None and len(nxt) + self.gconfig.max_new_tokens > self.max_total_tokens:
+            if self.max_total_tokens is not None and len(nxt) + gconfig.max_new_tokens > self.max_total_tokens:
                 reason = TerminationReason.MAX_PROMPT_LENGTH_EXCEEDED
                 break
             input_ids = nxt

@@ -3,6 +3,7 @@
 One episode = one response: the row's `messages` go through the model's chat template, the engine
 generates, the reward function scores the decoded completion (special tokens skipped) against the
 row, and the result is one Sample whose loss mask covers exactly the generated tokens.
+Evaluation episodes (`is_evaluation()`) sample with `eval_gconfig` (default: the training sampling).
 """
 
 from __future__ import annotations
@@ -12,7 +13,14 @@ from typing import Any
 
 from mlrl.reward import AsyncRewardWrapper, get_reward_fn, reward_data
 from mlrl.types import GenerationHyperparameters, Sample
-from mlrl.workflow.api import InferenceEngine, ModelRequest, RolloutWorkflow, apply_chat_template, sample_from_response
+from mlrl.workflow.api import (
+    InferenceEngine,
+    ModelRequest,
+    RolloutWorkflow,
+    apply_chat_template,
+    is_evaluation,
+    sample_from_response,
+)
 from mlrl.workflow.registry import register_workflow
 
 
@@ -37,11 +45,13 @@ class RLVRWorkflow(RolloutWorkflow):
         enable_thinking: bool = False,
         reward_timeout_s: float = 15.0,
         reward_workers: int | None = None,
+        eval_gconfig: GenerationHyperparameters | None = None,
     ):
         if tokenizer is None:
             raise ValueError("RLVRWorkflow needs the model's tokenizer")
         self.tokenizer = tokenizer
         self.gconfig = gconfig.new(n_samples=1)
+        self.eval_gconfig = (eval_gconfig or gconfig).new(n_samples=1)
         self.enable_thinking = enable_thinking
         self.reward = make_reward(reward_fn, reward_timeout_s, reward_workers)
 
@@ -53,7 +63,8 @@ class RLVRWorkflow(RolloutWorkflow):
 
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> Sample:
         input_ids = self.prompt_ids(data)
-        resp = await engine.agenerate(ModelRequest(input_ids=input_ids, gconfig=self.gconfig, tokenizer=self.tokenizer))
+        gconfig = self.eval_gconfig if is_evaluation() else self.gconfig
+        resp = await engine.agenerate(ModelRequest(input_ids=input_ids, gconfig=gconfig, tokenizer=self.tokenizer))
         prompt = self.tokenizer.decode(input_ids, skip_special_tokens=True)
         completion = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
         reward = await self.reward(prompt, completion, resp.input_tokens, resp.output_tokens, **reward_data(data))

@@ -32,7 +32,7 @@ from typing import Any
 
 from mlrl.reward import RewardStats, collect_reward_stats
 from mlrl.types import ModelResponse, Sample, SampleStatus, StopReason, TerminationReason
-from mlrl.workflow.api import EpisodeOutput, EpisodeStatus
+from mlrl.workflow.api import EVALUATION, EpisodeOutput, EpisodeStatus
 from mlrl.workflow.samples import to_samples
 
 logger = logging.getLogger(__name__)
@@ -82,6 +82,23 @@ class GroupResult:
     def count(self, status: EpisodeStatus) -> int:
         return sum(e.status == status for e in self.episodes)
 
+    @property
+    def metrics(self) -> dict[str, float]:
+        return summarize([self])
+
+
+class BatchResult(list):
+    """The groups of one `run_batch` call (a list of GroupResult, in row order), with all their
+    trainable samples and the step's rollout metrics."""
+
+    def __init__(self, groups: Sequence[GroupResult], metrics: dict[str, float]):
+        super().__init__(groups)
+        self.metrics = metrics
+
+    @property
+    def samples(self) -> list[Sample]:
+        return [s for g in self for s in g.samples]
+
 
 class _RecordingEngine:
     """Passes everything through to the engine and remembers the responses of one episode."""
@@ -109,7 +126,7 @@ class EpisodeRunner:
         *,
         max_concurrency: int = 64,
         episode_timeout_s: float = 300.0,
-        metric_prefix: str = "rollout",
+        metric_prefix: str = "",
         max_logged_errors: int = 5,
     ):
         if not hasattr(workflow, "arun_episode"):
@@ -132,16 +149,28 @@ class EpisodeRunner:
         return cls(workflow, engine, max_concurrency=cfg.max_concurrency, episode_timeout_s=cfg.episode_timeout_s, **kw)
 
     # --- public API ----------------------------------------------------------------------------
-    async def run_batch(self, rows: Sequence[dict[str, Any]], n: int) -> list[GroupResult]:
-        """n episodes per row; one GroupResult per row, in order. Sets `last_metrics`."""
-        groups = await asyncio.gather(*(self.run_group(row, n) for row in rows))
-        self.last_metrics = summarize(groups, self.metric_prefix)
-        return list(groups)
+    async def run_batch(self, rows: Sequence[dict[str, Any]], n: int, *, evaluation: bool = False) -> BatchResult:
+        """n episodes per row; one GroupResult per row, in order (`.samples`, `.metrics`).
+        `evaluation=True` runs the episodes with `is_evaluation()` true (workflows may then use
+        their evaluation sampling) and leaves `last_metrics` alone."""
+        groups = await asyncio.gather(*(self.run_group(row, n, evaluation=evaluation) for row in rows))
+        metrics = summarize(groups, self.metric_prefix)
+        if not evaluation:
+            self.last_metrics = metrics
+        return BatchResult(groups, metrics)
 
-    async def run_group(self, data: dict[str, Any], n: int, *, group_id: str | None = None) -> GroupResult:
+    async def run_group(self, data: dict[str, Any], n: int, *, group_id: str | None = None,
+                        evaluation: bool = False) -> GroupResult:
         """n episodes of one prompt (the GRPO group)."""
         if n < 1:
             raise ValueError(f"run_group: n must be >= 1, got {n}")
+        token = EVALUATION.set(evaluation)
+        try:
+            return await self._run_group(data, n, group_id)
+        finally:
+            EVALUATION.reset(token)
+
+    async def _run_group(self, data: dict[str, Any], n: int, group_id: str | None) -> GroupResult:
         gid = group_id or uuid.uuid4().hex[:16]
         if getattr(self.workflow, "group_native", False):
             episodes = await self._run(data, gid, 0, n, group_call=True)
@@ -254,48 +283,45 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
 
 
-def summarize(groups: Sequence[GroupResult], prefix: str = "rollout") -> dict[str, float]:
+def summarize(groups: Sequence[GroupResult], prefix: str = "") -> dict[str, float]:
     """Rollout metrics of one step: episode outcomes, reward, accuracy, reward-function failures,
     response lengths, truncation, episode time, groups without reward variance, and the mean of
-    every metric the workflow reported (under `<prefix>/wf/`)."""
-    p = prefix
+    every metric the workflow reported (`workflow/<name>`). Keys get `<prefix>/` when a prefix is given."""
     episodes = [e for g in groups for e in g.episodes]
     done = [e for e in episodes if e.status == EpisodeStatus.COMPLETED]
     samples = [s for g in groups for s in g.samples]
     count = {st: sum(e.status == st for e in episodes) for st in EpisodeStatus}
     rs = RewardStats()
-    for e in {id(e.reward_stats): e.reward_stats for e in episodes}.values():
-        rs.add(e)
+    for st in {id(e.reward_stats): e.reward_stats for e in episodes}.values():
+        rs.add(st)
     m: dict[str, float] = {
-        f"{p}/groups": float(len(groups)),
-        f"{p}/episodes": float(len(episodes)),
-        f"{p}/completed": float(count[EpisodeStatus.COMPLETED]),
-        f"{p}/rejected": float(count[EpisodeStatus.REJECTED]),
-        f"{p}/timeouts": float(count[EpisodeStatus.TIMEOUT]),
-        f"{p}/errors": float(count[EpisodeStatus.ERROR]),
-        f"{p}/episode_failures": float(count[EpisodeStatus.TIMEOUT] + count[EpisodeStatus.ERROR]),
-        f"{p}/samples": float(len(samples)),
-        f"{p}/reward_fn_calls": float(rs.calls),
-        f"{p}/reward_fn_failures": float(rs.failures),
-        f"{p}/reward_fn_timeouts": float(rs.timeouts),
+        "groups/count": float(len(groups)),
+        "groups/samples": float(len(samples)),
+        "episodes/total": float(len(episodes)),
+        "episodes/completed": float(count[EpisodeStatus.COMPLETED]),
+        "episodes/rejected": float(count[EpisodeStatus.REJECTED]),
+        "episodes/timeout": float(count[EpisodeStatus.TIMEOUT]),
+        "episodes/error": float(count[EpisodeStatus.ERROR]),
+        "episodes/failures": float(count[EpisodeStatus.TIMEOUT] + count[EpisodeStatus.ERROR]),
+        "reward_fn/calls": float(rs.calls),
+        "reward_fn/failures": float(rs.failures),
+        "reward_fn/timeouts": float(rs.timeouts),
     }
     if samples:
         rewards = [s.reward for s in samples]
         mu = _mean(rewards)
-        m[f"{p}/reward_mean"] = mu
-        m[f"{p}/reward_std"] = math.sqrt(_mean([(r - mu) ** 2 for r in rewards]))
-        m[f"{p}/response_tokens_mean"] = _mean([float(s.num_loss_tokens) for s in samples])
-        m[f"{p}/truncated_frac"] = _mean([float(s.status == SampleStatus.TRUNCATED) for s in samples])
+        m["reward/mean"] = mu
+        m["reward/std"] = math.sqrt(_mean([(r - mu) ** 2 for r in rewards]))
+        m["response/tokens_mean"] = _mean([float(s.num_loss_tokens) for s in samples])
+        m["response/truncated_frac"] = _mean([float(s.status == SampleStatus.TRUNCATED) for s in samples])
     if done:
-        m[f"{p}/accuracy"] = _mean([float(e.correct) for e in done])
+        m["reward/accuracy"] = _mean([float(e.correct) for e in done])
     if episodes:
-        m[f"{p}/episode_time_mean"] = _mean([e.duration_s for e in episodes])
-        m[f"{p}/episode_time_max"] = max(e.duration_s for e in episodes)
+        m["episodes/time_mean"] = _mean([e.duration_s for e in episodes])
+        m["episodes/time_max"] = max(e.duration_s for e in episodes)
     multi = [g for g in groups if len(g.samples) >= 2]
     if multi:
-        m[f"{p}/zero_std_group_frac"] = _mean([float(len(set(g.rewards)) == 1) for g in multi])
-    keys = sorted({k for e in done for k in e.metrics})
-    for k in keys:
-        vals = [float(e.metrics[k]) for e in done if k in e.metrics]
-        m[f"{p}/wf/{k}"] = _mean(vals)
-    return m
+        m["groups/zero_std_frac"] = _mean([float(len(set(g.rewards)) == 1) for g in multi])
+    for k in sorted({k for e in done for k in e.metrics}):
+        m[f"workflow/{k}"] = _mean([float(e.metrics[k]) for e in done if k in e.metrics])
+    return {f"{prefix}/{k}" if prefix else k: v for k, v in m.items()}

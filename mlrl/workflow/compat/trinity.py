@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlrl.types import GenerationHyperparameters, Sample, SampleStatus, StopReason
-from mlrl.workflow.api import EpisodeOutput, EpisodeStatus, ModelRequest, RolloutWorkflow, apply_chat_template
+from mlrl.workflow.api import EpisodeOutput, EpisodeStatus, ModelRequest, RolloutWorkflow, apply_chat_template, is_evaluation
 
 
 # --- registry ------------------------------------------------------------------------------------
@@ -430,7 +430,7 @@ class TrinityWorkflowAdapter(RolloutWorkflow):
         rollout = copy.deepcopy(self.rollout_args)
         return Task(workflow=self.workflow_cls, repeat_times=repeat_times, format_args=copy.deepcopy(self.format_args),
                     rollout_args=rollout, workflow_args=dict(self.workflow_args), reward_fn_args=dict(self.reward_fn_args),
-                    reward_fn=self.reward_fn, raw_task=data)
+                    reward_fn=self.reward_fn, raw_task=data, is_eval=is_evaluation())
 
     def _acquire(self, task: Task) -> Workflow:
         """An instance for `task` (in the worker thread: __init__ may call the model synchronously)."""

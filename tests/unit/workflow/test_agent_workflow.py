@@ -74,14 +74,14 @@ async def test_multi_turn_agent_becomes_discounted_samples(tok):
         resp = next(r for r in eng.responses if r.input_tokens + r.output_tokens == s.tokens)
         assert s.versions[s.prompt_len:] == [4] * resp.output_len and s.rollout_logprobs[s.prompt_len:] == resp.output_logprobs
     assert len(SEEN_CLIENTS) == 2 and SEEN_CLIENTS[0] is SEEN_CLIENTS[1]
-    assert m["rollout/wf/num_model_calls"] == 2.0 and m["rollout/accuracy"] == 1.0
+    assert m["workflow/num_model_calls"] == 2.0 and m["reward/accuracy"] == 1.0
 
 
 async def test_dict_rewards_and_reward_function_fallback(tok):
     g, _ = await run(tok, DictRewardAgent, ScriptedEngine.from_text(tok, last_user_word), n=1)
     assert [s.reward for s in g.samples] == [0.25 + 0.75, 0.75]  # discount 1.0 propagates backward
     g2, m2 = await run(tok, SilentAgent, ScriptedEngine.from_text(tok, last_user_word), n=2)
-    assert g2.rewards == [1.0, 1.0] and m2["rollout/reward_fn_calls"] == 2
+    assert g2.rewards == [1.0, 1.0] and m2["reward_fn/calls"] == 2
     g3, _ = await run(tok, SilentAgent, ScriptedEngine.from_text(tok, lambda p: "3"), n=1)
     assert g3.rewards == [0.0]
 

@@ -191,7 +191,7 @@ async def test_adapter_groups_by_trajectory_name_and_keeps_tokens(tok):
     assert len(solver) == 4 and all(s.reward == 1.0 for s in solver)
     assert tok.decode(solver[0].tokens) == "user : copy 5 . assistant : 5 </s>" and solver[0].versions[-2:] == [9, 9]
     m = runner.last_metrics
-    assert m["rollout/wf/solver_acc"] == 1.0 and m["rollout/wf/judge_acc"] == 0.0
+    assert m["workflow/solver_acc"] == 1.0 and m["workflow/judge_acc"] == 0.0
 
 
 async def test_agent_env_multi_turn_workflow_and_error_episodes(tok):

@@ -120,7 +120,7 @@ async def test_task_experience_and_conversion(tok):
     assert tok.decode(s.tokens) == "user : copy 7 . assistant : 7 </s>"
     assert s.loss_mask == [0] * 7 + [1, 1] and s.prompt_len == 7
     assert s.versions[-2:] == [7, 7] and "approx_versions" not in s.metadata  # recovered by token match
-    assert m["rollout/accuracy"] == 1.0
+    assert m["reward/accuracy"] == 1.0
     t = Task(workflow=Answer, raw_task={"prompt": "p", "response": "r"})
     assert (t.task_desc, t.truth, t.to_dict()) == ("p", "r", {"prompt": "p", "response": "r"})
 

@@ -45,7 +45,7 @@ async def test_areal_single_turn_rlvr_example(tok):
             assert s.tokens[: s.prompt_len] == apply_chat_template(tok, row["messages"], add_generation_prompt=True)
     wrong = ScriptedEngine.from_text(tok, lambda p: "0" if last_user_word(p) != "0" else "1")
     groups, m = await run_rows(wf, wrong, rows, n=2)
-    assert m["rollout/reward_mean"] == 0.0 and m["rollout/samples"] == 6
+    assert m["reward/mean"] == 0.0 and m["groups/samples"] == 6
 
 
 async def test_trinity_example_workflow_with_exact_match_reward(tok, tmp_path):
@@ -65,7 +65,7 @@ async def test_trinity_example_workflow_with_exact_match_reward(tok, tmp_path):
             assert tok.unk_token_id in s.tokens[: s.prompt_len]  # ... and was sent as <unk>, as tokenized
     half = ScriptedEngine.from_text(tok, lambda p: "8")
     groups, m = await run_rows(wf, half, rows, n=2)
-    assert [g.rewards for g in groups] == [[0.0, 0.0], [1.0, 1.0]] and m["rollout/accuracy"] == 0.5
+    assert [g.rewards for g in groups] == [[0.0, 0.0], [1.0, 1.0]] and m["reward/accuracy"] == 0.5
 
 
 async def test_rllm_agent_environment_workflow(tok):
@@ -84,4 +84,4 @@ async def test_rllm_agent_environment_workflow(tok):
         for s in g.samples:
             check_trainable(s, eng, version=1)
             assert s.group_id == f"{g.group_id}:default"
-    assert m["rollout/accuracy"] == 0.5 and m["rollout/wf/default_acc"] == 0.5
+    assert m["reward/accuracy"] == 0.5 and m["workflow/default_acc"] == 0.5

@@ -54,9 +54,9 @@ async def test_groups_share_ids_and_keep_row_order():
         assert [e.index for e in g.episodes] == [0, 1, 2]
     assert groups[0].rewards == [1.0, 1.0, 1.0] and groups[1].rewards == [0.0, 0.0, 0.0]
     m = runner.last_metrics
-    assert m["rollout/episodes"] == 9 and m["rollout/completed"] == 9 and m["rollout/samples"] == 9
-    assert m["rollout/reward_mean"] == pytest.approx(1 / 3) and m["rollout/accuracy"] == pytest.approx(1 / 3)
-    assert m["rollout/zero_std_group_frac"] == 1.0 and m["rollout/reward_fn_calls"] == 9
+    assert m["episodes/total"] == 9 and m["episodes/completed"] == 9 and m["groups/samples"] == 9
+    assert m["reward/mean"] == pytest.approx(1 / 3) and m["reward/accuracy"] == pytest.approx(1 / 3)
+    assert m["groups/zero_std_frac"] == 1.0 and m["reward_fn/calls"] == 9
 
 
 async def test_every_failure_is_recorded_and_the_batch_continues():
@@ -73,8 +73,8 @@ async def test_every_failure_is_recorded_and_the_batch_continues():
     # A TimeoutError raised by the workflow itself is an error, not the runner's timeout.
     assert g_inner.count(EpisodeStatus.ERROR) == 2 and g_inner.episodes[0].info["error"]["error_type"] == "TimeoutError"
     m = runner.last_metrics
-    assert (m["rollout/completed"], m["rollout/rejected"], m["rollout/errors"], m["rollout/timeouts"]) == (2, 2, 4, 2)
-    assert m["rollout/episode_failures"] == 6 and m["rollout/samples"] == 2
+    assert (m["episodes/completed"], m["episodes/rejected"], m["episodes/error"], m["episodes/timeout"]) == (2, 2, 4, 2)
+    assert m["episodes/failures"] == 6 and m["groups/samples"] == 2
 
 
 async def test_engine_failure_and_truncation_are_seen_through_the_engine():
@@ -88,7 +88,7 @@ async def test_engine_failure_and_truncation_are_seen_through_the_engine():
     assert g_fail.episodes[0].status == EpisodeStatus.ERROR
     assert "engine died" in g_fail.episodes[0].info["error"]["error_message"]
     (s,) = g_long.samples
-    assert s.status == SampleStatus.TRUNCATED and runner.last_metrics["rollout/truncated_frac"] == 1.0
+    assert s.status == SampleStatus.TRUNCATED and runner.last_metrics["response/truncated_frac"] == 1.0
 
 
 async def test_reward_function_failures_are_counted_per_episode():
@@ -96,7 +96,7 @@ async def test_reward_function_failures_are_counted_per_episode():
     (g,) = await runner.run_batch([row("ok", 1, reward="fail")], n=3)
     assert g.count(EpisodeStatus.COMPLETED) == 3 and g.rewards == [0.0] * 3
     assert all(e.reward_stats.failures == 1 for e in g.episodes)
-    assert runner.last_metrics["rollout/reward_fn_failures"] == 3
+    assert runner.last_metrics["reward_fn/failures"] == 3
 
 
 async def test_concurrency_is_bounded():
@@ -134,7 +134,7 @@ async def test_group_native_workflows_and_metrics_passthrough():
     runner = EpisodeRunner(Grouped(), ScriptedEngine(), max_concurrency=2, episode_timeout_s=10)
     (g,) = await runner.run_batch([row("ok")], n=4)
     assert Grouped.calls == 1 and len(g.episodes) == 4 and g.rewards == [0.0, 1.0, 2.0, 3.0]
-    assert runner.last_metrics["rollout/wf/turns"] == 1.5 and runner.last_metrics["rollout/accuracy"] == 0.75
+    assert runner.last_metrics["workflow/turns"] == 1.5 and runner.last_metrics["reward/accuracy"] == 0.75
 
 
 def test_runner_argument_checks():
@@ -154,3 +154,34 @@ async def test_error_stop_reason_from_a_direct_call_is_an_episode_error():
     runner = EpisodeRunner(Direct(), ScriptedEngine(lambda ids, c: 1 / 0), episode_timeout_s=10)
     e = await runner.run_episode(row("ok"))
     assert e.status == EpisodeStatus.ERROR and "ZeroDivisionError" in e.info["error"]["error_message"]
+
+
+async def test_batch_result_evaluation_flag_and_prefix(tok):
+    from mlrl.workflow import BatchResult, is_evaluation
+    from mlrl.workflow.rlvr import RLVRWorkflow
+    from _wf_helpers import last_user_word
+
+    seen = []
+
+    class Probe(RolloutWorkflow):
+        async def arun_episode(self, engine, data):
+            seen.append(is_evaluation())
+            return Sample(tokens=[1, 2], loss_mask=[0, 1], rollout_logprobs=[0, -1], versions=[-1, 0], reward=float(data["i"]))
+
+    runner = EpisodeRunner(Probe(), ScriptedEngine(), episode_timeout_s=10)
+    batch = await runner.run_batch([row("ok", 1), row("ok", 0)], n=2)
+    assert isinstance(batch, BatchResult) and len(batch) == 2 and [s.reward for s in batch.samples] == [1, 1, 0, 0]
+    assert batch.metrics == runner.last_metrics and batch[0].metrics["reward/mean"] == 1.0
+    ev = await runner.run_batch([row("ok", 0)], n=1, evaluation=True)
+    assert seen == [False] * 4 + [True] and runner.last_metrics == batch.metrics and ev.metrics["reward/mean"] == 0.0
+    pre = EpisodeRunner(Probe(), ScriptedEngine(), metric_prefix="rollout")
+    assert "rollout/reward/mean" in (await pre.run_batch([row("ok", 1)], n=1)).metrics
+
+    greedy = G.new(temperature=0.0, greedy=True)
+    wf = RLVRWorkflow("exact_match", G, tok, reward_workers=1, eval_gconfig=greedy)
+    eng = ScriptedEngine.from_text(tok, last_user_word)
+    r2 = EpisodeRunner(wf, eng, episode_timeout_s=10)
+    msgs = {"messages": [{"role": "user", "content": "copy 1"}], "answer": "1"}
+    await r2.run_batch([msgs], n=1)
+    await r2.run_batch([msgs], n=1, evaluation=True)
+    assert [r.gconfig.greedy for r in eng.requests] == [False, True]
