@@ -8,8 +8,8 @@ from mlrl.metrics.sinks import read_jsonl
 
 PANELS = [
     ("reward/mean", "mean reward"),
-    ("train/kl_ref", "KL to reference"),
-    ("mismatch/logprob_gap", "|train - rollout| logprob"),
+    ("train/kl", "KL to reference"),
+    ("train/mismatch/logprob_gap", "|train - rollout| logprob"),
     ("time/step_s", "step time (s)"),
 ]
 

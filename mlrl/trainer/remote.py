@@ -13,7 +13,9 @@ from typing import Any
 import torch
 
 from mlrl.experience.batch import MicroBatch
+from mlrl.experience.packing import pack_step, unpack_per_sample
 from mlrl.trainer.group import TrainerGroup
+from mlrl.types import Sample
 
 
 class RemotePolicy:
@@ -21,6 +23,7 @@ class RemotePolicy:
         self.group = group
         self.dp_rank_of = [int(info.get("dp_rank", 0)) for info in group.rank_info]
         self.dp_size = max(self.dp_rank_of) + 1
+        self.pp_size = max(int(info.get("pp", 0)) for info in group.rank_info) + 1
 
     def _per_rank(self, per_dp: list[list[MicroBatch]]) -> list[dict[str, Any]]:
         if len(per_dp) != self.dp_size:
@@ -58,3 +61,32 @@ class RemotePolicy:
 
     def close(self) -> None:
         self.group.close()
+
+
+class MegatronWeightSource:
+    """`mlrl.weight_sync.WeightSource` over the remote Megatron ranks: one sender per pipeline stage."""
+
+    def __init__(self, policy: RemotePolicy):
+        self.policy = policy
+
+    @property
+    def num_senders(self) -> int:
+        return self.policy.pp_size
+
+    def push(self, request: Any) -> list[Any]:
+        from mlrl.weight_sync.sender import SendReport
+
+        payload = request.to_json() if hasattr(request, "to_json") else dict(request)
+        reports = [SendReport.from_json(r) for r in self.policy.call("push_weights", request=payload) if r is not None]
+        return sorted(reports, key=lambda r: r.sender)
+
+    def canary_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
+        ids = list(prompt_ids) + list(completion_ids)
+        n = len(ids)
+        sample = Sample(tokens=ids, loss_mask=[0] * len(prompt_ids) + [1] * len(completion_ids),
+                        rollout_logprobs=[0.0] * n, versions=[-1] * n, prompt_len=len(prompt_ids))
+        per_dp, _ = pack_step([sample], dp_size=self.policy.dp_size, token_budget=max(n, 1), loss_agg="token-mean")
+        out = self.policy.compute_logprobs(per_dp, temperature=1.0)
+        flat = [mb for rank in per_dp for mb in rank]
+        (lp,) = unpack_per_sample(flat, [t for rank in out for t, _ in rank], 1)
+        return [float(x) for x in lp[len(prompt_ids):]]

@@ -40,7 +40,7 @@ class TrainerService:
         self._loss_fn = None
 
     def info(self) -> dict[str, Any]:
-        return self.policy.rank_info() if hasattr(self.policy, "rank_info") else {"rank": dist.get_rank()}
+        return self.policy.rank_info()
 
     def compute_logprobs(self, micro_batches, temperature: float, reference: bool = False):
         model = self.ref if reference else self.policy
@@ -51,7 +51,33 @@ class TrainerService:
             from mlrl.algorithms.losses import make_loss_fn
 
             self._loss_fn = make_loss_fn(self.cfg.algorithm)
-        return self.policy.train_step(micro_batches, self._loss_fn)
+        temperature = self.cfg.rollout.sampling.temperature or 1.0
+        return self.policy.train_step(micro_batches, self._loss_fn, temperature=temperature)
+
+    def push_weights(self, request: dict[str, Any]) -> dict[str, Any] | None:
+        """This rank's part of a weight sync (mlrl.weight_sync.sender): the sender of each
+        pipeline stage streams its stage's HF tensors; the other ranks take part in the gathers."""
+        from mlrl.weight_sync.sender import push_from_rank
+
+        info = self.policy.rank_info()
+        sender = info["pp"] if info["is_stage_sender"] else None
+        report = push_from_rank(request, self.policy.iter_hf_buckets, sender)
+        return report.to_json() if report is not None else None
+
+    def export_hf(self, out_dir: str) -> None:
+        """Stream the HF tensors into a Hugging Face folder (one pipeline stage for now)."""
+        from mlrl.checkpoint.hf_export import write_hf_folder
+        from mlrl.modelzoo import resolve_model_dir
+
+        info = self.policy.rank_info()
+        if info["pp_size"] > 1:
+            raise NotImplementedError("HF export from pipeline-parallel ranks is not wired yet")
+        buckets = self.policy.iter_hf_buckets(256 << 20)
+        if info["is_stage_sender"]:
+            write_hf_folder(buckets, out_dir, resolve_model_dir(self.cfg.model.hf_dir))
+        else:
+            for _ in buckets:  # keep the gathers aligned
+                pass
 
 
 def main(argv: list[str] | None = None) -> int:

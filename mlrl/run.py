@@ -1,0 +1,143 @@
+"""Builds the components of one run from the validated config, runs the loop, tears down.
+
+Order kept: everything that can fail cheaply (model folder, tokenizer, dataset, workflow,
+checkpoint to resume) is checked before any process starts; then the engines and the trainer
+ranks start concurrently; an initial weight sync verifies the whole trainer -> engine path (and,
+on resume, brings the engines to the checkpoint's weights) before the first step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from mlrl.checkpoint import CheckpointManager, read_state
+from mlrl.config import Config, Layout, dump_yaml
+from mlrl.data.registry import get_dataset
+from mlrl.data.sampler import PromptSampler
+from mlrl.loop import RunContext, train_async, train_sync
+from mlrl.metrics import MetricsLogger, plot_run
+from mlrl.modelzoo import resolve_model_dir
+from mlrl.rollout.pool import EnginePool
+from mlrl.trainer.group import TrainerGroup
+from mlrl.trainer.remote import MegatronWeightSource, RemotePolicy
+from mlrl.weight_sync import make_weight_sync
+from mlrl.workflow import EpisodeRunner, build_workflow_from_config, gconfig_from_sampling, load_hf_tokenizer
+
+log = logging.getLogger("mlrl")
+
+
+class Checkpointer:
+    """Saves (trainer shards + loop state, atomically) and exports HF folders for the loop."""
+
+    def __init__(self, manager: CheckpointManager, run_dir: Path):
+        self.manager = manager
+        self.run_dir = run_dir
+        self.last_saved: Path | None = None
+        self.last_export: Path | None = None
+
+    def save(self, ctx: RunContext, step: int) -> Path:
+        tmp = self.manager.begin(step)
+        ctx.policy.save_checkpoint(tmp / "model_optim")
+        state = {"weight_version": ctx.version, "sampler": ctx.sampler.state(), "config": dump_yaml(ctx.cfg)}
+        self.last_saved = self.manager.commit(tmp, step, state)
+        log.info("checkpoint saved: %s", self.last_saved)
+        return self.last_saved
+
+    def export_hf(self, ctx: RunContext, step: int) -> Path:
+        out = self.run_dir / "hf" / f"step_{step:06d}"
+        ctx.policy.export_hf(out)
+        self.last_export = out
+        log.info("HF export written: %s", out)
+        return out
+
+
+def run(cfg: Config, layout: Layout) -> int:
+    logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    return asyncio.run(_run(cfg, layout))
+
+
+async def _run(cfg: Config, layout: Layout) -> int:
+    run_dir = Path(cfg.logging.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # 1. cheap checks first: model, tokenizer, data, workflow, checkpoint to resume
+    hf_dir = resolve_model_dir(cfg.model.hf_dir)
+    tokenizer = load_hf_tokenizer(str(hf_dir))
+    ckpts = CheckpointManager(cfg.checkpoint.dir or run_dir / "checkpoints", cfg.checkpoint.keep_last)
+    resume = ckpts.resolve_resume(cfg.checkpoint.resume)
+    state = read_state(resume) if resume else None
+    train_rows = get_dataset(cfg.data.train, "train", tokenizer=tokenizer, max_length=cfg.data.max_prompt_tokens,
+                             skip_malformed=cfg.data.skip_malformed, seed=cfg.trainer.seed, num_rows=cfg.data.num_synthetic)
+    eval_rows = None
+    if cfg.data.eval:
+        eval_rows = list(get_dataset(cfg.data.eval, "test", tokenizer=tokenizer, max_length=cfg.data.max_prompt_tokens,
+                                     skip_malformed=cfg.data.skip_malformed, seed=cfg.trainer.seed + 1,
+                                     num_rows=min(cfg.data.num_synthetic, 128)))
+    sampler = PromptSampler(train_rows, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
+    if state:
+        sampler = PromptSampler.from_state(train_rows, state["sampler"], seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
+    workflow = build_workflow_from_config(cfg.workflow, tokenizer=tokenizer, gconfig=gconfig_from_sampling(cfg.rollout.sampling))
+    # 2. processes: engines and trainer ranks start concurrently
+    pool = EnginePool(cfg.rollout, hf_dir, dtype=cfg.model.dtype, run_dir=run_dir)
+    group = policy = weight_sync = runner = logger = None
+    try:
+        pool_started = asyncio.create_task(pool.start())
+        try:
+            group = await asyncio.to_thread(TrainerGroup, dump_yaml(cfg), layout.trainer_devices, run_dir=run_dir)
+        finally:
+            await pool_started
+        policy = RemotePolicy(group)
+        version = 0
+        if resume:
+            await asyncio.to_thread(policy.load_checkpoint, resume / "model_optim")
+            version = int(state["weight_version"])
+            log.info("resumed from %s (step %d, weight version %d)", resume, state["step"], version)
+        weight_sync = make_weight_sync(cfg.weight_sync, pool, MegatronWeightSource(policy), run_dir=run_dir)
+        # 3. verify the trainer -> engine path before the first step (and load resumed weights)
+        await weight_sync.sync(version)
+        runner = EpisodeRunner.from_config(cfg.workflow, workflow, pool)
+        start_step = int(state["step"]) if state else 0
+        logger = MetricsLogger(run_dir, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard,
+                               wandb_project=cfg.logging.wandb_project, resume_step=start_step if state else None)
+        ctx = RunContext(cfg=cfg, policy=policy, engines=pool, weight_sync=weight_sync, runner=runner, sampler=sampler,
+                         logger=logger, checkpoint=Checkpointer(ckpts, run_dir), eval_rows=eval_rows,
+                         start_step=start_step, version=version, progress=_progress(cfg, start_step))
+        await (train_async(ctx) if cfg.mode == "async" else train_sync(ctx))
+        if ctx.progress is not None:
+            ctx.progress.close()
+        _summary(ctx, run_dir)
+        return 0
+    finally:
+        if logger is not None:
+            logger.close()
+            if cfg.logging.plot and (run_dir / "metrics.jsonl").exists():
+                plot_run(run_dir / "metrics.jsonl", run_dir / "run.png")
+        if runner is not None:
+            await runner.aclose()
+        if weight_sync is not None:
+            await weight_sync.close()
+        await pool.shutdown()
+        if group is not None:
+            await asyncio.to_thread(group.close)
+
+
+def _progress(cfg: Config, start_step: int) -> Any:
+    if not cfg.logging.progress_bar:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=cfg.trainer.total_steps, initial=start_step, desc="RL steps", unit="step", file=sys.stderr)
+
+
+def _summary(ctx: RunContext, run_dir: Path) -> None:
+    rewards = [h.get("reward/mean") for h in ctx.history if "reward/mean" in h]
+    print(f"run finished: {len(ctx.history)} steps, metrics in {run_dir / 'metrics.jsonl'}")
+    if rewards:
+        print("mean reward per step: " + " ".join(f"{r:.2f}" for r in rewards))
+    if ctx.checkpoint.last_saved:
+        print(f"checkpoint: {ctx.checkpoint.last_saved}")
+    if ctx.checkpoint.last_export:
+        print(f"Hugging Face export: {ctx.checkpoint.last_export}")
