@@ -89,14 +89,15 @@ def _versions(spans: list[dict[str, Any]] | None, n: int, default: int) -> list[
 class EngineClient:
     """One engine's HTTP API. All methods are coroutines; one instance per engine, shared by all requests."""
 
-    def __init__(self, url: str, token: str, *, timeout_s: float = 600.0, max_connections: int = 256, name: str = "engine") -> None:
+    def __init__(self, url: str, token: str, *, timeout_s: float = 600.0, max_connections: int = 256, name: str = "engine",
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.url = url
         self.name = name
         self._timeout_s = timeout_s
         self._http = httpx.AsyncClient(
             base_url=url, headers={"Authorization": f"Bearer {token}"},
             timeout=httpx.Timeout(timeout_s, connect=10.0),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections))
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections), transport=transport)
 
     async def aclose(self) -> None:
         await self._http.aclose()

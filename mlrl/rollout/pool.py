@@ -97,7 +97,8 @@ class EnginePool:
 
     def __init__(self, cfg: RolloutConfig, model_dir: str | Path, *, dtype: str = "float32", token: str | None = None,
                  run_dir: str | Path | None = None, initial_version: int = 0,
-                 cuda_devices: Sequence[Sequence[int]] | None = None, max_restarts: int = 3) -> None:
+                 cuda_devices: Sequence[Sequence[int]] | None = None, max_restarts: int = 3,
+                 command: list[str] | None = None) -> None:
         if cfg.num_engines < 1:
             raise ValueError(f"rollout.num_engines must be >= 1, got {cfg.num_engines}")
         if cfg.max_concurrent_requests < 1:
@@ -118,7 +119,8 @@ class EnginePool:
         for i in range(cfg.num_engines):
             spec = ServerSpec.from_config(cfg, f"engine-{i}", self.model_dir, dtype, self.token, omp_threads=omp,
                                           log_path=str(self.run_dir / "engines" / f"engine-{i}.log"),
-                                          cuda_devices=None if cuda_devices is None else list(cuda_devices[i]))
+                                          cuda_devices=None if cuda_devices is None else list(cuda_devices[i]),
+                                          command=command)
             self.engines.append(EngineHandle(i, EngineServer(spec)))
         self._version = initial_version
         self._cond = asyncio.Condition()
@@ -375,6 +377,8 @@ class EnginePool:
             self._cond.notify_all()
         if e.state == EngineState.STALE and self.refresher is not None:
             await self.refresher()
+            async with self._cond:
+                self._cond.notify_all()
 
     # ------------------------------------------------------------------ weight updates
 

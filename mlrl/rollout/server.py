@@ -77,6 +77,7 @@ class ServerSpec:
     extra_args: list[str] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
     seed: int = 0
+    command: list[str] | None = None            # replaces the vLLM command ("{host}", "{port}" substituted): tests, custom launchers
 
     @classmethod
     def from_config(cls, cfg: RolloutConfig, name: str, model_dir: str | Path, dtype: str, token: str, **kw) -> "ServerSpec":
@@ -104,6 +105,8 @@ def _on_gpu(spec: ServerSpec) -> bool:
 
 def server_command(spec: ServerSpec, port: int) -> list[str]:
     """The vLLM command line (without the supervisor prefix). No secret appears in it."""
+    if spec.command is not None:
+        return [a.format(host=spec.host, port=port) for a in spec.command]
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
            "--model", spec.model_dir, "--dtype", spec.dtype, "--host", spec.host, "--port", str(port),
            "--tensor-parallel-size", str(spec.engine_tp), "--seed", str(spec.seed),

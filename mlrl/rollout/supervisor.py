@@ -27,18 +27,38 @@ import sys
 import time
 
 
-def _kill_group(pgid: int, grace_s: float) -> None:
+def _group_alive(pgid: int) -> bool:
+    """Whether a non-zombie process of the group exists (zombies count for kill(0) but are harmless)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    if not os.path.isdir("/proc"):
+        return True
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def _kill_group(pgid: int, grace_s: float, child: subprocess.Popen) -> None:
     try:
         os.killpg(pgid, signal.SIGTERM)
     except ProcessLookupError:
         return
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
+        child.poll()  # reap the leader so it does not count as alive
+        if not _group_alive(pgid):
             return
-        time.sleep(0.1)
+        time.sleep(0.05)
     try:
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:
@@ -84,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             code = 129
             break
         time.sleep(0.2)
-    _kill_group(pgid, args.grace)
+    _kill_group(pgid, args.grace, child)
     try:
         child.wait(timeout=5)
     except subprocess.TimeoutExpired:

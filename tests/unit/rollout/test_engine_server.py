@@ -1,0 +1,145 @@
+"""Server launch: the vLLM command / environment, start-up failures with the log tail, clean stop,
+no orphans when the launcher dies; the token middleware."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from mlrl.config.schema import RolloutConfig
+from mlrl.rollout.auth import TOKEN_ENV, TokenMiddleware
+from mlrl.rollout.server import EngineServer, EngineStartError, ServerSpec, server_command, server_env
+
+
+def _spec(tmp_path, **kw) -> ServerSpec:
+    cfg = RolloutConfig(host="127.0.0.1", engine_tp=2, max_model_len=512, cpu_kv_cache_gb=2.0)
+    return ServerSpec.from_config(cfg, "engine-7", "/models/m", "float32", "s3cret-token", log_path=str(tmp_path / "e.log"),
+                                  omp_threads=1, **kw)
+
+
+def _pids_in_group(pgid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                out.append(int(entry))
+    return out
+
+
+def test_command_and_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    spec = _spec(tmp_path)
+    cmd = server_command(spec, 8123)
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    args = dict(zip(cmd[3::1], cmd[4::1]))
+    assert args["--model"] == "/models/m" and args["--dtype"] == "float32" and args["--host"] == "127.0.0.1"
+    assert args["--port"] == "8123" and args["--tensor-parallel-size"] == "2" and args["--max-model-len"] == "512"
+    assert args["--worker-extension-cls"] == "mlrl.rollout.worker_ext.MlrlWorkerExtension"
+    assert json.loads(args["--weight-transfer-config"]) == {"backend": "mlrl"}
+    assert args["--middleware"] == "mlrl.rollout.auth.TokenMiddleware"
+    assert "--enforce-eager" in cmd and "--enable-scale-out" in cmd
+    assert not any("s3cret" in a for a in cmd), "the token must not appear in argv"
+    env = server_env(spec)
+    assert env[TOKEN_ENV] == "s3cret-token" and env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in env
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and env["OMP_NUM_THREADS"] == "1"
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")  # an explicit user choice wins
+    assert server_env(spec)["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+
+
+def test_start_failure_raises_with_the_log_tail(tmp_path):
+    spec = _spec(tmp_path, command=[sys.executable, "-c", "import sys; print('ValueError: no such model /models/m'); sys.exit(3)"])
+    srv = EngineServer(spec)
+    srv.start()
+    with pytest.raises(EngineStartError, match=r"(?s)engine-7.*exited with code 3.*no such model"):
+        srv.wait_ready(30)
+    assert not srv.alive()
+
+
+def test_readiness_timeout_leaves_no_process(tmp_path):
+    child = "import subprocess, time; subprocess.Popen(['sleep', '300']); time.sleep(300)"
+    srv = EngineServer(_spec(tmp_path, command=[sys.executable, "-c", child]))
+    srv.start()
+    for _ in range(100):
+        pgid = srv._server_pgid()
+        if pgid and len(_pids_in_group(pgid)) == 2:
+            break
+        time.sleep(0.05)
+    with pytest.raises(EngineStartError, match="not ready after 1 s"):
+        srv.wait_ready(1.0)
+    assert _pids_in_group(pgid) == []
+
+
+def test_no_orphans_when_the_launcher_is_killed(tmp_path):
+    launcher = textwrap.dedent(f"""
+        import sys, time
+        from mlrl.rollout.server import EngineServer, ServerSpec
+        spec = ServerSpec(name="e", model_dir="m", dtype="float32", token="t", log_path={str(tmp_path / 'l.log')!r},
+                          command=[sys.executable, "-c", "import subprocess, time; subprocess.Popen(['sleep', '300']); time.sleep(300)"])
+        s = EngineServer(spec); s.start()
+        print("started", flush=True); time.sleep(300)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout.readline().strip() == "started"
+    pgid_file = tmp_path / "l.pgid"
+    for _ in range(100):
+        if pgid_file.exists() and len(_pids_in_group(int(pgid_file.read_text()))) == 2:
+            break
+        time.sleep(0.05)
+    pgid = int(pgid_file.read_text())
+    assert len(_pids_in_group(pgid)) == 2
+    parent.send_signal(signal.SIGKILL)  # no atexit, no cleanup: only the supervisor can save us
+    parent.wait()
+    for _ in range(100):
+        if not _pids_in_group(pgid):
+            break
+        time.sleep(0.05)
+    assert _pids_in_group(pgid) == []
+
+
+def test_stop_terminates_the_whole_tree(tmp_path):
+    srv = EngineServer(_spec(tmp_path, command=[sys.executable, "-c", "import subprocess, time; subprocess.Popen(['sleep', '300']); time.sleep(300)"]))
+    srv.start()
+    for _ in range(100):
+        if srv._server_pgid() and len(_pids_in_group(srv._server_pgid())) == 2:
+            break
+        time.sleep(0.05)
+    pgid = srv._server_pgid()
+    t0 = time.monotonic()
+    srv.stop()
+    assert _pids_in_group(pgid) == [] and not srv.alive() and time.monotonic() - t0 < 5
+
+
+async def test_token_middleware_guards_every_route():
+    async def ok(request):
+        return JSONResponse({"ok": True})
+
+    app = TokenMiddleware(Starlette(routes=[Route("/health", ok), Route("/collective_rpc", ok, methods=["POST"])]), token="tok")
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        assert (await c.get("/health")).status_code == 401
+        assert (await c.post("/collective_rpc", json={"method": "x"})).status_code == 401
+        assert (await c.post("/collective_rpc", headers={"Authorization": "Bearer wrong"})).status_code == 401
+        assert (await c.get("/health", headers={"Authorization": "Basic tok"})).status_code == 401
+        assert (await c.get("/health", headers={"Authorization": "Bearer tok"})).json() == {"ok": True}
+        assert (await c.post("/collective_rpc", headers={"Authorization": "Bearer tok"})).status_code == 200
+
+
+def test_token_middleware_refuses_to_run_without_a_token(monkeypatch):
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    with pytest.raises(RuntimeError, match=TOKEN_ENV):
+        TokenMiddleware(lambda *a: None)

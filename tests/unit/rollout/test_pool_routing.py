@@ -1,0 +1,210 @@
+"""EnginePool logic against fake engine processes (fake_engine.py): routing, caps, sticky sessions,
+bad requests, engine death, pause/resume with interrupted (partial) rollouts, abort, timeout."""
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from mlrl.config.schema import RolloutConfig
+from mlrl.rollout import EnginePool, EngineState
+from mlrl.types import GenerationHyperparameters, ModelRequest, StopReason
+
+FAKE = Path(__file__).with_name("fake_engine.py")
+VOCAB = 50
+
+
+def _expected(prompt: list[int], n: int) -> list[int]:
+    out, last = [], prompt[-1]
+    for _ in range(n):
+        last = (last + 1) % VOCAB
+        out.append(last)
+    return out
+
+
+@pytest.fixture
+async def make_pool(tmp_path, monkeypatch):
+    pools = []
+
+    async def make(num_engines=2, cap=3, timeout_s=30.0, delay_s=0.01, interrupt=False):
+        monkeypatch.setenv("FAKE_TOKEN_DELAY_S", str(delay_s))
+        model = tmp_path / f"model{len(pools)}"
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps({"vocab_size": VOCAB}))
+        cfg = RolloutConfig(num_engines=num_engines, max_concurrent_requests=cap, startup_timeout_s=30,
+                            request_timeout_s=timeout_s, interrupt_on_update=interrupt)
+        pool = EnginePool(cfg, model, run_dir=tmp_path / f"run{len(pools)}",
+                          command=[sys.executable, str(FAKE), "--host", "{host}", "--port", "{port}"])
+        pools.append(pool)
+        return await pool.start()
+
+    yield make
+    for p in pools:
+        await p.shutdown()
+
+
+async def _stats(engine) -> dict:
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {engine.server.spec.token}"}) as c:
+        return (await c.get(f"{engine.server.url}/stats")).json()
+
+
+def _req(prompt, n, **kw) -> ModelRequest:
+    return ModelRequest(input_ids=list(prompt), gconfig=GenerationHyperparameters(max_new_tokens=n), **kw)
+
+
+async def test_least_loaded_routing_respects_the_per_engine_cap(make_pool):
+    pool = await make_pool(cap=3)
+    reqs = [_req([1, i], 12) for i in range(12)]
+    resps = await asyncio.gather(*(pool.agenerate(r) for r in reqs))
+    for r, resp in zip(reqs, resps):
+        assert resp.stop_reason == StopReason.LENGTH and resp.error is None
+        assert resp.output_tokens == _expected(r.input_ids, 12)
+        assert resp.output_logprobs == pytest.approx([-(2 + k + 1) / 100 for k in range(12)])
+        assert resp.output_versions == [0] * 12 and resp.rid == r.rid
+    used = {resp.engine for resp in resps}
+    assert used == {"engine-0", "engine-1"}
+    for e in pool.engines:
+        assert 1 <= (await _stats(e))["peak"] <= 3
+        assert e.in_flight == 0
+
+
+async def test_sticky_sessions_stay_on_one_engine(make_pool):
+    pool = await make_pool(cap=8)
+
+    async def conversation(sid):
+        engines = []
+        for turn in range(4):
+            resp = await pool.agenerate(_req([1, turn], 3, session_id=sid))
+            engines.append(resp.engine)
+        return engines
+
+    results = await asyncio.gather(*(conversation(f"s{i}") for i in range(4)))
+    for engines in results:
+        assert len(set(engines)) == 1
+    assert {e[0] for e in results} == {"engine-0", "engine-1"}  # sessions are still spread
+
+
+async def test_bad_requests_fail_alone(make_pool):
+    pool = await make_pool()
+    too_long = await pool.agenerate(_req(list(range(1, 70)), 4))
+    assert too_long.stop_reason == StopReason.ERROR and "maximum model length" in too_long.error
+    bad_top_p = await pool.agenerate(ModelRequest(input_ids=[1, 2], gconfig=GenerationHyperparameters(top_p=2.0)))
+    assert bad_top_p.stop_reason == StopReason.ERROR and "top_p" in bad_top_p.error
+    n2 = await pool.agenerate(ModelRequest(input_ids=[1, 2], gconfig=GenerationHyperparameters(n_samples=2)))
+    assert n2.stop_reason == StopReason.ERROR and "n_samples" in n2.error
+    empty = await pool.agenerate(ModelRequest(input_ids=[]))
+    assert empty.stop_reason == StopReason.ERROR and "input_ids" in empty.error
+    ok = await pool.agenerate(_req([1, 2], 5))
+    assert ok.stop_reason == StopReason.LENGTH and ok.output_tokens == _expected([1, 2], 5)
+    assert all(e.state == EngineState.READY for e in pool.engines)
+
+
+async def test_engine_death_reissues_every_request_exactly_once(make_pool):
+    pool = await make_pool(cap=8, delay_s=0.02)
+    reqs = [_req([1, i], 40) for i in range(10)]
+    tasks = [asyncio.create_task(pool.agenerate(r)) for r in reqs]
+    await asyncio.sleep(0.3)
+    assert pool.engines[1].in_flight > 0
+    pool.engines[1].server.crash()
+    resps = await asyncio.gather(*tasks)
+    assert [r.rid for r in resps] == [r.rid for r in reqs]  # one answer per request, in order
+    for r, resp in zip(reqs, resps):
+        assert resp.stop_reason == StopReason.LENGTH, resp.error
+        assert resp.output_tokens == _expected(r.input_ids, 40)
+        assert len(resp.output_logprobs) == len(resp.output_versions) == 40
+    assert pool.stats["failovers"] >= 1 and pool.stats["engine_deaths"] == 1
+    for _ in range(200):  # restarted in the background
+        if pool.engines[1].state == EngineState.READY:
+            break
+        await asyncio.sleep(0.1)
+    assert pool.engines[1].state == EngineState.READY and pool.engines[1].restarts == 1
+    again = await asyncio.gather(*(pool.agenerate(_req([1, i], 3)) for i in range(8)))
+    assert {r.engine for r in again} == {"engine-0", "engine-1"}
+
+
+async def test_pause_abort_interrupts_and_resumes_with_versions(make_pool):
+    pool = await make_pool(cap=8, delay_s=0.02, interrupt=True)
+    reqs = [_req([1, i], 30) for i in range(8)]
+    tasks = [asyncio.create_task(pool.agenerate(r)) for r in reqs]
+    await asyncio.sleep(0.2)
+    await pool.pause()  # interrupt_on_update=True -> abort
+    assert all(e.in_flight == 0 for e in pool.engines)
+    assert not any(t.done() for t in tasks)  # interrupted requests wait for the resume
+    for e in pool.engines:
+        await e.client.set_weight_version(1)
+    pool.commit_version(1, pool.live_engines())
+    await pool.resume()
+    resps = await asyncio.gather(*tasks)
+    mixed = 0
+    for r, resp in zip(reqs, resps):
+        assert resp.stop_reason == StopReason.LENGTH
+        assert resp.output_tokens == _expected(r.input_ids, 30)  # the continuation picks up where it stopped
+        assert resp.output_versions == sorted(resp.output_versions) and set(resp.output_versions) <= {0, 1}
+        mixed += len(set(resp.output_versions)) == 2
+    assert mixed >= 1 and pool.stats["interrupted"] >= 1
+    assert pool.version == 1
+
+
+async def test_pause_wait_lets_in_flight_finish_and_holds_new_requests(make_pool):
+    pool = await make_pool(cap=8, delay_s=0.01)
+    tasks = [asyncio.create_task(pool.agenerate(_req([1, i], 20))) for i in range(4)]
+    await asyncio.sleep(0.05)
+    await pool.pause("wait")
+    assert all(t.done() for t in tasks)
+    assert all(t.result().output_versions == [0] * 20 for t in tasks)
+    late = asyncio.create_task(pool.agenerate(_req([1, 2], 3)))
+    await asyncio.sleep(0.3)
+    assert not late.done()
+    await pool.resume()
+    assert (await late).output_tokens == _expected([1, 2], 3)
+
+
+async def test_abort_returns_the_partial_output(make_pool):
+    pool = await make_pool(delay_s=0.02)
+    req = _req([1, 3], 50)
+    task = asyncio.create_task(pool.agenerate(req))
+    await asyncio.sleep(0.3)
+    assert await pool.abort(req.rid)
+    resp = await task
+    assert resp.stop_reason == StopReason.ABORT
+    assert 0 < resp.output_len < 50 and resp.output_tokens == _expected([1, 3], resp.output_len)
+    assert not await pool.abort("no-such-request")
+
+
+async def test_request_timeout_is_an_error_response(make_pool):
+    pool = await make_pool(num_engines=1, timeout_s=1.0)
+    await pool.pause("wait")
+    resp = await pool.agenerate(_req([1, 2], 3))
+    assert resp.stop_reason == StopReason.ERROR and "timed out" in resp.error
+    await pool.resume()
+
+
+async def test_chat_variant_and_stale_engines(make_pool):
+    pool = await make_pool(num_engines=1)
+    resp = await pool.achat([{"role": "user", "content": "hello"}], GenerationHyperparameters(max_new_tokens=4))
+    assert resp.input_tokens == [1, 5] and resp.output_tokens == _expected([1, 5], 4)
+    # after a version bump, a restarted engine holds the folder's weights: stale until refreshed
+    refreshed = asyncio.Event()
+
+    async def refresher():
+        pool.commit_version(pool.version, pool.live_engines())
+        refreshed.set()
+
+    pool.refresher = refresher
+    pool.commit_version(3, pool.live_engines())
+    pool.engines[0].server.crash()
+    resp = await pool.agenerate(_req([1, 2], 3))  # waits for the restart + refresh, then succeeds
+    assert refreshed.is_set() and resp.stop_reason == StopReason.LENGTH
+
+
+async def test_pool_validates_its_inputs(tmp_path):
+    with pytest.raises(ValueError, match="config.json"):
+        EnginePool(RolloutConfig(), tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="num_engines"):
+        EnginePool(RolloutConfig(num_engines=0), tmp_path)
+    with pytest.raises(Exception, match="not started"):
+        await EnginePool(RolloutConfig(), tmp_path).agenerate(_req([1], 1))

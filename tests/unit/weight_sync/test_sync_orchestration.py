@@ -1,0 +1,188 @@
+"""WeightSync without vLLM: disk transport round trip, report verification, canary with retry-once,
+failure leaves the pool paused; HFWeightSource (tied weights sent once, canary logprobs)."""
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from mlrl.config.schema import WeightSyncConfig
+from mlrl.weight_sync import HFWeightSource, SendReport, WeightSyncError, make_weight_sync, push_from_rank
+from mlrl.weight_sync.receiver import Receiver, receive_disk
+from mlrl.weight_sync.sender import PushRequest, bucketize
+from mlrl.weight_sync.sync import _Mismatch, canary_tokens, verify_reports
+from mlrl.weight_sync.wire import WireError
+
+VOCAB = 24
+
+
+class TinyLM(torch.nn.Module):
+    """Embedding -> linear -> tied LM head: enough to have HF-style names, tied weights and logits."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = torch.nn.Embedding(VOCAB, 8)
+        self.mix = torch.nn.Linear(8, 8)
+        self.lm_head = torch.nn.Linear(8, VOCAB, bias=False)
+        self.lm_head.weight = self.embed.weight
+
+    def forward(self, input_ids):
+        h = torch.tanh(self.mix(self.embed(input_ids))).cumsum(1)
+
+        class Out:
+            logits = self.lm_head(h)
+        return Out
+
+
+def _buckets(named, bucket_bytes=64):
+    return lambda n: bucketize(iter(named), bucket_bytes)
+
+
+def test_disk_round_trip_and_tampering(tmp_path):
+    named = [("a", torch.randn(5, 3)), ("b", torch.arange(7)), ("c", torch.randn(4).to(torch.bfloat16))]
+    req = PushRequest("disk", 3, bucket_bytes=40, disk_dir=str(tmp_path / "v3"))
+    rep = push_from_rank(req, _buckets(named, 40), 0)
+    assert rep.tensors == 3 and len(rep.files) >= 2 and (tmp_path / "v3" / "s00.done").is_file()
+    got = {}
+    streams = receive_disk(tmp_path / "v3", 1, lambda b: got.update(dict(b)))
+    assert streams[0]["digest"] == rep.digest and streams[0]["bytes"] == rep.bytes
+    assert all(torch.equal(got[n], t) for n, t in named)
+    with pytest.raises(WireError, match="s01.done is missing"):
+        receive_disk(tmp_path / "v3", 2, lambda b: None)
+    # corrupt one stored checksum: the reader must refuse the file
+    from safetensors.torch import load_file, save_file
+    from safetensors import safe_open
+    f = tmp_path / "v3" / rep.files[0]
+    with safe_open(str(f), "pt") as h:
+        meta = h.metadata()
+    checks = json.loads(meta["mlrl_checksums"])
+    checks[next(iter(checks))] = "crc32:00000000"
+    save_file(load_file(str(f)), str(f), metadata={**meta, "mlrl_checksums": json.dumps(checks)})
+    with pytest.raises(WireError, match="checksum mismatch"):
+        receive_disk(tmp_path / "v3", 1, lambda b: None)
+
+
+def test_verify_reports_catches_every_kind_of_mismatch():
+    class E:
+        name = "engine-0"
+
+    sent = [SendReport(0, "broadcast", tensors=3, bytes=100, digest="d0"), SendReport(1, "broadcast", tensors=2, bytes=50, digest="d1")]
+    good = {"worker": 0, "version": 4, "missing": [], "finalize_s": 0.5,
+            "streams": [{"sender": 0, "tensors": 3, "bytes": 100, "digest": "d0"}, {"sender": 1, "tensors": 2, "bytes": 50, "digest": "d1"}]}
+    assert verify_reports(sent, [E()], [[good, dict(good, worker=1)]], 4) == (5, 150, 0.5)
+    bad_digest = json.loads(json.dumps(good))
+    bad_digest["streams"][1]["digest"] = "xx"
+    cases = [([bad_digest], "from sender 1"), ([dict(good, version=3)], "version 3"), ([dict(good, missing=["lm_head.weight"])], "received no tensor"),
+             ([dict(good, streams=good["streams"][:1])], "streams from senders"), ([], "no weight report")]
+    for workers, msg in cases:
+        with pytest.raises(_Mismatch, match=msg):
+            verify_reports(sent, [E()], [workers], 4)
+
+
+def test_hf_source_sends_tied_weights_once_and_computes_canary_logprobs():
+    m = TinyLM()
+    src = HFWeightSource(m)
+    names = [n for n, _ in src.named_tensors()]
+    assert names == ["embed.weight", "mix.weight", "mix.bias"]
+    prompt, completion = canary_tokens(VOCAB)
+    assert len(prompt) == 8 and len(completion) == 16 and all(0 <= t < VOCAB for t in prompt + completion)
+    lp = src.canary_logprobs(prompt, completion)
+    with torch.no_grad():
+        full = torch.log_softmax(m(torch.tensor([prompt + completion])).logits[0], -1)
+    assert lp == pytest.approx([float(full[7 + i, t]) for i, t in enumerate(completion)], abs=1e-6)
+
+
+class FakeClient:
+    """Control API of one engine; its 'model' is a dict filled through the real disk receiver."""
+
+    def __init__(self, canary_values):
+        self.model: dict[str, torch.Tensor] = {}
+        self.receiver = Receiver()
+        self.canary_values = canary_values  # list of lists returned by successive prompt_logprobs calls
+        self.calls = []
+        self._report = None
+
+    async def pause(self, mode="wait", **kw):
+        self.calls.append(("pause", mode))
+
+    async def resume(self):
+        self.calls.append(("resume",))
+
+    async def start_weight_update(self):
+        self.calls.append(("start",))
+
+    async def update_weights(self, info, timeout=None):
+        rep = self.receiver.receive(info, lambda b: self.model.update(dict(b)))
+        self._report = {"worker": 0, "version": info["version"], "missing": [], "streams": rep["streams"], "finalize_s": 0.0}
+
+    async def finish_weight_update(self, version, timeout=None):
+        self.calls.append(("finish", version))
+
+    async def collective_rpc(self, method, **kw):
+        assert method == "mlrl_weight_report"
+        return [self._report]
+
+    async def reset_prefix_cache(self):
+        return True
+
+    async def prompt_logprobs(self, ids):
+        return self.canary_values.pop(0)
+
+
+class FakeEngine:
+    def __init__(self, client):
+        self.client, self.name, self.index, self.incarnation = client, "engine-0", 0, 1
+
+
+class FakePool:
+    def __init__(self, model_dir, client):
+        self.model_dir, self.run_dir = str(model_dir), Path(model_dir)
+        self.engines = [FakeEngine(client)]
+        self.version, self.paused, self.events = 0, False, []
+        self.refresher = None
+
+    def live_engines(self):
+        return self.engines
+
+    async def pause(self, mode=None):
+        self.paused = True
+        self.events.append("pause")
+
+    async def resume(self):
+        self.paused = False
+        self.events.append("resume")
+
+    def commit_version(self, version, engines):
+        self.version = version
+        self.events.append(("commit", version))
+
+
+async def test_disk_sync_verifies_and_retries_the_canary_once(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": VOCAB}))
+    src = HFWeightSource(TinyLM())
+    want = src.canary_logprobs(*canary_tokens(VOCAB))
+    wrong = [v + 0.5 for v in want]
+    client = FakeClient([[0.0] * 8 + wrong, [0.0] * 8 + want])  # first canary off, second right
+    pool = FakePool(tmp_path, client)
+    ws = make_weight_sync(WeightSyncConfig(transport="disk", canary_tolerance=1e-5, bucket_mb=1e-4), pool, src, run_dir=tmp_path)
+    assert pool.refresher is not None
+    rep = await ws.sync(1)
+    assert rep.attempts == 2 and rep.version == 1 and rep.canary_max_abs_diff < 1e-6
+    assert rep.tensors == 3 and dict(rep)["weight_sync/attempts"] == 2.0
+    assert pool.events == ["pause", ("commit", 1), "resume"] and pool.version == 1
+    assert all(torch.equal(client.model[n], t) for n, t in src.named_tensors())
+    assert sorted(p.name for p in (tmp_path / "weight_sync").iterdir()) == ["v00000001"]
+
+
+async def test_second_failure_raises_and_leaves_the_pool_paused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": VOCAB}))
+    src = HFWeightSource(TinyLM())
+    bad = [[0.0] * 24, [0.0] * 24]
+    pool = FakePool(tmp_path, FakeClient(bad))
+    ws = make_weight_sync(WeightSyncConfig(transport="disk", canary_tolerance=1e-3), pool, src, run_dir=tmp_path)
+    with pytest.raises(WeightSyncError, match=r"failed twice.*canary logprobs differ"):
+        await ws.sync(1)
+    assert pool.paused and pool.version == 0 and "resume" not in pool.events

@@ -1,0 +1,160 @@
+"""The broadcast wire protocol over real gloo groups (threads of this process): K senders x W
+receivers, every dtype, checksums and digests, raw broadcast, and fail-fast on a broken stream."""
+
+import threading
+import uuid
+
+import pytest
+import torch
+
+from mlrl.weight_sync.receiver import Receiver
+from mlrl.weight_sync.sender import PushRequest, bucketize, close_channels, push_from_rank
+from mlrl.weight_sync.wire import Digest, GroupSpec, WireError, checksum, join_as_receiver, join_as_sender, open_store
+
+
+def _spec(store, k, w, timeout_s=30.0) -> GroupSpec:
+    return GroupSpec("127.0.0.1", store.port, uuid.uuid4().hex[:8], k, w, "gloo", timeout_s)
+
+
+def _run(fns, timeout=60):
+    errors, results = [], [None] * len(fns)
+
+    def wrap(i, fn):
+        try:
+            results[i] = fn()
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+            results[i] = e
+
+    threads = [threading.Thread(target=wrap, args=(i, f), daemon=True) for i, f in enumerate(fns)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+        assert not t.is_alive(), "a member is stuck"
+    return results, errors
+
+
+def _weights(seed):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        ("model.embed_tokens.weight", torch.randn(17, 8, generator=g)),
+        ("model.layers.0.mlp.up_proj.weight", torch.randn(8, 8, generator=g).to(torch.bfloat16)),
+        ("model.layers.0.input_layernorm.weight", torch.randn(8, generator=g).to(torch.float16)),
+        ("step", torch.tensor(7, dtype=torch.int64)),
+        ("mask", torch.tensor([True, False, True])),
+        ("empty", torch.zeros(0, 4)),
+        ("strided", torch.randn(6, 4, generator=g).t()),  # non-contiguous
+    ]
+
+
+def test_two_senders_to_two_receivers_every_dtype():
+    store = open_store("127.0.0.1", 0, 30)
+    spec = _spec(store, 2, 2)
+    sent = {0: _weights(0), 1: [(f"s1.{n}", t) for n, t in _weights(1)]}
+    got = {0: [], 1: []}
+
+    def sender(s):
+        ch = join_as_sender(spec, s)
+        d = Digest()
+        for bucket in bucketize(iter(sent[s]), bucket_bytes=300):
+            ch.send_bucket(bucket, d)
+        ch.send_end(d)
+        return d.hexdigest()
+
+    def receiver(r):
+        rec = Receiver()
+        rec.join(spec.to_json(), r)
+        rep = rec.receive({"mode": "broadcast", "session": spec.session, "version": 5},
+                          lambda bucket: got[r].extend((n, t.clone()) for n, t in bucket))
+        rec.close()
+        return rep
+
+    results, errors = _run([lambda: sender(0), lambda: sender(1), lambda: receiver(0), lambda: receiver(1)])
+    assert not errors, errors
+    digests = results[:2]
+    for r, rep in zip((0, 1), results[2:]):
+        assert rep["version"] == 5 and [s["digest"] for s in rep["streams"]] == digests
+        assert [s["tensors"] for s in rep["streams"]] == [len(sent[0]), len(sent[1])]
+        expect = sent[0] + sent[1]
+        assert [n for n, _ in got[r]] == [n for n, _ in expect]
+        for (_, a), (_, b) in zip(got[r], expect):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def test_checksum_mismatch_is_detected():
+    store = open_store("127.0.0.1", 0, 30)
+    spec = _spec(store, 1, 1)
+    t = torch.arange(10, dtype=torch.float32)
+
+    def sender():
+        ch = join_as_sender(spec, 0)
+        ch._send_header({"p": 1, "end": False, "tensors": [{"name": "w", "dtype": "float32", "shape": [10],
+                                                            "checksum": checksum(t + 1)}]})
+        ch._bcast(t.view(torch.uint8))
+
+    def receiver():
+        ch = join_as_receiver(spec, 0)[0]
+        return list(ch.recv_stream(Digest()))
+
+    results, errors = _run([sender, receiver])
+    assert len(errors) == 1 and isinstance(errors[0], WireError) and "checksum mismatch for w" in str(errors[0])
+
+
+def test_sender_failure_tears_the_group_down_and_receivers_fail_fast():
+    store = open_store("127.0.0.1", 0, 30)
+    spec = _spec(store, 1, 1, timeout_s=20)
+
+    def bad_buckets(bucket_bytes):
+        yield [("a", torch.ones(4))]
+        raise RuntimeError("bridge failed on layer 3")
+
+    def sender():
+        return push_from_rank(PushRequest("broadcast", 1, group=spec.to_json()), bad_buckets, 0)
+
+    def receiver():
+        rec = Receiver()
+        rec.join(spec.to_json(), 0)
+        return rec.receive({"mode": "broadcast", "session": spec.session}, lambda b: None)
+
+    import time
+    t0 = time.monotonic()
+    results, errors = _run([sender, receiver], timeout=30)
+    assert any("bridge failed" in str(e) for e in errors)
+    assert isinstance(results[1], Exception)  # the receiver did not hang until the group timeout
+    assert time.monotonic() - t0 < 15
+    close_channels()
+
+
+def test_raw_broadcast_and_non_senders():
+    store = open_store("127.0.0.1", 0, 30)
+    spec = _spec(store, 1, 1)
+    calls = []
+
+    def buckets(n):
+        calls.append(n)
+        return iter([[("x", torch.ones(3))]])
+
+    assert push_from_rank(PushRequest("broadcast", 1, bucket_bytes=123), buckets, None) is None
+    assert calls == [123]  # a non-sending rank still iterates (trainer-side collectives stay aligned)
+
+    def sender():
+        return push_from_rank(PushRequest("raw", -1, group=spec.to_json(), raw_sizes=[1000, 10, 5000]), buckets, 0)
+
+    def receiver():
+        rec = Receiver()
+        rec.join(spec.to_json(), 0)
+        return rec.receive_raw([1000, 10, 5000])
+
+    results, errors = _run([sender, receiver])
+    assert not errors and results[0].bytes == 6010 and results[1]["bytes"] == 6010
+    close_channels()
+
+
+def test_checksums_name_their_algorithm():
+    t = torch.randn(33)
+    assert checksum(t).startswith("crc32:") and checksum(t) == checksum(t.clone())
+    assert checksum(t, "fl64") != checksum(t + 1e-3, "fl64")
+    assert checksum(t, "fl64").startswith("fl64:")
+    with pytest.raises(WireError):
+        checksum(t, "md5")
