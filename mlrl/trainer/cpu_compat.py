@@ -17,7 +17,8 @@ Mechanisms, from the most to the least global:
 2. A per-module `torch` proxy that maps `device="cuda"` in tensor factories to the CPU, for the
    modules that allocate with the literal "cuda": pipeline_parallel/schedules.py
    (total_num_tokens), optimizer/clip_grads.py (norm / overflow buffers), optimizer/optimizer.py
-   (found_inf, scale buffers), transformer/utils.py (get_default_causal_mask),
+   (found_inf, scale buffers), transformer/utils.py (get_default_causal_mask), utils.py
+   (local_multi_tensor_l2_norm, the grad-norm fallback without apex / TE),
    transformer/moe/moe_utils.py (aux-loss trackers), distributed/param_and_grad_buffer.py.
 3. RNG: tensor_parallel/random.py keeps CUDA RNG states (model_parallel_cuda_manual_seed,
    CudaRNGStatesTracker.add/fork, _get/_set_cuda_rng_state). DotProductAttention.forward always
@@ -59,6 +60,7 @@ _DEVICE_LITERAL_MODULES = {
     "megatron.core.transformer.utils": "get_default_causal_mask / sliding-window masks",
     "megatron.core.transformer.moe.moe_utils": "MoE layer-wise logging trackers",
     "megatron.core.distributed.param_and_grad_buffer": "warm-up tensor of the grad buffers",
+    "megatron.core.utils": "local_multi_tensor_l2_norm (grad norm without apex / TE)",
 }
 
 _CUDA_TYPE_NAMES = {

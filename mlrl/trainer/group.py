@@ -17,6 +17,7 @@ This module imports no megatron: the driver stays light.
 from __future__ import annotations
 
 import os
+import pickle
 import secrets
 import signal
 import subprocess
@@ -66,7 +67,7 @@ class TrainerGroup:
             try:
                 while len(conns) < self.world_size:
                     c = self._listener.accept()
-                    hello = c.recv()
+                    hello = recv(c)
                     if "error" in hello:
                         raise TrainerError(f"rank {hello['rank']} failed to start:\n{hello['error']}")
                     conns[hello["rank"]] = c
@@ -94,11 +95,11 @@ class TrainerGroup:
             kwargs = dict(common)
             if per_rank is not None:
                 kwargs.update(per_rank[r])
-            c.send((method, kwargs))
+            send(c, (method, kwargs))
         results, failures = [], []
         for r, c in enumerate(self._conns):
             try:
-                status, value = c.recv()
+                status, value = recv(c)
             except (EOFError, ConnectionError, OSError) as e:
                 failures.append(f"rank {r}: connection lost ({e!r}); log tail:\n{self.log_tail()}")
                 results.append(None)
@@ -123,7 +124,7 @@ class TrainerGroup:
     def close(self, timeout_s: float = 30.0) -> None:
         for c in self._conns:
             try:
-                c.send(("shutdown", {}))
+                send(c, ("shutdown", {}))
             except OSError:
                 pass
         if getattr(self, "_proc", None) is not None:
@@ -143,6 +144,16 @@ class TrainerGroup:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def send(conn: Connection, obj: Any) -> None:
+    """Plain pickle, not Connection.send: with torch imported, multiprocessing's ForkingPickler
+    would pass tensor storages as file descriptors, which only works between related processes."""
+    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def recv(conn: Connection) -> Any:
+    return pickle.loads(conn.recv_bytes())
 
 
 def _free_port() -> int:

@@ -1,8 +1,8 @@
 """Building the sharded GPTModel: TransformerConfig from the bridge spec + config, layer spec by
 device, one model chunk per virtual pipeline stage.
 
-- CPU: Megatron-Core's local layer spec (no Transformer Engine), its core attention replaced by
-  `PackedDotProductAttention` so packed (THD) micro-batches work; fusions off.
+- CPU: Megatron-Core's local layer spec (no Transformer Engine), adapted in `local_spec`
+  (packed THD attention; a sequence-parallel-aware norm); fusions off.
 - GPU: the Transformer Engine layer spec (THD attention, grouped-GEMM experts, FP8 recipes,
   fused RoPE), recompute as configured.
 
@@ -12,7 +12,6 @@ config validation has already rejected them, and `build_transformer_config` re-c
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -28,6 +27,11 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # mlrl's fp8_recipe -> (TransformerConfig.fp8 format, TransformerConfig.fp8_recipe)
 _FP8 = {"tensorwise": ("hybrid", "tensorwise"), "delayed": ("hybrid", "delayed"),
         "blockwise": ("e4m3", "blockwise"), "mxfp8": ("e4m3", "mxfp8")}
+
+
+def _no_init(tensor: torch.Tensor) -> torch.Tensor:
+    """Parameter initialiser that leaves the tensor as allocated (weights are loaded next)."""
+    return tensor
 
 
 def use_te() -> bool:
@@ -66,7 +70,13 @@ def build_transformer_config(spec: ArchSpec, arch: ModelArch, parallel: Parallel
         calculate_per_token_loss=True,
         variable_seq_lengths=layout.pp > 1,  # pipeline p2p sends shapes first (micro-batches differ in length)
         use_cpu_initialization=not gpu,
-        perform_initialization=False,      # every parameter is loaded from the HF checkpoint
+        # Initialisation must "run": with perform_initialization=False megatron-core also skips
+        # set_tensor_model_parallel_attributes (tensor_parallel/layers.py), so TP-sharded weights
+        # look like TP duplicates to the grad-norm / clipping code. The init methods are no-ops
+        # instead, since every parameter is then loaded from the HF checkpoint.
+        perform_initialization=True,
+        init_method=_no_init,
+        output_layer_init_method=_no_init,
         masked_softmax_fusion=False,
         bias_activation_fusion=gpu,
         bias_dropout_fusion=gpu,
@@ -74,9 +84,11 @@ def build_transformer_config(spec: ArchSpec, arch: ModelArch, parallel: Parallel
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True,
+        # alltoall for MoE; also required by TransformerConfig whenever variable_seq_lengths is set
+        moe_token_dispatcher_type="alltoall",
     )
     if arch.is_moe:
-        fields.update(moe_token_dispatcher_type="alltoall", moe_grouped_gemm=gpu, moe_permute_fusion=False,
+        fields.update(moe_grouped_gemm=gpu, moe_permute_fusion=False,
                       moe_router_dtype="fp32")
     if trainer.recompute == "selective":
         fields.update(recompute_granularity="selective")
@@ -94,22 +106,6 @@ def build_transformer_config(spec: ArchSpec, arch: ModelArch, parallel: Parallel
             stages.append(("E" if r == 0 else "") + "t" * n + ("L" if r == layout.pp - 1 else ""))
         fields["pipeline_model_parallel_layout"] = "|".join(stages)
     return TransformerConfig(**fields)
-
-
-def _local_block_spec(config, vp_stage, pp_rank):
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
-    from mlrl.trainer.packed_attention import PackedDotProductAttention
-
-    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
-                                       vp_stage=vp_stage, pp_rank=pp_rank)
-    layer_specs = []
-    for spec in block.layer_specs:
-        spec = copy.deepcopy(spec)
-        spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
-        layer_specs.append(spec)
-    block.layer_specs = layer_specs
-    return block
 
 
 def _te_block_spec(config, vp_stage, pp_rank):
@@ -131,7 +127,12 @@ def build_model_chunks(spec: ArchSpec, arch: ModelArch, config, layout: Layout) 
     chunks = []
     for vp in range(vpp or 1):
         vp_stage = vp if vpp else None
-        block = (_te_block_spec if use_te() else _local_block_spec)(config, vp_stage, pp_rank)
+        if use_te():
+            block = _te_block_spec(config, vp_stage, pp_rank)
+        else:
+            from mlrl.trainer.local_spec import local_block_spec
+
+            block = local_block_spec(config, vp_stage, pp_rank)
         first = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
         last = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
         with cpu_compat.cuda_tensor_methods():  # tied embeddings with PP call weight.data.cuda()

@@ -71,6 +71,9 @@ class MegatronPolicy:
         self.spec, self.arch = spec_for(self.hf_config)
         check_layout(self.arch, tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp, cp=layout.cp,
                      vpp=layout.vpp if layout.vpp and layout.vpp > 1 else None, pp_split=parallel.pp_layer_split)
+        if self.arch.is_moe and layout.tp > 1 and not parallel.sequence_parallel:
+            raise ValueError(f"parallel.sequence_parallel must be true for an MoE model with parallel.tp={layout.tp} "
+                             "(megatron-core's MoELayer refuses to train otherwise)")
         ckpt = HFCheckpoint(self.hf_dir)
         ckpt.check(self.spec, self.arch)
 
@@ -191,6 +194,37 @@ class MegatronPolicy:
             store = self._run(micro_batches, inputs, loss_func, forward_only=True)
         return self._broadcast_from_last_stage(store, [mb.num_tokens for mb in micro_batches])
 
+    def compute_logits(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
+        """Full-vocabulary logits [S, vocab] per micro-batch (TP-gathered, fp32, no temperature),
+        on every rank of this DP rank's model-parallel group. For parity checks and tools; the
+        training path never materialises full-vocabulary logits."""
+        from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+        if self.layout.cp > 1:
+            raise NotImplementedError("compute_logits with context parallelism")
+        inputs = self._inputs(micro_batches)
+        zero = torch.zeros((), device=self.device)
+        V = self.arch.vocab_size
+
+        def loss_func(mb, inp, output):
+            full = gather_from_tensor_model_parallel_region(output)[0, : inp.length, :V].float()
+            return zero, torch.tensor(0, dtype=torch.int, device=self.device), {"logits": full}
+
+        for m in self.model:
+            m.eval()
+        with torch.no_grad():
+            store = self._run(micro_batches, inputs, loss_func, forward_only=True)
+        out = []
+        for i, mb in enumerate(micro_batches):
+            t = store[i]["logits"].contiguous() if self.ranks.is_last_stage else \
+                torch.empty(mb.num_tokens, V, dtype=torch.float32, device=self.device)
+            if self.ranks.pp_size > 1:
+                from megatron.core import parallel_state as ps
+
+                dist.broadcast(t, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+            out.append(t.cpu())
+        return out
+
     def _broadcast_from_last_stage(self, store: list[dict], lengths: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         from megatron.core import parallel_state as ps
 
@@ -208,10 +242,14 @@ class MegatronPolicy:
         return out
 
     # ---- train -----------------------------------------------------------------------------------
-    def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn, *, temperature: float = 1.0) -> dict[str, float]:
+    def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn, *, temperature: float = 1.0,
+                   step: bool = True) -> dict[str, float]:
         """One optimizer step over this DP rank's micro-batches. Returns (identical on every rank)
         loss and loss_fn metrics summed over micro-batches and DP ranks, grad_norm (before
-        clipping), lr, tokens / loss_tokens (whole step), time_s, skipped (fp16 overflow)."""
+        clipping), lr, tokens / loss_tokens (whole step), time_s, skipped (fp16 overflow).
+        `temperature` must be the sampling temperature (logprobs of the sampled distribution).
+        `step=False` stops after the backward pass and gradient reduction (gradient checks:
+        `iter_hf_buckets(grads=True)`); the LR schedule does not advance then."""
         from megatron.core import parallel_state as ps
 
         if self.optimizer is None:
@@ -222,7 +260,8 @@ class MegatronPolicy:
             m.train()
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
-        self.scheduler.step(1)
+        if step:
+            self.scheduler.step(1)
 
         def loss_func(mb, inp, output):
             lp, ent = self._token_values(output, inp, temperature)
@@ -232,9 +271,11 @@ class MegatronPolicy:
             return loss, torch.tensor(int(mb.loss_mask.sum()), dtype=torch.int, device=self.device), reported
 
         store = self._run(micro_batches, inputs, loss_func, forward_only=False)
-        with cpu_compat.cuda_tensor_methods():
-            ok, grad_norm, _ = self.optimizer.step()
-        self.optimizer_steps += 1
+        ok, grad_norm = True, None
+        if step:
+            with cpu_compat.cuda_tensor_methods():
+                ok, grad_norm, _ = self.optimizer.step()
+            self.optimizer_steps += 1
 
         keys = sorted(store[0]) if store else []
         sums = torch.zeros(len(keys) + 2, dtype=torch.float64, device=self.device)
@@ -268,13 +309,16 @@ class MegatronPolicy:
         return obj[0]
 
     # ---- export / checkpoint hooks -----------------------------------------------------------------
-    def iter_hf_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def iter_hf_buckets(self, bucket_bytes: int, *, grads: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Full HF-named tensors in buckets of ~bucket_bytes. A collective: every trainer rank
         calls it and exhausts the iterator; only the sender of each pipeline stage (tp 0, dp 0,
         cp 0: `rank_info()['is_stage_sender']`) yields, and it yields exactly its stage's
         tensors (embedding on the first stage, final norm / lm_head on the last, the stage's
-        layers with all experts). Tensors may alias parameters until the next optimizer step."""
-        yield from iter_buckets(self.params.iter_hf(), bucket_bytes)
+        layers with all experts). Tensors may alias parameters until the next optimizer step.
+        `grads=True` yields the accumulated gradients instead (Megatron's main_grad; complete
+        after a `train_step(step=False)` without the distributed optimizer, which leaves each
+        DP rank only its own reduced shard)."""
+        yield from iter_buckets(self.params.iter_hf(grads=grads), bucket_bytes)
 
     def rank_info(self) -> dict[str, Any]:
         info = self.ranks.as_dict()

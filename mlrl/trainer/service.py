@@ -19,7 +19,7 @@ from typing import Any
 import torch.distributed as dist
 
 from mlrl.config import load_config, validate
-from mlrl.trainer.group import TOKEN_ENV
+from mlrl.trainer.group import TOKEN_ENV, recv, send
 
 
 class TrainerService:
@@ -92,13 +92,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config)
         service = TrainerService(cfg)
-        conn.send({"rank": rank, **service.info()})
+        send(conn, {"rank": rank, **service.info()})
     except BaseException:  # noqa: BLE001 - the driver reports it
-        conn.send({"rank": rank, "error": traceback.format_exc()})
+        send(conn, {"rank": rank, "error": traceback.format_exc()})
         raise
     while True:
         try:
-            method, kwargs = conn.recv()
+            method, kwargs = recv(conn)
         except (EOFError, ConnectionError, OSError):
             return 1  # the driver is gone
         if method == "shutdown":
@@ -107,9 +107,9 @@ def main(argv: list[str] | None = None) -> int:
             fn = getattr(service, method) if not method.startswith("_") else None
             if fn is None:
                 raise AttributeError(f"trainer has no method {method!r}")
-            conn.send(("ok", fn(**kwargs)))
+            send(conn, ("ok", fn(**kwargs)))
         except BaseException:  # noqa: BLE001 - sent to the driver, which stops the run
-            conn.send(("err", traceback.format_exc()))
+            send(conn, ("err", traceback.format_exc()))
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0

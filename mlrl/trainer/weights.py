@@ -121,13 +121,13 @@ class LocalParams:
         dist.all_gather(parts, local.contiguous(), group=group)
         return unshard(parts, p.tp, rows=self.arch.vocab_size)
 
-    def _full_tensors(self) -> Iterator[tuple[ParamSpec, torch.Tensor]]:
+    def _full_tensors(self, grads: bool = False) -> Iterator[tuple[ParamSpec, torch.Tensor]]:
         """(spec, full megatron tensor) for this stage; empty on ranks that send nothing.
         The order of collectives is the same on every rank of a group (local parameter order)."""
         r = self.ranks
         n_local = self.arch.num_experts // r.ep_size if self.arch.is_moe else 0
         for it in self.items:
-            p, local = it.spec, it.param.detach()
+            p, local = it.spec, (it.param.main_grad if grads else it.param).detach()
             if p.is_expert:
                 if r.edp != 0:
                     continue
@@ -152,10 +152,11 @@ class LocalParams:
                 if r.is_stage_sender:
                     yield p, full
 
-    def iter_hf(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for p, full in self._full_tensors():
+    def iter_hf(self, grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        for p, full in self._full_tensors(grads):
             if p.name == "output_layer.weight" and self.arch.tie_embeddings:
                 continue  # the tied copy on the last stage; HF has only embed_tokens
+                # (its gradient is all-reduced with the embedding's by finalize_model_grads)
             yield from self.spec.to_hf(self.arch, p, full).items()
 
 

@@ -1,0 +1,99 @@
+"""Megatron-Core's local layer spec (no Transformer Engine) adapted for CPU training.
+
+Two substitutions, each for a gap of the stock local spec:
+1. core attention -> `PackedDotProductAttention` (packed THD micro-batches, below);
+2. with sequence parallelism, the norm -> `SequenceParallelRMSNorm`: the local spec's
+   `WrappedTorchNorm` asserts `not config.sequence_parallel`, because its weight lacks the
+   `sequence_parallel` attribute that makes `finalize_model_grads` all-reduce the norm's
+   gradient over TP (each TP rank sees only its slice of the sequence). Same math
+   (torch.nn.RMSNorm), attribute set.
+
+Packed sequences:
+
+Megatron feeds packed sequences through `PackedSeqParams(qkv_format="thd")`: RoPE is then
+applied per sample (positions restart at every cu_seqlens boundary, rope_utils'
+`_apply_rotary_pos_emb_thd`), and the core attention receives q/k/v as [t, heads, dim] with the
+sample boundaries. Only TEDotProductAttention accepts that; the local `DotProductAttention`
+asserts `packed_seq_params is None`.
+
+Choice: on CPU we keep Megatron's own attention math and run
+`DotProductAttention.forward` once per sample with its causal mask, i.e. block-diagonal causal
+attention at O(sum of len^2) cost, with no cross-sample attention and no padding inside a row.
+The alternatives were one row per sample padded to the longest (wastes compute on padding) or
+a dense [t, t] block-diagonal mask (O(t^2) memory per layer). On GPU the TE spec handles THD
+natively and this class is not used.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, Optional
+
+import torch
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+
+class PackedDotProductAttention(DotProductAttention):
+    """DotProductAttention that accepts THD inputs by attending within each packed sample."""
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                attn_mask_type=None, attention_bias=None, packed_seq_params=None, **kwargs):
+        if packed_seq_params is None:
+            return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                   attention_bias=attention_bias, packed_seq_params=None, **kwargs)
+        if packed_seq_params.qkv_format != "thd":
+            raise ValueError(f"PackedDotProductAttention: qkv_format {packed_seq_params.qkv_format!r}, expected 'thd'")
+        bounds = packed_seq_params.cu_seqlens_q.tolist()
+        outs = []
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            if hi == lo:
+                continue
+            # [s, heads, dim] -> [s, b=1, heads, dim]; causal mask inside the sample
+            out = super().forward(query[lo:hi].unsqueeze(1), key[lo:hi].unsqueeze(1), value[lo:hi].unsqueeze(1), None,
+                                  attn_mask_type=attn_mask_type, attention_bias=attention_bias, packed_seq_params=None)
+            outs.append(out)
+        return torch.cat(outs, dim=0)  # [t, 1, heads * dim]; Attention reshapes to (t, 1, -1)
+
+
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """torch RMSNorm whose weight is marked for the TP all-reduce of sequence parallelism."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **kwargs: Any):
+        if config.normalization != "RMSNorm":
+            raise ValueError(f"SequenceParallelRMSNorm: normalization={config.normalization!r}")
+        super().__init__(hidden_size, eps=eps)
+        setattr(self.weight, "sequence_parallel", config.sequence_parallel)
+
+
+def _replace(obj: Any, old: type, new: type) -> Any:
+    """Copy of a spec tree with every reference to class `old` replaced by `new`."""
+    if obj is old:
+        return new
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: _replace(getattr(obj, f.name), old, new) for f in dataclasses.fields(obj)}
+        return dataclasses.replace(obj, **changes) if any(changes[k] is not getattr(obj, k) for k in changes) else obj
+    if isinstance(obj, list):
+        items = [_replace(x, old, new) for x in obj]
+        return items if any(a is not b for a, b in zip(items, obj)) else obj
+    return obj
+
+
+def local_block_spec(config, vp_stage: Optional[int], pp_rank: int):
+    """The decoder block spec of this pipeline chunk, local modules, adapted as described above."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
+                                       vp_stage=vp_stage, pp_rank=pp_rank)
+    layer_specs = []
+    for spec in block.layer_specs:
+        spec = copy.deepcopy(spec)
+        spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+        if config.sequence_parallel:
+            spec = _replace(spec, WrappedTorchNorm, SequenceParallelRMSNorm)
+        layer_specs.append(spec)
+    block.layer_specs = layer_specs
+    if config.sequence_parallel and block.layer_norm is WrappedTorchNorm:
+        block.layer_norm = SequenceParallelRMSNorm
+    return block

@@ -1,0 +1,287 @@
+"""torchrun worker for the trainer integration tests: runs named checks on one layout and writes
+one JSON per rank (`<out>/rank<r>.json`: {check: {measure: value}}). Assertions live in the
+pytest files; this only measures.
+
+    python -m torch.distributed.run --nproc-per-node N trainer_worker.py --out DIR \
+        --models tiny-llama,tiny-qwen3-moe+sp --tp 2 --checks parity,export,grads,adam,bad_input@tiny-llama
+
+A model suffixed `+sp` runs with sequence parallelism; a check suffixed `@model` runs only for
+that model. Results are keyed "<model>/<check>".
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hf_reference import hf_adamw_steps, hf_loss_and_grads, hf_row, make_step, pg_loss
+
+
+def build_cfg(args, **trainer):
+    from mlrl.config.schema import Config
+    from mlrl.config.validate import resolve_layout
+
+    cfg = Config()
+    cfg.model.hf_dir = f"builtin:{args.model}" if ":" not in args.model and "/" not in args.model else args.model
+    world = int(os.environ["WORLD_SIZE"])
+    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep = args.tp, args.pp, args.ep
+    cfg.parallel.dp = world // (args.tp * args.pp)
+    cfg.parallel.sequence_parallel = args.sp
+    for k, v in trainer.items():
+        setattr(cfg.trainer, k, v)
+    return cfg, resolve_layout(cfg)
+
+
+class Ctx:
+    def __init__(self, args):
+        from mlrl.modelzoo import resolve_model_dir
+        from mlrl.trainer.policy import init_parallel
+
+        self.args = args
+        self.cfg, self.layout = build_cfg(args)
+        self.ranks = init_parallel(self.cfg.parallel, self.layout, seed=1234)
+        self.hf_dir = resolve_model_dir(self.cfg.model.hf_dir)
+        self.hf_config = json.loads((self.hf_dir / "config.json").read_text())
+        self.vocab = self.hf_config["vocab_size"]
+        self._hf = None
+
+    def hf_model(self):
+        import transformers
+
+        if self._hf is None:
+            self._hf = transformers.AutoModelForCausalLM.from_pretrained(self.hf_dir, dtype=torch.float32).eval()
+        return self._hf
+
+    def policy(self, trainable: bool, **trainer):
+        from mlrl.trainer.policy import MegatronPolicy
+
+        cfg, layout = build_cfg(self.args, **trainer)
+        return MegatronPolicy(cfg.model, cfg.parallel, cfg.trainer, layout, hf_dir=self.hf_dir, trainable=trainable)
+
+    def my_micro_batches(self, step_mbs):
+        """This DP rank's share of a step's micro-batches (round robin)."""
+        r = self.ranks
+        return step_mbs[r.dp::r.dp_size]
+
+
+def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
+
+
+def check_parity(ctx: Ctx) -> dict:
+    pol = ctx.policy(trainable=False)
+    mbs = ctx.my_micro_batches(make_step(ctx.vocab, n_samples=6, n_micro=2 * ctx.ranks.dp_size, seed=7))
+    hf = ctx.hf_model()
+    logits = pol.compute_logits(mbs)
+    res = {"logits": 0.0, "logprob": 0.0, "entropy": 0.0, "logprob_t07": 0.0, "entropy_t07": 0.0, "first_token_zero": True}
+    for T, suffix in ((1.0, ""), (0.7, "_t07")):
+        out = pol.compute_logprobs(mbs, T)
+        for mb, (lp, ent), lg in zip(mbs, out, logits):
+            ref_lp, ref_ent, ref_logits = hf_row(hf, mb, T)
+            res["logprob" + suffix] = max(res["logprob" + suffix], _max_abs(lp, ref_lp))
+            res["entropy" + suffix] = max(res["entropy" + suffix], _max_abs(ent, ref_ent))
+            res["first_token_zero"] &= bool((lp[mb.cu_seqlens[:-1].long()] == 0).all() and (lp[mb.cu_seqlens[-1]:] == 0).all())
+            if T == 1.0:
+                cu = mb.cu_seqlens.tolist()
+                for (a, b), rl in zip(zip(cu[:-1], cu[1:]), ref_logits):
+                    res["logits"] = max(res["logits"], _max_abs(lg[a:b], rl))
+    return res
+
+
+def _hf_tensors(ctx: Ctx) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(ctx.hf_dir.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def check_export(ctx: Ctx) -> dict:
+    pol = ctx.policy(trainable=False)
+    got = {}
+    n_buckets = 0
+    for bucket in pol.iter_hf_buckets(bucket_bytes=64 * 1024):
+        n_buckets += 1
+        for name, t in bucket:
+            if name in got:
+                raise AssertionError(f"{name} exported twice")
+            got[name] = t.cpu()
+    ref = _hf_tensors(ctx)
+    mismatched = sorted(n for n, t in got.items() if n not in ref or t.dtype != ref[n].dtype or not torch.equal(t, ref[n]))
+    return {"names": sorted(got), "mismatched": mismatched, "buckets": n_buckets,
+            "sender": pol.rank_info()["is_stage_sender"], "hf_names": sorted(ref)}
+
+
+def _export_grads(pol) -> dict:
+    return {n: t.clone().cpu() for b in pol.iter_hf_buckets(1 << 30, grads=True) for n, t in b}
+
+
+def check_grads(ctx: Ctx) -> dict:
+    """Loss and gradients vs HF, for the step packed into 1 x dp and 4 x dp micro-batches."""
+    res = {}
+    hf = ctx.hf_model()
+    grads_by_split = {}
+    for n_micro in (1, 4):
+        step = make_step(ctx.vocab, n_samples=8, n_micro=n_micro * ctx.ranks.dp_size, seed=11)
+        pol = ctx.policy(trainable=True, use_distributed_optimizer=False, grad_clip=0.0)
+        metrics = pol.train_step(ctx.my_micro_batches(step), pg_loss, step=False)
+        grads = _export_grads(pol)
+        ref_loss, ref_grads = hf_loss_and_grads(copy.deepcopy(hf).train(), step)
+        res[f"loss_{n_micro}"] = metrics["loss"]
+        res[f"loss_err_{n_micro}"] = abs(metrics["loss"] - ref_loss)
+        res[f"grad_err_{n_micro}"] = max((_max_abs(g, ref_grads[n]) for n, g in grads.items()), default=0.0)
+        res[f"grad_max_{n_micro}"] = max((float(g.abs().max()) for g in ref_grads.values()), default=0.0)
+        res[f"tokens_{n_micro}"] = metrics["tokens"]
+        res[f"names_{n_micro}"] = sorted(grads)
+        grads_by_split[n_micro] = grads
+        del pol
+    common = set(grads_by_split[1]) & set(grads_by_split[4])
+    res["split_grad_diff"] = max((_max_abs(grads_by_split[1][n], grads_by_split[4][n]) for n in common), default=0.0)
+    res["split_loss_diff"] = abs(res["loss_1"] - res["loss_4"])
+    return res
+
+
+def check_adam(ctx: Ctx) -> dict:
+    """Three optimizer steps with Megatron's DistributedOptimizer vs torch AdamW on the HF model."""
+    kw = dict(lr=1e-3, warmup_steps=2, weight_decay=0.01, grad_clip=0.5, total_steps=10, use_distributed_optimizer=True)
+    steps = [make_step(ctx.vocab, n_samples=6, n_micro=2 * ctx.ranks.dp_size, seed=20 + k) for k in range(3)]
+    pol = ctx.policy(trainable=True, **kw)
+    metrics = [pol.train_step(ctx.my_micro_batches(s), pg_loss) for s in steps]
+    got = {n: t.clone().cpu() for b in pol.iter_hf_buckets(1 << 30) for n, t in b}
+    ref = hf_adamw_steps(copy.deepcopy(ctx.hf_model()).train(), steps, lr=kw["lr"], warmup=kw["warmup_steps"],
+                         weight_decay=kw["weight_decay"], clip=kw["grad_clip"])
+    # the reference's own noise floor: the same steps packed into one micro-batch each
+    alt = [make_step(ctx.vocab, n_samples=6, n_micro=1, seed=20 + k) for k in range(3)]
+    ref_alt = hf_adamw_steps(copy.deepcopy(ctx.hf_model()).train(), alt, lr=kw["lr"], warmup=kw["warmup_steps"],
+                             weight_decay=kw["weight_decay"], clip=kw["grad_clip"])
+    init = _hf_tensors(ctx)
+    return {
+        "param_err": max((_max_abs(t, ref[n]) for n, t in got.items()), default=0.0),
+        "param_err_mean": float(sum((t - ref[n]).abs().sum() for n, t in got.items()) / max(1, sum(t.numel() for t in got.values()))),
+        "ref_noise": max((_max_abs(ref_alt[n], ref[n]) for n in ref), default=0.0),
+        "moved": max((_max_abs(t, init[n]) for n, t in got.items()), default=0.0),
+        "lrs": [m["lr"] for m in metrics], "grad_norms": [m["grad_norm"] for m in metrics],
+        "losses": [m["loss"] for m in metrics], "names": sorted(got),
+    }
+
+
+def check_bad_input(ctx: Ctx) -> dict:
+    """Errors raised before the model is built: each entry is the error message (or None)."""
+    import shutil
+    import tempfile
+
+    from mlrl.config.validate import Layout
+    from mlrl.trainer.policy import MegatronPolicy
+
+    cfg, layout = build_cfg(ctx.args)
+    out = {}
+
+    def attempt(key, hf_dir, lay=layout):
+        try:
+            MegatronPolicy(cfg.model, cfg.parallel, cfg.trainer, lay, hf_dir=hf_dir, trainable=False)
+            out[key] = None
+        except Exception as e:  # noqa: BLE001 - the message is the result
+            out[key] = f"{type(e).__name__}: {e}"
+
+    tmp = Path(tempfile.mkdtemp(prefix="mlrl-bad-"))
+    try:
+        def copy_model(name):
+            d = tmp / name
+            shutil.copytree(ctx.hf_dir, d)
+            return d
+
+        d = copy_model("missing")
+        for f in d.glob("*.safetensors"):
+            f.unlink()
+        attempt("missing_safetensors", d)
+        d = copy_model("truncated")
+        f = next(d.glob("*.safetensors"))
+        data = f.read_bytes()
+        f.write_bytes(data[: len(data) // 2])
+        attempt("truncated_safetensors", d)
+        d = copy_model("shape")
+        conf = json.loads((d / "config.json").read_text())
+        conf["intermediate_size"] = conf["intermediate_size"] * 2
+        (d / "config.json").write_text(json.dumps(conf))
+        attempt("shape_mismatch", d)
+        d = copy_model("layers")
+        conf = json.loads((d / "config.json").read_text())
+        conf["num_hidden_layers"] += 1
+        (d / "config.json").write_text(json.dumps(conf))
+        attempt("missing_layer", d)
+        d = copy_model("mtype")
+        conf = json.loads((d / "config.json").read_text())
+        conf["model_type"] = "gpt_bigcode"
+        (d / "config.json").write_text(json.dumps(conf))
+        attempt("unknown_model_type", d)
+        bad = Layout(tp=3, pp=1, cp=1, ep=1, etp=3, dp=1, vpp=None, trainer_devices=3, rollout_devices=0, total_devices=0)
+        attempt("tp_not_dividing_heads", ctx.hf_dir, bad)
+        bad = Layout(tp=1, pp=3, cp=1, ep=1, etp=1, dp=1, vpp=None, trainer_devices=3, rollout_devices=0, total_devices=0)
+        attempt("pp_not_dividing_layers", ctx.hf_dir, bad)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+CHECKS = {"parity": check_parity, "export": check_export, "grads": check_grads, "adam": check_adam,
+          "bad_input": check_bad_input}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model", default="tiny-llama")
+    ap.add_argument("--models", default=None, help="comma list: run the checks for each model (same layout); +sp suffix")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--checks", required=True)
+    args = ap.parse_args()
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ.get("WORLD_SIZE", "1"))))
+    results: dict = {}
+    rank = int(os.environ.get("RANK", "0"))
+    models = args.models.split(",") if args.models else [args.model]
+    ctx = None
+    try:
+        for model in models:
+            args.model, _, flag = model.partition("+")
+            args.sp = flag == "sp"
+            ctx = Ctx(args) if ctx is None else _retarget(ctx, args)
+            for check in args.checks.split(","):
+                name, _, only = check.partition("@")
+                if only and only != model:
+                    continue
+                torch.manual_seed(0)
+                results[f"{model}/{name}"] = CHECKS[name](ctx)
+        results["ranks"] = ctx.ranks.as_dict()
+    except Exception:
+        results["error"] = traceback.format_exc()
+        Path(args.out, f"rank{rank}.json").write_text(json.dumps(results))
+        raise
+    Path(args.out, f"rank{rank}.json").write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _retarget(ctx: Ctx, args) -> Ctx:
+    from mlrl.modelzoo import resolve_model_dir
+
+    ctx.args = args
+    ctx.cfg, ctx.layout = build_cfg(args)
+    ctx.hf_dir = resolve_model_dir(ctx.cfg.model.hf_dir)
+    ctx.hf_config = json.loads((ctx.hf_dir / "config.json").read_text())
+    ctx.vocab = ctx.hf_config["vocab_size"]
+    ctx._hf = None
+    return ctx
+
+
+if __name__ == "__main__":
+    main()
