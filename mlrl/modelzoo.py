@@ -46,12 +46,12 @@ def _tiny_base(model_type: str) -> dict[str, Any]:
     return {
         "model_type": model_type,
         "vocab_size": vocab,
-        "hidden_size": 64,
-        "intermediate_size": 128,
+        "hidden_size": 128,
+        "intermediate_size": 256,
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
-        "head_dim": 16,
+        "head_dim": 32,  # vLLM's CPU attention supports head sizes 32, 64, 80, 96, 112, 128, 160, 192, 224, 256
         "max_position_embeddings": 256,
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
@@ -71,7 +71,7 @@ def _tiny_configs() -> dict[str, dict[str, Any]]:
     qwen3 = dict(_tiny_base("qwen3"), architectures=["Qwen3ForCausalLM"], attention_bias=False)
     moe = dict(
         _tiny_base("qwen3_moe"), architectures=["Qwen3MoeForCausalLM"], attention_bias=False,
-        tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
         decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, output_router_logits=False,
         router_aux_loss_coef=0.0,
     )
