@@ -2,7 +2,7 @@
 jsonl / json / parquet files, registered datasets (`@register_dataset`, e.g. `gsm8k`) and synthetic
 verifiable tasks (`synthetic:copy_digit`, `synthetic:add_digits`, `synthetic:arith_word`)."""
 
-from mlrl.data.registry import SFTDataset, get_dataset, list_datasets, register_dataset
+from mlrl.data.registry import SFTDataset, dataset_from_config, get_dataset, list_datasets, register_dataset
 from mlrl.data.rows import DatasetError, RLDataset, normalise_rl_row
 from mlrl.data.sft import sft_example, tokenize_messages
 from mlrl.data.synthetic import TASKS as SYNTHETIC_TASKS
@@ -12,6 +12,7 @@ __all__ = [
     "RLDataset",
     "SFTDataset",
     "SYNTHETIC_TASKS",
+    "dataset_from_config",
     "get_dataset",
     "list_datasets",
     "normalise_rl_row",

@@ -160,3 +160,19 @@ def _build_sft(raw, name, split, skipped, skip_malformed, tokenizer, max_length)
     if not examples:
         raise DatasetError(f"dataset {name!r} split {split!r}: no usable SFT examples ({len(skipped)} skipped)")
     return SFTDataset(examples, name=name, split=split, skipped=skipped, truncated=truncated)
+
+
+def dataset_from_config(data: Any, which: str = "train", *, tokenizer: Any = None, seed: int = 0) -> RLDataset:
+    """The RL prompts `mlrl.config.schema.DataConfig` names: `data.train` (split "train") or `data.eval`
+    (split "test"; a synthetic task's held-out rows), filtered by `max_prompt_tokens`, `skip_malformed`
+    honoured, `num_synthetic` rows for synthetic tasks."""
+    if which not in ("train", "eval"):
+        raise ValueError(f"dataset_from_config: which must be 'train' or 'eval', got {which!r}")
+    name = data.train if which == "train" else data.eval
+    if not name:
+        raise ValueError(f"data.{which} is not set")
+    synthetic_rows = data.num_synthetic if str(name).startswith("synthetic:") else None
+    ds = get_dataset(name, "train" if which == "train" else "test", "rl", tokenizer, data.max_prompt_tokens,
+                     skip_malformed=data.skip_malformed, seed=seed, num_rows=synthetic_rows)
+    assert isinstance(ds, RLDataset)
+    return ds

@@ -183,3 +183,18 @@ def test_sft_masks_cover_assistant_content_only(tok, tmp_path):
     assert cut.truncated >= 1 and all(len(e["input_ids"]) <= 6 for e in cut)
     with pytest.raises(ValueError, match="needs the model's tokenizer"):
         get_dataset(str(p), kind="sft")
+
+
+def test_dataset_from_config(tok, tmp_path):
+    from mlrl.config.schema import DataConfig
+    from mlrl.data import dataset_from_config
+
+    cfg = DataConfig(train="synthetic:add_digits", eval="synthetic:add_digits", num_synthetic=40, max_prompt_tokens=32)
+    train, ev = dataset_from_config(cfg, tokenizer=tok, seed=1), dataset_from_config(cfg, "eval", tokenizer=tok, seed=1)
+    assert len(train) == 40 and len(ev) == 40 and ev.split == "test"
+    assert not {r["messages"][0]["content"] for r in train} & {r["messages"][0]["content"] for r in ev}
+    p = write_jsonl(tmp_path / "d.jsonl", [ROW] * 600, raw_lines=["{oops"])
+    big = dataset_from_config(DataConfig(train=str(p), skip_malformed=True, num_synthetic=8), tokenizer=tok)
+    assert len(big) == 600 and len(big.skipped) == 1   # num_synthetic does not cap files
+    with pytest.raises(ValueError, match="data.eval is not set"):
+        dataset_from_config(DataConfig(), "eval")
