@@ -51,8 +51,11 @@ class TrainerService:
             from mlrl.algorithms.losses import make_loss_fn
 
             self._loss_fn = make_loss_fn(self.cfg.algorithm)
+        from mlrl.algorithms.loss_metrics import finalize_loss_metrics
+
         temperature = self.cfg.rollout.sampling.temperature or 1.0
-        return self.policy.train_step(micro_batches, self._loss_fn, temperature=temperature)
+        sums = self.policy.train_step(micro_batches, self._loss_fn, temperature=temperature)
+        return finalize_loss_metrics(sums)  # step sums -> means (token / sequence counts) per loss_metrics
 
     def push_weights(self, request: dict[str, Any]) -> dict[str, Any] | None:
         """This rank's part of a weight sync (mlrl.weight_sync.sender): the sender of each
