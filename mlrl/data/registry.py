@@ -3,7 +3,7 @@
 `name_or_path` may be:
 - `synthetic:<task>` — a generated verifiable task (`mlrl.data.synthetic`);
 - a registered name (`@register_dataset("name")` on a loader `fn(split, **kwargs) -> list[dict]`),
-  e.g. `gsm8k`;
+  e.g. `gsm8k`, or `pkg.module:loader` for a loader in a module nobody imported yet;
 - a file (`.jsonl`, `.json`, `.parquet`), or a folder holding `<split>.jsonl|.json|.parquet` (or a
   folder written by `datasets.save_to_disk`).
 
@@ -74,9 +74,19 @@ def _raw_rows(name_or_path: str, split: str, skip_malformed: bool, skipped: list
         return [(f"{name_or_path}[{i}]", r) for i, r in enumerate(rows)], synthetic.TASKS[task].reward
     from mlrl.data import gsm8k  # noqa: F401  (registers itself)
 
-    if name_or_path in _DATASETS:
-        rows = _DATASETS[name_or_path](split, **kwargs)
-        return [(f"{name_or_path}/{split}[{i}]", r) for i, r in enumerate(rows)], getattr(_DATASETS[name_or_path], "reward", None)
+    loader = _DATASETS.get(name_or_path)
+    if loader is None and ":" in name_or_path and not Path(name_or_path).exists():
+        from mlrl.reward import import_from_string  # `pkg.module:loader`, a loader not registered by name
+
+        try:
+            loader = import_from_string(name_or_path)
+        except ValueError as e:
+            raise DatasetError(f"dataset {name_or_path!r}: {e}") from None
+    if loader is not None:
+        rows = loader(split, **kwargs)
+        if not isinstance(rows, (list, tuple)):
+            raise DatasetError(f"dataset loader {name_or_path!r} returned {type(rows).__name__}, expected a list of rows")
+        return [(f"{name_or_path}/{split}[{i}]", r) for i, r in enumerate(rows)], getattr(loader, "reward", None)
     path = Path(name_or_path).expanduser()
     if not path.exists():
         raise DatasetError(f"dataset {name_or_path!r}: no such file or folder, and not a registered name "

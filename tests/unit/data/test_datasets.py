@@ -198,3 +198,14 @@ def test_dataset_from_config(tok, tmp_path):
     assert len(big) == 600 and len(big.skipped) == 1   # num_synthetic does not cap files
     with pytest.raises(ValueError, match="data.eval is not set"):
         dataset_from_config(DataConfig(), "eval")
+
+
+def unregistered_loader(split, n=3):
+    return [{"messages": [{"role": "user", "content": f"{split} {i}"}], "answer": str(i)} for i in range(n)]
+
+
+def test_loader_by_module_path():
+    ds = get_dataset(f"{__name__}:unregistered_loader", split="test", n=2)
+    assert [r["messages"][0]["content"] for r in ds] == ["test 0", "test 1"]
+    with pytest.raises(DatasetError, match="has no attribute"):
+        get_dataset(f"{__name__}:nope")
