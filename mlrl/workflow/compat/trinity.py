@@ -8,7 +8,9 @@ as Trinity's WorkflowRunner does) and calls the synchronous `run()` in a worker 
 in the event loop when `is_async`), so the loop that serves every other episode never blocks.
 `model.chat` in that thread schedules `engine.agenerate` on the loop and waits for it.
 Repeatable workflows (`can_repeat`) get `set_repeat_times(n)` and produce the whole group in one
-run; the others run n times, concurrently, one instance each.
+run; the others run n times, concurrently, one instance each. A thread cannot be cancelled: when an
+episode times out, its `run()` keeps its worker thread until it returns, and every model call it
+makes after the timeout raises.
 
 Conversion to samples: Experience.tokens = prompt + response, `prompt_length`, `logprobs` and
 `action_mask` over the response part. Weight versions are not part of Trinity's Experience: they are
