@@ -16,7 +16,7 @@ from typing import Any
 
 from mlrl.checkpoint import CheckpointManager, read_state
 from mlrl.config import Config, Layout, dump_yaml
-from mlrl.data.registry import get_dataset
+from mlrl.data import dataset_from_config
 from mlrl.data.sampler import PromptSampler
 from mlrl.loop import RunContext, train_async, train_sync
 from mlrl.metrics import MetricsLogger, plot_run
@@ -69,13 +69,8 @@ async def _run(cfg: Config, layout: Layout) -> int:
     ckpts = CheckpointManager(cfg.checkpoint.dir or run_dir / "checkpoints", cfg.checkpoint.keep_last)
     resume = ckpts.resolve_resume(cfg.checkpoint.resume)
     state = read_state(resume) if resume else None
-    train_rows = get_dataset(cfg.data.train, "train", tokenizer=tokenizer, max_length=cfg.data.max_prompt_tokens,
-                             skip_malformed=cfg.data.skip_malformed, seed=cfg.trainer.seed, num_rows=cfg.data.num_synthetic)
-    eval_rows = None
-    if cfg.data.eval:
-        eval_rows = list(get_dataset(cfg.data.eval, "test", tokenizer=tokenizer, max_length=cfg.data.max_prompt_tokens,
-                                     skip_malformed=cfg.data.skip_malformed, seed=cfg.trainer.seed + 1,
-                                     num_rows=min(cfg.data.num_synthetic, 128)))
+    train_rows = dataset_from_config(cfg.data, "train", tokenizer=tokenizer, seed=cfg.trainer.seed)
+    eval_rows = list(dataset_from_config(cfg.data, "eval", tokenizer=tokenizer, seed=cfg.trainer.seed)) if cfg.data.eval else None
     sampler = PromptSampler(train_rows, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
     if state:
         sampler = PromptSampler.from_state(train_rows, state["sampler"], seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)

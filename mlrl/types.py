@@ -49,6 +49,14 @@ class GenerationHyperparameters:
         d.update(kw)
         return GenerationHyperparameters(**d)
 
+    def new_with_stop_and_pad_token_ids(self, tokenizer: Any) -> "GenerationHyperparameters":
+        """AReaL's helper: add the tokenizer's EOS and PAD ids to the stop tokens."""
+        ids = list(self.stop_token_ids)
+        for tid in (getattr(tokenizer, "eos_token_id", None), getattr(tokenizer, "pad_token_id", None)):
+            if tid is not None and tid not in ids:
+                ids.append(tid)
+        return self.new(stop_token_ids=ids)
+
 
 @dataclass
 class ModelRequest:
@@ -59,6 +67,7 @@ class ModelRequest:
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)  # request id (unique; used for abort and de-duplication)
     session_id: str | None = None   # multi-turn conversation id: requests with one id stick to one engine (prefix cache)
     metadata: dict[str, Any] = field(default_factory=dict)
+    tokenizer: Any = None           # AReaL's field: lets engines decode text for stop strings
 
 
 @dataclass
