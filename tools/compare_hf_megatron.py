@@ -1,0 +1,214 @@
+"""Check a model's Megatron port against HF transformers: the check to run after adding a model.
+
+    python tools/compare_hf_megatron.py --hf-dir DIR [--tp N] [--pp N] [--ep N] [--tol 1e-5] [--noise-floor]
+
+Launches tp*pp*ep trainer processes itself (torchrun, gloo on CPU / NCCL on GPU), builds mlrl's
+Megatron policy from DIR with that layout, runs it and HF transformers (fp32, one sample at a
+time) on the same packed token sequences (chat prompts through the model's tokenizer), and
+prints the max |difference| of logits and of token logprobs. Exits 1 above --tol.
+
+--noise-floor measures how far fp32 arithmetic itself is from the exact result, for a deep
+model where 1e-5 is below fp32's own noise: HF in float64 serves as the exact reference, and
+the tool reports |HF fp32 - HF fp64| (HF's floor), |Megatron fp32 - HF fp64|, and HF fp32 under
+another reduction order (one right-padded batch instead of one sample at a time). Megatron is
+at parity when its distance to the fp64 result is within 2x HF's own: the exit criterion
+becomes max(tol, 2 * HF floor) applied to |Megatron - HF fp64|.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+PROMPTS = [
+    "What is 12 + 7 ? Answer with a number .",
+    "Repeat after me : a b c d e .",
+    "The sum of 3 and 4 is 7 , and the sum of 5 and 6 is 11 .",
+    "Write the digit that comes after 4 .",
+    "Question : what is the reverse of 1 2 3 ? answer : 3 2 1 .",
+]
+
+
+def _parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hf-dir", required=True, help="HF model folder or builtin:<name>")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--tol", type=float, default=1e-5, help="max allowed |delta| of logits and logprobs")
+    ap.add_argument("--noise-floor", action="store_true", help="also measure HF's own reduction-order noise")
+    ap.add_argument("--samples", type=int, default=len(PROMPTS))
+    ap.add_argument("--json", default=None, help="write the numbers to this file")
+    ap.add_argument("--timeout", type=float, default=900)
+    return ap.parse_args(argv)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args) -> int:
+    world = args.tp * args.pp * args.ep
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--nnodes=1",
+           "--master-addr=127.0.0.1", f"--master-port={_free_port()}", __file__, *sys.argv[1:]]
+    env = dict(os.environ, MLRL_COMPARE_WORKER="1", OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // world)),
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        return proc.wait(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        print(f"compare_hf_megatron: timed out after {args.timeout:.0f} s", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        os.killpg(proc.pid, 9)
+        raise
+
+
+def _samples(hf_dir: Path, n: int):
+    import torch
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    out = []
+    for text in (PROMPTS * ((n + len(PROMPTS) - 1) // len(PROMPTS)))[:n]:
+        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True) \
+            if tok.chat_template else tok(text)["input_ids"]
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        out.append(torch.tensor(list(ids), dtype=torch.long))
+    return out
+
+
+def _micro_batch(samples):
+    import torch
+
+    from mlrl.experience.batch import MicroBatch
+
+    lens = [len(s) for s in samples]
+    S = sum(lens)
+    z = torch.zeros(S)
+    return MicroBatch(
+        tokens=torch.cat(samples), position_ids=torch.cat([torch.arange(n) for n in lens]),
+        cu_seqlens=torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32),
+        sample_ids=torch.cat([torch.full((n,), i) for i, n in enumerate(lens)]),
+        loss_mask=z, loss_weight=z, advantages=z, rollout_logprobs=z)
+
+
+def _hf_logits(model, samples, batched: bool):
+    import torch
+
+    with torch.no_grad():
+        if not batched:
+            return [model(s[None]).logits[0] for s in samples]
+        L = max(len(s) for s in samples)
+        ids = torch.zeros(len(samples), L, dtype=torch.long)
+        mask = torch.zeros(len(samples), L, dtype=torch.long)
+        for i, s in enumerate(samples):
+            ids[i, : len(s)], mask[i, : len(s)] = s, 1
+        logits = model(ids, attention_mask=mask).logits
+        return [logits[i, : len(s)] for i, s in enumerate(samples)]
+
+
+def _token_logprobs(logits, s):
+    import torch
+
+    return torch.log_softmax(logits[:-1], -1).gather(-1, s[1:, None])[:, 0]
+
+
+def _max_diff(a_list, b_list, samples, cu) -> tuple[float, float]:
+    """(max |d logits|, max |d token logprob|) between two lists of per-sample logits (the
+    first list may also be one packed [S, V] tensor, cut by cu)."""
+    if not isinstance(a_list, list):
+        a_list = [a_list[a:b] for a, b in zip(cu, cu[1:])]
+    d_logits = max(float((a.double() - b.double()).abs().max()) for a, b in zip(a_list, b_list))
+    d_lp = max(float((_token_logprobs(a.double(), s) - _token_logprobs(b.double(), s)).abs().max())
+               for a, b, s in zip(a_list, b_list, samples))
+    return d_logits, d_lp
+
+
+def worker(args) -> int:
+    import torch
+    import torch.distributed as dist
+    import transformers
+
+    from mlrl.config.schema import Config
+    from mlrl.config.validate import resolve_layout
+    from mlrl.modelzoo import resolve_model_dir
+    from mlrl.trainer.policy import MegatronPolicy, init_parallel
+
+    hf_dir = resolve_model_dir(args.hf_dir)
+    cfg = Config()
+    cfg.model.hf_dir = str(hf_dir)
+    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep = args.tp, args.pp, args.ep
+    cfg.parallel.dp = args.ep
+    hf_config = json.loads((hf_dir / "config.json").read_text())
+    is_moe = bool(hf_config.get("num_experts") or hf_config.get("num_local_experts"))
+    cfg.parallel.sequence_parallel = is_moe and args.tp > 1
+    layout = resolve_layout(cfg)
+    init_parallel(cfg.parallel, layout, seed=cfg.trainer.seed)
+    policy = MegatronPolicy(cfg.model, cfg.parallel, cfg.trainer, layout, hf_dir=hf_dir, trainable=False)
+    samples = _samples(hf_dir, args.samples)
+    mb = _micro_batch(samples)
+    logits = policy.compute_logits([mb])[0]
+    (logprobs, _), = policy.compute_logprobs([mb], temperature=1.0)
+    rc = 0
+    if dist.get_rank() == 0:
+        model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+        ref = _hf_logits(model, samples, batched=False)
+        cu = mb.cu_seqlens.tolist()
+        d_logits, d_lp = _max_diff(logits, ref, samples, cu)
+        # the logprobs Megatron's own (vocab-parallel) path computes, vs HF's log_softmax
+        d_lp_path = max(float((logprobs[a + 1:b] - _token_logprobs(r, s)).abs().max()) for a, b, r, s in zip(cu, cu[1:], ref, samples))
+        res = {"hf_dir": str(hf_dir), "tp": args.tp, "pp": args.pp, "ep": args.ep, "tokens": int(mb.num_tokens),
+               "max_abs_logits": d_logits, "max_abs_logprob": max(d_lp, d_lp_path)}
+        measured = max(d_logits, d_lp, d_lp_path)
+        bound = args.tol
+        if args.noise_floor:
+            exact = _hf_logits(model.double(), samples, batched=False)
+            model.float()
+            res["hf_fp32_vs_fp64_logits"], res["hf_fp32_vs_fp64_logprob"] = _max_diff(ref, exact, samples, cu)
+            res["megatron_vs_fp64_logits"], res["megatron_vs_fp64_logprob"] = _max_diff(logits, exact, samples, cu)
+            res["hf_batched_vs_single_logits"], res["hf_batched_vs_single_logprob"] = _max_diff(
+                _hf_logits(model, samples, batched=True), ref, samples, cu)
+            floor = max(res["hf_fp32_vs_fp64_logits"], res["hf_fp32_vs_fp64_logprob"])
+            bound = max(args.tol, 2 * floor)
+            measured = max(res["megatron_vs_fp64_logits"], res["megatron_vs_fp64_logprob"])
+        res["bound"] = bound
+        res["ok"] = measured <= bound
+        line = (f"compare_hf_megatron: {hf_dir.name} tp={args.tp} pp={args.pp} ep={args.ep} tokens={res['tokens']}: "
+                f"Megatron vs HF fp32: max|d logits|={d_logits:.3e} max|d logprob|={res['max_abs_logprob']:.3e}")
+        if args.noise_floor:
+            line += (f"; vs HF fp64: Megatron {res['megatron_vs_fp64_logits']:.3e} / {res['megatron_vs_fp64_logprob']:.3e}, "
+                     f"HF fp32 {res['hf_fp32_vs_fp64_logits']:.3e} / {res['hf_fp32_vs_fp64_logprob']:.3e} (logits / logprob); "
+                     f"HF batched vs single {res['hf_batched_vs_single_logits']:.3e} / {res['hf_batched_vs_single_logprob']:.3e}")
+        print(line + f" -> {'OK' if res['ok'] else 'FAIL'} (bound {bound:.1e})", flush=True)
+        print(json.dumps(res), flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(res))
+        rc = 0 if res["ok"] else 1
+    flag = torch.tensor([rc])
+    dist.broadcast(flag, src=0)
+    dist.barrier()
+    dist.destroy_process_group()
+    return int(flag.item())
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    if os.environ.get("MLRL_COMPARE_WORKER") == "1":
+        return worker(args)
+    return launch(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
