@@ -1,0 +1,498 @@
+"""Resumable distributed checkpoints of a `MegatronPolicy`, and its streamed Hugging Face export.
+
+Rank side (every function is a collective over all trainer ranks, like the policy's methods):
+
+    save_checkpoint(policy, path, *, async_save=False)    model + optimizer + scheduler + RNG
+    load_checkpoint(policy, path) -> dict                 checks first, then loads in place
+    finalize_async_saves(blocking=True) -> int            completes pending async saves (GPU)
+    export_hf(policy, out_dir) -> Path | None             a complete HF folder (rank 0 finalizes)
+    export_hf_shards(policy, folder) -> ShardMap | None   only this stage's safetensors files
+
+Format: Megatron-Core `dist_checkpointing` (torch_dist) in `path/`, plus two things of ours
+written by rank 0 after every rank has finished writing: `hf_files/` (config.json,
+generation_config.json, tokenizer files: enough to export an HF folder from the checkpoint
+alone) and `mlrl_checkpoint.json` (format version, the HF config, the architecture the bridge
+parsed from it, the parallel layout, the optimizer kind / precision / state sharding, the
+optimizer step count). `mlrl_checkpoint.json` is written last: a directory without it was never
+completely written.
+
+Invariants:
+- Nothing is loaded before everything that can be checked has been: the directory is complete,
+  the architecture equals the model's (every field of the bridge's `ModelArch`), and the
+  optimizer state can be resharded into this layout. Errors are `CheckpointError`s naming the
+  field and both values.
+- Resharding: model tensors are Megatron ShardedTensors (TP / PP / VPP / EP / DP changes load).
+  The DistributedOptimizer state is saved as `fully_reshardable` (model-space tensors; TP / PP /
+  DP / EP changes load); a checkpoint written with `dp_reshardable` (Megatron-LM's default)
+  loads only under the same model-parallel layout, which is checked. A plain (non-distributed)
+  optimizer's state is in model space and reshards freely; switching between the distributed
+  and the plain optimizer is refused (their optimizer states are keyed differently).
+- Exact resume: the optimizer state is saved only once it exists (after the first step; before
+  it, a fresh optimizer is the same state). Every rank's RNG states (python, numpy, torch CPU,
+  CUDA, Megatron's tensor-parallel tracker) are a ShardedObject per global rank, restored when
+  the layout is unchanged (a different layout has different ranks: they are then reported as not
+  restored, as Megatron-LM does). The scheduler position comes from the checkpoint; its
+  hyper-parameters (lr, warm-up, decay) from the running config, so a resumed run follows the
+  config it was started with (differences are reported).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import random
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from mlrl.bridge import spec_for
+from mlrl.checkpoint.hf_export import COPY_FILES, ShardMap, ShardWriter, finalize_hf_folder, temp_dir_for
+from mlrl.checkpoint.manager import CheckpointError
+
+log = logging.getLogger(__name__)
+
+FORMAT = "mlrl-megatron-dist/1"
+META_FILE = "mlrl_checkpoint.json"
+HF_FILES_DIR = "hf_files"
+MEGATRON_META = "metadata.json"          # written by megatron's finalize step (after all shards)
+DEFAULT_OPTIM_SHARDING = "fully_reshardable"
+_RESHARDABLE = ("fully_reshardable", "fully_sharded_model_space")
+_RNG_KEY = "mlrl.rng_state"
+_ASYNC_QUEUE: Any = None
+
+
+# ---- metadata ------------------------------------------------------------------------------------
+def _layout(policy) -> dict[str, Any]:
+    r = policy.ranks
+    return {"tp": r.tp_size, "pp": r.pp_size, "cp": r.cp_size, "ep": r.ep_size, "etp": r.etp_size, "dp": r.dp_size,
+            "vpp": policy.config.virtual_pipeline_model_parallel_size, "world": r.world,
+            "pp_layer_split": list(policy.parallel.pp_layer_split) if policy.parallel.pp_layer_split else None}
+
+
+def _sharding_metadata(sharding_type: str) -> dict[str, Any]:
+    """What Megatron's sharded_state_dict methods are told (the same on save and load)."""
+    return {"distrib_optim_sharding_type": sharding_type, "chained_optim_avoid_prefix": True,
+            "singleton_local_shards": False}
+
+
+def _optimizer_kind(policy) -> dict[str, Any]:
+    t = policy.trainer_cfg
+    return {"type": t.optimizer, "distributed": bool(t.use_distributed_optimizer), "precision": t.precision}
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    """The checkpoint's `mlrl_checkpoint.json`, after checking that the directory is complete."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"checkpoint {p}: does not exist")
+    if not p.is_dir():
+        raise CheckpointError(f"checkpoint {p}: not a directory")
+    meta_file = p / META_FILE
+    if not meta_file.is_file():
+        if (p / "model_optim" / META_FILE).is_file():
+            raise CheckpointError(f"checkpoint {p}: pass the checkpoint's model_optim/ folder ({p / 'model_optim'}), "
+                                  "or resolve a run's checkpoint root with CheckpointManager.resolve_resume")
+        what = "an interrupted save (Megatron shards without" if any(p.iterdir()) else "empty (no"
+        raise CheckpointError(f"checkpoint {p}: incomplete, {what} {META_FILE}); use an earlier checkpoint")
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint {meta_file}: unreadable ({e})") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {meta_file}: format {meta.get('format')!r}, this mlrl reads {FORMAT!r}")
+    for f in (MEGATRON_META, ".metadata"):
+        if not (p / f).is_file():
+            raise CheckpointError(f"checkpoint {p}: incomplete, Megatron's {f} is missing")
+    return meta
+
+
+def _arch_differences(saved_hf_config: dict, policy) -> list[str]:
+    try:
+        _, saved = spec_for(saved_hf_config)
+    except Exception as e:  # noqa: BLE001 - any parse failure is a mismatch worth naming
+        return [f"the checkpoint's config.json cannot be parsed ({e})"]
+    a, b = asdict(saved), asdict(policy.arch)
+    return [f"{k}: checkpoint {a[k]!r}, model {b.get(k)!r}" for k in a if a[k] != b.get(k)]
+
+
+def check_loadable(policy, meta: dict[str, Any], *, load_optimizer: bool) -> None:
+    """Everything that would make the load fail or be wrong, checked before any tensor moves."""
+    diff = _arch_differences(meta["hf_config"], policy)
+    if diff:
+        raise CheckpointError(f"checkpoint architecture does not match model.hf_dir={policy.hf_dir}: " + "; ".join(diff))
+    if not load_optimizer:
+        return
+    saved, now = meta["optimizer"], _optimizer_kind(policy)
+    for key, field in (("type", "trainer.optimizer"), ("precision", "trainer.precision"),
+                       ("distributed", "trainer.use_distributed_optimizer")):
+        if saved[key] != now[key]:
+            raise CheckpointError(f"checkpoint optimizer state was saved with {field}={saved[key]!r}, this run has "
+                                  f"{now[key]!r}: use the same setting to resume (or load the weights only)")
+    sharding = saved["sharding"]["distrib_optim_sharding_type"]
+    if saved["distributed"] and sharding not in _RESHARDABLE:
+        old, new = meta["layout"], _layout(policy)
+        keys = ("tp", "pp", "cp", "ep", "etp", "vpp", "pp_layer_split")
+        changed = [f"{k} {old[k]} -> {new[k]}" for k in keys if old[k] != new[k]]
+        if changed:
+            raise CheckpointError(f"checkpoint optimizer state is {sharding!r} (reshardable along DP only) and cannot be "
+                                  f"loaded after a model-parallel layout change ({', '.join(changed)}): resume with "
+                                  f"tp={old['tp']} pp={old['pp']} ep={old['ep']} cp={old['cp']}")
+
+
+# ---- RNG -----------------------------------------------------------------------------------------
+def _rng_state() -> dict[str, Any]:
+    from megatron.core import tensor_parallel
+
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+            "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+# ---- sharded state dict ----------------------------------------------------------------------------
+def _unwrapped(policy) -> list[torch.nn.Module]:
+    """The GPTModel chunks: keys must not depend on the DDP wrapper (a frozen policy has none)."""
+    out = []
+    for chunk in policy.model:
+        while hasattr(chunk, "module"):
+            chunk = chunk.module
+        out.append(chunk)
+    return out
+
+
+def _model_state(policy, sharding: dict[str, Any]) -> dict[str, Any]:
+    chunks = _unwrapped(policy)
+    if len(chunks) == 1:
+        return {"model": chunks[0].sharded_state_dict(metadata=dict(sharding))}
+    return {f"model{i}": m.sharded_state_dict(metadata=dict(sharding)) for i, m in enumerate(chunks)}
+
+
+def _inner_optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def _prepare_optimizer_for_load(optimizer) -> None:
+    """Megatron's DistributedOptimizer builds its (load) state dict from the optimizer's current
+    state, which torch's Adam creates lazily at the first step: give it dummy state first (the
+    load replaces it). The plain optimizers do this themselves (init_state_fn)."""
+    for opt in _inner_optimizers(optimizer):
+        if hasattr(opt, "_init_optimizer_states_with_dummy_values") and not opt.optimizer.state:
+            from mlrl.trainer import cpu_compat
+
+            with cpu_compat.cuda_tensor_methods():
+                opt._init_optimizer_states_with_dummy_values()
+
+
+_PARAM_STATE_LOADERS = {
+    "fully_reshardable": "load_parameter_state_from_fully_reshardable",
+    "dp_reshardable": "load_parameter_state_from_dp_reshardable",
+    "fully_sharded_model_space": "load_parameter_state_from_fs_model_space",
+    "dp_zero_gather_scatter": "load_parameter_state_from_dp_zero",
+}
+
+
+def _load_optimizer_state(optimizer, state: Any) -> None:
+    """`optimizer.load_state_dict`, except that a DistributedOptimizer's parameter state is
+    loaded with torch Adam's per-parameter `step` set aside: megatron-core copies every state
+    entry of the destination from the loaded tensors, and `step` is not among them (it is
+    restored from the param groups, before) -> KeyError('step') without Apex / TE."""
+    inner = _inner_optimizers(optimizer)
+    states = [state] if len(inner) == 1 else [v for _, v in sorted(state.items())]
+    if len(states) != len(inner):
+        raise CheckpointError(f"checkpoint has {len(states)} optimizer state(s), the model has {len(inner)} optimizer(s)")
+    for opt, sd in zip(inner, states):
+        param_state, kind = sd.pop("param_state", None), sd.pop("param_state_sharding_type", None)
+        opt.load_state_dict(sd)
+        if param_state is None:
+            continue
+        steps = {p: st.pop("step") for p, st in opt.optimizer.state.items() if "step" in st}
+        try:
+            getattr(opt, _PARAM_STATE_LOADERS[kind])(param_state)
+        finally:
+            for p, step in steps.items():
+                opt.optimizer.state[p]["step"] = step
+    if len(inner) > 1 and hasattr(optimizer, "_synchronize_steps"):
+        optimizer._synchronize_steps()
+
+
+def _fix_step_state(optimizer, steps: int) -> None:
+    """torch Adam keeps a per-parameter `step` tensor and increments it in place. megatron-core's
+    DistributedOptimizer.load_state_dict gives every parameter the SAME step tensor (so one
+    optimizer step would advance it once per parameter and corrupt bias correction), and the
+    plain optimizers restore it only when one was saved: give each parameter its own."""
+    for opt in _inner_optimizers(optimizer):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None or not isinstance(inner, torch.optim.Optimizer):
+            continue
+        for st in inner.state.values():
+            if "step" in st:
+                st["step"] = st["step"].detach().clone() if torch.is_tensor(st["step"]) else st["step"]
+            elif "exp_avg" in st:
+                st["step"] = torch.tensor(float(steps))
+
+
+def _state_dict(policy, *, sharding: dict[str, Any], optimizer: bool, rng: bool, is_loading: bool) -> dict[str, Any]:
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    sd = _model_state(policy, sharding)
+    if optimizer:
+        if is_loading:
+            _prepare_optimizer_for_load(policy.optimizer)
+        sd["optimizer"] = policy.optimizer.sharded_state_dict(sd, is_loading=is_loading, metadata=dict(sharding))
+        sd["scheduler"] = policy.scheduler.state_dict()
+    if rng:
+        r = policy.ranks
+        sd["rng_state"] = ShardedObject(_RNG_KEY, _rng_state(), (r.world,), (r.rank,), replica_id=0)
+    return sd
+
+
+# ---- save ----------------------------------------------------------------------------------------
+def save_checkpoint(policy, path: str | Path, *, async_save: bool = False,
+                    optim_sharding: str = DEFAULT_OPTIM_SHARDING) -> None:
+    """Save the policy's training state into `path` (created; should be empty). Collective.
+    With `async_save` on GPU the shards are written in the background and the checkpoint is
+    complete only after `finalize_async_saves()` has run on every rank."""
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    path = Path(path)
+    if policy.ranks.rank == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    trainable = policy.optimizer is not None
+    with_optimizer = trainable and policy.optimizer_steps > 0
+    sharding = _sharding_metadata(optim_sharding)
+    from mlrl.trainer import cpu_compat
+
+    with cpu_compat.cuda_tensor_methods():  # the DistributedOptimizer gathers its state with .cuda() tensors
+        sd = _state_dict(policy, sharding=sharding, optimizer=with_optimizer, rng=trainable, is_loading=False)
+    if trainable and not with_optimizer:
+        sd["scheduler"] = policy.scheduler.state_dict()
+    meta = {
+        "format": FORMAT, "backend": "torch_dist", "megatron_core": _megatron_version(),
+        "model_type": policy.arch.model_type, "arch": asdict(policy.arch), "hf_config": policy.hf_config,
+        "layout": _layout(policy),
+        "contents": {"model": True, "optimizer": with_optimizer, "scheduler": trainable, "rng": trainable},
+        "optimizer": {**_optimizer_kind(policy), "sharding": sharding, "steps": int(policy.optimizer_steps)},
+    }
+    strategy = FullyParallelSaveStrategyWrapper(
+        dist_checkpointing.serialization.get_default_save_sharded_strategy("torch_dist"),
+        parallel_state.get_data_parallel_group(with_context_parallel=True))
+
+    def finalize() -> None:
+        if policy.ranks.rank == 0:
+            _write_hf_files(policy.hf_dir, path / HF_FILES_DIR)
+            tmp = path / (META_FILE + ".tmp")
+            tmp.write_text(json.dumps(meta, indent=2, default=str))
+            os.replace(tmp, path / META_FILE)
+        dist.barrier()
+
+    use_async = async_save and torch.cuda.is_available()
+    if async_save and not use_async:
+        log.warning("checkpoint.async_save needs CUDA: saving synchronously")
+    with cpu_compat.cuda_tensor_methods():
+        request = dist_checkpointing.save(sd, str(path), sharded_strategy=strategy, async_sharded_save=use_async,
+                                          content_metadata=dict(sharding))
+    if request is None:
+        finalize()
+        return
+    global _ASYNC_QUEUE
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    if _ASYNC_QUEUE is None:
+        _ASYNC_QUEUE = AsyncCallsQueue(persistent=True)
+    request.add_finalize_fn(finalize)
+    _ASYNC_QUEUE.schedule_async_request(request)
+
+
+def finalize_async_saves(blocking: bool = True) -> int:
+    """Run the finalization of finished async saves (all of them if `blocking`); returns how
+    many are still pending. Collective; a no-op without async saves."""
+    if _ASYNC_QUEUE is None:
+        return 0
+    _ASYNC_QUEUE.maybe_finalize_async_calls(blocking=blocking)
+    return _ASYNC_QUEUE.get_num_unfinalized_calls()
+
+
+def _write_hf_files(src: Path, dst: Path) -> None:
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in COPY_FILES:
+        if (src / f).is_file():
+            shutil.copy2(src / f, dst / f)
+
+
+def _megatron_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("megatron-core")
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+# ---- load ----------------------------------------------------------------------------------------
+def load_checkpoint(policy, path: str | Path, *, load_optimizer: Optional[bool] = None) -> dict[str, Any]:
+    """Load a checkpoint saved by `save_checkpoint` (any layout Megatron can reshard from) into
+    the policy, in place. `load_optimizer=None` loads the optimizer / scheduler / RNG state when
+    the policy is trainable and the checkpoint has it; False loads the weights only. Returns
+    {"optimizer_steps", "optimizer_loaded", "rng_restored", "saved_layout", "scheduler_overrides"}."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    meta = read_meta(path)
+    contents = meta["contents"]
+    trainable = policy.optimizer is not None
+    if load_optimizer is None:
+        load_optimizer = trainable
+    if load_optimizer and not trainable:
+        raise CheckpointError("load_checkpoint(load_optimizer=True) on a frozen policy (trainable=False)")
+    with_optimizer = load_optimizer and contents["optimizer"]
+    check_loadable(policy, meta, load_optimizer=with_optimizer)
+    same_layout = meta["layout"] == _layout(policy)
+    with_rng = load_optimizer and contents["rng"] and same_layout
+    sharding = meta["optimizer"]["sharding"]
+    # all ranks have passed the checks before any rank loads
+    ok = torch.tensor([1], dtype=torch.int32)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+
+    from mlrl.trainer import cpu_compat
+
+    with cpu_compat.cuda_tensor_methods():
+        sd = _state_dict(policy, sharding=sharding, optimizer=with_optimizer, rng=with_rng, is_loading=True)
+        if load_optimizer and contents["scheduler"] and not with_optimizer:
+            sd["scheduler"] = policy.scheduler.state_dict()
+        state = dist_checkpointing.load(sd, str(path))
+        for key, chunk in zip(_model_keys(policy), _unwrapped(policy)):
+            chunk.load_state_dict(state[key], strict=True)
+        steps = int(meta["optimizer"]["steps"])
+        overrides: dict[str, Any] = {}
+        if with_optimizer:
+            _load_optimizer_state(policy.optimizer, state["optimizer"])
+            _fix_step_state(policy.optimizer, steps)
+        elif trainable:
+            # weights changed under the optimizer: refresh its fp32 main copies (bf16 / distributed)
+            policy.optimizer.reload_model_params()
+    if load_optimizer and contents["scheduler"]:
+        overrides = _load_scheduler(policy.scheduler, state["scheduler"])
+        policy.optimizer_steps = steps
+    if with_rng:
+        _set_rng_state(state["rng_state"])
+    return {"optimizer_steps": policy.optimizer_steps, "optimizer_loaded": with_optimizer, "rng_restored": with_rng,
+            "saved_layout": meta["layout"], "scheduler_overrides": overrides}
+
+
+def _model_keys(policy) -> list[str]:
+    return ["model"] if len(policy.model) == 1 else [f"model{i}" for i in range(len(policy.model))]
+
+
+def _load_scheduler(scheduler, saved: dict[str, Any]) -> dict[str, Any]:
+    """Position from the checkpoint, hyper-parameters from the running config."""
+    now = scheduler.state_dict()
+    overrides = {k: {"checkpoint": saved[k], "config": now[k]} for k in now if k != "num_steps" and saved.get(k) != now[k]}
+    previous = scheduler.override_opt_param_scheduler
+    scheduler.override_opt_param_scheduler = True
+    try:
+        scheduler.num_steps = 0
+        with _quiet("megatron.core.optimizer_param_scheduler"):
+            scheduler.load_state_dict(saved)
+    finally:
+        scheduler.override_opt_param_scheduler = previous
+    if overrides:
+        log.warning("resume: the LR schedule follows the config, not the checkpoint, for %s", sorted(overrides))
+    return overrides
+
+
+@contextlib.contextmanager
+def _quiet(logger_name: str) -> Iterator[None]:
+    lg = logging.getLogger(logger_name)
+    level = lg.level
+    lg.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        lg.setLevel(level)
+
+
+# ---- HF export -----------------------------------------------------------------------------------
+def _export_dtype(policy, dtype: Optional[str]) -> Optional[torch.dtype]:
+    """None = keep the parameters' dtype; "auto" = the dtype config.json declares."""
+    if dtype is None:
+        return None
+    if dtype == "auto":
+        dtype = policy.hf_config.get("dtype") or policy.hf_config.get("torch_dtype")
+        if dtype is None:
+            return None
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    except KeyError:
+        raise ValueError(f"HF export dtype {dtype!r}: expected float32, bfloat16 or float16") from None
+
+
+def export_hf_shards(policy, folder: str | Path, *, max_shard_bytes: int = 2 << 30, bucket_bytes: int = 256 << 20,
+                     dtype: Optional[str] = "auto") -> Optional[ShardMap]:
+    """Collective. The sender of each pipeline stage writes its stage's HF tensors into
+    `folder/stage<pp>-0000i.safetensors` and returns its shard map; other ranks return None.
+    Peak memory per sender: one bucket being gathered plus one shard being filled."""
+    info = policy.rank_info()
+    writer = None
+    if info["is_stage_sender"]:
+        writer = ShardWriter(folder, f"stage{info['pp']:03d}", max_shard_bytes=max_shard_bytes,
+                             dtype=_export_dtype(policy, dtype))
+    for bucket in policy.iter_hf_buckets(bucket_bytes):
+        if writer is not None:
+            writer.add(bucket)
+    return writer.close() if writer is not None else None
+
+
+def export_hf(policy, out_dir: str | Path, *, max_shard_bytes: int = 2 << 30, bucket_bytes: int = 256 << 20,
+              dtype: Optional[str] = "auto", files_from: Optional[str | Path] = None) -> Optional[Path]:
+    """Collective: write a complete Hugging Face folder at `out_dir` (shared filesystem across
+    ranks). Stage senders write shards into a temporary folder beside `out_dir`; rank 0 merges
+    their shard maps, checks the tensor names against config.json, copies config / tokenizer
+    files (from `files_from`, default the policy's model.hf_dir) and renames the folder into
+    place. Returns the path on rank 0, None elsewhere. `dtype`: "auto" = config.json's dtype,
+    None = the parameters' dtype, or "float32" / "bfloat16" / "float16"."""
+    out = Path(out_dir)
+    tmp = temp_dir_for(out)
+    rank = policy.ranks.rank
+    if rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    error = None
+    try:
+        shard_map = export_hf_shards(policy, tmp, max_shard_bytes=max_shard_bytes, bucket_bytes=bucket_bytes, dtype=dtype)
+    except Exception as e:  # noqa: BLE001 - reported on every rank below
+        shard_map, error = None, f"rank {rank}: {type(e).__name__}: {e}"
+    gathered: list[Any] = [None] * policy.ranks.world
+    dist.all_gather_object(gathered, (shard_map, error))
+    errors = [e for _, e in gathered if e]
+    if errors:
+        raise RuntimeError("HF export failed: " + "; ".join(errors))
+    result = None
+    if rank == 0:
+        out_dtype = _export_dtype(policy, dtype)
+        result = finalize_hf_folder(
+            tmp, out, [m for m, _ in gathered if m], files_from or policy.hf_dir,
+            expected_names=policy.spec.hf_shapes(policy.arch).keys(),
+            dtype=str(out_dtype).removeprefix("torch.") if out_dtype is not None else None)
+    dist.barrier()
+    return result

@@ -1,0 +1,295 @@
+"""Convert between a Hugging Face model folder and mlrl's Megatron distributed checkpoint.
+
+    python tools/convert_checkpoint.py hf-to-mcore --hf DIR --out DIR [--tp N --pp N --ep N] [--verify]
+    python tools/convert_checkpoint.py mcore-to-hf --ckpt DIR --out DIR [--tp N --pp N --ep N] [--verify]
+
+hf-to-mcore writes the weights-only checkpoint a training run can start from
+(`checkpoint.resume=DIR`) or that mcore-to-hf reads; mcore-to-hf takes either such a folder, a
+run's `step_N/` checkpoint or a run's checkpoint root (its latest complete checkpoint) and
+writes safetensors shards + config.json + generation_config.json + tokenizer files.
+
+Everything that can be checked without loading weights is checked first, in this process: the
+folder exists and is complete, config.json names a supported architecture, the safetensors
+headers match it, the layout divides the model, the output is free. Then the conversion runs
+on tp*pp*dp ranks (dp as expert parallelism needs): in this process for one rank, otherwise
+under torchrun launched here (gloo on CPU, NCCL on GPU). Already inside torchrun (WORLD_SIZE
+set, e.g. a multi-node job), it runs as that job's rank. `--verify` compares the logits of the
+sharded Megatron model with transformers on the HF side of the conversion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+_PRECISION = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "TB": 1 << 40}
+
+
+class ConversionError(SystemExit):
+    """A bad input: printed as one line, exit code 2."""
+
+    def __init__(self, msg: str):
+        super().__init__(2)
+        self.msg = msg
+
+
+def parse_size(text: str) -> int:
+    t = text.strip().upper()
+    for unit in sorted(_SIZE_UNITS, key=len, reverse=True):
+        if unit and t.endswith(unit):
+            num = t[: -len(unit)]
+            break
+    else:
+        unit, num = "", t
+    try:
+        return int(float(num) * _SIZE_UNITS[unit])
+    except ValueError:
+        raise ConversionError(f"--max-shard-size {text!r}: expected a size like 2GB, 500MB or 1048576") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="convert_checkpoint.py", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    h = sub.add_parser("hf-to-mcore", help="HF folder -> Megatron distributed checkpoint (weights)")
+    h.add_argument("--hf", required=True, help="Hugging Face model folder (config.json + safetensors) or builtin:<name>")
+    h.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
+                   help="dtype of the stored weights (auto = config.json's dtype)")
+    m = sub.add_parser("mcore-to-hf", help="Megatron distributed checkpoint -> HF folder")
+    m.add_argument("--ckpt", required=True, help="checkpoint folder (model_optim/, step_N/ or a run's checkpoint root)")
+    m.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16", "keep"], default="auto",
+                   help="dtype of the written tensors (auto = config.json's dtype, keep = the checkpoint's)")
+    m.add_argument("--max-shard-size", default="2GB", help="largest safetensors file (e.g. 5GB, 500MB)")
+    for p in (h, m):
+        p.add_argument("--out", required=True, help="output folder (must be empty or absent, unless --force)")
+        p.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (mcore-to-hf default: the checkpoint's)")
+        p.add_argument("--pp", type=int, default=None, help="pipeline-parallel ranks (mcore-to-hf default: the checkpoint's)")
+        p.add_argument("--ep", type=int, default=None, help="expert-parallel ranks (mcore-to-hf default: the checkpoint's)")
+        p.add_argument("--verify", action="store_true", help="compare logits with transformers after converting")
+        p.add_argument("--verify-tol", type=float, default=1e-3, help="largest accepted |logit difference| (fp32)")
+        p.add_argument("--force", action="store_true", help="replace a non-empty --out")
+        p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    w = sub.add_parser("_rank", help=argparse.SUPPRESS)  # one rank of a launched job
+    w.add_argument("--job", required=True)
+    return ap
+
+
+# ---- checks before any process starts ------------------------------------------------------------
+def resolve_ckpt(path: str) -> Path:
+    """model_optim/ folder of a checkpoint given as that folder, step_N/ or a checkpoint root."""
+    from mlrl.checkpoint import CheckpointManager
+    from mlrl.trainer.checkpointing import META_FILE
+
+    p = Path(path)
+    if not p.exists():
+        raise ConversionError(f"--ckpt {p}: does not exist")
+    if (p / META_FILE).is_file() or (p / "metadata.json").is_file():
+        return p
+    if (p / "model_optim").is_dir():
+        return p / "model_optim"
+    found = CheckpointManager(p).latest()
+    if found is not None:
+        return found / "model_optim"
+    raise ConversionError(f"--ckpt {p}: not an mlrl checkpoint (no {META_FILE}, no model_optim/, no complete step_N/)")
+
+
+def check_layout(hf_config: dict, tp: int, pp: int, ep: int, what: str) -> None:
+    from mlrl.bridge import BridgeError, check_layout as bridge_check, spec_for
+
+    if min(tp, pp, ep) < 1:
+        raise ConversionError(f"--tp/--pp/--ep must be >= 1, got {tp}/{pp}/{ep}")
+    try:
+        _, arch = spec_for(hf_config)
+        bridge_check(arch, tp=tp, pp=pp, ep=ep, etp=tp, cp=1, vpp=None, pp_split=None)
+    except (BridgeError, ValueError) as e:
+        raise ConversionError(f"{what}: {e}") from None
+
+
+def prepare(args) -> dict[str, Any]:
+    """Validate the inputs; returns the job description the ranks run."""
+    from mlrl.bridge import BridgeError, HFCheckpoint, spec_for
+    from mlrl.checkpoint import CheckpointError
+    from mlrl.trainer.conversion import check_output_dir
+
+    job: dict[str, Any] = {"command": args.command, "out": str(Path(args.out).resolve()), "verify": args.verify,
+                           "verify_tol": args.verify_tol, "progress": not args.no_progress}
+    if args.command == "hf-to-mcore":
+        from mlrl.modelzoo import resolve_model_dir
+
+        try:
+            hf = Path(resolve_model_dir(args.hf))
+        except Exception as e:  # noqa: BLE001 - a bad builtin name or folder
+            raise ConversionError(f"--hf {args.hf}: {e}") from None
+        if not (hf / "config.json").is_file():
+            raise ConversionError(f"--hf {hf}: no config.json (expected a Hugging Face model folder)")
+        hf_config = json.loads((hf / "config.json").read_text())
+        try:
+            spec, arch = spec_for(hf_config)
+            HFCheckpoint(hf).check(spec, arch)
+        except BridgeError as e:
+            raise ConversionError(f"--hf {hf}: {e}") from None
+        tp, pp, ep = args.tp or 1, args.pp or 1, args.ep or 1
+        precision = args.precision
+        if precision == "auto":
+            precision = _PRECISION.get(hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32", "fp32")
+        job.update(hf=str(hf), precision=precision)
+    else:
+        from mlrl.trainer.checkpointing import HF_FILES_DIR, read_meta
+
+        path = resolve_ckpt(args.ckpt)
+        try:
+            meta = read_meta(path)
+        except CheckpointError as e:
+            raise ConversionError(str(e)) from None
+        if not (path / HF_FILES_DIR / "config.json").is_file():
+            raise ConversionError(f"--ckpt {path}: {HF_FILES_DIR}/config.json is missing")
+        hf_config = meta["hf_config"]
+        saved = meta["layout"]
+        tp, pp, ep = args.tp or saved["tp"], args.pp or saved["pp"], args.ep or saved["ep"]
+        job.update(ckpt=str(path), dtype=None if args.dtype == "keep" else args.dtype,
+                   max_shard_bytes=parse_size(args.max_shard_size))
+    check_layout(hf_config, tp, pp, ep, "--tp/--pp/--ep")
+    try:
+        check_output_dir(args.out, force=args.force)
+    except CheckpointError as e:
+        raise ConversionError(str(e)) from None
+    from mlrl.trainer.conversion import world_size_for
+
+    job.update(tp=tp, pp=pp, ep=ep, world=world_size_for(tp, pp, ep))
+    return job
+
+
+# ---- running the ranks ---------------------------------------------------------------------------
+def run_rank(job: dict[str, Any]) -> dict[str, Any]:
+    """This process's part of the conversion (a torchrun rank, or the only rank)."""
+    import torch.distributed as dist
+
+    from mlrl.trainer import conversion
+
+    rank = int(os.environ.get("RANK", "0"))
+    bar = None
+    if rank == 0 and job["progress"]:
+        from tqdm import tqdm
+
+        bar = tqdm(total=3 if job["verify"] else 2, desc=job["command"], unit="phase", file=sys.stderr)
+
+    started = [False]
+
+    def progress(text: str) -> None:  # each call starts the next phase
+        if bar is not None:
+            if started[0]:
+                bar.update(1)
+            started[0] = True
+            bar.set_description(f"{job['command']}: {text}")
+
+    try:
+        if job["command"] == "hf-to-mcore":
+            report = conversion.hf_to_mcore(job["hf"], job["out"], tp=job["tp"], pp=job["pp"], ep=job["ep"],
+                                            precision=job["precision"], verify=job["verify"], progress=progress)
+        else:
+            report = conversion.mcore_to_hf(job["ckpt"], job["out"], tp=job["tp"], pp=job["pp"], ep=job["ep"],
+                                            dtype=job["dtype"], max_shard_bytes=job["max_shard_bytes"],
+                                            verify=job["verify"], progress=progress)
+    finally:
+        if bar is not None:
+            bar.update(bar.total - bar.n)
+            bar.close()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return report
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(job: dict[str, Any]) -> dict[str, Any]:
+    """Run the job's ranks; returns rank 0's report."""
+    report_dir = Path(tempfile.mkdtemp(prefix="mlrl-convert-"))
+    job = {**job, "report": str(report_dir / "report.json")}
+    job_file = report_dir / "job.json"
+    job_file.write_text(json.dumps(job))
+    if job["world"] == 1 or "WORLD_SIZE" in os.environ:
+        if "WORLD_SIZE" not in os.environ:
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        return _rank_main(job_file)
+    import torch
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    if not torch.cuda.is_available():
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // job["world"])))
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={job['world']}", "--nnodes=1",
+           "--master-addr=127.0.0.1", f"--master-port={_free_port()}", str(Path(__file__).resolve()), "_rank",
+           "--job", str(job_file)]
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        rc = proc.wait()
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)  # never leave ranks behind (Ctrl-C, timeouts)
+        proc.wait()
+        raise
+    if rc != 0:
+        err = Path(job["report"] + ".error")
+        raise ConversionError(err.read_text().strip() if err.is_file() else f"conversion ranks exited with code {rc}")
+    return json.loads(Path(job["report"]).read_text())
+
+
+def _rank_main(job_file: Path) -> dict[str, Any]:
+    job = json.loads(Path(job_file).read_text())
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        report = run_rank(job)
+    except Exception as e:
+        if rank == 0:
+            Path(job["report"] + ".error").write_text(f"{type(e).__name__}: {e}")
+        raise
+    if rank == 0:
+        Path(job["report"]).write_text(json.dumps(report))
+    return report
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "_rank":
+        _rank_main(Path(args.job))
+        return 0
+    from mlrl.bridge import BridgeError
+    from mlrl.checkpoint import CheckpointError
+
+    try:
+        job = prepare(args)
+        report = launch(job)
+    except ConversionError as e:
+        print(f"convert_checkpoint.py {args.command}: error: {e.msg}", file=sys.stderr)
+        return 2
+    except (CheckpointError, BridgeError) as e:
+        print(f"convert_checkpoint.py {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    summary = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in report.items())
+    print(f"{args.command}: wrote {job['out']} ({summary})")
+    if job["verify"]:
+        gap = report["max_abs_logit_diff"]
+        if not gap <= job["verify_tol"]:
+            print(f"verify FAILED: max |logit difference| {gap:.3g} > --verify-tol {job['verify_tol']:g}", file=sys.stderr)
+            return 1
+        print(f"verify ok: max |logit difference| {gap:.3g} <= {job['verify_tol']:g}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
