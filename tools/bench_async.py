@@ -1,0 +1,59 @@
+"""Wall time per RL step: asynchronous (staleness eta = 1, 2) vs synchronous, same task, same machine.
+
+    .venv/bin/python tools/bench_async.py [--config launch/cpu_default.yaml] [--steps 6] [a.b=c ...]
+
+Runs `python -m mlrl.launch` three times (sync, async eta=1, async eta=2) one after the other and
+compares the mean wall time per step, measured from the steps' start times in metrics.jsonl
+(`time/step_s`, the first step excluded: it includes warm-up). Prints a table and the ratios
+async / sync (< 1 means async is faster). Engine and trainer start-up are not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(config: str, steps: int, run_dir: Path, extra: list[str]) -> list[float]:
+    cmd = [sys.executable, "-m", "mlrl.launch", "--config", config, f"trainer.total_steps={steps}",
+           f"logging.run_dir={run_dir}", "logging.progress_bar=false", "checkpoint.save_at_end=false",
+           "checkpoint.hf_export_at_end=false", "logging.plot=false", *extra]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"run failed: {' '.join(cmd)}\n{proc.stderr[-4000:]}")
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["time/step_s"] for r in recs]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="launch/cpu_default.yaml")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    modes = {
+        "sync": ["mode=sync"],
+        "async eta=1": ["mode=async", "rollout.staleness=1", "algorithm.rollout_is=tis"],
+        "async eta=2": ["mode=async", "rollout.staleness=2", "algorithm.rollout_is=tis"],
+    }
+    per_step = {}
+    with tempfile.TemporaryDirectory(prefix="mlrl-bench-async-") as tmp:
+        for i, (name, ov) in enumerate(modes.items()):
+            times = run(args.config, args.steps, Path(tmp) / f"run{i}", [*args.overrides, *ov])
+            per_step[name] = statistics.mean(times[1:]) if len(times) > 1 else times[0]
+    base = per_step["sync"]
+    print(f"{'mode':<14}{'s/step':>10}{'ratio vs sync':>16}")
+    for name, t in per_step.items():
+        print(f"{name:<14}{t:>10.2f}{t / base:>16.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
