@@ -126,8 +126,12 @@ def prepare(args) -> dict[str, Any]:
     job: dict[str, Any] = {"command": args.command, "out": str(Path(args.out).resolve()), "verify": args.verify,
                            "verify_tol": args.verify_tol, "progress": not args.no_progress}
     if args.command == "hf-to-mcore":
-        from mlrl.modelzoo import resolve_model_dir
+        from mlrl.modelzoo import BUILTIN_PREFIX, resolve_model_dir
 
+        if not args.hf.startswith(BUILTIN_PREFIX) and not Path(args.hf).exists():
+            raise ConversionError(f"--hf {args.hf}: does not exist")
+        if not args.hf.startswith(BUILTIN_PREFIX) and not (Path(args.hf) / "config.json").is_file():
+            raise ConversionError(f"--hf {args.hf}: no config.json (expected a Hugging Face model folder)")
         try:
             hf = Path(resolve_model_dir(args.hf))
         except Exception as e:  # noqa: BLE001 - a bad builtin name or folder
@@ -148,6 +152,7 @@ def prepare(args) -> dict[str, Any]:
     else:
         from mlrl.trainer.checkpointing import HF_FILES_DIR, read_meta
 
+        max_shard_bytes = parse_size(args.max_shard_size)
         path = resolve_ckpt(args.ckpt)
         try:
             meta = read_meta(path)
@@ -159,7 +164,7 @@ def prepare(args) -> dict[str, Any]:
         saved = meta["layout"]
         tp, pp, ep = args.tp or saved["tp"], args.pp or saved["pp"], args.ep or saved["ep"]
         job.update(ckpt=str(path), dtype=None if args.dtype == "keep" else args.dtype,
-                   max_shard_bytes=parse_size(args.max_shard_size))
+                   max_shard_bytes=max_shard_bytes)
     check_layout(hf_config, tp, pp, ep, "--tp/--pp/--ep")
     try:
         check_output_dir(args.out, force=args.force)

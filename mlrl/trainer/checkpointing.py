@@ -136,6 +136,11 @@ def check_loadable(policy, meta: dict[str, Any], *, load_optimizer: bool) -> Non
             raise CheckpointError(f"checkpoint optimizer state was saved with {field}={saved[key]!r}, this run has "
                                   f"{now[key]!r}: use the same setting to resume (or load the weights only)")
     sharding = saved["sharding"]["distrib_optim_sharding_type"]
+    parts = len(_inner_optimizers(policy.optimizer))
+    if saved.get("parts", parts) != parts and not (saved["distributed"] and sharding in _RESHARDABLE):
+        raise CheckpointError(f"checkpoint optimizer has {saved['parts']} part(s) (dense / expert-parallel), this layout "
+                              f"{parts}: only a distributed optimizer saved as {_RESHARDABLE[0]!r} reshards across that "
+                              f"change; resume with ep={meta['layout']['ep']}")
     if saved["distributed"] and sharding not in _RESHARDABLE:
         old, new = meta["layout"], _layout(policy)
         keys = ("tp", "pp", "cp", "ep", "etp", "vpp", "pp_layer_split")
@@ -189,9 +194,15 @@ def _inner_optimizers(optimizer) -> list:
 
 
 def _prepare_optimizer_for_load(optimizer) -> None:
-    """Megatron's DistributedOptimizer builds its (load) state dict from the optimizer's current
-    state, which torch's Adam creates lazily at the first step: give it dummy state first (the
-    load replaces it). The plain optimizers do this themselves (init_state_fn)."""
+    """Without Apex / Transformer Engine, megatron-core's DistributedOptimizer builds its (load)
+    state dict from the optimizer's current state, which torch's Adam creates lazily at the first
+    step (`state_dict()` asserts on one common `step`): give it dummy state first (the load
+    replaces it; the weights the dummy step moves are loaded too). The plain optimizers do this
+    themselves (init_state_fn), and Apex / TE optimizers need nothing."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    if getattr(distrib_optimizer, "HAVE_APEX_OR_TE", True):
+        return
     for opt in _inner_optimizers(optimizer):
         if hasattr(opt, "_init_optimizer_states_with_dummy_values") and not opt.optimizer.state:
             from mlrl.trainer import cpu_compat
@@ -208,23 +219,43 @@ _PARAM_STATE_LOADERS = {
 }
 
 
+def _per_optimizer_states(state: Any, n: int) -> list[dict[str, Any]]:
+    """Megatron splits the optimizer by parameter kind (dense / expert-parallel) into a chain
+    whose length depends on the layout (an EP change can turn two parts into one). The loaded
+    state then mixes two structures: the common part (param groups, sharding type) as saved,
+    the tensors as requested now. Give each current part all saved param groups (the
+    DistributedOptimizer picks its own by their identifying keys) and its own tensors."""
+    def parts(d: dict) -> list[dict]:
+        keys = sorted(k for k in d if isinstance(k, int))
+        return [d[k] for k in keys] if keys else [d]
+
+    current = parts(state) if n > 1 else [state]
+    saved = parts(state)
+    if len(saved) == n:
+        return saved if n > 1 else [state]
+    groups = [g for part in saved if "optimizer" in part for g in part["optimizer"]["param_groups"]]
+    common = {k: v for part in saved for k, v in part.items() if k not in ("optimizer", "param_state")}
+    return [{**common, "optimizer": {"param_groups": [dict(g) for g in groups]}, "param_state": cur["param_state"]}
+            for cur in current]
+
+
 def _load_optimizer_state(optimizer, state: Any) -> None:
     """`optimizer.load_state_dict`, except that a DistributedOptimizer's parameter state is
     loaded with torch Adam's per-parameter `step` set aside: megatron-core copies every state
     entry of the destination from the loaded tensors, and `step` is not among them (it is
     restored from the param groups, before) -> KeyError('step') without Apex / TE."""
     inner = _inner_optimizers(optimizer)
-    states = [state] if len(inner) == 1 else [v for _, v in sorted(state.items())]
-    if len(states) != len(inner):
-        raise CheckpointError(f"checkpoint has {len(states)} optimizer state(s), the model has {len(inner)} optimizer(s)")
-    for opt, sd in zip(inner, states):
-        param_state, kind = sd.pop("param_state", None), sd.pop("param_state_sharding_type", None)
-        opt.load_state_dict(sd)
-        if param_state is None:
+    for opt, sd in zip(inner, _per_optimizer_states(state, len(inner))):
+        loader = getattr(opt, _PARAM_STATE_LOADERS.get(sd.get("param_state_sharding_type"), ""), None)
+        if loader is None:  # a plain optimizer (or an unknown format): Megatron's own path
+            opt.load_state_dict(sd)
             continue
+        param_state = sd.pop("param_state")
+        sd.pop("param_state_sharding_type")
+        opt.load_state_dict(sd)
         steps = {p: st.pop("step") for p, st in opt.optimizer.state.items() if "step" in st}
         try:
-            getattr(opt, _PARAM_STATE_LOADERS[kind])(param_state)
+            loader(param_state)
         finally:
             for p, step in steps.items():
                 opt.optimizer.state[p]["step"] = step
@@ -290,7 +321,8 @@ def save_checkpoint(policy, path: str | Path, *, async_save: bool = False,
         "model_type": policy.arch.model_type, "arch": asdict(policy.arch), "hf_config": policy.hf_config,
         "layout": _layout(policy),
         "contents": {"model": True, "optimizer": with_optimizer, "scheduler": trainable, "rng": trainable},
-        "optimizer": {**_optimizer_kind(policy), "sharding": sharding, "steps": int(policy.optimizer_steps)},
+        "optimizer": {**_optimizer_kind(policy), "sharding": sharding, "steps": int(policy.optimizer_steps),
+                      "parts": len(_inner_optimizers(policy.optimizer)) if trainable else 0},
     }
     strategy = FullyParallelSaveStrategyWrapper(
         dist_checkpointing.serialization.get_default_save_sharded_strategy("torch_dist"),

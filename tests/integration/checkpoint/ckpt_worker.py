@@ -4,7 +4,7 @@ writes one JSON per rank (`<out>/rank<r>.json`). Measures only; the assertions a
     python -m torch.distributed.run --nproc-per-node 2 ckpt_worker.py --out DIR --work DIR \
         --model tiny-llama --tp 2 --phases train_save,resume:tp2_fr
 
-Phases (all checkpoints live under --work):
+Phases (all checkpoints live under --work; `phase:tag@model` runs a phase on another model):
 - train_save:<tag>   policy A trains 4 steps straight (losses; HF export <tag>_straight_hf);
                      policy B trains 2 steps, saves <tag>_fr (fully_reshardable optimizer state)
                      and <tag>_dpr (dp_reshardable), then draws from every RNG.
@@ -66,12 +66,13 @@ class Ctx:
         self.ranks = init_parallel(self.cfg.parallel, self.layout, seed=1234)
         self.work = Path(args.work)
         self.tag_layout = f"tp{args.tp}pp{args.pp}ep{args.ep}dp{self.ranks.dp_size}"
+        self.phase_model = None  # a phase spec's @model
 
     def policy(self, model=None, trainable=True, **trainer):
         from mlrl.modelzoo import resolve_model_dir
         from mlrl.trainer.policy import MegatronPolicy
 
-        cfg, layout = build_cfg(self.args, model, **trainer)
+        cfg, layout = build_cfg(self.args, model or self.phase_model, **trainer)
         return MegatronPolicy(cfg.model, cfg.parallel, cfg.trainer, layout, hf_dir=resolve_model_dir(cfg.model.hf_dir),
                               trainable=trainable)
 
@@ -212,7 +213,9 @@ def phase_kill_resume(ctx: Ctx, tag: str) -> dict:
     pol = ctx.policy()
     info = load_checkpoint(pol, ckpt / "model_optim")
     loss = pol.train_step(ctx.step_batches(pol, 1), pg_loss)["loss"]
-    return {"resumed_from": ckpt.name, "state": read_state(ckpt), "info": info, "loss": loss}
+    killed = next(manager.root.glob(".tmp-step_000002-*")) / "model_optim"
+    return {"resumed_from": ckpt.name, "state": read_state(ckpt), "info": info, "loss": loss,
+            "load_killed": _error(lambda: load_checkpoint(pol, killed))}
 
 
 def _bcast(obj):
@@ -242,7 +245,8 @@ def main() -> None:
     try:
         ctx = Ctx(args)
         for spec in args.phases.split(","):
-            name, _, tag = spec.partition(":")
+            phase, _, ctx.phase_model = spec.partition("@")
+            name, _, tag = phase.partition(":")
             t0 = time.perf_counter()
             results[spec] = PHASES[name](ctx, tag)
             results[spec]["phase_s"] = time.perf_counter() - t0

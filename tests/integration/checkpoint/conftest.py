@@ -4,11 +4,12 @@ The model is builtin:tiny-llama (with head_dim 32 if it had another: the vLLM CP
 backend supports only some head sizes, and the export test serves the trained model).
 Launches, in dependency order:
 
-    saved_tp2   TP2 (2 ranks): 4 steps straight; 2 steps + save (fully / dp_reshardable)
+    saved_tp2   TP2 (2 ranks): 4 steps straight; 2 steps + save (fully / dp_reshardable); also
+                tiny qwen3_moe (TP2 + sequence parallel)
     saved_pp2   PP2 (2 ranks): the same
     resumed_tp2 TP2: new processes load the TP2 checkpoint, steps 3-4, HF export, probe logits
     killed      1 rank: save + commit step 1, then a save of step 2 SIGKILLed mid-way
-    resumed_dp2 TP1 x DP2: load the TP2 and PP2 checkpoints (reshard), bad inputs, the killed run
+    resumed_dp2 TP1 x DP2: load the TP2, PP2 and MoE checkpoints (reshard), bad inputs, the killed run
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def launch(nproc: int, work: Path, model: Path, phases: list[str], *, tp: int = 
 
 @pytest.fixture(scope="session")
 def saved_tp2(work, tiny_model):
-    return launch(2, work, tiny_model, ["train_save:tp2"], tp=2)
+    return launch(2, work, tiny_model, ["train_save:tp2", "train_save:moe@tiny-qwen3-moe"], tp=2)
 
 
 @pytest.fixture(scope="session")
@@ -133,4 +134,4 @@ def killed(work, tiny_model):
 
 @pytest.fixture(scope="session")
 def resumed_dp2(work, tiny_model, wide_model, saved_tp2, saved_pp2, killed):
-    return launch(2, work, tiny_model, ["resume:tp2", "resume:pp2", "errors:tp2", "kill_resume:kill"], other_model=wide_model)
+    return launch(2, work, tiny_model, ["resume:tp2", "resume:pp2", "resume:moe@tiny-qwen3-moe", "errors:tp2", "kill_resume:kill"], other_model=wide_model)

@@ -35,15 +35,15 @@ def test_resume_in_new_processes_is_bit_identical(saved_tp2, resumed_tp2, work):
     assert len(set(saved[0]["train_save:tp2"]["straight"])) == 4  # the steps really trained
 
 
-@pytest.mark.parametrize("tag", ["tp2", "pp2"])
+@pytest.mark.parametrize("tag", ["tp2", "pp2", "moe"])
 def test_reshard_to_tp1_dp2(saved_tp2, saved_pp2, resumed_dp2, tag):
-    saved = {"tp2": saved_tp2, "pp2": saved_pp2}[tag][0]
+    saved = {"tp2": saved_tp2, "pp2": saved_pp2, "moe": saved_tp2}[tag][0]
     resumed, _ = resumed_dp2
-    straight = saved[0][f"train_save:{tag}"]["straight"]
+    straight = saved[0][f"train_save:{tag}@tiny-qwen3-moe" if tag == "moe" else f"train_save:{tag}"]["straight"]
     for r in resumed:
-        res = r[f"resume:{tag}"]
+        res = r["resume:moe@tiny-qwen3-moe" if tag == "moe" else f"resume:{tag}"]
         assert res["info"]["optimizer_loaded"] and not res["info"]["rng_restored"]  # other layout, other ranks
-        assert res["info"]["saved_layout"][tag[:2]] == 2 and r["ranks"]["dp_size"] == 2
+        assert res["info"]["saved_layout"]["pp" if tag == "pp2" else "tp"] == 2 and r["ranks"]["dp_size"] == 2
         # step 3 depends on the weights, step 4 also on the resharded Adam moments
         assert abs(res["losses"][0] - straight[2]) <= 1e-6, (res["losses"], straight)
         assert abs(res["losses"][1] - straight[3]) <= 1e-6, (res["losses"], straight)
@@ -66,8 +66,8 @@ def test_bad_inputs_fail_before_loading(resumed_dp2, tiny_model):
 def test_killed_save_leaves_the_previous_checkpoint(killed, resumed_dp2):
     assert killed["returncode"] != 0
     tmp = killed["tmp"]
-    assert tmp.parent.name.startswith(".tmp-step_000002") and any(tmp.glob("*.distcp"))  # shards were on disk
-    assert not (tmp / "mlrl_checkpoint.json").exists() and not (tmp.parent / "COMPLETE").exists()
+    assert tmp.name.startswith(".tmp-step_000002") and any((tmp / "model_optim").glob("*.distcp"))  # shards on disk
+    assert not (tmp / "model_optim" / "mlrl_checkpoint.json").exists() and not (tmp / "COMPLETE").exists()
     manager = CheckpointManager(killed["root"])
     assert [p.name for p in manager.complete_checkpoints()] == ["step_000001"]
     assert manager.resolve_resume("auto").name == "step_000001"
@@ -76,6 +76,7 @@ def test_killed_save_leaves_the_previous_checkpoint(killed, resumed_dp2):
         assert k["resumed_from"] == "step_000001" and k["state"]["weight_version"] == 1
         assert k["info"]["optimizer_loaded"] and k["info"]["optimizer_steps"] == 1
         assert k["loss"] == k["loss"]  # a finite training step after the resume
+        assert "incomplete" in k["load_killed"] and "use an earlier checkpoint" in k["load_killed"]
 
 
 def test_checkpoint_metadata(saved_tp2, work):
