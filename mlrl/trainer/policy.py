@@ -325,15 +325,20 @@ class MegatronPolicy:
         info.update(dp_rank=self.ranks.dp, is_stage_sender=self.ranks.is_stage_sender)
         return info
 
-    def sharded_state_dict(self) -> dict[str, Any]:
+    def sharded_state_dict(self, *, is_loading: bool = False, metadata: Optional[dict] = None) -> dict[str, Any]:
         """Megatron's sharded state dicts for dist_checkpointing: {"model" or "model<i>": ...,
-        "optimizer": ..., "scheduler": ...} (optimizer / scheduler only when trainable)."""
+        "optimizer": ..., "scheduler": ...} (optimizer / scheduler only when trainable). Megatron's
+        optimizer has state only after its first step: loading into a fresh policy needs the state
+        initialised first (DESIGN.md: dummy state init before loading; per-parameter `step`)."""
         if len(self.model) == 1:
             sd: dict[str, Any] = {"model": self.model[0].sharded_state_dict()}
         else:
             sd = {f"model{i}": m.sharded_state_dict() for i, m in enumerate(self.model)}
         if self.optimizer is not None:
-            sd["optimizer"] = self.optimizer.sharded_state_dict(sd)
+            # dp_reshardable: the layout that loads back under another DP size and works with
+            # gloo (the default fully_sharded_model_space needs flattened_range support)
+            meta = {"distrib_optim_sharding_type": "dp_reshardable", **(metadata or {})}
+            sd["optimizer"] = self.optimizer.sharded_state_dict(sd, is_loading=is_loading, metadata=meta)
             sd["scheduler"] = self.scheduler.state_dict()
         return sd
 

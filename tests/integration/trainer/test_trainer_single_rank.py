@@ -11,7 +11,7 @@ MODELS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe"]
 
 @pytest.fixture(scope="module")
 def ranks():
-    return run_worker(1, checks=["parity", "export", "grads", "adam", "bad_input@tiny-llama"], models=MODELS)
+    return run_worker(1, checks=["parity", "export", "grads", "adam", "bad_input@tiny-llama", "state@tiny-qwen3-moe"], models=MODELS)
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -39,9 +39,17 @@ def test_bad_input_is_rejected_with_a_clear_message(ranks):
     bad = ranks[0]["tiny-llama/bad_input"]
     assert "no *.safetensors" in bad["missing_safetensors"]
     assert "truncated" in bad["truncated_safetensors"]
-    assert "model.layers.0.mlp.gate_proj.weight" in bad["shape_mismatch"] and "[256, 64]" in bad["shape_mismatch"]
+    assert "tensor 'model.layers.0.mlp.gate_proj.weight' has shape" in bad["shape_mismatch"]
+    assert "config.json implies" in bad["shape_mismatch"]
     assert "model.layers.2.input_layernorm.weight" in bad["missing_layer"]
     assert "gpt_bigcode" in bad["unknown_model_type"] and "qwen3_moe" in bad["unknown_model_type"]
     assert "parallel.tp=3" in bad["tp_not_dividing_heads"] and "num_attention_heads=4" in bad["tp_not_dividing_heads"]
     assert "num_hidden_layers=2" in bad["pp_not_dividing_layers"]
     assert all(v is not None and v.startswith("BridgeError") for v in bad.values()), bad
+
+
+def test_checkpoint_hooks_expose_sharded_state(ranks):
+    st = ranks[0]["tiny-qwen3-moe/state"]
+    assert st["keys"] == ["model", "optimizer", "scheduler"]
+    assert st["model_sharded_tensors"] > 10 and st["optimizer_type"] == "dict"
+    assert st["scheduler_steps"] == 1 and st["has_ref"]

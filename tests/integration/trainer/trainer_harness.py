@@ -67,11 +67,12 @@ def _run_torchrun(script: Path, args: list[str], nproc: int, *, timeout: float) 
     return results, log
 
 
-def run_worker(nproc: int, *, checks: list[str], models: list[str], tp: int = 1, pp: int = 1, ep: int = 1,
-               timeout: float = 420.0) -> list[dict]:
+def run_worker(nproc: int, *, checks: list[str], models: list[str], tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
+               trainer_opts: dict | None = None, timeout: float = 420.0) -> list[dict]:
     """Each rank's results {"<model>/<check>": {...}, "ranks": {...}}; see trainer_worker.py for
     the `model+sp` and `check@model` syntax."""
-    args = ["--models", ",".join(models), "--checks", ",".join(checks), "--tp", str(tp), "--pp", str(pp), "--ep", str(ep)]
+    args = ["--models", ",".join(models), "--checks", ",".join(checks), "--tp", str(tp), "--pp", str(pp), "--ep", str(ep),
+            "--cp", str(cp), "--trainer-opts", ",".join(f"{k}={v}" for k, v in (trainer_opts or {}).items())]
     return run_torchrun(WORKER, args, nproc, timeout=timeout)[0]
 
 
@@ -111,13 +112,12 @@ def assert_grads(ranks: list[dict], model: str, tol: float = 1e-6) -> None:
 
 
 def assert_adam(ranks: list[dict], model: str) -> None:
-    """Adam normalises each element by its own RMS, so a gradient element of the size of eps
-    (1e-8) turns fp32 reduction-order noise (~1e-9) into ~1% of one lr step; the bound is 2% of
-    one step (lr 1e-3) for the worst element, and the mean difference must be far below it."""
+    """Parameters after three steps (lr 1e-3, warm-up, weight decay, clipping active, adam_eps
+    1e-5 so that fp32 gradient noise cannot be amplified by Adam's per-element normalisation)."""
     for r in ranks:
         a = r[f"{model}/adam"]
         assert a["lrs"] == [5e-4, 1e-3, 1e-3]  # warm-up 2: step k uses lr * k / 2
         if a["names"]:
             assert a["moved"] > 1e-3
-            assert a["param_err"] <= 2e-5, a
-            assert a["param_err_mean"] <= 1e-7, a
+            assert a["param_err"] <= 1e-6, a
+            assert a["param_err_mean"] <= 1e-8, a

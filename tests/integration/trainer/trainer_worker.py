@@ -31,10 +31,11 @@ def build_cfg(args, **trainer):
     cfg = Config()
     cfg.model.hf_dir = f"builtin:{args.model}" if ":" not in args.model and "/" not in args.model else args.model
     world = int(os.environ["WORLD_SIZE"])
-    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep = args.tp, args.pp, args.ep
-    cfg.parallel.dp = world // (args.tp * args.pp)
+    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.cp = args.tp, args.pp, args.ep, args.cp
+    cfg.parallel.dp = world // (args.tp * args.pp * args.cp)
     cfg.parallel.sequence_parallel = args.sp
-    for k, v in trainer.items():
+    cfg.trainer.world_size = world
+    for k, v in {**args.trainer_opts, **trainer}.items():
         setattr(cfg.trainer, k, v)
     return cfg, resolve_layout(cfg)
 
@@ -151,17 +152,21 @@ def check_grads(ctx: Ctx) -> dict:
 
 def check_adam(ctx: Ctx) -> dict:
     """Three optimizer steps with Megatron's DistributedOptimizer vs torch AdamW on the HF model."""
-    kw = dict(lr=1e-3, warmup_steps=2, weight_decay=0.01, grad_clip=0.5, total_steps=10, use_distributed_optimizer=True)
+    # adam_eps 1e-5: Adam's update is most sensitive to a gradient element's value, lr / eps per
+    # unit, where |g| << eps; with the default 1e-8 fp32 reduction-order noise (~1e-9) in a near-zero
+    # gradient element moves its update by up to ~10% of lr and hides real mismatches.
+    kw = dict(lr=1e-3, warmup_steps=2, weight_decay=0.01, grad_clip=0.5, total_steps=10, use_distributed_optimizer=True,
+              adam_eps=1e-5)
     steps = [make_step(ctx.vocab, n_samples=6, n_micro=2 * ctx.ranks.dp_size, seed=20 + k) for k in range(3)]
     pol = ctx.policy(trainable=True, **kw)
     metrics = [pol.train_step(ctx.my_micro_batches(s), pg_loss) for s in steps]
     got = {n: t.clone().cpu() for b in pol.iter_hf_buckets(1 << 30) for n, t in b}
     ref = hf_adamw_steps(copy.deepcopy(ctx.hf_model()).train(), steps, lr=kw["lr"], warmup=kw["warmup_steps"],
-                         weight_decay=kw["weight_decay"], clip=kw["grad_clip"])
+                         weight_decay=kw["weight_decay"], clip=kw["grad_clip"], eps=kw["adam_eps"])
     # the reference's own noise floor: the same steps packed into one micro-batch each
     alt = [make_step(ctx.vocab, n_samples=6, n_micro=1, seed=20 + k) for k in range(3)]
     ref_alt = hf_adamw_steps(copy.deepcopy(ctx.hf_model()).train(), alt, lr=kw["lr"], warmup=kw["warmup_steps"],
-                             weight_decay=kw["weight_decay"], clip=kw["grad_clip"])
+                             weight_decay=kw["weight_decay"], clip=kw["grad_clip"], eps=kw["adam_eps"])
     init = _hf_tensors(ctx)
     return {
         "param_err": max((_max_abs(t, ref[n]) for n, t in got.items()), default=0.0),
@@ -231,8 +236,21 @@ def check_bad_input(ctx: Ctx) -> dict:
     return out
 
 
+def check_state(ctx: Ctx) -> dict:
+    """The checkpoint hooks: Megatron sharded state dicts of model, optimizer and scheduler."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    pol = ctx.policy(trainable=True)
+    pol.train_step(ctx.my_micro_batches(make_step(ctx.vocab, n_samples=4, n_micro=ctx.ranks.dp_size, seed=3)), pg_loss)
+    sd = pol.sharded_state_dict()
+    model_sd = sd["model"]
+    sharded = [k for k, v in model_sd.items() if isinstance(v, ShardedTensor)]
+    return {"keys": sorted(sd), "model_sharded_tensors": len(sharded), "optimizer_type": type(sd["optimizer"]).__name__,
+            "scheduler_steps": sd["scheduler"]["num_steps"], "has_ref": ctx.policy(trainable=False).optimizer is None}
+
+
 CHECKS = {"parity": check_parity, "export": check_export, "grads": check_grads, "adam": check_adam,
-          "bad_input": check_bad_input}
+          "bad_input": check_bad_input, "state": check_state}
 
 
 def main() -> None:
@@ -243,8 +261,11 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--cp", type=int, default=1)
+    ap.add_argument("--trainer-opts", default="", help="k=v,... TrainerConfig overrides (e.g. precision=bf16)")
     ap.add_argument("--checks", required=True)
     args = ap.parse_args()
+    args.trainer_opts = dict(kv.split("=", 1) for kv in args.trainer_opts.split(",") if kv)
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ.get("WORLD_SIZE", "1"))))
     results: dict = {}
     rank = int(os.environ.get("RANK", "0"))

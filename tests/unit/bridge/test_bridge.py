@@ -54,14 +54,18 @@ def test_hf_shapes_match_the_materialised_checkpoint(name):
 
 
 def test_arch_fields():
-    _, llama = spec_for(_hf("tiny-llama"))
-    assert (llama.tie_embeddings, llama.qkv_bias, llama.qk_norm, llama.num_kv_heads, llama.head_dim) == (True, False, False, 2, 16)
+    hf = _hf("tiny-llama")
+    _, llama = spec_for(hf)
+    assert (llama.tie_embeddings, llama.qkv_bias, llama.qk_norm) == (True, False, False)
+    assert (llama.num_kv_heads, llama.head_dim, llama.hidden_size) == (hf["num_key_value_heads"], hf["head_dim"], hf["hidden_size"])
     _, qwen2 = spec_for(_hf("tiny-qwen2"))
     assert qwen2.qkv_bias and not qwen2.tie_embeddings
     _, qwen3 = spec_for(_hf("tiny-qwen3"))
     assert qwen3.qk_norm and not qwen3.qkv_bias
     _, moe = spec_for(_hf("tiny-qwen3-moe"))
-    assert (moe.num_experts, moe.moe_topk, moe.moe_ffn_hidden_size, moe.moe_layers) == (4, 2, 32, (True, True))
+    hf = _hf("tiny-qwen3-moe")
+    assert (moe.num_experts, moe.moe_topk, moe.moe_ffn_hidden_size, moe.moe_layers) == \
+        (hf["num_experts"], hf["num_experts_per_tok"], hf["moe_intermediate_size"], (True,) * hf["num_hidden_layers"])
     _, big = spec_for(PRESETS["Qwen/Qwen3-30B-A3B"])
     assert big.num_experts == 128 and big.rope_theta == 1e6
 
@@ -69,8 +73,9 @@ def test_arch_fields():
 def test_transformer_config_fields():
     spec, moe = spec_for(_hf("tiny-qwen3-moe"))
     cfg = spec.transformer_config(moe)
-    assert cfg["num_query_groups"] == 2 and cfg["kv_channels"] == 16 and cfg["qk_layernorm"]
-    assert cfg["num_moe_experts"] == 4 and cfg["moe_router_topk"] == 2 and cfg["moe_layer_freq"] == [1, 1]
+    assert cfg["num_query_groups"] == moe.num_kv_heads and cfg["kv_channels"] == moe.head_dim and cfg["qk_layernorm"]
+    assert cfg["num_moe_experts"] == moe.num_experts and cfg["moe_router_topk"] == moe.moe_topk
+    assert cfg["moe_layer_freq"] == [1] * moe.num_layers
     assert cfg["moe_router_pre_softmax"] is False  # norm_topk_prob: softmax over the top-k logits
     kw = spec.gpt_model_kwargs(moe)
     assert kw["share_embeddings_and_output_weights"] is False and kw["rotary_base"] == 10000.0
@@ -95,9 +100,10 @@ def test_unsupported_config_fields_are_named():
 
 
 def test_qkv_layout_is_megatrons_per_group_interleaving():
-    spec, arch = spec_for(_hf("tiny-llama"))  # 4 heads, 2 groups, head_dim 16
+    spec, arch = spec_for(_hf("tiny-llama"))
+    assert (arch.num_heads, arch.num_kv_heads) == (4, 2)
     p = next(p for p in spec.params(arch) if p.name.endswith("linear_qkv.weight"))
-    hd, h = 16, 64
+    hd, h = arch.head_dim, arch.hidden_size
     q = torch.arange(4 * hd * h, dtype=torch.float32).reshape(4 * hd, h)
     k = -torch.arange(2 * hd * h, dtype=torch.float32).reshape(2 * hd, h) - 1
     v = torch.full((2 * hd, h), 0.5) + torch.arange(2 * hd)[:, None]
@@ -216,9 +222,10 @@ def test_checkpoint_validation(tmp_path):
     (tmp_path / "b.safetensors").write_bytes(data)
     # shape inconsistent with config.json names the tensor
     bad = dict(arch.__dict__)
-    bad["ffn_hidden_size"] = 256
+    bad["ffn_hidden_size"] = 2 * arch.ffn_hidden_size
     from mlrl.bridge import ModelArch
 
-    with pytest.raises(BridgeError, match=r"a.safetensors: tensor 'model.layers.0.mlp.gate_proj.weight' has shape \[128, 64\], config.json implies \[256, 64\]"):
+    f, h = arch.ffn_hidden_size, arch.hidden_size
+    with pytest.raises(BridgeError, match=rf"a.safetensors: tensor 'model.layers.0.mlp.gate_proj.weight' has shape \[{f}, {h}\], config.json implies \[{2 * f}, {h}\]"):
         ckpt = HFCheckpoint(tmp_path)
         ckpt.check(spec, ModelArch(**bad))
