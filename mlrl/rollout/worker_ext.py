@@ -169,6 +169,10 @@ class MlrlWorkerExtension:
         """Report of the last finished update on this worker (JSON)."""
         return dict(self._mlrl_engine().last_report)
 
+    def mlrl_receive_discard(self, info_json: str) -> dict[str, Any]:
+        """Benchmark: receive and verify a broadcast stream without loading it (the model is untouched)."""
+        return self._mlrl_engine().receiver.receive_discard(json.loads(info_json))
+
     def mlrl_raw_receive(self, sizes_json: str) -> dict[str, Any]:
         """Benchmark: receive raw byte buffers of the given sizes over the joined group (nothing applied)."""
         return self._mlrl_engine().receiver.receive_raw([int(s) for s in json.loads(sizes_json)])

@@ -14,7 +14,7 @@ import base64
 import json
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -60,6 +60,10 @@ class Receiver:
         else:
             raise WireError(f"update_info.mode: unknown {mode!r} (expected broadcast, disk or cuda_ipc)")
         return {"mode": mode, "version": info.get("version"), "streams": streams, "seconds": time.perf_counter() - t0}
+
+    def receive_discard(self, info: dict[str, Any]) -> dict[str, Any]:
+        """Benchmark: a full protocol stream (headers, checksums, verification) whose buckets are dropped."""
+        return self.receive(info, lambda bucket: None)
 
     def receive_raw(self, sizes: list[int]) -> dict[str, Any]:
         """Benchmark reference: the same bytes over the same group, no protocol, nothing applied."""
@@ -131,7 +135,3 @@ def receive_ipc(senders: list[list[list[dict[str, Any]]]], apply: Apply, device:
         out.append({"sender": s, "tensors": d.tensors, "bytes": d.bytes, "digest": d.hexdigest()})
     return out
 
-
-def iter_named(buckets: Iterator[NamedTensors]) -> Iterator[tuple[str, torch.Tensor]]:
-    for b in buckets:
-        yield from b

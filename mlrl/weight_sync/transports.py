@@ -120,6 +120,23 @@ class BroadcastWeightSync(WeightSync):
         return time.perf_counter() - t0, sum(sizes)
 
 
+    async def protocol_only(self, version: int) -> float:
+        """Benchmark: a full broadcast stream (headers, checksums, verification) that the engines
+        receive and drop — the transfer without vLLM's load; returns seconds."""
+        import json
+        import time
+
+        if self._spec is None:
+            raise RuntimeError("protocol_only needs a group: run one sync first")
+        req = PushRequest("broadcast", version, self.bucket_bytes, self.cfg.verify_checksums, group=self._spec.to_json())
+        info = {"mode": "broadcast", "version": version, "verify": self.cfg.verify_checksums, "session": self._spec.session}
+        t0 = time.perf_counter()
+        await asyncio.gather(asyncio.to_thread(self.source.push, req),
+                             *(e.client.collective_rpc("mlrl_receive_discard", args=[json.dumps(info)], timeout=_RPC_TIMEOUT_S)
+                               for e in self.pool.live_engines()))
+        return time.perf_counter() - t0
+
+
 class DiskWeightSync(WeightSync):
     transport = "disk"
 

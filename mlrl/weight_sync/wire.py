@@ -12,19 +12,26 @@ send each byte exactly once. Receivers drain the senders in order 0..K-1; sender
 concurrently and simply block until the receivers reach them.
 
 Stream of one sender, repeated per bucket (a bucket = up to `bucket_bytes` of tensors):
-    1. int64[1]             length L of the header
-    2. uint8[L]             header: UTF-8 JSON (never pickle) {"p": 1, "end": false,
-                            "tensors": [{"name", "dtype", "shape", "checksum"}, ...]}
-    3. uint8[nbytes] x N    each tensor's bytes, one broadcast per tensor (no packing copy; the
-                            bytes are broadcast as uint8 so every dtype travels unchanged)
+    1. int64[1] + uint8[L]  header: UTF-8 JSON (never pickle) {"p": 1, "end": false,
+                            "tensors": [{"name", "dtype", "shape"}, ...]}
+    2. uint8[nbytes] x N    each tensor's bytes, one broadcast per tensor (no packing copy; bytes
+                            travel as uint8 so every dtype arrives unchanged)
+    3. int64[1] + uint8[L]  trailer: {"p": 1, "checksums": [...]} — the sender checksums tensor i
+                            while tensor i is on the wire, the receiver checksums tensor i while
+                            tensor i+1 is, so checksums cost (almost) no wall time
 and finally a header {"p": 1, "end": true, "tensors": n, "bytes": b, "digest": d}.
-`digest` = sha256 over "name\\tchecksum\\n" lines in stream order; receivers recompute every
+`digest` = sha256 over "name\tchecksum\n" lines in stream order; receivers recompute every
 checksum from the bytes they got and report their own digest per sender, so the driver can
-compare what each engine received with what was sent.
+compare what each engine received with what was sent. `receive_all` receives on a background
+thread and applies on the calling thread, so loading bucket k overlaps receiving bucket k+1.
 
-Checksums: CRC-32 of the bytes on CPU ("crc32:<hex>", ~2 GB/s, zlib releases the GIL); on CUDA a
-position-weighted 64-bit sum computed on the device ("fl64:<hex>") to avoid a device->host copy.
-The receiver uses the algorithm named by the sender.
+Checksums ("<algo>:<hex>", the receiver uses the algorithm the sender names): "bsum64" by
+default — the wrapping int64 sum of every 64 KiB block of the bytes, computed by torch on the
+tensor's own device (so CUDA tensors never leave the GPU), then CRC-32 of the vector of block
+sums and the length. It catches any changed word, truncation, zero-filled or stale buffers and
+misplaced blocks; it does not see two words swapped inside one block, which no transfer fault
+produces. Measured 5.6 GB/s on one CPU thread vs 1.5-2.3 GB/s for zlib's CRC-32 over the whole
+buffer ("crc32", available), which cost ~0.5 s of a 2 s SmolLM2 sync on 2 cores.
 
 Use the process-group objects' own methods (`pg.broadcast([t], opts).wait()`):
 `torch.distributed.broadcast(group=...)` does not work for a stateless group (measured).
@@ -35,6 +42,9 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import queue
+import threading
+import time
 import zlib
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterable, Iterator
@@ -95,25 +105,39 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def _fletcher64(b: torch.Tensor) -> str:
-    pad = (-b.numel()) % 8
-    if pad:
-        b = torch.cat([b, b.new_zeros(pad)])
-    w = b.view(torch.int64)
-    pos = torch.arange(w.numel(), device=w.device, dtype=torch.int64) % 65521 + 1
-    s1 = int(w.sum().item()) & 0xFFFFFFFFFFFFFFFF
-    s2 = int((w * pos).sum().item()) & 0xFFFFFFFFFFFFFFFF
-    return f"fl64:{s1:016x}{s2:016x}"
+_BLOCK_WORDS = 8192  # int64 words per checksum block (64 KiB)
 
 
-def checksum(t: torch.Tensor, algo: str | None = None) -> str:
-    """Checksum of a tensor's bytes: "crc32:..." (default on CPU) or "fl64:..." (default on CUDA)."""
+def _int64_view(b: torch.Tensor) -> torch.Tensor:
+    try:
+        return b.view(torch.int64)
+    except RuntimeError:  # storage offset not 8-byte aligned
+        return b.clone().view(torch.int64)
+
+
+def _bsum64(b: torch.Tensor) -> str:
+    n = b.numel()
+    full = n - n % (8 * _BLOCK_WORDS)
+    parts = []
+    if full:
+        parts.append(_int64_view(b[:full]).view(-1, _BLOCK_WORDS).sum(1))
+    if n > full:
+        tail = b[full:]
+        pad = (-tail.numel()) % 8
+        if pad:
+            tail = torch.cat([tail, tail.new_zeros(pad)])
+        parts.append(_int64_view(tail.contiguous()).sum(0, keepdim=True))
+    sums = torch.cat(parts).cpu().numpy().tobytes() if parts else b""
+    return f"bsum64:{zlib.crc32(sums):08x}{n:x}"
+
+
+def checksum(t: torch.Tensor, algo: str = "bsum64") -> str:
+    """Checksum of a tensor's bytes ("bsum64:..." by default, or "crc32:..."; see the module docstring)."""
     b = _as_bytes(t)
-    algo = algo or ("crc32" if b.device.type == "cpu" else "fl64")
+    if algo == "bsum64":
+        return _bsum64(b)
     if algo == "crc32":
         return f"crc32:{zlib.crc32(b.cpu().numpy()):08x}"
-    if algo == "fl64":
-        return _fletcher64(b)
     raise WireError(f"unknown checksum algorithm {algo!r}")
 
 
@@ -124,6 +148,8 @@ class Digest:
         self._h = hashlib.sha256()
         self.tensors = 0
         self.bytes = 0
+        self.wire_s = 0.0      # waiting for broadcasts
+        self.check_s = 0.0     # computing checksums not hidden behind a broadcast
 
     def add(self, name: str, check: str, nbytes: int) -> None:
         self._h.update(f"{name}\t{check}\n".encode())
@@ -183,26 +209,36 @@ class Channel:
         self.device = device
         self._store = store  # keep the client connection alive as long as the group
 
-    def _bcast(self, t: torch.Tensor) -> None:
+    def _bcast_async(self, t: torch.Tensor):
         opts = BroadcastOptions()
         opts.rootRank = 0
         opts.rootTensor = 0
-        self.pg.broadcast([t], opts).wait()
+        return self.pg.broadcast([t], opts)
+
+    def _bcast(self, t: torch.Tensor) -> None:
+        self._bcast_async(t).wait()
 
     # sender side -----------------------------------------------------------
 
     def send_bucket(self, named: NamedTensors, digest: Digest, verify: bool = True) -> None:
         metas, payloads = [], []
         for name, t in named:
-            b = _as_bytes(t.to(self.device))
-            check = checksum(b) if verify else ""
-            metas.append({"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "checksum": check})
-            payloads.append(b)
-            digest.add(name, check, b.numel())
+            metas.append({"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape)})
+            payloads.append(_as_bytes(t.to(self.device)))
         self._send_header({"p": PROTOCOL, "end": False, "tensors": metas})
+        checks = []
         for b in payloads:
-            if b.numel():
-                self._bcast(b)
+            work = self._bcast_async(b) if b.numel() else None
+            t0 = time.perf_counter()
+            checks.append(checksum(b) if verify else "")  # overlaps the broadcast of the same (read-only) bytes
+            t1 = time.perf_counter()
+            if work is not None:
+                work.wait()
+            digest.check_s += t1 - t0
+            digest.wire_s += time.perf_counter() - t1
+        self._send_header({"p": PROTOCOL, "checksums": checks})
+        for m, c, b in zip(metas, checks, payloads):
+            digest.add(m["name"], c, b.numel())
 
     def send_end(self, digest: Digest) -> None:
         self._send_header({"p": PROTOCOL, "end": True, "tensors": digest.tensors, "bytes": digest.bytes,
@@ -242,24 +278,34 @@ class Channel:
                 if header["digest"] != digest.hexdigest():
                     raise WireError("stream digest differs from the sender's")
                 return
-            bucket: NamedTensors = []
-            for m in header["tensors"]:
+            metas, bufs = header["tensors"], []
+            for m in metas:
                 dtype = dtype_from_name(m["dtype"])
-                shape = [int(s) for s in m["shape"]]
                 numel = 1
-                for s in shape:
-                    numel *= s
-                nbytes = numel * torch.empty((), dtype=dtype).element_size()
-                b = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-                if nbytes:
-                    self._bcast(b)
-                got = ""
-                if verify and m["checksum"]:
-                    got = checksum(b, m["checksum"].split(":", 1)[0])
-                    if got != m["checksum"]:
-                        raise WireError(f"checksum mismatch for {m['name']}: received {got}, sender sent {m['checksum']}")
-                digest.add(m["name"], got if verify else m["checksum"], nbytes)
-                bucket.append((m["name"], b.view(dtype).reshape(shape)))
+                for d in m["shape"]:
+                    numel *= int(d)
+                bufs.append(torch.empty(numel * torch.empty((), dtype=dtype).element_size(), dtype=torch.uint8, device=self.device))
+            got: list[str] = []
+            for i, b in enumerate(bufs + [None]):
+                work = self._bcast_async(b) if b is not None and b.numel() else None
+                t0 = time.perf_counter()
+                if verify and i > 0:
+                    got.append(checksum(bufs[i - 1]))  # tensor i-1 while tensor i is on the wire
+                t1 = time.perf_counter()
+                if work is not None:
+                    work.wait()
+                digest.check_s += t1 - t0
+                digest.wire_s += time.perf_counter() - t1
+            sent = self._recv_header()["checksums"]
+            bucket: NamedTensors = []
+            for j, (m, b) in enumerate(zip(metas, bufs)):
+                check = sent[j]
+                if verify and check:
+                    mine = got[j] if check.startswith("bsum64:") else checksum(b, check.split(":", 1)[0])
+                    if mine != check:
+                        raise WireError(f"checksum mismatch for {m['name']}: received {mine}, sender sent {check}")
+                digest.add(m["name"], check, b.numel())
+                bucket.append((m["name"], b.view(dtype_from_name(m["dtype"])).reshape([int(d) for d in m["shape"]])))
             yield bucket
 
     # raw (benchmark reference: the same bytes, no protocol) -----------------
@@ -300,11 +346,58 @@ def join_as_receiver(spec: GroupSpec, receiver: int, device: torch.device | None
 
 
 def receive_all(channels: list[Channel], apply: Callable[[NamedTensors], Any], verify: bool = True) -> list[dict[str, Any]]:
-    """Drain every sender's stream in order, calling `apply(bucket)`; one summary per sender."""
-    out = []
-    for s, ch in enumerate(channels):
-        d = Digest()
-        for bucket in ch.recv_stream(d, verify=verify):
-            apply(bucket)
-        out.append({"sender": s, "tensors": d.tensors, "bytes": d.bytes, "digest": d.hexdigest()})
+    """Drain every sender's stream in order, calling `apply(bucket)` on THIS thread (vLLM's loader
+    needs the caller's context) while a background thread already receives the next bucket.
+    One summary per sender. Any error stops both sides and is raised here."""
+    q: queue.Queue = queue.Queue(maxsize=2)
+    stop = threading.Event()
+
+    def put(item) -> None:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.2)
+                return
+            except queue.Full:
+                continue
+
+    def produce() -> None:
+        try:
+            for s, ch in enumerate(channels):
+                d = Digest()
+                for bucket in ch.recv_stream(d, verify=verify):
+                    put(("bucket", bucket))
+                    if stop.is_set():
+                        return
+                put(("summary", {"sender": s, "tensors": d.tensors, "bytes": d.bytes, "digest": d.hexdigest(),
+                                 "wire_s": d.wire_s, "check_s": d.check_s}))
+            put(("done", None))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            put(("error", e))
+
+    t = threading.Thread(target=produce, name="mlrl-weight-recv", daemon=True)
+    t.start()
+    out, apply_s = [], 0.0
+    try:
+        while True:
+            kind, item = q.get()
+            if kind == "bucket":
+                t0 = time.perf_counter()
+                apply(item)
+                apply_s += time.perf_counter() - t0
+            elif kind == "summary":
+                out.append(item)
+            elif kind == "error":
+                raise item
+            else:
+                break
+    except BaseException:
+        stop.set()
+        for ch in channels:  # unblock a producer stuck in a collective
+            ch.close()
+        raise
+    finally:
+        stop.set()
+    t.join(timeout=5)
+    for o in out:
+        o["apply_s"] = apply_s / max(1, len(out))
     return out

@@ -89,9 +89,9 @@ def test_checksum_mismatch_is_detected():
 
     def sender():
         ch = join_as_sender(spec, 0)
-        ch._send_header({"p": 1, "end": False, "tensors": [{"name": "w", "dtype": "float32", "shape": [10],
-                                                            "checksum": checksum(t + 1)}]})
+        ch._send_header({"p": 1, "end": False, "tensors": [{"name": "w", "dtype": "float32", "shape": [10]}]})
         ch._bcast(t.view(torch.uint8))
+        ch._send_header({"p": 1, "checksums": [checksum(t + 1)]})  # what the sender claims it sent
 
     def receiver():
         ch = join_as_receiver(spec, 0)[0]
@@ -151,10 +151,19 @@ def test_raw_broadcast_and_non_senders():
     close_channels()
 
 
-def test_checksums_name_their_algorithm():
-    t = torch.randn(33)
-    assert checksum(t).startswith("crc32:") and checksum(t) == checksum(t.clone())
-    assert checksum(t, "fl64") != checksum(t + 1e-3, "fl64")
-    assert checksum(t, "fl64").startswith("fl64:")
+def test_checksums_name_their_algorithm_and_catch_corruption():
+    t = torch.randn(3 * 8192 * 2 + 5)  # several 64 KiB blocks plus an odd tail
+    c = checksum(t)
+    assert c.startswith("bsum64:") and c == checksum(t.clone())
+    flipped = t.clone()
+    flipped.view(torch.int32)[12345] ^= 1  # one bit
+    swapped = t.clone().view(-1)
+    a, b = swapped[:16384].clone(), swapped[16384:32768].clone()
+    swapped[:16384], swapped[16384:32768] = b, a  # two 64 KiB blocks exchanged
+    for bad in (flipped, swapped, t[:-1], torch.zeros_like(t)):
+        assert checksum(bad) != c
+    odd = torch.arange(11, dtype=torch.uint8)[3:]  # unaligned storage offset
+    assert checksum(odd) == checksum(odd.clone())
+    assert checksum(t, "crc32").startswith("crc32:") and checksum(t, "crc32") != checksum(flipped, "crc32")
     with pytest.raises(WireError):
         checksum(t, "md5")

@@ -1,0 +1,269 @@
+"""Real vLLM CPU servers (two engines, one tiny Llama, fp32) shared by the whole module; the checks
+run in order on the same pool:
+
+1. generated token ids + logprobs equal HF transformers on the same sequence (<= 1e-4), also at T != 1;
+2. every route refuses requests without the per-job token; the servers listen on loopback only;
+3. bad requests fail alone; the chat variant uses the model's template;
+4. after a weight sync (broadcast, then disk) the engines ARE the new model: their logprobs equal a
+   freshly started engine on the new weights (<= 1e-4) and differ from the old ones;
+5. interrupt-on-update: requests interrupted by a sync resume after it, no request lost, each token's
+   version recorded, and each segment's logprobs belong to the weights of its version;
+6. one of the two servers is killed mid-rollout: every request completes exactly once; the dead
+   engine is restarted and brought to the current weights by the pool's refresher.
+"""
+
+import asyncio
+import copy
+import shutil
+import socket
+import time
+
+import httpx
+import pytest
+import pytest_asyncio
+import torch
+import transformers
+
+from conftest import hf_token_logprobs
+from mlrl.config.schema import RolloutConfig, WeightSyncConfig
+from mlrl.rollout import EngineClient, EnginePool, EngineServer, EngineState, ServerSpec
+from mlrl.types import GenerationHyperparameters, ModelRequest, StopReason
+from mlrl.weight_sync import HFWeightSource, make_weight_sync
+from mlrl.weight_sync.transports import DiskWeightSync
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(900)]
+
+TOL = 1e-4
+PROBES = [[1, 5, 6, 7, 8, 9, 10], [1, 40, 41, 42, 12, 13], [1, 20, 21, 22, 23, 24, 25, 26, 27]]  # fixed sequences
+
+
+class Env:
+    pool: EnginePool
+    src: HFWeightSource
+    tok: object
+    model_dir: object
+    tmp: object
+    ws: object
+    snapshots: dict
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def env(vllm_tiny_llama, tmp_path_factory):
+    e = Env()
+    e.tmp = tmp_path_factory.mktemp("pool")
+    e.model_dir = vllm_tiny_llama
+    e.tok = transformers.AutoTokenizer.from_pretrained(str(vllm_tiny_llama))
+    e.src = HFWeightSource.from_pretrained(vllm_tiny_llama)
+    e.snapshots = {0: copy.deepcopy(e.src.model)}
+    cfg = RolloutConfig(num_engines=2, max_model_len=256, max_concurrent_requests=32, startup_timeout_s=400,
+                        request_timeout_s=400)
+    e.pool = EnginePool(cfg, vllm_tiny_llama, run_dir=e.tmp)
+    # the reference "freshly started engine" on the weights the syncs will produce (versions 1 then 2),
+    # started together with the pool to overlap the start-up costs
+    target = copy.deepcopy(e.src.model)
+    _perturb(target, seed=1)
+    _perturb(target, seed=2)
+    fresh_dir = e.tmp / "fresh-v2"
+    shutil.copytree(vllm_tiny_llama, fresh_dir)
+    target.save_pretrained(fresh_dir)
+    e.fresh = EngineServer(ServerSpec.from_config(cfg, "fresh", fresh_dir, "float32", e.pool.token,
+                                                  log_path=str(e.tmp / "fresh.log"), omp_threads=1))
+    e.fresh.start()
+    try:
+        await e.pool.start()
+        e.ws = make_weight_sync(WeightSyncConfig(canary_tolerance=TOL), e.pool, e.src)
+        yield e
+    finally:
+        e.fresh.stop()
+        if hasattr(e, "ws"):
+            await e.ws.close()
+        await e.pool.shutdown()
+
+
+def _perturb(model, seed: int, scale: float = 0.05) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+
+
+async def _probe_logprobs(client: EngineClient) -> list[list[float]]:
+    return [await client.prompt_logprobs(p) for p in PROBES]
+
+
+def _hf_probe(model) -> list[list[float]]:
+    return [hf_token_logprobs(model, p[:1], p[1:]) for p in PROBES]
+
+
+def _maxdiff(a, b) -> float:
+    return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+
+
+def _prompt(tok, text: str) -> list[int]:
+    return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
+                                   return_dict=False)
+
+
+async def test_generation_matches_hf(env):
+    model = env.snapshots[0]
+    prompts = [_prompt(env.tok, t) for t in ("copy 7", "add 3 and 4", "what is the digit after 5 ?", "repeat a b c")]
+    reqs = [ModelRequest(input_ids=p, gconfig=GenerationHyperparameters(max_new_tokens=24, temperature=t))
+            for p in prompts for t in (1.0, 0.7)]
+    resps = await asyncio.gather(*(env.pool.agenerate(r) for r in reqs))
+    worst = 0.0
+    for r, resp in zip(reqs, resps):
+        assert resp.error is None and resp.stop_reason in (StopReason.STOP, StopReason.LENGTH)
+        assert resp.output_len > 0 and len(resp.output_logprobs) == len(resp.output_versions) == resp.output_len
+        assert resp.output_versions == [0] * resp.output_len
+        ref = hf_token_logprobs(model, r.input_ids, resp.output_tokens, r.gconfig.temperature)
+        worst = max(worst, max(abs(a - b) for a, b in zip(resp.output_logprobs, ref)))
+        if resp.stop_reason == StopReason.STOP:
+            assert resp.output_tokens[-1] == env.tok.eos_token_id
+    assert worst <= TOL, f"engine vs HF logprob gap {worst}"
+    assert {r.engine for r in resps} == {"engine-0", "engine-1"}
+    greedy = [await env.pool.agenerate(ModelRequest(input_ids=prompts[0], gconfig=GenerationHyperparameters(max_new_tokens=16, greedy=True)))
+              for _ in range(2)]
+    ids = torch.tensor([prompts[0]])
+    hf = model.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=env.tok.eos_token_id)[0, ids.shape[1]:].tolist()
+    assert greedy[0].output_tokens == greedy[1].output_tokens == hf[: greedy[0].output_len]
+
+
+async def test_requests_without_the_token_are_refused(env):
+    for e in env.pool.engines:
+        url = e.server.url
+        async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+            for method, path, body in [("GET", "/health", None), ("GET", "/metrics", None),
+                                       ("POST", "/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {"max_tokens": 2}}),
+                                       ("POST", "/v1/completions", {"prompt": [1, 2], "max_tokens": 2}),
+                                       ("POST", "/collective_rpc", {"method": "mlrl_weight_report"}),
+                                       ("POST", "/pause", None), ("POST", "/update_weights", {"update_info": {}}),
+                                       ("POST", "/reset_prefix_cache", None)]:
+                for headers in ({}, {"Authorization": "Bearer wrong-token"}):
+                    r = await c.request(method, path, json=body, headers=headers)
+                    assert r.status_code == 401, (path, headers, r.status_code, r.text[:200])
+            assert (await c.get("/health", headers={"Authorization": f"Bearer {env.pool.token}"})).status_code == 200
+        assert not await e.client.is_paused()  # the unauthenticated /pause above did nothing
+        # bound to loopback only: the machine's other addresses do not answer
+        try:
+            other = socket.gethostbyname(socket.gethostname())
+        except OSError:
+            other = "127.0.0.1"
+        if not other.startswith("127."):
+            with pytest.raises(OSError):
+                socket.create_connection((other, e.server.port), timeout=2).close()
+
+
+async def test_bad_requests_fail_alone_and_chat(env):
+    too_long = await env.pool.agenerate(ModelRequest(input_ids=[5] * 300))
+    assert too_long.stop_reason == StopReason.ERROR and "maximum model length" in too_long.error
+    bad_top_p = await env.pool.agenerate(ModelRequest(input_ids=[1, 5], gconfig=GenerationHyperparameters(top_p=1.5)))
+    assert bad_top_p.stop_reason == StopReason.ERROR and "top_p" in bad_top_p.error
+    oov = await env.pool.agenerate(ModelRequest(input_ids=[1, 10_000]))
+    assert oov.stop_reason == StopReason.ERROR and "vocab" in oov.error
+    assert all(e.state == EngineState.READY for e in env.pool.engines)
+    chat = await env.pool.achat([{"role": "user", "content": "copy 7"}], GenerationHyperparameters(max_new_tokens=4))
+    assert chat.error is None and chat.input_tokens == _prompt(env.tok, "copy 7") and chat.output_len > 0
+
+
+async def test_weight_sync_makes_the_engines_the_new_model(env):
+    pool, src = env.pool, env.src
+    old = [await _probe_logprobs(e.client) for e in pool.engines]
+    assert _maxdiff(old[0], _hf_probe(env.snapshots[0])) <= TOL
+
+    _perturb(src.model, seed=1)  # version 1: broadcast over gloo
+    rep = await env.ws.sync(1)
+    assert rep.version == 1 and rep.attempts == 1 and rep.engines == 2 and rep.canary_max_abs_diff <= TOL
+    assert rep.bytes == sum(t.numel() * t.element_size() for _, t in src.named_tensors())
+    assert {w["worker"] for w in rep.engine_reports} == {0} and len(rep.engine_reports) == 2
+    assert all(w["refreshed"] and not w["missing"] for w in rep.engine_reports)
+    env.snapshots[1] = copy.deepcopy(src.model)
+    v1 = [await _probe_logprobs(e.client) for e in pool.engines]
+    assert _maxdiff(v1[0], old[0]) > 1e-2  # really changed
+    assert max(_maxdiff(v, _hf_probe(src.model)) for v in v1) <= TOL
+    resp = await pool.agenerate(ModelRequest(input_ids=PROBES[0], gconfig=GenerationHyperparameters(max_new_tokens=8)))
+    assert resp.output_versions == [1] * resp.output_len and pool.version == 1
+
+    _perturb(src.model, seed=2)  # version 2: disk
+    disk = DiskWeightSync(WeightSyncConfig(transport="disk", canary_tolerance=TOL), pool, src, root=env.tmp / "disk")
+    rep = await disk.sync(2)
+    assert rep.transport == "disk" and rep.canary_max_abs_diff <= TOL and pool.version == 2
+    env.snapshots[2] = copy.deepcopy(src.model)
+
+    # a freshly started engine on the version-2 weights (started by the fixture)
+    fresh = env.fresh
+    assert all(torch.equal(a, b) for a, b in zip(src.model.state_dict().values(),
+                                                  transformers.AutoModelForCausalLM.from_pretrained(str(env.tmp / "fresh-v2")).state_dict().values()))
+    try:
+        await asyncio.to_thread(fresh.wait_ready, 400)
+        fc = EngineClient(fresh.url, pool.token, name="fresh")
+        want = await _probe_logprobs(fc)
+        for e in pool.engines:
+            got = await _probe_logprobs(e.client)
+            assert _maxdiff(got, want) <= TOL, f"{e.name} after sync vs fresh engine: {_maxdiff(got, want)}"
+            assert _maxdiff(got, v1[0]) > 1e-2
+        g = GenerationHyperparameters(max_new_tokens=20, greedy=True)
+        ours = await pool.agenerate(ModelRequest(input_ids=PROBES[1], gconfig=g))
+        theirs = await fc.generate(PROBES[1], g, request_id="fresh-0", default_version=2)
+        assert ours.output_tokens == theirs.tokens
+        assert max(abs(a - b) for a, b in zip(ours.output_logprobs, theirs.logprobs)) <= TOL
+        await fc.aclose()
+    finally:
+        await asyncio.to_thread(fresh.stop)
+
+
+async def test_interrupted_requests_resume_with_versions(env):
+    pool, src = env.pool, env.src
+    prompts = [_prompt(env.tok, f"copy {i}") for i in range(12)]
+    g = GenerationHyperparameters(max_new_tokens=180, min_new_tokens=180)  # EOS suppressed: long, fixed length
+    pool.cfg.interrupt_on_update = True
+    try:
+        tasks = [asyncio.create_task(pool.agenerate(ModelRequest(input_ids=p, gconfig=g))) for p in prompts]
+        await asyncio.sleep(1.0)
+        assert not all(t.done() for t in tasks)
+        _perturb(src.model, seed=3)
+        rep = await env.ws.sync(3)
+        assert rep.canary_max_abs_diff <= TOL
+        resps = await asyncio.gather(*tasks)
+    finally:
+        pool.cfg.interrupt_on_update = False
+    env.snapshots[3] = copy.deepcopy(src.model)
+    mixed = 0
+    for p, resp in zip(prompts, resps):
+        assert resp.stop_reason == StopReason.LENGTH and resp.output_len == 180, resp.error
+        assert resp.output_versions == sorted(resp.output_versions) and set(resp.output_versions) <= {2, 3}
+        if len(set(resp.output_versions)) == 2:
+            mixed += 1
+            cut = resp.output_versions.index(3)
+            eos = (env.tok.eos_token_id,)  # min_new_tokens suppresses EOS: processed logprobs are renormalised without it
+            before = hf_token_logprobs(env.snapshots[2], p, resp.output_tokens[:cut], suppressed=eos)
+            after = hf_token_logprobs(env.snapshots[3], p + resp.output_tokens[:cut], resp.output_tokens[cut:], suppressed=eos)
+            assert max(abs(a - b) for a, b in zip(resp.output_logprobs, before + after)) <= TOL
+    assert mixed >= 1 and pool.stats["interrupted"] >= 1
+
+
+async def test_killing_one_engine_mid_rollout_loses_no_request(env):
+    pool = env.pool
+    reqs = [ModelRequest(input_ids=_prompt(env.tok, f"add {i} and 1"), gconfig=GenerationHyperparameters(max_new_tokens=120, min_new_tokens=120))
+            for i in range(16)]
+    tasks = [asyncio.create_task(pool.agenerate(r)) for r in reqs]
+    await asyncio.sleep(1.0)
+    victim = pool.engines[1]
+    assert victim.in_flight > 0
+    victim.server.crash()
+    resps = await asyncio.gather(*tasks)
+    assert [r.rid for r in resps] == [r.rid for r in reqs] and len({r.rid for r in resps}) == len(reqs)
+    for r, resp in zip(reqs, resps):
+        assert resp.stop_reason == StopReason.LENGTH and resp.output_len == 120, resp.error
+        assert resp.output_versions == [3] * 120
+        ref = hf_token_logprobs(env.snapshots[3], r.input_ids, resp.output_tokens, suppressed=(env.tok.eos_token_id,))
+        assert max(abs(a - b) for a, b in zip(resp.output_logprobs, ref)) <= TOL
+    assert pool.stats["failovers"] >= 1 and pool.stats["engine_deaths"] == 1
+    # restarted in the background on the folder's weights (version 0), then refreshed to version 3
+    t0 = time.monotonic()
+    while victim.state != EngineState.READY and time.monotonic() - t0 < 400:
+        await asyncio.sleep(1.0)
+    assert victim.state == EngineState.READY and victim.restarts == 1 and pool.version == 3
+    assert _maxdiff(await _probe_logprobs(victim.client), _hf_probe(env.snapshots[3])) <= TOL
+    after = await asyncio.gather(*(pool.agenerate(ModelRequest(input_ids=p, gconfig=GenerationHyperparameters(max_new_tokens=4)))
+                                   for p in PROBES * 4))
+    assert {r.engine for r in after} == {"engine-0", "engine-1"} and all(r.output_versions == [3] * r.output_len for r in after)
