@@ -28,6 +28,7 @@ from mlrl.config import Config
 from mlrl.experience.packing import attach_per_sample, pack_step, unpack_per_sample
 from mlrl.metrics import Timer
 from mlrl.types import Sample
+from mlrl.workflow.runner import summarize
 
 
 @dataclass
@@ -45,6 +46,7 @@ class RunContext:
     version: int = 0       # weight version the engines hold
     progress: Any = None
     history: list[dict[str, float]] = field(default_factory=list)
+    lookahead: asyncio.Semaphore | None = None  # async mode: prompts the producer may still start
 
 
 async def train_sync(ctx: RunContext) -> None:
@@ -172,8 +174,7 @@ def finish_step(ctx: RunContext, step: int, metrics: dict[str, float]) -> None:
 
 async def _produce(ctx: RunContext, out: asyncio.Queue, lookahead_prompts: int) -> None:
     """Keep at most `lookahead_prompts` prompts in flight or waiting to be trained."""
-    budget = asyncio.Semaphore(lookahead_prompts)
-    ctx._async_budget = budget  # released by _collect when a group is consumed
+    budget = ctx.lookahead = asyncio.Semaphore(lookahead_prompts)  # released by _collect per consumed group
     tasks: set[asyncio.Task] = set()
 
     async def one(row: Any) -> None:
@@ -195,21 +196,14 @@ async def _produce(ctx: RunContext, out: asyncio.Queue, lookahead_prompts: int) 
 
 async def _collect(ctx: RunContext, groups: asyncio.Queue, eta: int) -> tuple[list[Sample], dict[str, float], int]:
     """Take `prompts_per_step` groups; drop (or keep for re-weighting) samples older than eta versions."""
-    cfg = ctx.cfg
-    samples: list[Sample] = []
-    metrics_list = []
-    stale = 0
-    taken = 0
-    while taken < cfg.trainer.prompts_per_step:
-        group = await groups.get()
-        ctx._async_budget.release()
-        taken += 1
-        metrics_list.append(group.metrics)
-        for s in group.samples:
-            too_old = s.oldest_version >= 0 and ctx.version - s.oldest_version > eta
-            if too_old and cfg.rollout.stale_policy == "drop":
-                stale += 1
-                continue
-            samples.append(s)
-    merged = {k: sum(m[k] for m in metrics_list if k in m) / len(metrics_list) for k in metrics_list[0]} if metrics_list else {}
-    return samples, merged, stale
+    taken = []
+    for _ in range(ctx.cfg.trainer.prompts_per_step):
+        taken.append(await groups.get())
+        ctx.lookahead.release()
+    samples, stale = [], 0
+    for s in (s for g in taken for s in g.samples):
+        if ctx.version - s.oldest_version > eta and s.oldest_version >= 0 and ctx.cfg.rollout.stale_policy == "drop":
+            stale += 1
+            continue
+        samples.append(s)
+    return samples, summarize(taken), stale
