@@ -24,6 +24,9 @@ It owns N vLLM servers (`EngineServer`) and routes requests to them. Invariants:
 - an engine restarted while the pool's version is newer than the model folder's holds stale
   weights: it is not routed to until the weight sync (the `refresher` hook installed by
   `mlrl.weight_sync`) brings it to the current version.
+
+Construction: `EnginePool(cfg.rollout, model_dir, dtype=cfg.model.dtype, token=job_token,
+run_dir=run_dir)`; `command=[...]` replaces the vLLM command line (tests use a fake engine).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from typing import Any, Awaitable, Callable, Literal, Sequence
 from mlrl.config.schema import RolloutConfig
 from mlrl.rollout.client import EngineAuthError, EngineClient, EngineRequestError, EngineUnavailableError, Segment
 from mlrl.rollout.server import EngineServer, EngineStartError, ServerSpec
-from mlrl.types import ModelRequest, ModelResponse, StopReason
+from mlrl.types import GenerationHyperparameters, ModelRequest, ModelResponse, StopReason
 
 log = logging.getLogger(__name__)
 
@@ -268,24 +271,21 @@ class EnginePool:
                 continue  # interrupted by a weight update: resumes after `resume()` (acquire waits)
             return _finish(resp, _FINISH.get(seg.finish, StopReason.STOP), t0)
 
-    async def achat(self, messages: list[dict[str, Any]], gconfig=None, *, session_id: str | None = None,
-                    rid: str | None = None, **template_kwargs: Any) -> ModelResponse:
-        """Chat variant: the engine's chat template turns `messages` into prompt ids, then `agenerate`."""
-        engine = next((e for e in self.engines if e.routable), None) or next((e for e in self.engines if e.live), None)
-        kw: dict[str, Any] = {"session_id": session_id}
-        if gconfig is not None:
-            kw["gconfig"] = gconfig
+    async def achat(self, messages: list[dict[str, Any]], gconfig: GenerationHyperparameters | None = None, *,
+                    session_id: str | None = None, rid: str | None = None, **template_kwargs: Any) -> ModelResponse:
+        """Chat variant: the engine's chat template (POST /tokenize) turns `messages` into prompt ids,
+        then `agenerate`. Template errors come back as an ERROR response like any bad request."""
+        req = ModelRequest(input_ids=[], gconfig=gconfig or GenerationHyperparameters(), session_id=session_id)
         if rid is not None:
-            kw["rid"] = rid
-        if engine is None or engine.client is None:
-            req = ModelRequest(input_ids=[], **kw)
+            req.rid = rid
+        engine = next((e for e in self.engines if e.routable), None) or next((e for e in self.engines if e.live), None)
+        if engine is None:
             return _failed(ModelResponse(input_tokens=[], rid=req.rid), "no live engine to apply the chat template", time.monotonic())
         try:
-            ids = await engine.client.tokenize_chat(messages, **template_kwargs)
-        except EngineRequestError as err:
-            req = ModelRequest(input_ids=[], **kw)
+            req.input_ids = await engine.client.tokenize_chat(messages, **template_kwargs)
+        except (EngineRequestError, EngineUnavailableError) as err:
             return _failed(ModelResponse(input_tokens=[], rid=req.rid), str(err), time.monotonic())
-        return await self.agenerate(ModelRequest(input_ids=ids, **kw))
+        return await self.agenerate(req)
 
     async def abort(self, rid: str) -> bool:
         """Abort one request: its `agenerate` returns ABORT with the tokens produced so far. False if unknown."""

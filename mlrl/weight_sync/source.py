@@ -78,7 +78,8 @@ class HFWeightSource:
 
     @torch.no_grad()
     def canary_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
-        ids = torch.tensor([list(prompt_ids) + list(completion_ids)])
+        device = next(self.model.parameters()).device
+        ids = torch.tensor([list(prompt_ids) + list(completion_ids)], device=device)
         logits = self.model(input_ids=ids).logits[0].float()
         lp = torch.log_softmax(logits, dim=-1)
         p = len(prompt_ids)

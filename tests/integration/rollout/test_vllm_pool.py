@@ -24,7 +24,7 @@ import pytest_asyncio
 import torch
 import transformers
 
-from conftest import hf_token_logprobs
+from rollout_reference import hf_token_logprobs
 from mlrl.config.schema import RolloutConfig, WeightSyncConfig
 from mlrl.rollout import EngineClient, EnginePool, EngineServer, EngineState, ServerSpec
 from mlrl.types import GenerationHyperparameters, ModelRequest, StopReason
