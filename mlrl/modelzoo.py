@@ -60,7 +60,7 @@ def _tiny_base(model_type: str) -> dict[str, Any]:
         "bos_token_id": 1,
         "eos_token_id": 2,
         "pad_token_id": 0,
-        "initializer_range": 0.1,
+        "initializer_range": 0.02,
         "torch_dtype": "float32",
     }
 
