@@ -56,7 +56,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _precheck(args) -> str | None:
+    """The bridge's config / layout / checkpoint checks, before any process is started."""
+    from mlrl.bridge import BridgeError, HFCheckpoint, check_layout, spec_for
+    from mlrl.modelzoo import resolve_model_dir
+
+    try:
+        hf_dir = resolve_model_dir(args.hf_dir)
+        spec, arch = spec_for(json.loads((hf_dir / "config.json").read_text()))
+        check_layout(arch, tp=args.tp, pp=args.pp, ep=args.ep)
+        HFCheckpoint(hf_dir).check(spec, arch)
+    except (BridgeError, ValueError) as e:
+        return str(e)
+    return None
+
+
 def launch(args) -> int:
+    error = _precheck(args)
+    if error:
+        print(f"compare_hf_megatron: {error}", file=sys.stderr)
+        return 2
     world = args.tp * args.pp * args.ep
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--nnodes=1",
            "--master-addr=127.0.0.1", f"--master-port={_free_port()}", __file__, *sys.argv[1:]]

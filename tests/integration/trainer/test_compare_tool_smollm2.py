@@ -41,5 +41,5 @@ def test_smollm2_parity_within_fp32_noise(tmp_path, layout):
 
 def test_smollm2_tp2_is_rejected_clearly(tmp_path):
     proc, res = _run(tmp_path, "--tp", "2", timeout=300)
-    assert proc.returncode != 0 and res is None
+    assert proc.returncode == 2 and res is None
     assert "parallel.tp=2 must divide the model's num_attention_heads=9" in proc.stdout + proc.stderr
