@@ -17,12 +17,13 @@ Errors are typed so the pool can tell a bad request from a dead engine:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import httpx
 
-from mlrl.types import GenerationHyperparameters
+from mlrl.types import GenerationHyperparameters, ModelRequest, ModelResponse, StopReason
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -152,6 +153,22 @@ class EngineClient:
             raise EngineUnavailableError(f"{self.name}: {len(tokens)} tokens but {len(logprobs)} logprobs in the answer")
         return Segment(tokens=tokens, logprobs=logprobs, versions=_versions(ch.get("weight_versions"), len(tokens), default_version),
                        finish=ch.get("finish_reason") or "stop", stop_reason=ch.get("stop_reason"), text=ch.get("text") or "")
+
+    async def agenerate(self, req: ModelRequest, *, default_version: int = 0) -> ModelResponse:
+        """One request on this engine alone (no failover, no resume: that is the pool's job).
+        A refused request returns stop_reason ERROR with the engine's message; an unreachable
+        engine raises EngineUnavailableError."""
+        t0 = time.monotonic()
+        resp = ModelResponse(input_tokens=list(req.input_ids), rid=req.rid, engine=self.name)
+        try:
+            seg = await self.generate(req.input_ids, req.gconfig, request_id=req.rid, default_version=default_version)
+        except (EngineRequestError, EngineAuthError) as err:
+            resp.stop_reason, resp.error = StopReason.ERROR, str(err)
+        else:
+            resp.output_tokens, resp.output_logprobs, resp.output_versions, resp.text = seg.tokens, seg.logprobs, seg.versions, seg.text
+            resp.stop_reason = {"length": StopReason.LENGTH, "abort": StopReason.ABORT, "error": StopReason.ERROR}.get(seg.finish, StopReason.STOP)
+        resp.latency = time.monotonic() - t0
+        return resp
 
     async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """logprob of token i given tokens[:i], for i = 1..len-1 (teacher forcing; raw logits, temperature 1)."""

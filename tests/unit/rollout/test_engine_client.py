@@ -8,7 +8,7 @@ import pytest
 
 from mlrl.rollout.client import (EngineAuthError, EngineClient, EngineRequestError, EngineUnavailableError, _versions,
                                  sampling_params)
-from mlrl.types import GenerationHyperparameters
+from mlrl.types import GenerationHyperparameters, ModelRequest, StopReason
 
 
 def _client(handler) -> EngineClient:
@@ -37,6 +37,21 @@ async def test_generate_parses_tokens_logprobs_and_versions():
     assert (sp["max_tokens"], sp["min_tokens"], sp["temperature"], sp["top_k"], sp["logprobs"]) == (3, 1, 0.7, 5, 0)
     assert sp["stop_token_ids"] == [2] and sp["stop"] == ["."]
     await c.aclose()
+
+
+async def test_single_engine_agenerate():
+    def handler(request):
+        body = json.loads(request.content)
+        if len(body["token_ids"]) > 3:
+            return httpx.Response(400, json={"error": {"message": "prompt too long"}})
+        return httpx.Response(200, json={"choices": [{"finish_reason": "stop", "token_ids": [9, 2], "text": "x",
+                                                      "logprobs": {"content": [{"logprob": -0.1}, {"logprob": -0.2}]}}]})
+
+    c = _client(handler)
+    ok = await c.agenerate(ModelRequest(input_ids=[1, 2]), default_version=4)
+    assert (ok.output_tokens, ok.output_versions, ok.stop_reason, ok.engine) == ([9, 2], [4, 4], StopReason.STOP, "e0")
+    bad = await c.agenerate(ModelRequest(input_ids=[1, 2, 3, 4]))
+    assert bad.stop_reason == StopReason.ERROR and "prompt too long" in bad.error
 
 
 def test_sampling_params_greedy_and_version_spans():
