@@ -67,20 +67,21 @@ class TrainerService:
         report = push_from_rank(request, self.policy.iter_hf_buckets, sender)
         return report.to_json() if report is not None else None
 
-    def export_hf(self, out_dir: str) -> None:
-        """Stream the HF tensors into a Hugging Face folder (one pipeline stage for now)."""
-        from mlrl.checkpoint.hf_export import write_hf_folder
-        from mlrl.modelzoo import resolve_model_dir
+    def save_checkpoint(self, path: str) -> None:
+        from mlrl.trainer.checkpointing import save_checkpoint
 
-        info = self.policy.rank_info()
-        if info["pp_size"] > 1:
-            raise NotImplementedError("HF export from pipeline-parallel ranks is not wired yet")
-        buckets = self.policy.iter_hf_buckets(256 << 20)
-        if info["is_stage_sender"]:
-            write_hf_folder(buckets, out_dir, resolve_model_dir(self.cfg.model.hf_dir))
-        else:
-            for _ in buckets:  # keep the gathers aligned
-                pass
+        save_checkpoint(self.policy, path, async_save=self.cfg.checkpoint.async_save)
+
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        from mlrl.trainer.checkpointing import load_checkpoint
+
+        return load_checkpoint(self.policy, path)  # the reference policy stays the initial model
+
+    def export_hf(self, out_dir: str) -> None:
+        """Stream the HF tensors of every pipeline stage into one Hugging Face folder."""
+        from mlrl.trainer.checkpointing import export_hf
+
+        export_hf(self.policy, out_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
