@@ -125,6 +125,15 @@ class MlrlWeightTransferEngine(WeightTransferEngine[MlrlInitInfo, MlrlUpdateInfo
             self._update = None
             if update_info.mode == "broadcast":
                 self.receiver.close()  # the group is unusable after a failed stream: the driver re-joins
+            # close the layer-wise session so the retry's initialize starts clean (layers that were only
+            # partly loaded would otherwise keep their buffered state); the weights are now a mix, which
+            # the driver knows: it retries a full update or stops the run
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            try:
+                finalize_layerwise_reload(self.model, self.model_config)
+            except Exception:  # noqa: BLE001 - the original error is the one to report
+                pass
             raise
         self._update["streams"] += rep["streams"]
         self._update["recv_s"] += rep["seconds"]

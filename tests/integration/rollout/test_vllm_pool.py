@@ -4,8 +4,9 @@ run in order on the same pool:
 1. generated token ids + logprobs equal HF transformers on the same sequence (<= 1e-4), also at T != 1;
 2. every route refuses requests without the per-job token; the servers listen on loopback only;
 3. bad requests fail alone; the chat variant uses the model's template;
-4. after a weight sync (broadcast, then disk) the engines ARE the new model: their logprobs equal a
-   freshly started engine on the new weights (<= 1e-4) and differ from the old ones;
+4. after a weight sync (broadcast, then disk, then a broadcast whose first push dies mid-stream and
+   is retried) the engines ARE the new model: their logprobs equal a freshly started engine on the
+   new weights (<= 1e-4) and differ from the old ones;
 5. interrupt-on-update: requests interrupted by a sync resume after it, no request lost, each token's
    version recorded, and each segment's logprobs belong to the weights of its version;
 6. one of the two servers is killed mid-rollout: every request completes exactly once; the dead
@@ -14,6 +15,7 @@ run in order on the same pool:
 
 import asyncio
 import copy
+import itertools
 import shutil
 import socket
 import time
@@ -28,7 +30,7 @@ from rollout_reference import hf_token_logprobs
 from mlrl.config.schema import RolloutConfig, WeightSyncConfig
 from mlrl.rollout import EngineClient, EnginePool, EngineServer, EngineState, ServerSpec
 from mlrl.types import GenerationHyperparameters, ModelRequest, StopReason
-from mlrl.weight_sync import HFWeightSource, make_weight_sync
+from mlrl.weight_sync import HFWeightSource, make_weight_sync, push_from_rank
 from mlrl.weight_sync.transports import DiskWeightSync
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(900)]
@@ -78,6 +80,29 @@ async def env(vllm_tiny_llama, tmp_path_factory):
         if hasattr(e, "ws"):
             await e.ws.close()
         await e.pool.shutdown()
+
+
+class _FlakySource:
+    """A WeightSource whose first push fails after two buckets (a trainer rank dying mid-sync)."""
+
+    num_senders = 1
+
+    def __init__(self, src: HFWeightSource) -> None:
+        self.src, self.calls = src, 0
+
+    def push(self, request):
+        self.calls += 1
+        if self.calls > 1:
+            return self.src.push(request)
+
+        def dying(bucket_bytes):
+            yield from itertools.islice(self.src.iter_buckets(bucket_bytes), 2)
+            raise RuntimeError("trainer rank died mid-push")
+
+        return [push_from_rank(request, dying, 0)]
+
+    def canary_logprobs(self, prompt_ids, completion_ids):
+        return self.src.canary_logprobs(prompt_ids, completion_ids)
 
 
 def _perturb(model, seed: int, scale: float = 0.05) -> None:
@@ -188,6 +213,14 @@ async def test_weight_sync_makes_the_engines_the_new_model(env):
     rep = await disk.sync(2)
     assert rep.transport == "disk" and rep.canary_max_abs_diff <= TOL and pool.version == 2
     env.snapshots[2] = copy.deepcopy(src.model)
+
+    # version 2 again over a new broadcast group whose first push dies mid-stream: retried once, then exact
+    flaky = _FlakySource(src)
+    ws = make_weight_sync(WeightSyncConfig(canary_tolerance=TOL, bucket_mb=0.25), pool, flaky)
+    await env.ws.close()
+    env.ws = ws
+    rep = await ws.sync(2)
+    assert rep.attempts == 2 and flaky.calls == 2 and rep.canary_max_abs_diff <= TOL
 
     # a freshly started engine on the version-2 weights (started by the fixture)
     fresh = env.fresh
