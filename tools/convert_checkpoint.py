@@ -3,10 +3,11 @@
     python tools/convert_checkpoint.py hf-to-mcore --hf DIR --out DIR [--tp N --pp N --ep N] [--verify]
     python tools/convert_checkpoint.py mcore-to-hf --ckpt DIR --out DIR [--tp N --pp N --ep N] [--verify]
 
-hf-to-mcore writes the weights-only checkpoint a training run can start from
-(`checkpoint.resume=DIR`) or that mcore-to-hf reads; mcore-to-hf takes either such a folder, a
-run's `step_N/` checkpoint or a run's checkpoint root (its latest complete checkpoint) and
-writes safetensors shards + config.json + generation_config.json + tokenizer files.
+hf-to-mcore writes a weights-only Megatron checkpoint (torch_dist, the format of a training
+checkpoint's model_optim/ folder; training runs themselves start from the HF folder);
+mcore-to-hf takes such a folder, a run's `step_N/` checkpoint or a run's checkpoint root (its
+latest complete checkpoint) and writes safetensors shards + config.json +
+generation_config.json + tokenizer files.
 
 Everything that can be checked without loading weights is checked first, in this process: the
 folder exists and is complete, config.json names a supported architecture, the safetensors

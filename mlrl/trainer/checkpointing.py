@@ -24,16 +24,21 @@ Invariants:
 - Resharding: model tensors are Megatron ShardedTensors (TP / PP / VPP / EP / DP changes load).
   The DistributedOptimizer state is saved as `fully_reshardable` (model-space tensors; TP / PP /
   DP / EP changes load); a checkpoint written with `dp_reshardable` (Megatron-LM's default)
-  loads only under the same model-parallel layout, which is checked. A plain (non-distributed)
-  optimizer's state is in model space and reshards freely; switching between the distributed
-  and the plain optimizer is refused (their optimizer states are keyed differently).
+  loads only under the same model-parallel layout, which is checked. Megatron splits the
+  optimizer into a chain (dense / expert-parallel parts) whose length can change with EP: the
+  saved param groups are given to every current part. A plain (non-distributed) optimizer's
+  state is in Megatron's model-space format too; switching between the distributed and the
+  plain optimizer is refused (their optimizer states are keyed differently).
 - Exact resume: the optimizer state is saved only once it exists (after the first step; before
   it, a fresh optimizer is the same state). Every rank's RNG states (python, numpy, torch CPU,
   CUDA, Megatron's tensor-parallel tracker) are a ShardedObject per global rank, restored when
   the layout is unchanged (a different layout has different ranks: they are then reported as not
   restored, as Megatron-LM does). The scheduler position comes from the checkpoint; its
   hyper-parameters (lr, warm-up, decay) from the running config, so a resumed run follows the
-  config it was started with (differences are reported).
+  config it was resumed with (differences are reported).
+- megatron-core 0.16.1 with torch's Adam (no Apex / TE) needs three repairs on load, each
+  commented where it is made: dummy optimizer state before the load, `step` set aside while the
+  DistributedOptimizer copies parameter state, and one `step` tensor per parameter afterwards.
 """
 
 from __future__ import annotations
@@ -306,6 +311,8 @@ def save_checkpoint(policy, path: str | Path, *, async_save: bool = False,
     path = Path(path)
     if policy.ranks.rank == 0:
         path.mkdir(parents=True, exist_ok=True)
+        # a save into a used folder must not look complete before it is
+        (path / META_FILE).unlink(missing_ok=True)
     dist.barrier()
     trainable = policy.optimizer is not None
     with_optimizer = trainable and policy.optimizer_steps > 0
@@ -388,21 +395,29 @@ def load_checkpoint(policy, path: str | Path, *, load_optimizer: Optional[bool] 
     from megatron.core import dist_checkpointing
 
     path = Path(path)
-    meta = read_meta(path)
-    contents = meta["contents"]
     trainable = policy.optimizer is not None
     if load_optimizer is None:
         load_optimizer = trainable
     if load_optimizer and not trainable:
         raise CheckpointError("load_checkpoint(load_optimizer=True) on a frozen policy (trainable=False)")
-    with_optimizer = load_optimizer and contents["optimizer"]
-    check_loadable(policy, meta, load_optimizer=with_optimizer)
+    error: Optional[CheckpointError] = None
+    try:
+        meta = read_meta(path)
+        contents = meta["contents"]
+        with_optimizer = load_optimizer and contents["optimizer"]
+        check_loadable(policy, meta, load_optimizer=with_optimizer)
+    except CheckpointError as e:
+        error = e
+    # every rank raises, or none loads (a rank that alone failed would leave the others in a collective)
+    failed = torch.tensor([int(error is not None)], dtype=torch.int32, device=policy.device)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if error is not None:
+        raise error
+    if int(failed):
+        raise CheckpointError(f"checkpoint {path}: rejected on another rank (see that rank's error)")
     same_layout = meta["layout"] == _layout(policy)
     with_rng = load_optimizer and contents["rng"] and same_layout
     sharding = meta["optimizer"]["sharding"]
-    # all ranks have passed the checks before any rank loads
-    ok = torch.tensor([1], dtype=torch.int32)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
 
     from mlrl.trainer import cpu_compat
 

@@ -52,7 +52,10 @@ def conversion_config(hf_dir: str | Path, *, tp: int, pp: int, ep: int, precisio
     cfg.model.hf_dir = str(hf_dir)
     hf = json.loads((Path(hf_dir) / "config.json").read_text())
     cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep = tp, pp, ep
-    world = world_size_for(tp, pp, ep)
+    # inside a job started by someone else (torchrun over several nodes) its world is the layout's
+    world = int(os.environ.get("WORLD_SIZE") or world_size_for(tp, pp, ep))
+    if world % (tp * pp):
+        raise CheckpointError(f"conversion: tp*pp = {tp}*{pp} does not divide the job's {world} ranks")
     cfg.parallel.dp = world // (tp * pp)
     # megatron-core's MoE layer refuses TP without sequence parallelism
     cfg.parallel.sequence_parallel = tp > 1 and bool(hf.get("num_experts") or hf.get("num_local_experts"))

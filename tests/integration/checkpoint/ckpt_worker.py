@@ -7,7 +7,8 @@ writes one JSON per rank (`<out>/rank<r>.json`). Measures only; the assertions a
 Phases (all checkpoints live under --work; `phase:tag@model` runs a phase on another model):
 - train_save:<tag>   policy A trains 4 steps straight (losses; HF export <tag>_straight_hf);
                      policy B trains 2 steps, saves <tag>_fr (fully_reshardable optimizer state)
-                     and <tag>_dpr (dp_reshardable), then draws from every RNG.
+                     and <tag>_dpr (dp_reshardable), exports <tag>_step2_hf, then draws from
+                     every RNG.
 - resume:<tag>       a fresh policy loads <tag>_fr (any layout), draws from every RNG, trains
                      steps 3 and 4 (losses), exports HF to <tag>_resumed_<layout>_hf, and writes
                      the policy's logits of a probe batch for the export parity check.
@@ -114,6 +115,7 @@ def phase_train_save(ctx: Ctx, tag: str) -> dict:
     save_checkpoint(b, ctx.work / f"{tag}_fr")
     save_s = time.perf_counter() - t0
     save_checkpoint(b, ctx.work / f"{tag}_dpr", optim_sharding="dp_reshardable")
+    export_hf(b, ctx.work / f"{tag}_step2_hf")  # what mcore-to-hf of {tag}_fr must reproduce
     return {"straight": straight, "first": first, "straight_digest": straight_digest, "save_s": save_s,
             "rng_after_save": rng_draws()}
 

@@ -61,17 +61,18 @@ def test_smollm2_roundtrip_is_bit_exact(tmp_path):
     assert "hf-to-mcore:" in r.stderr  # the progress bar
     t1 = time.perf_counter()
     r2 = run_tool("mcore-to-hf", "--ckpt", str(tmp_path / "mcore"), "--out", str(tmp_path / "hf"), "--pp", "1",
-                  "--max-shard-size", "200MB", "--verify", "--no-progress")
+                  "--max-shard-size", "200MB", "--no-progress")
     assert r2.returncode == 0, r2.stderr[-3000:]
     t2 = time.perf_counter()
     meta = json.loads((tmp_path / "mcore" / "mlrl_checkpoint.json").read_text())
     assert meta["layout"]["pp"] == 2 and meta["contents"]["optimizer"] is False
     assert len(list((tmp_path / "hf").glob("model-*-of-*.safetensors"))) >= 3  # 538 MB in <= 200 MB shards
     assert_same_model(tmp_path / "hf", src)
-    # fp32, 30 layers: the sharded Megatron model vs transformers (reduction order differs)
-    gaps = _gap(r.stdout), _gap(r2.stdout)
-    assert max(gaps) <= 1e-3
-    print(f"SmolLM2 hf-to-mcore (pp2) {t1 - t0:.1f} s, mcore-to-hf (pp1) {t2 - t1:.1f} s, logit gaps {gaps}")
+    # fp32, 30 layers: the sharded Megatron model vs transformers; transformers' own floor (the
+    # same rows as prefixes of longer sequences) is 6.5e-5 on logits of magnitude ~33
+    gap = _gap(r.stdout)
+    assert gap <= 1e-3
+    print(f"SmolLM2 hf-to-mcore (pp2) {t1 - t0:.1f} s, mcore-to-hf (pp1) {t2 - t1:.1f} s, logit gap {gap:.3g}")
 
 
 def test_qwen3_moe_ep2_roundtrip_is_bit_exact(tmp_path):
@@ -80,11 +81,21 @@ def test_qwen3_moe_ep2_roundtrip_is_bit_exact(tmp_path):
                  "--verify", "--no-progress")
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((tmp_path / "mcore" / "mlrl_checkpoint.json").read_text())["layout"]["ep"] == 2
-    r2 = run_tool("mcore-to-hf", "--ckpt", str(tmp_path / "mcore"), "--out", str(tmp_path / "hf"), "--no-progress")
+    r2 = run_tool("mcore-to-hf", "--ckpt", str(tmp_path / "mcore"), "--out", str(tmp_path / "hf"), "--verify",
+                  "--no-progress")
     assert r2.returncode == 0, r2.stderr[-3000:]
     assert "world=2" in r2.stdout  # the checkpoint's own layout (EP2) by default
     assert_same_model(tmp_path / "hf", src)
-    assert _gap(r.stdout) <= 1e-4
+    assert _gap(r.stdout) <= 1e-4 and _gap(r2.stdout) <= 1e-4
+
+
+def test_training_checkpoint_to_hf_on_another_layout(saved_tp2, work, tmp_path):
+    """A TP2 training checkpoint (optimizer state included) -> HF on one rank: the weights the
+    training run itself exported at that step."""
+    r = run_tool("mcore-to-hf", "--ckpt", str(work / "tp2_fr"), "--out", str(tmp_path / "hf"), "--tp", "1", "--no-progress")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "world=1" in r.stdout
+    assert_same_model(tmp_path / "hf", work / "tp2_step2_hf")
 
 
 # ---- bad inputs: fail in the launching process, before any rank starts ---------------------------
@@ -99,6 +110,22 @@ def _error(tool, capsys, *argv: str) -> str:
     assert rc == 2, err
     assert err.count("\n") == 0 and "error:" in err, err  # one line
     return err
+
+
+def test_checkpoint_argument_forms(tool, tmp_path):
+    """--ckpt accepts model_optim/, step_N/ or a run's checkpoint root (its latest complete one)."""
+    from mlrl.checkpoint import CheckpointManager
+
+    manager = CheckpointManager(tmp_path / "ckpts")
+    for step in (3, 5):
+        t = manager.begin(step)
+        (t / "model_optim").mkdir()
+        (t / "model_optim" / "metadata.json").write_text("{}")
+        manager.commit(t, step, {})
+    step5 = tmp_path / "ckpts" / "step_000005" / "model_optim"
+    assert tool.resolve_ckpt(str(tmp_path / "ckpts")) == step5
+    assert tool.resolve_ckpt(str(step5.parent)) == step5
+    assert tool.resolve_ckpt(str(tmp_path / "ckpts" / "step_000003" / "model_optim")).parent.name == "step_000003"
 
 
 def test_bad_inputs(tool, capsys, tmp_path):
