@@ -71,6 +71,9 @@ class MegatronPolicy:
         self.spec, self.arch = spec_for(self.hf_config)
         check_layout(self.arch, tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp, cp=layout.cp,
                      vpp=layout.vpp if layout.vpp and layout.vpp > 1 else None, pp_split=parallel.pp_layer_split)
+        if layout.vpp and layout.vpp > 1 and cpu_compat.needed():
+            raise ValueError(f"parallel.vpp={layout.vpp}: the interleaved pipeline schedule hangs on gloo (measured: "
+                             "PP2 x VPP2 never completes a step on CPU); use vpp on GPU, or pp_layer_split / plain pp here")
         if self.arch.is_moe and layout.tp > 1 and not parallel.sequence_parallel:
             raise ValueError(f"parallel.sequence_parallel must be true for an MoE model with parallel.tp={layout.tp} "
                              "(megatron-core's MoELayer refuses to train otherwise)")
@@ -164,6 +167,9 @@ class MegatronPolicy:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         items = list(zip(micro_batches, inputs))
+        if len(self.model) > 1 and len(items) < self.layout.pp:
+            raise ValueError(f"parallel.vpp={len(self.model)}: the interleaved pipeline schedule needs at least "
+                             f"pp={self.layout.pp} micro-batches per DP rank, got {len(items)}")
 
         def forward_step(data_iterator, model):
             mb, inp = next(data_iterator)

@@ -34,6 +34,8 @@ def build_cfg(args, **trainer):
     cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.cp = args.tp, args.pp, args.ep, args.cp
     cfg.parallel.dp = world // (args.tp * args.pp * args.cp)
     cfg.parallel.sequence_parallel = args.sp
+    cfg.parallel.vpp = args.vpp
+    cfg.parallel.pp_layer_split = [int(x) for x in args.pp_split.split(",")] if args.pp_split else None
     cfg.trainer.world_size = world
     for k, v in {**args.trainer_opts, **trainer}.items():
         setattr(cfg.trainer, k, v)
@@ -262,6 +264,8 @@ def main() -> None:
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--cp", type=int, default=1)
+    ap.add_argument("--vpp", type=int, default=None)
+    ap.add_argument("--pp-split", default=None, help="layers per pipeline stage, e.g. 3,1")
     ap.add_argument("--trainer-opts", default="", help="k=v,... TrainerConfig overrides (e.g. precision=bf16)")
     ap.add_argument("--checks", required=True)
     args = ap.parse_args()
