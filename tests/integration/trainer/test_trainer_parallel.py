@@ -68,3 +68,30 @@ def test_ep2_qwen3_moe(ep2):
     assert_export(ep2, model)
     assert_grads(ep2, model)
     assert_adam(ep2, model)
+
+
+@pytest.fixture(scope="module")
+def four_layer_llama(tmp_path_factory):
+    import torch
+    import transformers
+
+    from mlrl.modelzoo import hf_config_dict
+
+    out = tmp_path_factory.mktemp("tiny-llama-4l")
+    config = transformers.AutoConfig.for_model(**dict(hf_config_dict("builtin:tiny-llama"), num_hidden_layers=4))
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+    return str(out)
+
+
+def test_pp2_uneven_layer_split(four_layer_llama):
+    from trainer_harness import WORKER, run_torchrun
+
+    ranks, _ = run_torchrun(WORKER, ["--models", four_layer_llama, "--checks", "parity,export,grads", "--pp", "2",
+                                     "--pp-split", "3,1"], 2)
+    assert_parity(ranks, four_layer_llama)
+    assert_export(ranks, four_layer_llama)
+    assert_grads(ranks, four_layer_llama)
+    # the first stage yields embedding + layers 0-2, the last layer 3 + final norm
+    first = ranks[0][f"{four_layer_llama}/export"]["names"]
+    assert "model.layers.2.mlp.down_proj.weight" in first and not any("layers.3." in n for n in first)
