@@ -56,7 +56,7 @@ def hf_row(model, mb: MicroBatch, temperature: float, *, grad: bool = False):
     logits_all = []
     t = temperature if temperature > 0 else 1.0
     cu = mb.cu_seqlens.tolist()
-    lp_parts, ent_parts = [], []
+    lp_parts = []
     for a, b in zip(cu[:-1], cu[1:]):
         with torch.set_grad_enabled(grad):
             logits = model(mb.tokens[a:b][None]).logits[0].float()
