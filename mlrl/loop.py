@@ -46,7 +46,7 @@ class RunContext:
     version: int = 0       # weight version the engines hold
     progress: Any = None
     history: list[dict[str, float]] = field(default_factory=list)
-    lookahead: asyncio.Semaphore | None = None  # async mode: prompts the producer may still start
+    version_changed: asyncio.Condition | None = None  # async mode: wakes the producer after a weight update
 
 
 async def train_sync(ctx: RunContext) -> None:
@@ -71,7 +71,8 @@ async def train_async(ctx: RunContext) -> None:
     cfg = ctx.cfg
     eta = cfg.rollout.staleness
     groups: asyncio.Queue = asyncio.Queue()
-    producer = asyncio.create_task(_produce(ctx, groups, lookahead_prompts=(eta + 1) * cfg.trainer.prompts_per_step))
+    ctx.version_changed = asyncio.Condition()
+    producer = asyncio.create_task(_produce(ctx, groups, eta))
     try:
         for step in range(ctx.start_step + 1, cfg.trainer.total_steps + 1):
             timer = Timer()
@@ -83,6 +84,8 @@ async def train_async(ctx: RunContext) -> None:
                 with timer("weight_sync"):
                     ctx.version = step
                     sync_metrics = await ctx.weight_sync.sync(ctx.version)
+                async with ctx.version_changed:
+                    ctx.version_changed.notify_all()
                 await after_step(ctx, step, timer)
             finish_step(ctx, step, {**batch_metrics, **sample_metrics, **metrics, **sync_metrics,
                                     "async/stale_dropped": float(stale), **timer.pop()})
@@ -99,13 +102,17 @@ def select_trainable(ctx: RunContext, samples: list[Sample]) -> tuple[list[Sampl
     a, s = ctx.cfg.algorithm, ctx.cfg.rollout.sampling
     trainable = [x for x in samples if x.num_loss_tokens > 0 and x.status.value != "failed"]
     metrics = {"samples/trainable": float(len(trainable)), "samples/total": float(len(samples))}
+    versions = [x.oldest_version for x in trainable]
+    if versions:
+        metrics["samples/staleness_max"] = float(ctx.version - min(versions))
     if a.overlong_buffer:
         metrics["samples/overlong_penalised"] = float(apply_overlong_shaping(trainable, s.max_new_tokens, a.overlong_buffer, a.overlong_penalty))
     if a.dynamic_sampling:
         trainable, dropped = filter_groups(trainable)
         metrics["samples/groups_dropped_equal_reward"] = float(dropped)
     if not trainable:
-        raise RuntimeError("no trainable samples in this step (every episode failed or was filtered): see the episode metrics")
+        raise RuntimeError(f"no trainable samples in this step: {len(samples)} samples in, every one failed, had no "
+                           f"policy tokens or was filtered (episode metrics: {metrics})")
     return trainable, metrics
 
 
@@ -172,19 +179,24 @@ def finish_step(ctx: RunContext, step: int, metrics: dict[str, float]) -> None:
 # --------------------------------------------------------------------------- async producer
 
 
-async def _produce(ctx: RunContext, out: asyncio.Queue, lookahead_prompts: int) -> None:
-    """Keep at most `lookahead_prompts` prompts in flight or waiting to be trained."""
-    budget = ctx.lookahead = asyncio.Semaphore(lookahead_prompts)  # released by _collect per consumed group
+async def _produce(ctx: RunContext, out: asyncio.Queue, eta: int) -> None:
+    """Start prompts while the staleness bound allows (AReaL's rule): the prompts of the step that
+    will train on weights v+1 may start once the engines hold version >= v - eta, i.e. at most
+    (version - version_at_start + eta + 1) * prompts_per_step prompts are ever started."""
+    per_step = ctx.cfg.trainer.prompts_per_step
+    base = ctx.version
+    started = 0
     tasks: set[asyncio.Task] = set()
 
     async def one(row: Any) -> None:
-        group = await ctx.runner.run_group(row, ctx.cfg.trainer.samples_per_prompt)
-        await out.put(group)
+        out.put_nowait(await ctx.runner.run_group(row, ctx.cfg.trainer.samples_per_prompt))
 
     try:
         while True:
-            await budget.acquire()
+            async with ctx.version_changed:
+                await ctx.version_changed.wait_for(lambda: started < (ctx.version - base + eta + 1) * per_step)
             row = ctx.sampler.next_batch(1)[0]
+            started += 1
             t = asyncio.create_task(one(row))
             tasks.add(t)
             t.add_done_callback(tasks.discard)
@@ -199,7 +211,6 @@ async def _collect(ctx: RunContext, groups: asyncio.Queue, eta: int) -> tuple[li
     taken = []
     for _ in range(ctx.cfg.trainer.prompts_per_step):
         taken.append(await groups.get())
-        ctx.lookahead.release()
     samples, stale = [], 0
     for s in (s for g in taken for s in g.samples):
         if ctx.version - s.oldest_version > eta and s.oldest_version >= 0 and ctx.cfg.rollout.stale_policy == "drop":

@@ -57,6 +57,7 @@ class Checkpointer:
 
 def run(cfg: Config, layout: Layout) -> int:
     logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))  # one line per request otherwise
     return asyncio.run(_run(cfg, layout))
 
 

@@ -195,6 +195,8 @@ def _check_devices(cfg: Config, has_cuda: bool) -> None:
         raise ConfigError(f"cluster.nodes={c.nodes} needs cluster.gpus_per_node >= 1 (multi-node runs are GPU runs)")
     if t.precision == "fp16" and not gpu_run:
         raise ConfigError("trainer.precision=fp16 is GPU only; use fp32 (or bf16) on CPU")
+    if cfg.checkpoint.async_save and not gpu_run:
+        raise ConfigError("checkpoint.async_save needs GPUs (megatron-core's async writer); set it false on CPU")
     if cfg.weight_sync.transport == "cuda_ipc" and (not gpu_run or c.placement != "colocated"):
         raise ConfigError("weight_sync.transport=cuda_ipc needs GPUs and cluster.placement=colocated")
 

@@ -36,12 +36,15 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _check_steps(recs: list[dict], steps: list[int]) -> None:
+def _check_steps(recs: list[dict], steps: list[int], sync_steps: set[int]) -> None:
     assert [r["step"] for r in recs] == steps
     for r in recs:
         assert 0.0 <= r["reward/mean"] <= 1.0
-        assert r["train/mismatch/logprob_gap"] <= 1e-3, r
+        # trainer vs engine on the same weights: the canary after every sync, and (on-policy steps)
+        # every sampled token; async samples may be a version behind, so their gap is staleness
         assert r["weight_sync/canary_max_abs_diff"] <= 1e-3, r
+        if r["step"] in sync_steps:
+            assert r["train/mismatch/logprob_gap"] <= 1e-3, r
         assert r["weight_version"] == r["step"]
         # every prompt's samples are accounted for: completed + rejected + failed episodes
         assert r["groups/count"] == PROMPTS
@@ -59,7 +62,7 @@ def run_a(tmp_path_factory):
 
 def test_sync_run(run_a):
     run_dir, out = run_a
-    _check_steps(_metrics(run_dir), [1, 2, 3])
+    _check_steps(_metrics(run_dir), [1, 2, 3], {1, 2, 3})
     assert (run_dir / "run.png").read_bytes()[:4] == b"\x89PNG"
     assert any((run_dir / "tensorboard").iterdir())
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000003"
@@ -74,7 +77,8 @@ def test_resume_async(run_a):
     assert state["weight_version"] == 3 and state["sampler"]["consumed"] == 3 * PROMPTS
     _launch(run_dir, "trainer.total_steps=6", "mode=async", "rollout.staleness=1", "algorithm.rollout_is=tis")
     recs = _metrics(run_dir)
-    _check_steps(recs, [1, 2, 3, 4, 5, 6])
+    _check_steps(recs, [1, 2, 3, 4, 5, 6], {1, 2, 3})
     for r in recs[3:]:
-        assert r["async/stale_dropped"] >= 0
+        assert 0 <= r["samples/staleness_max"] <= 1  # the bound eta = 1 holds
+        assert r["async/stale_dropped"] == 0
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000006"
