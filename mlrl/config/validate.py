@@ -169,6 +169,8 @@ def _check_model(cfg: Config, hf: dict[str, Any], layout: Layout) -> None:
         raise ConfigError(f"parallel.ep={p.ep} but the model (model_type={hf.get('model_type')!r}) has no experts")
     if experts and experts % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} must divide the model's num_experts={experts}")
+    if experts and p.tp > 1 and not p.sequence_parallel:
+        raise ConfigError(f"parallel.tp={p.tp} with a MoE model needs parallel.sequence_parallel=true (Megatron's MoE layers require it)")
     if experts and (layout.etp * p.ep) > layout.trainer_devices // p.pp:
         raise ConfigError(f"parallel.ep*etp = {p.ep * layout.etp} exceeds the trainer ranks per pipeline stage ({layout.trainer_devices // p.pp})")
     if cfg.rollout.engine_tp > 1 and heads % cfg.rollout.engine_tp:
@@ -189,6 +191,8 @@ def _check_devices(cfg: Config, has_cuda: bool) -> None:
         raise ConfigError(f"parallel.cp={p.cp}: context parallel needs GPUs (Transformer Engine attention); cluster.gpus_per_node is 0")
     if gpu_run and c.nodes == 1 and not has_cuda:
         raise ConfigError(f"cluster.gpus_per_node={c.gpus_per_node} but this machine has no CUDA device (use --dry-run to plan, or gpus_per_node=0)")
+    if p.vpp is not None and p.vpp > 1 and not gpu_run:
+        raise ConfigError(f"parallel.vpp={p.vpp}: the interleaved pipeline schedule hangs on gloo; virtual pipeline stages are GPU only")
     if p.sequence_parallel and p.tp < 2:
         raise ConfigError("parallel.sequence_parallel needs parallel.tp >= 2")
     if c.nodes > 1 and not gpu_run:

@@ -54,6 +54,9 @@ BAD = [
     (["cluster.gpus_per_node=8"], "this machine has no CUDA device"),
     (["trainer.deterministic=maybe"], "trainer.deterministic: got 'maybe', expected true or false"),
     (["rollout.sampling.max_new_tokens=1000"], "exceeds the model's max_position_embeddings=256"),
+    (["model.hf_dir=builtin:tiny-qwen3-moe", "trainer.world_size=2", "parallel.tp=2"], "needs parallel.sequence_parallel=true"),
+    (["trainer.world_size=2", "parallel.pp=2", "parallel.vpp=2"], "virtual pipeline stages are GPU only"),
+    (["checkpoint.async_save=true"], "checkpoint.async_save needs GPUs"),
 ]
 
 
