@@ -47,6 +47,8 @@ class RunContext:
     progress: Any = None
     history: list[dict[str, float]] = field(default_factory=list)
     version_changed: asyncio.Condition | None = None  # async mode: wakes the producer after a weight update
+    in_flight: dict[int, Any] = field(default_factory=dict)  # async mode: rows started, not yet trained on
+    resume_rows: list[Any] = field(default_factory=list)    # rows in flight when the resumed checkpoint was saved
 
 
 async def train_sync(ctx: RunContext) -> None:
@@ -70,7 +72,7 @@ async def train_async(ctx: RunContext) -> None:
     """Bounded-staleness asynchronous training: generation of up to eta steps ahead overlaps training."""
     cfg = ctx.cfg
     eta = cfg.rollout.staleness
-    groups: asyncio.Queue = asyncio.Queue()
+    groups: asyncio.PriorityQueue = asyncio.PriorityQueue()  # (start index, group): oldest finished prompt first
     ctx.version_changed = asyncio.Condition()
     producer = asyncio.create_task(_produce(ctx, groups, eta))
     try:
@@ -188,16 +190,19 @@ async def _produce(ctx: RunContext, out: asyncio.Queue, eta: int) -> None:
     started = 0
     tasks: set[asyncio.Task] = set()
 
-    async def one(row: Any) -> None:
-        out.put_nowait(await ctx.runner.run_group(row, ctx.cfg.trainer.samples_per_prompt))
+    async def one(key: int, row: Any) -> None:
+        out.put_nowait((key, await ctx.runner.run_group(row, ctx.cfg.trainer.samples_per_prompt)))
 
     try:
         while True:
             async with ctx.version_changed:
                 await ctx.version_changed.wait_for(lambda: started < (ctx.version - base + eta + 1) * per_step)
-            row = ctx.sampler.next_batch(1)[0]
+            # rows that were in flight when the checkpoint we resumed from was saved come first:
+            # with the sampler position saved after them, no prompt is skipped or seen twice
+            row = ctx.resume_rows.pop(0) if ctx.resume_rows else ctx.sampler.next_batch(1)[0]
+            ctx.in_flight[started] = row
+            t = asyncio.create_task(one(started, row))
             started += 1
-            t = asyncio.create_task(one(row))
             tasks.add(t)
             t.add_done_callback(tasks.discard)
     finally:
@@ -210,7 +215,9 @@ async def _collect(ctx: RunContext, groups: asyncio.Queue, eta: int) -> tuple[li
     """Take `prompts_per_step` groups; drop (or keep for re-weighting) samples older than eta versions."""
     taken = []
     for _ in range(ctx.cfg.trainer.prompts_per_step):
-        taken.append(await groups.get())
+        key, group = await groups.get()
+        ctx.in_flight.pop(key)
+        taken.append(group)
     samples, stale = [], 0
     for s in (s for g in taken for s in g.samples):
         if ctx.version - s.oldest_version > eta and s.oldest_version >= 0 and ctx.cfg.rollout.stale_policy == "drop":

@@ -42,7 +42,8 @@ class Checkpointer:
     def save(self, ctx: RunContext, step: int) -> Path:
         tmp = self.manager.begin(step)
         ctx.policy.save_checkpoint(tmp / "model_optim")
-        state = {"weight_version": ctx.version, "sampler": ctx.sampler.state(), "config": dump_yaml(ctx.cfg)}
+        state = {"weight_version": ctx.version, "sampler": ctx.sampler.state(), "config": dump_yaml(ctx.cfg),
+                 "in_flight_rows": [*ctx.in_flight.values(), *ctx.resume_rows]}  # async: re-issued on resume
         self.last_saved = self.manager.commit(tmp, step, state)
         log.info("checkpoint saved: %s", self.last_saved)
         return self.last_saved
@@ -100,7 +101,8 @@ async def _run(cfg: Config, layout: Layout) -> int:
                                wandb_project=cfg.logging.wandb_project, resume_step=start_step if state else None)
         ctx = RunContext(cfg=cfg, policy=policy, engines=pool, weight_sync=weight_sync, runner=runner, sampler=sampler,
                          logger=logger, checkpoint=Checkpointer(ckpts, run_dir), eval_rows=eval_rows,
-                         start_step=start_step, version=version, progress=_progress(cfg, start_step))
+                         start_step=start_step, version=version, progress=_progress(cfg, start_step),
+                         resume_rows=list(state.get("in_flight_rows", [])) if state else [])
         await (train_async(ctx) if cfg.mode == "async" else train_sync(ctx))
         if ctx.progress is not None:
             ctx.progress.close()

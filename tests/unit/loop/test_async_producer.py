@@ -1,0 +1,71 @@
+"""The async producer's staleness rule and its resume bookkeeping, with a scripted engine."""
+
+import asyncio
+
+from mlrl.config import load_config
+from mlrl.data.sampler import PromptSampler
+from mlrl.loop import RunContext, _collect, _produce
+from mlrl.workflow import EpisodeRunner, build_workflow_from_config, gconfig_from_sampling, load_hf_tokenizer
+from mlrl.workflow import runner as runner_mod
+from mlrl.workflow.testing import ScriptedEngine
+
+P, N, ETA = 2, 2, 1
+
+
+def _ctx(sampler, version=0, resume_rows=()):
+    cfg = load_config(None, [f"trainer.prompts_per_step={P}", f"trainer.samples_per_prompt={N}", "mode=async",
+                             f"rollout.staleness={ETA}", "algorithm.rollout_is=tis", "workflow.reward_workers=0"])
+    tok = load_hf_tokenizer("builtin:tiny-llama")
+    wf = build_workflow_from_config(cfg.workflow, tokenizer=tok, gconfig=gconfig_from_sampling(cfg.rollout.sampling))
+    engine = ScriptedEngine(version=version)
+    runner = EpisodeRunner.from_config(cfg.workflow, wf, engine)
+    return RunContext(cfg=cfg, policy=None, engines=engine, weight_sync=None, runner=runner, sampler=sampler, logger=None,
+                      checkpoint=None, version=version, resume_rows=list(resume_rows), version_changed=asyncio.Condition())
+
+
+async def _steps(ctx, n, started):
+    q: asyncio.PriorityQueue = asyncio.PriorityQueue()
+    prod = asyncio.create_task(_produce(ctx, q, ETA))
+    trained, dropped = [], 0
+    base = ctx.version
+    for _ in range(n):
+        await asyncio.sleep(0.05)  # let the producer run ahead as far as the bound allows
+        assert len(started) <= (ctx.version - base + ETA + 1) * P  # the start rule
+        samples, metrics, stale = await _collect(ctx, q, ETA)
+        assert all(ctx.version - s.oldest_version <= ETA for s in samples)  # the bound holds for what is trained
+        trained += sorted({s.metadata["row"] for s in samples})
+        dropped += stale
+        ctx.version += 1
+        ctx.engines.version = ctx.version  # the "weight sync"
+        async with ctx.version_changed:
+            ctx.version_changed.notify_all()
+    snapshot = (ctx.sampler.state(), [r["row"] for r in ctx.in_flight.values()], list(ctx.in_flight.values()))
+    prod.cancel()
+    await asyncio.gather(prod, return_exceptions=True)
+    return trained, dropped, snapshot
+
+
+async def test_start_rule_bound_and_resume_reissues_in_flight_rows(monkeypatch):
+    started: list[int] = []
+    orig = runner_mod.EpisodeRunner.run_group
+
+    async def tagged(self, data, n, **kw):  # remember which row each sample came from
+        started.append(data["row"])
+        g = await orig(self, data, n, **kw)
+        for s in g.samples:
+            s.metadata["row"] = data["row"]
+        return g
+
+    monkeypatch.setattr(runner_mod.EpisodeRunner, "run_group", tagged)
+    rows = [{"messages": [{"role": "user", "content": f"copy {i % 10}"}], "answer": str(i % 10), "row": i} for i in range(40)]
+    first, dropped_a, (state, in_flight_ids, in_flight) = await _steps(_ctx(PromptSampler(rows, seed=7)), 3, started)
+    started_a = list(started)
+    assert in_flight_ids  # the producer had run ahead when the "checkpoint" was taken
+    assert len(first) + dropped_a // N + len(in_flight_ids) == len(started_a)  # every started prompt accounted for
+    started.clear()
+    ctx_b = _ctx(PromptSampler.from_state(rows, state, seed=7), version=3, resume_rows=in_flight)
+    second, _, _ = await _steps(ctx_b, 3, started)
+    assert started[: len(in_flight_ids)] == in_flight_ids  # re-issued first, in order
+    new_b = started[len(in_flight_ids):]
+    assert not set(new_b) & set(started_a)  # the sampler continues after what run A drew: nothing twice
+    assert not set(first) & set(second)
