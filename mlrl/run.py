@@ -56,7 +56,18 @@ class Checkpointer:
         return out
 
 
+class MultiNodeNotWired(RuntimeError):
+    """Raised for cluster.nodes > 1: see `run`."""
+
+
 def run(cfg: Config, layout: Layout) -> int:
+    if cfg.cluster.nodes > 1:
+        # mlrl.cluster joins the Ray cluster and reserves placement groups (tested on a simulated
+        # cluster), but starting trainer ranks and engines inside those placement groups is not
+        # wired into this runner yet: refuse rather than silently run on the head node alone.
+        raise MultiNodeNotWired(
+            f"cluster.nodes={cfg.cluster.nodes}: multi-node execution is not wired into the runner yet; "
+            "plan it with --dry-run (placement, layout, memory) — mlrl.cluster provides the Ray placement")
     logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))  # one line per request otherwise
     return asyncio.run(_run(cfg, layout))

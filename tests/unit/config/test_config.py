@@ -92,3 +92,10 @@ def test_cli_bad_config_exit_code():
                          capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 2
     assert "config error: parallel.tp=3 must divide" in out.stderr
+
+
+def test_multi_node_run_is_refused_clearly_not_run_locally():
+    out = subprocess.run([sys.executable, "-m", "mlrl.launch", "--nodes", "2", "cluster.gpus_per_node=8"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 4
+    assert "multi-node execution is not wired" in out.stderr
