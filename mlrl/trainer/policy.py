@@ -46,7 +46,8 @@ from mlrl.trainer.inputs import ModelInputs, build_inputs, check_window
 from mlrl.trainer.logprobs import align_to_tokens, vocab_parallel_logprobs
 from mlrl.trainer.model import build_model_chunks, build_transformer_config, params_dtype
 from mlrl.trainer.parallel import Ranks, device, init_parallel, ranks
-from mlrl.trainer.weights import LocalParams, iter_buckets
+from mlrl.trainer.weights import LocalParams
+from mlrl.weight_sync.sender import bucketize
 
 LossFn = Callable[[MicroBatch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
 
@@ -324,7 +325,7 @@ class MegatronPolicy:
         `grads=True` yields the accumulated gradients instead (Megatron's main_grad; complete
         after a `train_step(step=False)` without the distributed optimizer, which leaves each
         DP rank only its own reduced shard)."""
-        yield from iter_buckets(self.params.iter_hf(grads=grads), bucket_bytes)
+        yield from bucketize(self.params.iter_hf(grads=grads), bucket_bytes)
 
     def rank_info(self) -> dict[str, Any]:
         info = self.ranks.as_dict()

@@ -158,17 +158,3 @@ class LocalParams:
                 continue  # the tied copy on the last stage; HF has only embed_tokens
                 # (its gradient is all-reduced with the embedding's by finalize_model_grads)
             yield from self.spec.to_hf(self.arch, p, full).items()
-
-
-def iter_buckets(named: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, t in named:
-        nbytes = t.numel() * t.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += nbytes
-    if bucket:
-        yield bucket
