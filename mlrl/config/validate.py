@@ -54,6 +54,9 @@ def _check_ranges(cfg: Config) -> None:
         raise ConfigError(f"trainer.min_lr: got {t.min_lr}, expected 0 <= min_lr <= trainer.lr ({t.lr})")
     for name in ("warmup_steps",):
         _positive(f"trainer.{name}", getattr(t, name), 0)
+    if t.warmup_steps and t.warmup_steps >= t.total_steps * t.mini_batches_per_step:
+        raise ConfigError(f"trainer.warmup_steps={t.warmup_steps} must be smaller than the optimizer steps of the run "
+                          f"(trainer.total_steps * mini_batches_per_step = {t.total_steps * t.mini_batches_per_step})")
     if t.grad_clip < 0:
         raise ConfigError(f"trainer.grad_clip: got {t.grad_clip}, expected >= 0 (0 = off)")
     if t.weight_decay < 0:

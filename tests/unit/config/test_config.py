@@ -57,6 +57,7 @@ BAD = [
     (["model.hf_dir=builtin:tiny-qwen3-moe", "trainer.world_size=2", "parallel.tp=2"], "needs parallel.sequence_parallel=true"),
     (["trainer.world_size=2", "parallel.pp=2", "parallel.vpp=2"], "virtual pipeline stages are GPU only"),
     (["checkpoint.async_save=true"], "checkpoint.async_save needs GPUs"),
+    (["trainer.warmup_steps=5", "trainer.total_steps=5"], "trainer.warmup_steps=5 must be smaller than the optimizer steps"),
 ]
 
 
