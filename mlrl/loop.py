@@ -64,8 +64,9 @@ async def train_sync(ctx: RunContext) -> None:
             with timer("weight_sync"):
                 ctx.version = step
                 sync_metrics = await ctx.weight_sync.sync(ctx.version)
-            await after_step(ctx, step, timer)
-        finish_step(ctx, step, {**batch.metrics, **sample_metrics, **metrics, **sync_metrics, **timer.pop()})
+            eval_metrics = await evaluate_if_due(ctx, step, timer)
+        finish_step(ctx, step, {**batch.metrics, **sample_metrics, **metrics, **sync_metrics, **eval_metrics, **timer.pop()})
+        await save_if_due(ctx, step)
 
 
 async def train_async(ctx: RunContext) -> None:
@@ -88,9 +89,10 @@ async def train_async(ctx: RunContext) -> None:
                     sync_metrics = await ctx.weight_sync.sync(ctx.version)
                 async with ctx.version_changed:
                     ctx.version_changed.notify_all()
-                await after_step(ctx, step, timer)
-            finish_step(ctx, step, {**batch_metrics, **sample_metrics, **metrics, **sync_metrics,
+                eval_metrics = await evaluate_if_due(ctx, step, timer)
+            finish_step(ctx, step, {**batch_metrics, **sample_metrics, **metrics, **sync_metrics, **eval_metrics,
                                     "async/stale_dropped": float(stale), **timer.pop()})
+            await save_if_due(ctx, step)
     finally:
         producer.cancel()
         await asyncio.gather(producer, return_exceptions=True)
@@ -153,19 +155,25 @@ def _per_sample_logprobs(ctx: RunContext, per_dp, samples: list[Sample], tempera
     return unpack_per_sample(flat, [lp for rank in out for lp, _ in rank], len(samples))
 
 
-async def after_step(ctx: RunContext, step: int, timer: Timer) -> None:
+async def evaluate_if_due(ctx: RunContext, step: int, timer: Timer) -> dict[str, float]:
+    """Held-out evaluation every data.eval_every steps and at the end; returns eval/* metrics."""
+    cfg = ctx.cfg
+    if ctx.eval_rows and cfg.data.eval_every and (step % cfg.data.eval_every == 0 or step == cfg.trainer.total_steps):
+        with timer("eval"):
+            ev = await ctx.runner.run_batch(ctx.eval_rows, 1, evaluation=True)
+        return {f"eval/{k}": v for k, v in ev.metrics.items()}
+    return {}
+
+
+async def save_if_due(ctx: RunContext, step: int) -> None:
+    """Checkpoint / HF export when due. Runs after the step's metrics are written, so a checkpoint
+    never exists for a step whose metrics line is missing."""
     cfg = ctx.cfg
     last = step == cfg.trainer.total_steps
     if (cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0) or (last and cfg.checkpoint.save_at_end):
-        with timer("checkpoint"):
-            await asyncio.to_thread(ctx.checkpoint.save, ctx, step)
+        await asyncio.to_thread(ctx.checkpoint.save, ctx, step)
     if (cfg.checkpoint.hf_export_every and step % cfg.checkpoint.hf_export_every == 0) or (last and cfg.checkpoint.hf_export_at_end):
-        with timer("hf_export"):
-            await asyncio.to_thread(ctx.checkpoint.export_hf, ctx, step)
-    if ctx.eval_rows and cfg.data.eval_every and (step % cfg.data.eval_every == 0 or last):
-        with timer("eval"):
-            ev = await ctx.runner.run_batch(ctx.eval_rows, 1, evaluation=True)
-            ctx.logger.log(step, {f"eval/{k}": v for k, v in ev.metrics.items()})
+        await asyncio.to_thread(ctx.checkpoint.export_hf, ctx, step)
 
 
 def finish_step(ctx: RunContext, step: int, metrics: dict[str, float]) -> None:

@@ -36,6 +36,9 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+
+
+
 def _check_steps(recs: list[dict], steps: list[int], sync_steps: set[int]) -> None:
     assert [r["step"] for r in recs] == steps
     for r in recs:
@@ -56,13 +59,18 @@ def _check_steps(recs: list[dict], steps: list[int], sync_steps: set[int]) -> No
 @pytest.fixture(scope="module")
 def run_a(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("e2e") / "run"
-    out = _launch(run_dir, "trainer.total_steps=3", "mode=sync")
+    out = _launch(run_dir, "trainer.total_steps=3", "mode=sync", "data.eval=synthetic:copy_digit", "data.eval_every=2",
+                  "data.num_synthetic=32")
     return run_dir, out
 
 
 def test_sync_run(run_a):
     run_dir, out = run_a
-    _check_steps(_metrics(run_dir), [1, 2, 3], {1, 2, 3})
+    recs = _metrics(run_dir)
+    evals = [r for r in recs if "eval/reward/mean" in r]
+    assert [r["step"] for r in evals] == [2, 3]  # every 2 steps and at the end, on the held-out split
+    assert all(0.0 <= r["eval/reward/mean"] <= 1.0 and r["eval/episodes/total"] == 32 for r in evals)
+    _check_steps(recs, [1, 2, 3], {1, 2, 3})
     assert (run_dir / "run.png").read_bytes()[:4] == b"\x89PNG"
     assert any((run_dir / "tensorboard").iterdir())
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000003"
