@@ -279,8 +279,12 @@ async def test_killing_one_engine_mid_rollout_loses_no_request(env):
     reqs = [ModelRequest(input_ids=_prompt(env.tok, f"add {i} and 1"), gconfig=GenerationHyperparameters(max_new_tokens=120, min_new_tokens=120))
             for i in range(16)]
     tasks = [asyncio.create_task(pool.agenerate(r)) for r in reqs]
-    await asyncio.sleep(1.0)
     victim = pool.engines[1]
+    # crash as soon as the victim holds requests (a fixed sleep lets a fast machine finish them all first)
+    t0 = time.monotonic()
+    while victim.in_flight == 0 and time.monotonic() - t0 < 30:
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.2)  # let generation start on it
     assert victim.in_flight > 0
     victim.server.crash()
     resps = await asyncio.gather(*tasks)
