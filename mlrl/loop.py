@@ -27,7 +27,7 @@ from mlrl.algorithms.sampling import apply_overlong_shaping, filter_groups
 from mlrl.config import Config
 from mlrl.experience.packing import attach_per_sample, pack_step, unpack_per_sample
 from mlrl.metrics import Timer
-from mlrl.types import Sample
+from mlrl.types import Sample, SampleStatus
 from mlrl.workflow.runner import summarize
 
 
@@ -104,7 +104,7 @@ async def train_async(ctx: RunContext) -> None:
 def select_trainable(ctx: RunContext, samples: list[Sample]) -> tuple[list[Sample], dict[str, float]]:
     """Reward shaping and group filtering before advantages (DAPO options)."""
     a, s = ctx.cfg.algorithm, ctx.cfg.rollout.sampling
-    trainable = [x for x in samples if x.num_loss_tokens > 0 and x.status.value != "failed"]
+    trainable = [x for x in samples if x.num_loss_tokens > 0 and x.status != SampleStatus.FAILED]
     metrics = {"samples/trainable": float(len(trainable)), "samples/total": float(len(samples))}
     versions = [x.oldest_version for x in trainable]
     if versions:

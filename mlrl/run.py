@@ -109,7 +109,7 @@ async def _run(cfg: Config, layout: Layout) -> int:
         runner = EpisodeRunner.from_config(cfg.workflow, workflow, pool)
         start_step = int(state["step"]) if state else 0
         logger = MetricsLogger(run_dir, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard,
-                               wandb_project=cfg.logging.wandb_project, resume_step=start_step if state else None)
+                               wandb_project=cfg.logging.wandb_project, resume_step=start_step)
         ctx = RunContext(cfg=cfg, policy=policy, engines=pool, weight_sync=weight_sync, runner=runner, sampler=sampler,
                          logger=logger, checkpoint=Checkpointer(ckpts, run_dir), eval_rows=eval_rows,
                          start_step=start_step, version=version, progress=_progress(cfg, start_step),

@@ -1,10 +1,10 @@
 """Metric sinks: JSONL (always complete lines, fsync'd per step) and TensorBoard, optional W&B.
 
 Invariant: a step's metrics are written as one JSON line and flushed before the step is
-considered done, so a crash never leaves a half-written line that a resumed run would choke on;
-on resume `MetricsLogger` truncates nothing and appends after the last complete step recorded
-in the checkpoint (`resume_step`): lines for steps > resume_step (written after the checkpoint
-by the run that died) are dropped so the curve stays single-valued.
+considered done, so a crash never leaves a half-written line that a resumed run would choke on.
+A run starts from `resume_step` (the checkpoint's step, 0 for a fresh run): lines of later steps
+(written by a run that died after that checkpoint, or by an earlier run in the same folder) are
+dropped, so every curve stays single-valued.
 """
 
 from __future__ import annotations

@@ -37,3 +37,12 @@ def test_timer():
         pass
     d = t.pop()
     assert "time/a_s" in d and d["time/a_s"] >= 0 and t.pop() == {}
+
+
+def test_fresh_run_in_a_used_folder_starts_a_clean_curve(tmp_path):
+    p = tmp_path / "metrics.jsonl"
+    p.write_text("".join(json.dumps({"step": s, "x": s}) + "\n" for s in range(1, 4)))
+    log = MetricsLogger(tmp_path, tensorboard=False, resume_step=0)
+    log.log(1, {"x": 10})
+    log.close()
+    assert [(r["step"], r["x"]) for r in read_jsonl(p)] == [(1, 10)]
