@@ -18,6 +18,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from mlrl.algorithms.loss_metrics import finalize_loss_metrics
+from mlrl.algorithms.losses import make_loss_fn
 from mlrl.config import load_config, validate
 from mlrl.trainer.group import TOKEN_ENV, recv, send
 
@@ -37,7 +39,7 @@ class TrainerService:
         self.ref = None
         if cfg.algorithm.kl_coef > 0:
             self.ref = MegatronPolicy(cfg.model, cfg.parallel, cfg.trainer, self.layout, hf_dir=hf_dir, trainable=False)
-        self._loss_fn = None
+        self.loss_fn = make_loss_fn(cfg.algorithm)
 
     def info(self) -> dict[str, Any]:
         return self.policy.rank_info()
@@ -47,14 +49,8 @@ class TrainerService:
         return model.compute_logprobs(micro_batches, temperature)
 
     def train_step(self, micro_batches):
-        if self._loss_fn is None:
-            from mlrl.algorithms.losses import make_loss_fn
-
-            self._loss_fn = make_loss_fn(self.cfg.algorithm)
-        from mlrl.algorithms.loss_metrics import finalize_loss_metrics
-
         temperature = self.cfg.rollout.sampling.temperature or 1.0
-        sums = self.policy.train_step(micro_batches, self._loss_fn, temperature=temperature)
+        sums = self.policy.train_step(micro_batches, self.loss_fn, temperature=temperature)
         return finalize_loss_metrics(sums)  # step sums -> means (token / sequence counts) per loss_metrics
 
     def push_weights(self, request: dict[str, Any]) -> dict[str, Any] | None:
