@@ -4,7 +4,7 @@
     python -m mlrl.launch --config launch/X.yaml a.b=c     # a recipe with overrides
     python -m mlrl.launch ... --print-config               # print the resolved config and exit
     python -m mlrl.launch ... --dry-run [--nodes N]        # plan placement and memory, start nothing
-    python -m mlrl.launch --nodes 16 --config ...          # multi-node execution: not wired yet (exit 4); plan with --dry-run
+    python -m mlrl.launch --nodes 16 --config ...          # on a Ray cluster (cluster.ray_address, default "auto")
 
 Order kept: parse -> load -> validate (all before any process starts) -> plan -> run.
 """
@@ -56,12 +56,13 @@ def main(argv: list[str] | None = None) -> int:
         for why in plan.reasons:
             print(f"dry-run: does not fit: {why}", file=sys.stderr)
         return 0 if plan.fits else 3
-    from mlrl.run import MultiNodeNotWired, run
+    from mlrl.cluster import ClusterError
+    from mlrl.run import run
 
     try:
         return run(cfg, layout)
-    except MultiNodeNotWired as e:
-        print(f"error: {e}", file=sys.stderr)
+    except ClusterError as e:  # --nodes: the Ray cluster cannot host the plan (nothing was started)
+        print(f"cluster error: {e}", file=sys.stderr)
         return 4
 
 

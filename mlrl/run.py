@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from mlrl.checkpoint import CheckpointManager, read_state
 from mlrl.config import Config, Layout, dump_yaml
@@ -22,7 +24,8 @@ from mlrl.loop import RunContext, train_async, train_sync
 from mlrl.metrics import MetricsLogger, plot_run
 from mlrl.modelzoo import resolve_model_dir
 from mlrl.rollout.pool import EnginePool
-from mlrl.trainer.group import TrainerGroup
+from mlrl.rollout.server import ServerSpec
+from mlrl.trainer.group import SpawnRanks, TrainerGroup
 from mlrl.trainer.remote import MegatronWeightSource, RemotePolicy
 from mlrl.weight_sync import make_weight_sync
 from mlrl.workflow import EpisodeRunner, build_workflow_from_config, gconfig_from_sampling, load_hf_tokenizer
@@ -56,18 +59,62 @@ class Checkpointer:
         return out
 
 
-class MultiNodeNotWired(RuntimeError):
-    """Raised for cluster.nodes > 1: see `run`."""
+@dataclass
+class Placement:
+    """Where the processes of a run go: this machine, or the nodes of a Ray cluster."""
+
+    host: str = "127.0.0.1"                              # address trainer ranks and engine workers reach the driver at
+    trainer_env: dict[str, str] = field(default_factory=dict)
+    engine_devices: list[list[int]] | None = None       # local GPU runs: CUDA devices per engine
+    spawn_trainer: SpawnRanks | None = None              # None: torchrun on this machine
+    engine_server: Callable[[int, ServerSpec], Any] | None = None
+    sync_backend: str | None = None                      # None: NCCL if this machine has CUDA, else gloo
+    close: Callable[[], None] = lambda: None
+
+
+def local_placement(cfg: Config, layout: Layout) -> Placement:
+    """One machine. With GPUs, the plan's split applies: trainer ranks and engines get their own
+    devices (colocated: the same ones), mapped through the caller's CUDA_VISIBLE_DEVICES."""
+    if cfg.cluster.gpus_per_node == 0:
+        return Placement()
+    from mlrl.cluster import NodeInfo, assign
+    from mlrl.plan import make_plan
+
+    plan = make_plan(cfg, layout)
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    ids = tuple(int(visible[g]) if visible else g for g in range(cfg.cluster.gpus_per_node))
+    a = assign(plan, [NodeInfo(0, "local", "127.0.0.1", ids, (0,) * 16)])
+    return Placement(trainer_env={"CUDA_VISIBLE_DEVICES": a.trainers[0].env["CUDA_VISIBLE_DEVICES"]},
+                     engine_devices=[list(e.gpu_ids) for e in a.engines])
+
+
+def cluster_placement(cfg: Config, layout: Layout, run_dir: Path) -> Placement:
+    """`--nodes N`: join the Ray cluster, reserve the plan's GPUs, start one agent per node."""
+    from mlrl.cluster import join_cluster, release
+    from mlrl.cluster.runtime import ClusterRuntime
+    from mlrl.plan import make_plan
+
+    plan = make_plan(cfg, layout)
+    assignment = join_cluster(cfg, plan, wait_s=cfg.cluster.join_timeout_s, reserve_s=cfg.cluster.join_timeout_s)
+    try:
+        rt = ClusterRuntime(assignment, run_dir)
+    except BaseException:
+        release(assignment)
+        raise
+    log.info("placed on %d Ray node(s): trainer ranks on %s, engines on %s", len(assignment.nodes),
+             sorted({w.node_ip for w in assignment.trainers}), sorted({e.node_ip for e in assignment.engines}))
+
+    def close() -> None:
+        try:
+            rt.close()
+        finally:
+            release(assignment)
+
+    return Placement(host=rt.driver_ip, spawn_trainer=rt.spawn_trainer, engine_server=rt.engine_server,
+                     sync_backend="nccl" if rt.cuda else "gloo", close=close)
 
 
 def run(cfg: Config, layout: Layout) -> int:
-    if cfg.cluster.nodes > 1:
-        # mlrl.cluster joins the Ray cluster and reserves placement groups (tested on a simulated
-        # cluster), but starting trainer ranks and engines inside those placement groups is not
-        # wired into this runner yet: refuse rather than silently run on the head node alone.
-        raise MultiNodeNotWired(
-            f"cluster.nodes={cfg.cluster.nodes}: multi-node execution is not wired into the runner yet; "
-            "plan it with --dry-run (placement, layout, memory) — mlrl.cluster provides the Ray placement")
     logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))  # one line per request otherwise
     return asyncio.run(_run(cfg, layout))
@@ -88,13 +135,18 @@ async def _run(cfg: Config, layout: Layout) -> int:
     if state:
         sampler = PromptSampler.from_state(train_rows, state["sampler"], seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
     workflow = build_workflow_from_config(cfg.workflow, tokenizer=tokenizer, gconfig=gconfig_from_sampling(cfg.rollout.sampling))
-    # 2. processes: engines and trainer ranks start concurrently
-    pool = EnginePool(cfg.rollout, hf_dir, dtype=cfg.model.dtype, run_dir=run_dir)
-    group = policy = weight_sync = runner = logger = None
+    # 2. processes: where they go (this machine, or the reserved Ray nodes), then engines and
+    #    trainer ranks start concurrently
+    placement = await asyncio.to_thread(cluster_placement, cfg, layout, run_dir) if cfg.cluster.nodes > 1 \
+        else local_placement(cfg, layout)
+    pool = group = policy = weight_sync = runner = logger = None
     try:
+        pool = EnginePool(cfg.rollout, hf_dir, dtype=cfg.model.dtype, run_dir=run_dir,
+                          cuda_devices=placement.engine_devices, server_factory=placement.engine_server)
         pool_started = asyncio.create_task(pool.start())
         try:
-            group = await asyncio.to_thread(TrainerGroup, dump_yaml(cfg), layout.trainer_devices, run_dir=run_dir)
+            group = await asyncio.to_thread(TrainerGroup, dump_yaml(cfg), layout.trainer_devices, run_dir=run_dir,
+                                            host=placement.host, env=placement.trainer_env, spawn=placement.spawn_trainer)
         finally:
             await pool_started
         policy = RemotePolicy(group)
@@ -103,7 +155,8 @@ async def _run(cfg: Config, layout: Layout) -> int:
             await asyncio.to_thread(policy.load_checkpoint, resume / "model_optim")
             version = int(state["weight_version"])
             log.info("resumed from %s (step %d, weight version %d)", resume, state["step"], version)
-        weight_sync = make_weight_sync(cfg.weight_sync, pool, MegatronWeightSource(policy), run_dir=run_dir)
+        weight_sync = make_weight_sync(cfg.weight_sync, pool, MegatronWeightSource(policy), run_dir=run_dir,
+                                       store_host=placement.host, backend=placement.sync_backend)
         # 3. verify the trainer -> engine path before the first step (and load resumed weights)
         await weight_sync.sync(version)
         runner = EpisodeRunner.from_config(cfg.workflow, workflow, pool)
@@ -128,9 +181,11 @@ async def _run(cfg: Config, layout: Layout) -> int:
             await runner.aclose()
         if weight_sync is not None:
             await weight_sync.close()
-        await pool.shutdown()
+        if pool is not None:
+            await pool.shutdown()
         if group is not None:
             await asyncio.to_thread(group.close)
+        await asyncio.to_thread(placement.close)
 
 
 def _progress(cfg: Config, start_step: int) -> Any:

@@ -36,10 +36,25 @@ def connect(address: str) -> None:
     import ray
 
     if not ray.is_initialized():
+        _check_reachable(address)
         try:
             ray.init(address=address, namespace="mlrl", log_to_driver=True)
         except ConnectionError as e:
             raise ClusterError(f"cluster.ray_address={address!r}: cannot connect to a Ray cluster ({e})") from None
+
+
+def _check_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """An explicit HOST:PORT must accept a TCP connection: ray.init would otherwise retry for minutes."""
+    if address in ("auto", "local") or "://" in address:
+        return
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ClusterError(f"cluster.ray_address={address!r}: expected 'auto' or HOST:PORT of the Ray head (GCS)")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ClusterError(f"cluster.ray_address={address!r}: nothing accepts connections there ({e}); "
+                           "is the Ray head started (ray start --head) and the address right?") from None
 
 
 def gpu_nodes(min_gpus: int) -> list[dict[str, Any]]:

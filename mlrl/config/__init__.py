@@ -1,6 +1,6 @@
 """Typed configuration: `load_config` (YAML + overrides), `validate` (cross-field rules)."""
 
-from mlrl.config.loader import ConfigError, dump_yaml, load_config
+from mlrl.config.loader import ConfigError, config_from_yaml, dump_yaml, load_config
 from mlrl.config.schema import (
     AlgorithmConfig, CheckpointConfig, ClusterConfig, Config, DataConfig, LoggingConfig, ModelConfig,
     ParallelConfig, RolloutConfig, SamplingConfig, TrainerConfig, WeightSyncConfig, WorkflowConfig,
@@ -8,6 +8,7 @@ from mlrl.config.schema import (
 from mlrl.config.validate import Layout, resolve_layout, validate
 
 __all__ = [
+    "config_from_yaml",
     "AlgorithmConfig", "CheckpointConfig", "ClusterConfig", "Config", "ConfigError", "DataConfig", "Layout",
     "LoggingConfig", "ModelConfig", "ParallelConfig", "RolloutConfig", "SamplingConfig", "TrainerConfig",
     "WeightSyncConfig", "WorkflowConfig", "dump_yaml", "load_config", "resolve_layout", "validate",

@@ -45,6 +45,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return from_dict(Config, raw, "")
 
 
+def config_from_yaml(text: str) -> Config:
+    """The inverse of `dump_yaml`: a resolved config sent to another process (trainer ranks)."""
+    raw = yaml.safe_load(text) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config YAML must hold a mapping at the top level, got {type(raw).__name__}")
+    return from_dict(Config, raw, "")
+
+
 def _apply_override(raw: dict[str, Any], override: str) -> None:
     if "=" not in override:
         raise ConfigError(f"override {override!r} must look like a.b=value")

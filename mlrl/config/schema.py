@@ -278,6 +278,9 @@ class ClusterConfig:
     """Memory per GPU in GiB (for --dry-run's fit check)."""
     ray_address: str = "auto"
     """Ray cluster address for --nodes > 1."""
+    join_timeout_s: float = 600.0
+    """--nodes > 1: how long to wait for the nodes to join the Ray cluster (and, again, for the
+    GPU reservation) before failing with what did register."""
 
 
 @dataclass

@@ -97,6 +97,8 @@ def _check_ranges(cfg: Config) -> None:
         raise ConfigError(f"algorithm.overlong_buffer: got {a.overlong_buffer}, expected 0 (off) or < rollout.sampling.max_new_tokens ({s.max_new_tokens})")
     _positive("cluster.nodes", cfg.cluster.nodes)
     _positive("cluster.gpus_per_node", cfg.cluster.gpus_per_node, 0)
+    if cfg.cluster.join_timeout_s <= 0:
+        raise ConfigError(f"cluster.join_timeout_s: got {cfg.cluster.join_timeout_s}, expected > 0 (seconds)")
     _positive("checkpoint.keep_last", cfg.checkpoint.keep_last, 0)
     _positive("checkpoint.save_every", cfg.checkpoint.save_every, 0)
     _positive("data.max_prompt_tokens", cfg.data.max_prompt_tokens)

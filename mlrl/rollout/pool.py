@@ -26,7 +26,8 @@ It owns N vLLM servers (`EngineServer`) and routes requests to them. Invariants:
   `mlrl.weight_sync`) brings it to the current version.
 
 Construction: `EnginePool(cfg.rollout, model_dir, dtype=cfg.model.dtype, token=job_token,
-run_dir=run_dir)`; `command=[...]` replaces the vLLM command line (tests use a fake engine).
+run_dir=run_dir)`; `command=[...]` replaces the vLLM command line (tests use a fake engine);
+`server_factory(i, spec)` builds engine i's server elsewhere (`mlrl.cluster`: on its Ray node).
 """
 
 from __future__ import annotations
@@ -101,7 +102,8 @@ class EnginePool:
     def __init__(self, cfg: RolloutConfig, model_dir: str | Path, *, dtype: str = "float32", token: str | None = None,
                  run_dir: str | Path | None = None, initial_version: int = 0,
                  cuda_devices: Sequence[Sequence[int]] | None = None, max_restarts: int = 3,
-                 command: list[str] | None = None) -> None:
+                 command: list[str] | None = None,
+                 server_factory: Callable[[int, ServerSpec], EngineServer] | None = None) -> None:
         if cfg.num_engines < 1:
             raise ValueError(f"rollout.num_engines must be >= 1, got {cfg.num_engines}")
         if cfg.max_concurrent_requests < 1:
@@ -124,7 +126,7 @@ class EnginePool:
                                           log_path=str(self.run_dir / "engines" / f"engine-{i}.log"),
                                           cuda_devices=None if cuda_devices is None else list(cuda_devices[i]),
                                           command=command)
-            self.engines.append(EngineHandle(i, EngineServer(spec)))
+            self.engines.append(EngineHandle(i, server_factory(i, spec) if server_factory else EngineServer(spec)))
         self._version = initial_version
         self._cond = asyncio.Condition()
         self._paused = False

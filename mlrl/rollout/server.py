@@ -93,8 +93,9 @@ def free_port(host: str) -> int:
 
 
 def _on_gpu(spec: ServerSpec) -> bool:
-    if spec.cuda_devices is not None:
-        return True
+    """Whether this machine (the one the engine starts on) runs it on CUDA. `cuda_devices` names
+    GPUs the plan gave the engine; a machine without CUDA runs the CPU build regardless (a Ray
+    cluster simulated with fake GPUs in the tests, for one)."""
     try:
         import torch
 

@@ -25,7 +25,7 @@ import sys
 import threading
 from multiprocessing.connection import Connection, Listener
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 TOKEN_ENV = "MLRL_TRAINER_TOKEN"
 
@@ -34,29 +34,82 @@ class TrainerError(RuntimeError):
     """A trainer rank failed; the message carries its rank and traceback."""
 
 
+class RankProcesses(Protocol):
+    """The processes running the ranks, however they were started (local torchrun, Ray actors)."""
+
+    def wait(self, timeout_s: float) -> bool: ...        # True when every rank process has exited
+    def kill(self) -> None: ...
+    def log_tail(self, lines: int) -> str: ...
+
+
+# (service args after `python`, env for every rank) -> the started rank processes
+SpawnRanks = Callable[[list[str], dict[str, str]], RankProcesses]
+
+
+class LocalTorchrun:
+    """All ranks on this machine under torchrun (cluster.nodes=1)."""
+
+    def __init__(self, world_size: int, service_args: list[str], env: dict[str, str], log_path: Path):
+        self.log_path = log_path
+        self._log = open(log_path, "ab")
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world_size}", "--nnodes=1",
+               "--master-addr=127.0.0.1", f"--master-port={_free_port()}", *service_args]
+        self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=dict(os.environ, **env),
+                                      start_new_session=True, preexec_fn=die_with_parent)
+
+    def wait(self, timeout_s: float) -> bool:
+        try:
+            self._proc.wait(timeout=timeout_s)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._proc.wait()
+        self._log.close()
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            self._log.flush()
+            text = self.log_path.read_text(errors="replace")
+        except (OSError, ValueError):
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
 class TrainerGroup:
-    """N Megatron ranks driven from this process."""
+    """N Megatron ranks driven from this process.
+
+    `spawn=None` starts them here under torchrun; `mlrl.cluster` passes a spawner that starts
+    one process per rank on its Ray node (with torchrun's environment) and `host` = this
+    machine's routable address, which the ranks connect back to. The resolved config travels
+    over the authenticated connection (no shared filesystem needed for it).
+    """
 
     def __init__(self, config_yaml: str, world_size: int, *, run_dir: str | Path, host: str = "127.0.0.1",
-                 start_timeout_s: float = 300.0, env: dict[str, str] | None = None):
+                 start_timeout_s: float = 300.0, env: dict[str, str] | None = None, spawn: SpawnRanks | None = None):
         self.world_size = world_size
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._config_yaml = config_yaml
         self._token = secrets.token_bytes(32)
         self._listener = Listener((host, 0), authkey=self._token)
         self._conns: list[Connection] = []
+        self._procs: RankProcesses | None = None
         self.rank_info: list[dict[str, Any]] = []
-        cfg_path = self.run_dir / "trainer_config.yaml"
-        cfg_path.write_text(config_yaml)
+        (self.run_dir / "trainer_config.yaml").write_text(config_yaml)  # for the record
         host_, port = self._listener.address
-        self._log = open(self.run_dir / "trainer.log", "ab")
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world_size}", "--nnodes=1",
-               "--master-addr=127.0.0.1", f"--master-port={_free_port()}", "-m", "mlrl.trainer.service",
-               "--connect", f"{host_}:{port}", "--config", str(cfg_path)]
-        full_env = dict(os.environ, **(env or {}))
+        service_args = ["-m", "mlrl.trainer.service", "--connect", f"{host_}:{port}"]
+        full_env = dict(env or {})
         full_env[TOKEN_ENV] = self._token.hex()
-        self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
-                                      start_new_session=True, preexec_fn=_die_with_parent)
+        if spawn is None:
+            self._procs = LocalTorchrun(world_size, service_args, full_env, self.run_dir / "trainer.log")
+        else:
+            self._procs = spawn(service_args, full_env)
         self._accept_all(start_timeout_s)
 
     def _accept_all(self, timeout_s: float) -> None:
@@ -65,8 +118,15 @@ class TrainerGroup:
 
         def accept() -> None:
             try:
-                while len(conns) < self.world_size:
+                # every rank connects (authkey handshake inside accept) and gets the config before
+                # any hello is awaited: a rank says hello only after the collective start-up,
+                # which needs all ranks past their handshake
+                accepted = []
+                while len(accepted) < self.world_size:
                     c = self._listener.accept()
+                    send(c, self._config_yaml)
+                    accepted.append(c)
+                for c in accepted:
                     hello = recv(c)
                     if "error" in hello:
                         raise TrainerError(f"rank {hello['rank']} failed to start:\n{hello['error']}")
@@ -81,7 +141,7 @@ class TrainerGroup:
         if len(conns) < self.world_size or err:
             tail = self.log_tail()
             self.close()
-            why = str(err[0]) if err else f"only {len(conns)}/{self.world_size} ranks connected within {timeout_s:.0f} s"
+            why = f"{type(err[0]).__name__}: {err[0]}" if err else f"only {len(conns)}/{self.world_size} ranks connected within {timeout_s:.0f} s"
             raise TrainerError(f"trainer ranks failed to start ({why}); log tail:\n{tail}")
         self._conns = [conns[r] for r in range(self.world_size)]
         self.rank_info.sort(key=lambda h: h["rank"])
@@ -114,12 +174,7 @@ class TrainerGroup:
         return results
 
     def log_tail(self, lines: int = 40) -> str:
-        try:
-            self._log.flush()
-            text = (self.run_dir / "trainer.log").read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
+        return self._procs.log_tail(lines) if self._procs is not None else ""
 
     def close(self, timeout_s: float = 30.0) -> None:
         for c in self._conns:
@@ -127,17 +182,14 @@ class TrainerGroup:
                 send(c, ("shutdown", {}))
             except OSError:
                 pass
-        if getattr(self, "_proc", None) is not None:
-            try:
-                self._proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self._proc.pid, signal.SIGKILL)
-                self._proc.wait()
+        if self._procs is not None:
+            self._procs.wait(timeout_s)
+            self._procs.kill()  # whatever did not exit after `shutdown` (and any orphan of the group)
+            self._procs = None
         for c in self._conns:
             c.close()
         self._conns = []
         self._listener.close()
-        self._log.close()
 
     def __enter__(self) -> "TrainerGroup":
         return self
@@ -164,7 +216,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Linux: SIGKILL the trainer if the driver dies, so no rank is orphaned."""
     try:
         import ctypes

@@ -1,6 +1,6 @@
-"""Rank side of the trainer: `python -m mlrl.trainer.service --connect HOST:PORT --config FILE`
-under torchrun (or a Ray actor that set the same env). Connects back to the driver
-(`mlrl.trainer.group.TrainerGroup`), then serves method calls until `shutdown` or until the
+"""Rank side of the trainer: `python -m mlrl.trainer.service --connect HOST:PORT` under torchrun
+(or started by a Ray node agent with torchrun's environment). Connects back to the driver
+(`mlrl.trainer.group.TrainerGroup`), receives the resolved config (YAML) from it, then serves method calls until `shutdown` or until the
 driver's connection closes (the driver died: exit rather than linger as an orphan).
 
 Every public method of `TrainerService` is callable by name from the driver; each call is a
@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from mlrl.algorithms.loss_metrics import finalize_loss_metrics
 from mlrl.algorithms.losses import make_loss_fn
-from mlrl.config import load_config, validate
+from mlrl.config import config_from_yaml, validate
 from mlrl.trainer.group import TOKEN_ENV, recv, send
 
 
@@ -83,14 +83,13 @@ class TrainerService:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--connect", required=True)
-    ap.add_argument("--config", required=True)
     args = ap.parse_args(argv)
     host, port = args.connect.rsplit(":", 1)
     token = bytes.fromhex(os.environ.pop(TOKEN_ENV))
     rank = int(os.environ.get("RANK", "0"))
     conn = Client((host, int(port)), authkey=token)
     try:
-        cfg = load_config(args.config)
+        cfg = config_from_yaml(recv(conn))
         service = TrainerService(cfg)
         send(conn, {"rank": rank, **service.info()})
     except BaseException:  # noqa: BLE001 - the driver reports it

@@ -207,13 +207,13 @@ class WeightSync(abc.ABC):
 
 
 def make_weight_sync(cfg: WeightSyncConfig, pool: "EnginePool", source: WeightSource, *, run_dir: str | Path | None = None,
-                     store_host: str | None = None) -> WeightSync:
+                     store_host: str | None = None, backend: str | None = None) -> WeightSync:
     """The configured transport. Installs itself as the pool's refresher: an engine restarted after a
     crash is brought to the pool's current version by a full sync before it serves again."""
     from mlrl.weight_sync.transports import BroadcastWeightSync, CudaIpcWeightSync, DiskWeightSync
 
     if cfg.transport == "broadcast":
-        ws: WeightSync = BroadcastWeightSync(cfg, pool, source, store_host=store_host)
+        ws: WeightSync = BroadcastWeightSync(cfg, pool, source, store_host=store_host, backend=backend)
     elif cfg.transport == "disk":
         root = Path(cfg.disk_dir) if cfg.disk_dir else Path(run_dir or pool.run_dir) / "weight_sync"
         ws = DiskWeightSync(cfg, pool, source, root=root)

@@ -95,8 +95,15 @@ def test_cli_bad_config_exit_code():
     assert "config error: parallel.tp=3 must divide" in out.stderr
 
 
-def test_multi_node_run_is_refused_clearly_not_run_locally():
-    out = subprocess.run([sys.executable, "-m", "mlrl.launch", "--nodes", "2", "cluster.gpus_per_node=8"],
-                         capture_output=True, text=True, cwd=ROOT)
-    assert out.returncode == 4
-    assert "multi-node execution is not wired" in out.stderr
+def test_multi_node_run_without_a_ray_cluster_fails_clearly_before_starting_anything(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = subprocess.run([sys.executable, "-m", "mlrl.launch", "--nodes", "2", "cluster.gpus_per_node=8",
+                          f"cluster.ray_address=127.0.0.1:{port}", f"logging.run_dir={tmp_path}/run"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 4, out.stderr[-2000:]
+    assert f"cluster error: cluster.ray_address='127.0.0.1:{port}': nothing accepts connections there" in out.stderr
+    assert not (tmp_path / "run" / "trainer.log").exists() and not (tmp_path / "run" / "engines").exists()

@@ -1,0 +1,280 @@
+"""Starting the run's processes on the nodes `join_cluster` reserved (`--nodes N`).
+
+One `NodeAgent` Ray actor per plan node (pinned to that machine with a hard node-affinity
+strategy, zero resources of its own: the node's placement group holds the GPUs) starts, watches
+and stops the processes placed there:
+- trainer ranks: `python -m mlrl.trainer.service --connect DRIVER:PORT` with torchrun's environment
+  from the assignment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT, CUDA_VISIBLE_DEVICES); they
+  connect back to the driver's `TrainerGroup`, so nothing else changes for the loop;
+- engines: an `mlrl.rollout.server.EngineServer` held by the agent (the same supervisor and vLLM
+  command as on one machine), listening on the node's address with the per-job token; the driver's
+  `EnginePool` talks HTTP to it through `RemoteEngineServer`.
+Every process is a child of its agent (its supervisor / PR_SET_PDEATHSIG kill it when the agent
+goes), and the agents are owned by the driver: when the driver exits, Ray kills the agents, and
+with them everything they started.
+
+Paths (model folder, run / checkpoint directory) must name the same files on every node: a
+shared filesystem, as on any Slurm cluster. The config travels over the trainer connection.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from mlrl.cluster.assignment import ClusterAssignment, ClusterError, TrainerWorker
+from mlrl.rollout.server import EngineServer, EngineStartError, ServerSpec
+
+AGENT_CONCURRENCY = 16  # threaded actor: a slow stop() must not block alive() probes
+
+
+class NodeAgent:
+    """Runs on one node (as a Ray actor); see the module docstring."""
+
+    def __init__(self) -> None:
+        self._engines: dict[str, EngineServer] = {}
+        self._ranks: dict[int, tuple[subprocess.Popen, Path]] = {}
+
+    def describe(self) -> tuple[str, str, bool]:
+        """(Ray node id, IP, whether CUDA is usable here)."""
+        import ray
+        import torch
+
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), torch.cuda.is_available()
+
+    # ---- engines
+    def start_engine(self, spec: ServerSpec) -> int:
+        srv = self._engines.get(spec.name)
+        if srv is None:
+            srv = self._engines[spec.name] = EngineServer(spec)
+        srv.start()
+        return srv.port
+
+    def engine_alive(self, name: str) -> bool:
+        return self._engines[name].alive()
+
+    def engine_stop(self, name: str, timeout_s: float) -> None:
+        if name in self._engines:
+            self._engines[name].stop(timeout_s)
+
+    def engine_crash(self, name: str) -> None:
+        self._engines[name].crash()
+
+    def engine_log_tail(self, name: str, lines: int) -> str:
+        srv = self._engines.get(name)
+        return srv.log_tail(lines) if srv is not None else "(engine never started on this node)"
+
+    # ---- trainer ranks
+    def start_rank(self, rank: int, service_args: list[str], env: dict[str, str], log_path: str) -> int:
+        from mlrl.trainer.group import die_with_parent
+
+        log = Path(log_path)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        full_env = dict(os.environ, **env, PYTHONUNBUFFERED="1")
+        with open(log, "ab") as f:
+            proc = subprocess.Popen([sys.executable, *service_args], stdout=f, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, env=full_env, start_new_session=True,
+                                    preexec_fn=die_with_parent)
+        self._ranks[rank] = (proc, log)
+        return proc.pid
+
+    def ranks_wait(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        for proc, _ in self._ranks.values():
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                return False
+        return True
+
+    def ranks_kill(self) -> None:
+        for proc, _ in self._ranks.values():
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+
+    def ranks_log_tail(self, lines: int) -> str:
+        out = []
+        for rank, (proc, log) in sorted(self._ranks.items()):
+            try:
+                text = log.read_bytes()[-20_000:].decode("utf-8", "replace")
+            except OSError:
+                text = "(no log)"
+            state = "running" if proc.poll() is None else f"exited {proc.returncode}"
+            out.append(f"--- rank {rank} ({state}, {log}):\n" + "\n".join(text.splitlines()[-lines:]))
+        return "\n".join(out)
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        for srv in self._engines.values():
+            srv.stop(timeout_s)
+        if not self.ranks_wait(timeout_s):
+            self.ranks_kill()
+
+
+class RayRanks:
+    """`RankProcesses` for `TrainerGroup`: one process per rank, started by the rank's node agent."""
+
+    def __init__(self, agents: dict[int, Any], workers: list[TrainerWorker], service_args: list[str],
+                 env: dict[str, str], log_dir: Path):
+        import ray
+
+        self._ray = ray
+        self._agents = {w.node: agents[w.node] for w in workers}
+        ray.get([agents[w.node].start_rank.remote(w.rank, service_args, {**env, **w.env}, str(log_dir / f"rank-{w.rank}.log"))
+                 for w in workers])
+
+    def wait(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        return all(self._ray.get(a.ranks_wait.remote(max(0.0, deadline - time.monotonic()))) for a in self._agents.values())
+
+    def kill(self) -> None:
+        self._ray.get([a.ranks_kill.remote() for a in self._agents.values()])
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self._ray.get([a.ranks_log_tail.remote(lines) for a in self._agents.values()]))
+
+
+class RemoteEngineServer:
+    """The `EngineServer` interface the pool uses, for a server its node agent runs."""
+
+    def __init__(self, spec: ServerSpec, agent: Any):
+        import ray
+
+        self._ray = ray
+        self.spec = spec
+        self.agent = agent
+        self.port: int | None = None
+        self.starts = 0
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise RuntimeError(f"engine {self.spec.name} is not started")
+        host = f"[{self.spec.host}]" if ":" in self.spec.host else self.spec.host
+        return f"http://{host}:{self.port}"
+
+    def start(self) -> None:
+        self.port = self._ray.get(self.agent.start_engine.remote(self.spec))
+        self.starts += 1
+
+    def alive(self) -> bool:
+        try:
+            return bool(self._ray.get(self.agent.engine_alive.remote(self.spec.name), timeout=30))
+        except Exception:  # noqa: BLE001 - the agent (node) is gone or unreachable: the engine is too
+            return False
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Same contract as `EngineServer.wait_ready`: GET /health with the token, from the driver."""
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=5.0, headers={"Authorization": f"Bearer {self.spec.token}"}) as c:
+            while time.monotonic() < deadline:
+                if not self.alive():
+                    self._fail("the server process exited during start-up")
+                try:
+                    if c.get(f"{self.url}/health").status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.5)
+        self._fail(f"not ready after {timeout_s:.0f} s (rollout.startup_timeout_s)")
+
+    def _fail(self, why: str) -> None:
+        tail = self.log_tail()
+        self.stop()
+        raise EngineStartError(f"vLLM engine {self.spec.name} on {self.spec.host} ({self.spec.model_dir}): {why}; "
+                               f"last lines of its log:\n{tail}")
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        try:
+            self._ray.get(self.agent.engine_stop.remote(self.spec.name, timeout_s))
+        except Exception:  # noqa: BLE001 - agent gone: its processes went with it
+            pass
+
+    def crash(self) -> None:
+        self._ray.get(self.agent.engine_crash.remote(self.spec.name))
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return self._ray.get(self.agent.engine_log_tail.remote(self.spec.name, lines), timeout=30)
+        except Exception as e:  # noqa: BLE001
+            return f"(log unavailable: {e})"
+
+
+class ClusterRuntime:
+    """The agents of one run, and the factories `run.py` hands to `TrainerGroup` / `EnginePool`."""
+
+    def __init__(self, assignment: ClusterAssignment, run_dir: str | Path):
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        self._ray = ray
+        self.assignment = assignment
+        self.run_dir = Path(run_dir)
+        self.driver_ip = ray.util.get_node_ip_address()
+        actor = ray.remote(NodeAgent)
+        self.agents = {
+            n.index: actor.options(num_cpus=0, max_concurrency=AGENT_CONCURRENCY, name=f"mlrl-agent-{os.getpid()}-{n.index}",
+                                   scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False)).remote()
+            for n in assignment.nodes}
+        try:
+            found = ray.get([a.describe.remote() for a in self.agents.values()], timeout=300)
+            for n, (node_id, ip, _) in zip(assignment.nodes, found):
+                if (node_id, ip) != (n.node_id, n.ip):
+                    raise ClusterError(f"the agent for plan node {n.index} runs on node {node_id} ({ip}); "
+                                       f"its reservation is on {n.node_id} ({n.ip})")
+        except BaseException:
+            self.close()
+            raise
+        # the weight-sync backend follows the nodes, not the driver: NCCL where the nodes have CUDA
+        # (a cluster simulated with fake GPUs has none: gloo, like every CPU run)
+        self.cuda = all(cuda for _, _, cuda in found)
+        self.write_record(found)
+
+    def write_record(self, found: list[tuple[str, str, bool]]) -> Path:
+        """<run dir>/placement.json: which node and GPUs every trainer rank and engine got."""
+        a = self.assignment
+        record = {
+            "driver_ip": self.driver_ip,
+            "nodes": [{"plan_node": n.index, "node_id": n.node_id, "ip": n.ip, "gpu_ids": list(n.gpu_ids),
+                       "agent_node_id": f[0], "cuda": f[2]} for n, f in zip(a.nodes, found)],
+            "trainer": [{"rank": w.rank, "plan_node": w.node, "node_id": w.node_id, "gpu_id": w.gpu_id,
+                         "env": {k: v for k, v in w.env.items()}} for w in a.trainers],
+            "engines": [{"engine": e.engine, "plan_node": e.node, "node_id": e.node_id, "gpu_ids": list(e.gpu_ids)}
+                        for e in a.engines],
+        }
+        out = self.run_dir / "placement.json"
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(record, indent=1))
+        tmp.replace(out)
+        return out
+
+    def spawn_trainer(self, service_args: list[str], env: dict[str, str]) -> RayRanks:
+        return RayRanks(self.agents, self.assignment.trainers, service_args, env, self.run_dir / "trainer")
+
+    def engine_server(self, index: int, spec: ServerSpec) -> RemoteEngineServer:
+        e = self.assignment.engines[index]
+        spec = dataclasses.replace(spec, host=e.node_ip, cuda_devices=list(e.gpu_ids))
+        return RemoteEngineServer(spec, self.agents[e.node])
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop whatever the agents still run, then the agents; the reservation is released by the caller."""
+        try:
+            self._ray.get([a.shutdown.remote(timeout_s) for a in self.agents.values()], timeout=3 * timeout_s)
+        except Exception:  # noqa: BLE001 - an agent already gone took its processes with it; kill the rest below
+            pass
+        finally:
+            for a in self.agents.values():
+                self._ray.kill(a)
+            self.agents = {}
