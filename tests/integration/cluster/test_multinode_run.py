@@ -36,18 +36,28 @@ def cluster():
         c.shutdown()
 
 
+def _command(cluster, run_dir: Path, *overrides: str, nodes: int = 2) -> list[str]:
+    return [sys.executable, "-m", "mlrl.launch", "--nodes", str(nodes), "cluster.gpus_per_node=2",
+            f"cluster.ray_address={cluster.address}", "rollout.num_engines=2", "trainer.prompts_per_step=4",
+            "trainer.samples_per_prompt=4", "logging.progress_bar=false", f"logging.run_dir={run_dir}", *overrides]
+
+
 def _launch(cluster, run_dir: Path, *overrides: str, nodes: int = 2, timeout: int = 900) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "mlrl.launch", "--nodes", str(nodes), "cluster.gpus_per_node=2",
-           f"cluster.ray_address={cluster.address}", "rollout.num_engines=2", "trainer.prompts_per_step=4",
-           "trainer.samples_per_prompt=4", "logging.progress_bar=false", f"logging.run_dir={run_dir}", *overrides]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
+    return subprocess.run(_command(cluster, run_dir, *overrides, nodes=nodes), cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ))
+
+
+def _wait_all_gone(gpus: int, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (_mlrl_processes() or ray.available_resources().get("GPU", 0) < gpus) and time.monotonic() < deadline:
+        time.sleep(0.5)
 
 
 def _mlrl_processes() -> list[str]:
     out = []
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if "mlrl.trainer.service" in cmd or "mlrl.rollout.supervisor" in cmd or "vllm.entrypoints" in cmd:
+        if any(k in cmd for k in ("mlrl.trainer.service", "mlrl.rollout.supervisor", "vllm.entrypoints", "VLLM::")):
             out.append(f"{p.pid}: {cmd[:120]}")
     return out
 
@@ -85,9 +95,7 @@ def test_two_node_run(cluster, tmp_path):
     assert (run_dir / "hf" / "step_000002" / "config.json").is_file()
 
     # teardown: every process gone, every reserved GPU given back
-    deadline = time.monotonic() + 30
-    while (_mlrl_processes() or ray.available_resources().get("GPU", 0) < 4) and time.monotonic() < deadline:
-        time.sleep(0.5)
+    _wait_all_gone(4)
     assert _mlrl_processes() == []
     assert ray.available_resources().get("GPU", 0) == 4
 
@@ -100,3 +108,25 @@ def test_cluster_too_small_fails_clearly_and_starts_nothing(cluster, tmp_path):
     assert not (run_dir / "placement.json").exists() and not (run_dir / "trainer").exists()
     assert ray.available_resources().get("GPU", 0) == 4
 
+
+
+def test_killed_launcher_leaves_no_process_and_no_reservation(cluster, tmp_path):
+    # SIGKILL: no cleanup code runs. Ray ends the driver's job (actors, placement groups); the
+    # agents' children die with them (PR_SET_PDEATHSIG), and each vLLM server, its supervisor
+    # SIGKILLed by Ray, gets SIGTERM and shuts down its EngineCore and workers.
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(_command(cluster, run_dir, "trainer.total_steps=50"), cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 600
+        while not (run_dir / "metrics.jsonl").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert proc.poll() is None and (run_dir / "metrics.jsonl").exists(), "the run did not reach its first step"
+        assert len([p for p in _mlrl_processes() if "mlrl.trainer.service" in p]) == 2
+        assert len([p for p in _mlrl_processes() if "vllm.entrypoints" in p]) == 2
+    finally:
+        proc.kill()
+        proc.wait()
+    _wait_all_gone(4)
+    assert _mlrl_processes() == []
+    assert ray.available_resources().get("GPU", 0) == 4

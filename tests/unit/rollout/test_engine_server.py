@@ -143,3 +143,27 @@ def test_token_middleware_refuses_to_run_without_a_token(monkeypatch):
     monkeypatch.delenv(TOKEN_ENV, raising=False)
     with pytest.raises(RuntimeError, match=TOKEN_ENV):
         TokenMiddleware(lambda *a: None)
+
+
+def test_server_gets_sigterm_when_the_supervisor_is_sigkilled(tmp_path):
+    # Ray SIGKILLs the children of a dead actor (the node agent under --nodes): the supervisor
+    # cannot clean up then, so the server itself must hear of it and shut down its own tree
+    marker = tmp_path / "got-sigterm"
+    child = (f"import signal, sys, time, pathlib\n"
+             f"signal.signal(signal.SIGTERM, lambda *a: (pathlib.Path({str(marker)!r}).write_text('1'), sys.exit(0)))\n"
+             f"time.sleep(300)")
+    srv = EngineServer(_spec(tmp_path, command=[sys.executable, "-c", child]))
+    srv.start()
+    for _ in range(100):
+        if srv._server_pgid() and _pids_in_group(srv._server_pgid()):
+            break
+        time.sleep(0.05)
+    pgid = srv._server_pgid()
+    time.sleep(0.5)  # the child installs its handler
+    srv._proc.send_signal(signal.SIGKILL)
+    for _ in range(100):
+        if not _pids_in_group(pgid):
+            break
+        time.sleep(0.05)
+    assert marker.read_text() == "1" and _pids_in_group(pgid) == []
+    srv.stop()
