@@ -61,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return run(cfg, layout)
+    except ConfigError as e:  # found by the runner's cheap checks (data, devices), before any process starts
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     except ClusterError as e:  # --nodes: the Ray cluster cannot host the plan (nothing was started)
         print(f"cluster error: {e}", file=sys.stderr)
         return 4

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mlrl.checkpoint import CheckpointManager, read_state
-from mlrl.config import Config, Layout, dump_yaml
+from mlrl.config import Config, ConfigError, Layout, dump_yaml
 from mlrl.data import dataset_from_config
 from mlrl.data.sampler import PromptSampler
 from mlrl.loop import RunContext, train_async, train_sync
@@ -77,13 +77,17 @@ def local_placement(cfg: Config, layout: Layout) -> Placement:
     devices (colocated: the same ones), mapped through the caller's CUDA_VISIBLE_DEVICES."""
     if cfg.cluster.gpus_per_node == 0:
         return Placement()
-    from mlrl.cluster import NodeInfo, assign
+    from mlrl.cluster import NodeInfo, assign, ports_needed
     from mlrl.plan import make_plan
 
     plan = make_plan(cfg, layout)
-    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if visible and len(visible) < cfg.cluster.gpus_per_node:
+        raise ConfigError(f"cluster.gpus_per_node={cfg.cluster.gpus_per_node} but CUDA_VISIBLE_DEVICES={','.join(visible)} "
+                          f"lists {len(visible)}")
     ids = tuple(int(visible[g]) if visible else g for g in range(cfg.cluster.gpus_per_node))
-    a = assign(plan, [NodeInfo(0, "local", "127.0.0.1", ids, (0,) * 16)])
+    ports = (0,) * ports_needed(plan)[0]  # torchrun and the engines pick their own ports on one machine
+    a = assign(plan, [NodeInfo(0, "local", "127.0.0.1", ids, ports)])
     return Placement(trainer_env={"CUDA_VISIBLE_DEVICES": a.trainers[0].env["CUDA_VISIBLE_DEVICES"]},
                      engine_devices=[list(e.gpu_ids) for e in a.engines])
 

@@ -58,6 +58,8 @@ BAD = [
     (["trainer.world_size=2", "parallel.pp=2", "parallel.vpp=2"], "virtual pipeline stages are GPU only"),
     (["checkpoint.async_save=true"], "checkpoint.async_save needs GPUs"),
     (["trainer.warmup_steps=5", "trainer.total_steps=5"], "trainer.warmup_steps=5 must be smaller than the optimizer steps"),
+    (["cluster.nodes=2", "cluster.gpus_per_node=8", "cluster.join_timeout_s=0"], "cluster.join_timeout_s: got 0.0, expected > 0 (seconds)"),
+    (["cluster.nodes=2"], "cluster.nodes=2 needs cluster.gpus_per_node >= 1"),
 ]
 
 
