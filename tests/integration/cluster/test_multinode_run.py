@@ -100,6 +100,25 @@ def test_two_node_run(cluster, tmp_path):
     assert ray.available_resources().get("GPU", 0) == 4
 
 
+def test_colocated_run_with_ranks_on_both_nodes(cluster, tmp_path):
+    # one GPU per node, colocated: trainer rank r and engine r share node r's GPU, so the DP2
+    # trainer's gloo group spans the two nodes and each node's engine gets its weights
+    run_dir = tmp_path / "run"
+    out = _launch(cluster, run_dir, "cluster.gpus_per_node=1", "cluster.placement=colocated", "trainer.total_steps=1",
+                  "checkpoint.hf_export_at_end=false")
+    assert out.returncode == 0, f"launch failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-8000:]}"
+    place = json.loads((run_dir / "placement.json").read_text())
+    assert [(w["rank"], w["plan_node"]) for w in place["trainer"]] == [(0, 0), (1, 1)]
+    assert [(e["engine"], e["plan_node"]) for e in place["engines"]] == [(0, 0), (1, 1)]
+    assert len({n["node_id"] for n in place["nodes"]}) == 2
+    assert place["trainer"][1]["env"]["MASTER_ADDR"] == place["nodes"][0]["ip"]
+    (rec,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rec["weight_sync/canary_max_abs_diff"] <= 1e-3 and rec["train/mismatch/logprob_gap"] <= 1e-3
+    assert rec["episodes/total"] == 16 and rec["episodes/failures"] == 0
+    _wait_all_gone(4)
+    assert _mlrl_processes() == []
+
+
 def test_cluster_too_small_fails_clearly_and_starts_nothing(cluster, tmp_path):
     run_dir = tmp_path / "run"
     out = _launch(cluster, run_dir, "cluster.join_timeout_s=3", nodes=3, timeout=300)
