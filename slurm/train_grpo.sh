@@ -104,4 +104,5 @@ run srun --nodes=1 --ntasks=1 --overlap -w "$head" "${container[@]}" \
   "$python" -m mlrl.cluster wait --address "$address" --nodes "$nnodes" --gpus-per-node "$gpus_per_node" --timeout "$wait_s"
 
 run srun --nodes=1 --ntasks=1 --overlap -w "$head" "${container[@]}" \
-  "$python" -m mlrl.launch --nodes "$nnodes" --config "$config" "cluster.ray_address=$address" "$@"
+  "$python" -m mlrl.launch --nodes "$nnodes" --config "$config" "cluster.ray_address=$address" \
+  "cluster.gpus_per_node=$gpus_per_node" "$@"

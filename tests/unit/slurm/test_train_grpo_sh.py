@@ -47,7 +47,7 @@ def test_command_construction(fake_path):
     assert wait == step + ["-w", "gpu-a01", "python", "-m", "mlrl.cluster", "wait", "--address", "gpu-a01:6379",
                            "--nodes", "3", "--gpus-per-node", "4", "--timeout", "600"]
     assert launch == step + ["-w", "gpu-a01", "python", "-m", "mlrl.launch", "--nodes", "3", "--config",
-                             "launch/qwen3_8b_grpo.yaml", "cluster.ray_address=gpu-a01:6379", "trainer.lr=2e-6",
+                             "launch/qwen3_8b_grpo.yaml", "cluster.ray_address=gpu-a01:6379", "cluster.gpus_per_node=4", "trainer.lr=2e-6",
                              "data.train=/data/my set.jsonl"]
 
 
@@ -61,7 +61,8 @@ def test_container_config_port_and_python(fake_path):
             assert cmd[6:9] == container, cmd
     assert "--port=7000" in cmds[0] and "--address=gpu-a01:7000" in cmds[2]
     assert cmds[-1][9:] == ["/opt/venv/bin/python", "-m", "mlrl.launch", "--nodes", "3", "--config",
-                            "launch/qwen3_30b_a3b_fp8.yaml", "cluster.ray_address=gpu-a01:7000"]
+                            "launch/qwen3_30b_a3b_fp8.yaml", "cluster.ray_address=gpu-a01:7000",
+                            "cluster.gpus_per_node=4"]
 
 
 def test_outside_slurm_fails_clearly(fake_path):
