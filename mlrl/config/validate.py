@@ -208,6 +208,9 @@ def _check_devices(cfg: Config, has_cuda: bool) -> None:
         raise ConfigError("checkpoint.async_save needs GPUs (megatron-core's async writer); set it false on CPU")
     if cfg.weight_sync.transport == "cuda_ipc" and (not gpu_run or c.placement != "colocated"):
         raise ConfigError("weight_sync.transport=cuda_ipc needs GPUs and cluster.placement=colocated")
+    if cfg.weight_sync.transport == "cuda_ipc" and c.nodes > 1:
+        raise ConfigError(f"weight_sync.transport=cuda_ipc shares the trainer's GPU memory with engines on the same machine; "
+                          f"cluster.nodes={c.nodes} puts engines on other nodes: use weight_sync.transport=broadcast")
 
 
 def validate(cfg: Config, *, has_cuda: bool | None = None, dry_run: bool = False) -> Layout:

@@ -60,6 +60,8 @@ BAD = [
     (["trainer.warmup_steps=5", "trainer.total_steps=5"], "trainer.warmup_steps=5 must be smaller than the optimizer steps"),
     (["cluster.nodes=2", "cluster.gpus_per_node=8", "cluster.join_timeout_s=0"], "cluster.join_timeout_s: got 0.0, expected > 0 (seconds)"),
     (["cluster.nodes=2"], "cluster.nodes=2 needs cluster.gpus_per_node >= 1"),
+    (["cluster.nodes=2", "cluster.gpus_per_node=8", "cluster.placement=colocated", "weight_sync.transport=cuda_ipc"],
+     "cluster.nodes=2 puts engines on other nodes: use weight_sync.transport=broadcast"),
 ]
 
 
