@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from mlrl.cluster.assignment import ClusterAssignment, ClusterError, TrainerWorker
-from mlrl.rollout.server import EngineServer, EngineStartError, ServerSpec
+from mlrl.rollout.server import EngineServer, ServerSpec
 
 AGENT_CONCURRENCY = 16  # threaded actor: a slow stop() must not block alive() probes
 
@@ -59,6 +59,9 @@ class NodeAgent:
 
     def engine_alive(self, name: str) -> bool:
         return self._engines[name].alive()
+
+    def engine_exit_code(self, name: str) -> int | None:
+        return self._engines[name].exit_code()
 
     def engine_stop(self, name: str, timeout_s: float) -> None:
         if name in self._engines:
@@ -143,10 +146,11 @@ class RayRanks:
         return "\n".join(self._ray.get([a.ranks_log_tail.remote(lines) for a in self._agents.values()]))
 
 
-class RemoteEngineServer:
-    """The `EngineServer` interface the pool uses, for a server its node agent runs."""
+class RemoteEngineServer(EngineServer):
+    """An `EngineServer` whose process tree its node agent runs; readiness (GET /health with the
+    token) and the start-up failure report are the base class's, seen from the driver."""
 
-    def __init__(self, spec: ServerSpec, agent: Any):
+    def __init__(self, spec: ServerSpec, agent: Any):  # noqa: D107 - no local log folder, no local process
         import ray
 
         self._ray = ray
@@ -154,13 +158,7 @@ class RemoteEngineServer:
         self.agent = agent
         self.port: int | None = None
         self.starts = 0
-
-    @property
-    def url(self) -> str:
-        if self.port is None:
-            raise RuntimeError(f"engine {self.spec.name} is not started")
-        host = f"[{self.spec.host}]" if ":" in self.spec.host else self.spec.host
-        return f"http://{host}:{self.port}"
+        self.log_path = Path(spec.log_path or f"{spec.name}.log")  # on the engine's node
 
     def start(self) -> None:
         self.port = self._ray.get(self.agent.start_engine.remote(self.spec))
@@ -172,28 +170,11 @@ class RemoteEngineServer:
         except Exception:  # noqa: BLE001 - the agent (node) is gone or unreachable: the engine is too
             return False
 
-    def wait_ready(self, timeout_s: float) -> None:
-        """Same contract as `EngineServer.wait_ready`: GET /health with the token, from the driver."""
-        import httpx
-
-        deadline = time.monotonic() + timeout_s
-        with httpx.Client(timeout=5.0, headers={"Authorization": f"Bearer {self.spec.token}"}) as c:
-            while time.monotonic() < deadline:
-                if not self.alive():
-                    self._fail("the server process exited during start-up")
-                try:
-                    if c.get(f"{self.url}/health").status_code == 200:
-                        return
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.5)
-        self._fail(f"not ready after {timeout_s:.0f} s (rollout.startup_timeout_s)")
-
-    def _fail(self, why: str) -> None:
-        tail = self.log_tail()
-        self.stop()
-        raise EngineStartError(f"vLLM engine {self.spec.name} on {self.spec.host} ({self.spec.model_dir}): {why}; "
-                               f"last lines of its log:\n{tail}")
+    def exit_code(self) -> int | None:
+        try:
+            return self._ray.get(self.agent.engine_exit_code.remote(self.spec.name), timeout=30)
+        except Exception:  # noqa: BLE001
+            return None
 
     def stop(self, timeout_s: float = 30.0) -> None:
         try:

@@ -87,6 +87,10 @@ def _versions(spans: list[dict[str, Any]] | None, n: int, default: int) -> list[
     return out
 
 
+CLIENT_KEEPALIVE_S = 30.0
+SERVER_KEEPALIVE_S = 60  # VLLM_HTTP_TIMEOUT_KEEP_ALIVE set by mlrl.rollout.server
+
+
 class EngineClient:
     """One engine's HTTP API. All methods are coroutines; one instance per engine, shared by all requests."""
 
@@ -98,7 +102,11 @@ class EngineClient:
         self._http = httpx.AsyncClient(
             base_url=url, headers={"Authorization": f"Bearer {token}"},
             timeout=httpx.Timeout(timeout_s, connect=10.0),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections), transport=transport)
+            # idle connections are dropped by the client (30 s) before the server would close them
+            # (mlrl starts vLLM with VLLM_HTTP_TIMEOUT_KEEP_ALIVE=60): with equal timeouts (both 5 s by
+            # default) a request sent on a connection the server is closing fails with ReadError
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
+                                keepalive_expiry=CLIENT_KEEPALIVE_S), transport=transport)
 
     async def aclose(self) -> None:
         await self._http.aclose()

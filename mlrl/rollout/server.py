@@ -47,6 +47,7 @@ import httpx
 
 from mlrl.config.schema import RolloutConfig
 from mlrl.rollout.auth import TOKEN_ENV
+from mlrl.rollout.client import SERVER_KEEPALIVE_S
 
 WORKER_EXTENSION = "mlrl.rollout.worker_ext.MlrlWorkerExtension"
 WEIGHT_TRANSFER_BACKEND = "mlrl"
@@ -130,6 +131,7 @@ def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str
     env[TOKEN_ENV] = spec.token
     env["VLLM_API_KEY"] = spec.token  # vLLM's own guard on /v1, /inference (defence in depth)
     env["VLLM_SERVER_DEV_MODE"] = "1"
+    env.setdefault("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", str(SERVER_KEEPALIVE_S))  # > the client's keep-alive: see client.py
     env["PYTHONUNBUFFERED"] = "1"
     if _on_gpu(spec):
         if spec.cuda_devices is not None:
@@ -197,6 +199,9 @@ class EngineServer:
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    def exit_code(self) -> int | None:
+        return self._proc.poll() if self._proc is not None else None
+
     def wait_ready(self, timeout_s: float) -> None:
         """Block until GET /health answers 200 with the token; raise EngineStartError otherwise."""
         deadline = time.monotonic() + timeout_s
@@ -204,7 +209,7 @@ class EngineServer:
         with httpx.Client(timeout=5.0, headers=headers) as c:
             while time.monotonic() < deadline:
                 if not self.alive():
-                    self._fail(f"the server process exited with code {self._proc.returncode if self._proc else None} during start-up")
+                    self._fail(f"the server process exited with code {self.exit_code()} during start-up")
                 try:
                     if c.get(f"{self.url}/health").status_code == 200:
                         return

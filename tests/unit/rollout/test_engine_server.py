@@ -56,6 +56,9 @@ def test_command_and_environment(tmp_path, monkeypatch):
     assert not any("s3cret" in a for a in cmd), "the token must not appear in argv"
     env = server_env(spec)
     assert env[TOKEN_ENV] == "s3cret-token" and env["VLLM_SERVER_DEV_MODE"] == "1"
+    # the client drops idle connections before the server does (no request on a closing connection)
+    from mlrl.rollout.client import CLIENT_KEEPALIVE_S
+    assert int(env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"]) > CLIENT_KEEPALIVE_S
     assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in env
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and env["OMP_NUM_THREADS"] == "1"
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")  # an explicit user choice wins
