@@ -1,6 +1,4 @@
-"""--nodes on a real Ray cluster simulated on this machine: a head without GPUs and two worker
-nodes with 4 fake GPUs each (ray.cluster_utils.Cluster starts real raylets). Checks node
-discovery, STRICT_PACK placement groups pinned per node, the probe and the assignment."""
+"""--nodes on the Ray cluster simulated on this machine (conftest.py). Checks node discovery, STRICT_PACK placement groups pinned per node, the probe and the assignment."""
 
 import time
 from pathlib import Path
@@ -13,22 +11,6 @@ from mlrl.plan import make_plan
 
 ray = pytest.importorskip("ray")
 ROOT = Path(__file__).resolve().parents[3]
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    from ray.cluster_utils import Cluster
-
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
-    try:
-        for _ in range(2):
-            c.add_node(num_cpus=4, num_gpus=4)
-        c.wait_for_nodes()
-        ray.init(address=c.address)
-        yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
 
 
 def plan_for(cluster, *overrides):
