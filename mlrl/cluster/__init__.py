@@ -1,5 +1,6 @@
 """Running on a Ray cluster (`python -m mlrl.launch --nodes N`): reserve the GPUs the dry-run plan
-names and hand the runner one placement per trainer rank and engine.
+names, map every trainer rank and engine onto them, and start them there (`runtime.ClusterRuntime`:
+one node agent per node).
 
 `join_cluster(cfg, plan) -> ClusterAssignment`, `release(assignment)`, `wait_for_nodes(...)`;
 `python -m mlrl.cluster wait --address A --nodes N --gpus-per-node G` is what slurm/train_grpo.sh

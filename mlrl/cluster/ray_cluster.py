@@ -11,10 +11,10 @@ Order kept (each step fails with a one-line ClusterError before anything starts)
   4. probe every bundle with a one-GPU task (node IP, the physical GPU id behind the bundle) and
      find free ports on each node (rendezvous, weight sync, one HTTP port per engine);
   5. `assignment.assign` maps the plan onto the probe: env for trainer workers and engines.
-The runner then starts one actor per trainer rank / engine on its (placement group, bundle) and
-calls `release` at the end. Disaggregated and colocated plans differ only in which bundles carry
-an engine (colocated engines share their bundles' GPUs with trainer ranks: give the actors
-fractional `num_gpus`, e.g. 0.5 each).
+The runner then starts one node agent per plan node (`mlrl.cluster.runtime`), which launches the
+trainer ranks and engines placed there with the environment from step 5, and calls `release` at
+the end. Disaggregated and colocated plans differ only in which GPUs carry an engine (colocated
+engines get the same CUDA_VISIBLE_DEVICES as the trainer ranks they share GPUs with).
 """
 
 from __future__ import annotations
