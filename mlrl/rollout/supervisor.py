@@ -15,7 +15,9 @@ which puts the vLLM tree into its own process group, writes that group id to F, 
   exited without cleanup) it kills the group, so no engine outlives the job;
 - if the supervisor itself is SIGKILLed (Ray kills the children of a dead actor that way: under
   `--nodes` the launcher is a node agent), the server gets SIGTERM through PR_SET_PDEATHSIG and
-  shuts its EngineCore and workers down itself (measured: gone within seconds).
+  shuts its EngineCore and workers down itself (measured: gone within seconds), and a watchdog
+  (this module with `--watch PGID`, a child of the supervisor in its own session, out of reach of
+  what killed the supervisor) SIGKILLs whatever of the group is left after `--grace` seconds.
 
 Standard library only: it must start fast and import neither torch nor vllm.
 """
@@ -51,14 +53,15 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
-def _kill_group(pgid: int, grace_s: float, child: subprocess.Popen) -> None:
+def _kill_group(pgid: int, grace_s: float, child: subprocess.Popen | None) -> None:
     try:
         os.killpg(pgid, signal.SIGTERM)
     except ProcessLookupError:
         return
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
-        child.poll()  # reap the leader so it does not count as alive
+        if child is not None:
+            child.poll()  # reap the leader so it does not count as alive
         if not _group_alive(pgid):
             return
         time.sleep(0.05)
@@ -80,14 +83,19 @@ def _term_with_parent() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--pgid-file", required=True, help="where to write the server's process-group id")
+    p.add_argument("--pgid-file", help="where to write the server's process-group id")
+    p.add_argument("--watch", type=int, metavar="PGID", help="watchdog mode: stop group PGID when --parent-pid goes")
     p.add_argument("--parent-pid", type=int, required=True, help="pid of the launching mlrl process")
     p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- followed by the server command")
     args = p.parse_args(argv)
+    if args.watch is not None:
+        return _watch(args.watch, args.parent_pid, args.grace)
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         p.error("missing server command after --")
+    if not args.pgid_file:
+        p.error("--pgid-file is required")
 
     stop = {"signal": 0}
 
@@ -103,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     with open(tmp, "w") as f:
         f.write(f"{pgid}\n")
     os.replace(tmp, args.pgid_file)
+    watchdog = subprocess.Popen([sys.executable, "-m", "mlrl.rollout.supervisor", "--watch", str(pgid),
+                                 "--parent-pid", str(os.getpid()), "--grace", str(args.grace)],
+                                start_new_session=True, stdin=subprocess.DEVNULL)
 
     code = 0
     while True:
@@ -122,7 +133,19 @@ def main(argv: list[str] | None = None) -> int:
         child.wait(timeout=5)
     except subprocess.TimeoutExpired:
         pass
+    watchdog.terminate()  # the group is gone: nothing left to watch
+    watchdog.wait()
     return code
+
+
+def _watch(pgid: int, parent_pid: int, grace_s: float) -> int:
+    """Watchdog: once the supervisor is gone (we were re-parented), stop what is left of the group."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    while os.getppid() == parent_pid:
+        time.sleep(0.5)
+    if _group_alive(pgid):
+        _kill_group(pgid, grace_s, None)
+    return 0
 
 
 if __name__ == "__main__":

@@ -127,7 +127,7 @@ def test_killed_launcher_leaves_no_process_and_no_reservation(cluster, tmp_path)
             time.sleep(0.5)
         assert proc.poll() is None and (run_dir / "metrics.jsonl").exists(), "the run did not reach its first step"
         assert len([p for p in _mlrl_processes() if "mlrl.trainer.service" in p]) == 2
-        assert len([p for p in _mlrl_processes() if "mlrl.rollout.supervisor" in p]) == 2
+        assert len([p for p in _mlrl_processes() if "mlrl.rollout.supervisor --pgid-file" in p]) == 2  # + a watchdog each
     finally:
         proc.kill()
         proc.wait()

@@ -170,3 +170,27 @@ def test_server_gets_sigterm_when_the_supervisor_is_sigkilled(tmp_path):
         time.sleep(0.05)
     assert marker.read_text() == "1" and _pids_in_group(pgid) == []
     srv.stop()
+
+
+def test_watchdog_kills_a_server_that_ignores_sigterm_after_its_supervisor_is_sigkilled(tmp_path):
+    # a server whose graceful shutdown hangs (SIGTERM ignored) is SIGKILLed by the supervisor's
+    # watchdog once the grace period has passed
+    pgid_file = tmp_path / "s.pgid"
+    child = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"
+    sup = subprocess.Popen([sys.executable, "-m", "mlrl.rollout.supervisor", "--pgid-file", str(pgid_file),
+                            "--parent-pid", str(os.getpid()), "--grace", "1", "--", sys.executable, "-c", child])
+    for _ in range(200):
+        if pgid_file.exists() and _pids_in_group(int(pgid_file.read_text())):
+            break
+        time.sleep(0.05)
+    pgid = int(pgid_file.read_text())
+    time.sleep(1.0)  # the child ignores SIGTERM from here on; the watchdog is up
+    sup.kill()
+    sup.wait()
+    time.sleep(0.5)
+    assert _pids_in_group(pgid), "SIGTERM alone must not have stopped this server"
+    for _ in range(100):
+        if not _pids_in_group(pgid):
+            break
+        time.sleep(0.05)
+    assert _pids_in_group(pgid) == []
