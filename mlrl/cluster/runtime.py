@@ -228,9 +228,9 @@ class ClusterRuntime:
         record = {
             "driver_ip": self.driver_ip,
             "nodes": [{"plan_node": n.index, "node_id": n.node_id, "ip": n.ip, "gpu_ids": list(n.gpu_ids),
-                       "agent_node_id": f[0], "cuda": f[2]} for n, f in zip(a.nodes, found)],
+                       "cuda": cuda} for n, (_, _, cuda) in zip(a.nodes, found)],
             "trainer": [{"rank": w.rank, "plan_node": w.node, "node_id": w.node_id, "gpu_id": w.gpu_id,
-                         "env": {k: v for k, v in w.env.items()}} for w in a.trainers],
+                         "env": dict(w.env)} for w in a.trainers],
             "engines": [{"engine": e.engine, "plan_node": e.node, "node_id": e.node_id, "gpu_ids": list(e.gpu_ids)}
                         for e in a.engines],
         }

@@ -8,8 +8,7 @@ from mlrl.config.schema import (
 from mlrl.config.validate import Layout, resolve_layout, validate
 
 __all__ = [
-    "config_from_yaml",
     "AlgorithmConfig", "CheckpointConfig", "ClusterConfig", "Config", "ConfigError", "DataConfig", "Layout",
     "LoggingConfig", "ModelConfig", "ParallelConfig", "RolloutConfig", "SamplingConfig", "TrainerConfig",
-    "WeightSyncConfig", "WorkflowConfig", "dump_yaml", "load_config", "resolve_layout", "validate",
+    "WeightSyncConfig", "WorkflowConfig", "config_from_yaml", "dump_yaml", "load_config", "resolve_layout", "validate",
 ]

@@ -34,12 +34,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
-        try:
-            raw = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level, got {type(raw).__name__}")
+        raw = _yaml_mapping(p.read_text(), f"config file {str(p)!r}")
     for ov in overrides or []:
         _apply_override(raw, ov)
     return from_dict(Config, raw, "")
@@ -47,10 +42,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 def config_from_yaml(text: str) -> Config:
     """The inverse of `dump_yaml`: a resolved config sent to another process (trainer ranks)."""
-    raw = yaml.safe_load(text) or {}
+    return from_dict(Config, _yaml_mapping(text, "config YAML"), "")
+
+
+def _yaml_mapping(text: str, what: str) -> dict[str, Any]:
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{what} is not valid YAML: {e}") from None
     if not isinstance(raw, dict):
-        raise ConfigError(f"config YAML must hold a mapping at the top level, got {type(raw).__name__}")
-    return from_dict(Config, raw, "")
+        raise ConfigError(f"{what} must hold a mapping at the top level, got {type(raw).__name__}")
+    return raw
 
 
 def _apply_override(raw: dict[str, Any], override: str) -> None:

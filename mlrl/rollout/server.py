@@ -93,10 +93,10 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def _on_gpu(spec: ServerSpec) -> bool:
-    """Whether this machine (the one the engine starts on) runs it on CUDA. `cuda_devices` names
-    GPUs the plan gave the engine; a machine without CUDA runs the CPU build regardless (a Ray
-    cluster simulated with fake GPUs in the tests, for one)."""
+def _on_gpu() -> bool:
+    """Whether this machine (the one the engine starts on) runs it on CUDA. A spec's `cuda_devices`
+    names GPUs the plan gave the engine; a machine without CUDA runs the CPU build regardless (a
+    Ray cluster simulated with fake GPUs in the tests, for one)."""
     try:
         import torch
 
@@ -120,7 +120,7 @@ def server_command(spec: ServerSpec, port: int) -> list[str]:
         cmd += ["--max-model-len", str(spec.max_model_len)]
     if spec.enforce_eager:
         cmd += ["--enforce-eager"]
-    if _on_gpu(spec):
+    if _on_gpu():
         cmd += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
     return cmd + list(spec.extra_args)
 
@@ -133,7 +133,7 @@ def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str
     env["VLLM_SERVER_DEV_MODE"] = "1"
     env.setdefault("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", str(SERVER_KEEPALIVE_S))  # > the client's keep-alive: see client.py
     env["PYTHONUNBUFFERED"] = "1"
-    if _on_gpu(spec):
+    if _on_gpu():
         if spec.cuda_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in spec.cuda_devices)
     else:

@@ -143,8 +143,7 @@ def _watch(pgid: int, parent_pid: int, grace_s: float) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     while os.getppid() == parent_pid:
         time.sleep(0.5)
-    if _group_alive(pgid):
-        _kill_group(pgid, grace_s, None)
+    _kill_group(pgid, grace_s, None)  # returns at once if the supervisor already stopped the group
     return 0
 
 

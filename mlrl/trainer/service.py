@@ -1,7 +1,8 @@
 """Rank side of the trainer: `python -m mlrl.trainer.service --connect HOST:PORT` under torchrun
 (or started by a Ray node agent with torchrun's environment). Connects back to the driver
-(`mlrl.trainer.group.TrainerGroup`), receives the resolved config (YAML) from it, then serves method calls until `shutdown` or until the
-driver's connection closes (the driver died: exit rather than linger as an orphan).
+(`mlrl.trainer.group.TrainerGroup`), receives the resolved config (YAML) from it, then serves
+method calls until `shutdown` or until the driver's connection closes (the driver died: exit
+rather than linger as an orphan).
 
 Every public method of `TrainerService` is callable by name from the driver; each call is a
 collective over all ranks, so the driver always sends it to every rank.

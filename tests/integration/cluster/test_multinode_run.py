@@ -54,12 +54,12 @@ def test_two_node_run(cluster, tmp_path):
     assert out.returncode == 0, f"launch failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-8000:]}"
     print(f"2-node run: {time.monotonic() - t0:.0f} s")
 
-    # placement: trainer ranks on one GPU worker node, engines on the other, agents where planned
+    # placement: trainer ranks on one GPU worker node, engines on the other
     place = json.loads((run_dir / "placement.json").read_text())
     gpu_nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU")}
     nodes = {n["plan_node"]: n for n in place["nodes"]}
     assert {n["node_id"] for n in nodes.values()} == gpu_nodes
-    assert all(n["agent_node_id"] == n["node_id"] and n["cuda"] is False for n in nodes.values())
+    assert all(n["cuda"] is False for n in nodes.values())  # the nodes' own report: CPU paths taken
     assert [(w["rank"], w["plan_node"]) for w in place["trainer"]] == [(0, 0), (1, 0)]
     assert [w["env"]["WORLD_SIZE"] for w in place["trainer"]] == ["2", "2"]
     assert [(e["engine"], e["plan_node"]) for e in place["engines"]] == [(0, 1), (1, 1)]
