@@ -1,8 +1,9 @@
 """The RL loop, in straight-line calls (read this file first).
 
-One step:  prompts -> episodes (engines + workflow + reward) -> samples -> advantages ->
-packed micro-batches -> trainer logprobs (old, reference) -> train step -> weight sync to the
-engines (versioned, verified) -> checkpoint / export -> metrics.
+One step:  prompts -> episodes (engines + workflow + reward) -> trainable samples (DAPO
+filtering refills the batch) -> trainer logprobs (old, reference) / critic values -> advantages
+-> mini-batch updates (mlrl/update.py) -> weight sync to the engines (versioned, verified) ->
+checkpoint / export -> metrics.
 
 Two modes:
 - sync (`train_sync`): on-policy; generation and training alternate; every sample of step k
@@ -22,13 +23,18 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlrl.algorithms.advantages import compute_advantages
+import logging
+
 from mlrl.algorithms.sampling import apply_overlong_shaping, filter_groups
 from mlrl.config import Config
-from mlrl.experience.packing import attach_per_sample, pack_step, unpack_per_sample
 from mlrl.metrics import Timer
+from mlrl.metrics.pass_at_k import mean_pass_at_k
 from mlrl.types import Sample, SampleStatus
+from mlrl.update import train_on
+from mlrl.workflow.api import EpisodeStatus
 from mlrl.workflow.runner import summarize
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -41,6 +47,7 @@ class RunContext:
     sampler: Any           # mlrl.data.sampler.PromptSampler
     logger: Any            # mlrl.metrics.MetricsLogger
     checkpoint: Any        # mlrl.run.Checkpointer (save / export)
+    critic: Any = None     # mlrl.trainer.remote.RemoteCritic (algorithm.advantage=gae), else None
     eval_rows: list | None = None
     start_step: int = 0    # last completed step (0 = fresh run)
     version: int = 0       # weight version the engines hold
@@ -49,6 +56,7 @@ class RunContext:
     version_changed: asyncio.Condition | None = None  # async mode: wakes the producer after a weight update
     in_flight: dict[int, Any] = field(default_factory=dict)  # async mode: rows started, not yet trained on
     resume_rows: list[Any] = field(default_factory=list)    # rows in flight when the resumed checkpoint was saved
+    extra_prompts: int = 0  # async mode: groups dropped by dynamic sampling; the producer starts as many more
 
 
 async def train_sync(ctx: RunContext) -> None:
@@ -57,15 +65,13 @@ async def train_sync(ctx: RunContext) -> None:
         timer = Timer()
         with timer("step"):
             with timer("rollout"):
-                rows = ctx.sampler.next_batch(cfg.trainer.prompts_per_step)
-                batch = await ctx.runner.run_batch(rows, cfg.trainer.samples_per_prompt)
-            samples, sample_metrics = select_trainable(ctx, batch.samples)
-            metrics = await asyncio.to_thread(train_on, ctx, samples, timer)
+                samples, rollout_metrics = await rollout_sync(ctx)
+            metrics = await asyncio.to_thread(train_step, ctx, samples, timer, step)
             with timer("weight_sync"):
                 ctx.version = step
                 sync_metrics = await ctx.weight_sync.sync(ctx.version)
             eval_metrics = await evaluate_if_due(ctx, step, timer)
-        finish_step(ctx, step, {**batch.metrics, **sample_metrics, **metrics, **sync_metrics, **eval_metrics, **timer.pop()})
+        finish_step(ctx, step, {**rollout_metrics, **metrics, **sync_metrics, **eval_metrics, **timer.pop()})
         await save_if_due(ctx, step)
 
 
@@ -81,16 +87,15 @@ async def train_async(ctx: RunContext) -> None:
             timer = Timer()
             with timer("step"):
                 with timer("wait_rollout"):
-                    batch_samples, batch_metrics, stale = await _collect(ctx, groups, eta)
-                samples, sample_metrics = select_trainable(ctx, batch_samples)
-                metrics = await asyncio.to_thread(train_on, ctx, samples, timer)  # engines keep generating meanwhile
+                    samples, rollout_metrics, stale = await _collect(ctx, groups, eta)
+                metrics = await asyncio.to_thread(train_step, ctx, samples, timer, step)  # engines keep generating meanwhile
                 with timer("weight_sync"):
                     ctx.version = step
                     sync_metrics = await ctx.weight_sync.sync(ctx.version)
                 async with ctx.version_changed:
                     ctx.version_changed.notify_all()
                 eval_metrics = await evaluate_if_due(ctx, step, timer)
-            finish_step(ctx, step, {**batch_metrics, **sample_metrics, **metrics, **sync_metrics, **eval_metrics,
+            finish_step(ctx, step, {**rollout_metrics, **metrics, **sync_metrics, **eval_metrics,
                                     "async/stale_dropped": float(stale), **timer.pop()})
             await save_if_due(ctx, step)
     finally:
@@ -101,68 +106,104 @@ async def train_async(ctx: RunContext) -> None:
 # --------------------------------------------------------------------------- the steps' parts
 
 
-def select_trainable(ctx: RunContext, samples: list[Sample]) -> tuple[list[Sample], dict[str, float]]:
-    """Reward shaping and group filtering before advantages (DAPO options)."""
-    a, s = ctx.cfg.algorithm, ctx.cfg.rollout.sampling
-    trainable = [x for x in samples if x.num_loss_tokens > 0 and x.status != SampleStatus.FAILED]
-    metrics = {"samples/trainable": float(len(trainable)), "samples/total": float(len(samples))}
-    versions = [x.oldest_version for x in trainable]
-    if versions:
-        metrics["samples/staleness_max"] = float(ctx.version - min(versions))
-    if a.overlong_buffer:
-        metrics["samples/overlong_penalised"] = float(apply_overlong_shaping(trainable, s.max_new_tokens, a.overlong_buffer, a.overlong_penalty))
-    if a.dynamic_sampling:
-        trainable, dropped = filter_groups(trainable)
-        metrics["samples/groups_dropped_equal_reward"] = float(dropped)
-    if not trainable:
-        raise RuntimeError(f"no trainable samples in this step: {len(samples)} samples in, every one failed, had no "
-                           f"policy tokens or was filtered (episode metrics: {metrics})")
-    return trainable, metrics
+async def rollout_sync(ctx: RunContext) -> tuple[list[Sample], dict[str, float]]:
+    """Generate prompts_per_step groups; with DAPO dynamic sampling, generate the missing groups
+    again (up to max_rounds rounds) until that many informative groups are kept."""
+    cfg, ds = ctx.cfg, ctx.cfg.algorithm.dynamic_sampling
+    want = cfg.trainer.prompts_per_step
+    sel, groups, rounds = Selection(ctx), [], 0
+    while True:
+        rows = ctx.sampler.next_batch(want - sel.groups_kept)
+        batch = await ctx.runner.run_batch(rows, cfg.trainer.samples_per_prompt)
+        rounds += 1
+        groups += batch
+        for g in batch:
+            sel.add(g.samples)
+        if not ds.enabled or sel.groups_kept >= want or rounds >= ds.max_rounds:
+            break
+    return sel.samples, {**summarize(groups, getattr(ctx.runner, "metric_prefix", "")), **sel.metrics(rounds)}
 
 
-def train_on(ctx: RunContext, samples: list[Sample], timer: Timer) -> dict[str, float]:
-    """Advantages -> pack -> old / reference logprobs -> one train step (blocking trainer calls)."""
-    cfg, a = ctx.cfg, ctx.cfg.algorithm
-    temperature = cfg.rollout.sampling.temperature or 1.0
-    kl_in_reward = a.kl_in_reward and a.kl_coef > 0   # advantages then need the logprobs first
-    if not kl_in_reward:
-        compute_advantages(samples, a)
-    per_dp, pack_metrics = _pack(ctx, samples)
-    with timer("logprobs"):
-        old = _per_sample_logprobs(ctx, per_dp, samples, temperature, reference=False)
-        ref = _per_sample_logprobs(ctx, per_dp, samples, temperature, reference=True) if a.kl_coef > 0 else None
-    if kl_in_reward:
-        compute_advantages(samples, a, ref_logprobs=ref, policy_logprobs=old)
-        per_dp, pack_metrics = _pack(ctx, samples)
-    flat = [mb for rank in per_dp for mb in rank]
-    attach_per_sample(flat, "old_logprobs", old)
-    if ref is not None and not kl_in_reward:
-        attach_per_sample(flat, "ref_logprobs", ref)
-    with timer("train"):
-        train_metrics = ctx.policy.train_step(per_dp)
-    return {**pack_metrics, **{f"train/{k}": v for k, v in train_metrics.items()}}
+class Selection:
+    """The trainable samples of one step, taken group by group: failed / empty samples out, DAPO
+    overlong shaping applied once, and with dynamic sampling a group whose rewards are all equal
+    dropped (it has no group-relative signal)."""
+
+    def __init__(self, ctx: RunContext):
+        self.ctx = ctx
+        self.samples: list[Sample] = []
+        self.total = self.groups_seen = self.groups_kept = self.dropped = self.overlong = self.sub_dropped = 0
+
+    def add(self, group_samples: list[Sample]) -> bool:
+        """Take one group's samples; False when the group adds nothing to train on."""
+        a, s = self.ctx.cfg.algorithm, self.ctx.cfg.rollout.sampling
+        self.groups_seen += 1
+        self.total += len(group_samples)
+        keep = [x for x in group_samples if x.num_loss_tokens > 0 and x.status != SampleStatus.FAILED]
+        if a.overlong_buffer:
+            self.overlong += apply_overlong_shaping(keep, s.max_new_tokens, a.overlong_buffer, a.overlong_penalty)
+        if a.dynamic_sampling.enabled:
+            keep, dropped = filter_groups(keep)
+            self.sub_dropped += dropped
+        if not keep:
+            self.dropped += 1
+            return False
+        self.samples += keep
+        self.groups_kept += 1
+        return True
+
+    def metrics(self, rounds: float) -> dict[str, float]:
+        m = {"samples/trainable": float(len(self.samples)), "samples/total": float(self.total)}
+        versions = [x.oldest_version for x in self.samples]
+        if versions:
+            m["samples/staleness_max"] = float(self.ctx.version - min(versions))
+        if self.ctx.cfg.algorithm.overlong_buffer:
+            m["samples/overlong_penalised"] = float(self.overlong)
+        if self.ctx.cfg.algorithm.dynamic_sampling.enabled:
+            m["samples/groups_dropped_equal_reward"] = float(self.sub_dropped)
+            m["rollout/filtered_fraction"] = self.dropped / max(1, self.groups_seen)
+            m["rollout/sampling_rounds"] = float(rounds)
+        return m
 
 
-def _pack(ctx: RunContext, samples: list[Sample]):
-    cfg = ctx.cfg
-    return pack_step(samples, dp_size=ctx.policy.dp_size, token_budget=cfg.trainer.micro_batch_tokens,
-                     loss_agg=cfg.algorithm.loss_agg, norm_len=cfg.rollout.sampling.max_new_tokens)
-
-
-def _per_sample_logprobs(ctx: RunContext, per_dp, samples: list[Sample], temperature: float, *, reference: bool):
-    out = ctx.policy.compute_logprobs(per_dp, temperature, reference=reference)
-    flat = [mb for rank in per_dp for mb in rank]
-    return unpack_per_sample(flat, [lp for rank in out for lp, _ in rank], len(samples))
+def train_step(ctx: RunContext, samples: list[Sample], timer: Timer, step: int) -> dict[str, float]:
+    """Advantages, behaviour / reference logprobs, critic values, then the step's updates
+    (mlrl/update.py). A step left with nothing to train on (every episode failed, or dynamic
+    sampling kept no group within its rounds) makes no update and says so."""
+    if not samples:
+        log.warning("step %d: no trainable samples (every episode failed, had no policy tokens or was filtered): "
+                    "no update this step", step)
+        return {"train/updates": 0.0}
+    return train_on(ctx.cfg, ctx.policy, ctx.critic, samples, timer, step)
 
 
 async def evaluate_if_due(ctx: RunContext, step: int, timer: Timer) -> dict[str, float]:
-    """Held-out evaluation every data.eval_every steps and at the end; returns eval/* metrics."""
+    """Held-out evaluation every data.eval_every steps and at the end: eval/* rollout metrics,
+    eval/mean_reward, and eval/pass@1, eval/pass@k over eval.samples_per_prompt samples per prompt."""
     cfg = ctx.cfg
     if ctx.eval_rows and cfg.data.eval_every and (step % cfg.data.eval_every == 0 or step == cfg.trainer.total_steps):
+        k = cfg.eval.samples_per_prompt
         with timer("eval"):
-            ev = await ctx.runner.run_batch(ctx.eval_rows, 1, evaluation=True)
-        return {f"eval/{k}": v for k, v in ev.metrics.items()}
+            ev = await ctx.runner.run_batch(ctx.eval_rows, k, evaluation=True)
+        out = {f"eval/{name}": v for name, v in ev.metrics.items()}
+        return {**out, **pass_metrics(ev, k, cfg.eval.correct_threshold)}
     return {}
+
+
+def pass_metrics(groups: list[Any], k: int, threshold: float) -> dict[str, float]:
+    """pass@1 / pass@k / mean reward of evaluation groups; an episode that did not complete
+    counts as incorrect (and as reward 0)."""
+    per_prompt, rewards = [], []
+    for g in groups:
+        ok = [e.status == EpisodeStatus.COMPLETED and e.reward is not None and e.reward >= threshold for e in g.episodes]
+        per_prompt.append((len(ok), sum(ok)))
+        rewards += [e.reward if e.status == EpisodeStatus.COMPLETED and e.reward is not None else 0.0 for e in g.episodes]
+    if not per_prompt:
+        return {}
+    out = {"eval/pass@1": mean_pass_at_k(per_prompt, 1), "eval/pass@k": mean_pass_at_k(per_prompt, k),
+           "eval/mean_reward": sum(rewards) / len(rewards)}
+    out[f"eval/pass@{k}"] = out["eval/pass@k"]
+    return out
 
 
 async def save_if_due(ctx: RunContext, step: int) -> None:
@@ -204,7 +245,8 @@ async def _produce(ctx: RunContext, out: asyncio.Queue, eta: int) -> None:
     try:
         while True:
             async with ctx.version_changed:
-                await ctx.version_changed.wait_for(lambda: started < (ctx.version - base + eta + 1) * per_step)
+                await ctx.version_changed.wait_for(
+                    lambda: started < (ctx.version - base + eta + 1) * per_step + ctx.extra_prompts)
             # rows that were in flight when the checkpoint we resumed from was saved come first:
             # with the sampler position saved after them, no prompt is skipped or seen twice
             row = ctx.resume_rows.pop(0) if ctx.resume_rows else ctx.sampler.next_batch(1)[0]
@@ -220,16 +262,26 @@ async def _produce(ctx: RunContext, out: asyncio.Queue, eta: int) -> None:
 
 
 async def _collect(ctx: RunContext, groups: asyncio.Queue, eta: int) -> tuple[list[Sample], dict[str, float], int]:
-    """Take `prompts_per_step` groups; drop (or keep for re-weighting) samples older than eta versions."""
-    taken = []
-    for _ in range(ctx.cfg.trainer.prompts_per_step):
+    """Take `prompts_per_step` groups (with dynamic sampling: until that many informative groups
+    are kept, at most max_rounds * prompts_per_step groups; each dropped group lets the producer
+    start one more prompt); drop (or keep for re-weighting) samples older than eta versions.
+    Returns (trainable samples, metrics, stale samples dropped)."""
+    cfg, ds = ctx.cfg, ctx.cfg.algorithm.dynamic_sampling
+    want = cfg.trainer.prompts_per_step
+    limit = ds.max_rounds * want if ds.enabled else want
+    sel, taken, stale = Selection(ctx), [], 0
+    while len(taken) < want or (ds.enabled and sel.groups_kept < want and len(taken) < limit):
         key, group = await groups.get()
         ctx.in_flight.pop(key)
         taken.append(group)
-    samples, stale = [], 0
-    for s in (s for g in taken for s in g.samples):
-        if ctx.version - s.oldest_version > eta and s.oldest_version >= 0 and ctx.cfg.rollout.stale_policy == "drop":
-            stale += 1
-            continue
-        samples.append(s)
-    return samples, summarize(taken), stale
+        fresh = []
+        for s in group.samples:
+            if ctx.version - s.oldest_version > eta and s.oldest_version >= 0 and cfg.rollout.stale_policy == "drop":
+                stale += 1
+            else:
+                fresh.append(s)
+        if not sel.add(fresh) and ds.enabled:
+            async with ctx.version_changed:
+                ctx.extra_prompts += 1
+                ctx.version_changed.notify_all()
+    return sel.samples, {**summarize(taken), **sel.metrics(len(taken) / want)}, stale

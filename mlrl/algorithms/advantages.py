@@ -24,6 +24,7 @@ from mlrl.config.schema import AlgorithmConfig
 from mlrl.types import Sample
 
 TOKEN_ADVANTAGES_KEY = "token_advantages"
+RETURNS_KEY = "returns"  # GAE: per-token value targets R_t = A_t + V_t ([T] list), the critic's regression target
 
 GroupIds = Union[torch.Tensor, Sequence[Hashable]]
 
@@ -181,17 +182,36 @@ def gae_advantages(
 # --------------------------------------------------------------------------- samples -> advantages
 
 GroupEstimator = Callable[[torch.Tensor, list[str], AlgorithmConfig], torch.Tensor]
-TokenEstimator = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], AlgorithmConfig], torch.Tensor]
+TokenEstimator = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], AlgorithmConfig],
+                          tuple[torch.Tensor, Optional[torch.Tensor]]]
 
 GROUP_ESTIMATORS: dict[str, GroupEstimator] = {
     "grpo": lambda r, g, cfg: grpo_advantages(r, g, std_normalize=cfg.std_normalize),
     "dr_grpo": lambda r, g, cfg: dr_grpo_advantages(r, g),
     "rloo": lambda r, g, cfg: rloo_advantages(r, g),
 }
-# (rewards [N], mask [N, T], kl_penalty [N, T] | None, values [N, T] | None, cfg) -> [N, T]
+def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) over the entries where mask is true (var unbiased, as verl's
+    masked_whiten); 0 elsewhere."""
+    m = mask > 0
+    vals = x[m].to(torch.float64)
+    if vals.numel() < 2:
+        return torch.where(m, x - vals.mean() if vals.numel() else x, torch.zeros_like(x)).to(torch.float32)
+    out = (x.to(torch.float64) - vals.mean()) / torch.sqrt(vals.var(unbiased=True) + eps)
+    return torch.where(m, out, torch.zeros_like(out)).to(torch.float32)
+
+
+def _gae(r, m, klp, v, cfg):
+    adv, ret = gae_advantages(outcome_token_rewards(r, m, klp), v, m, cfg.gamma, cfg.lam)
+    return (whiten(adv, m) if cfg.std_normalize else adv), ret
+
+
+# (rewards [N], mask [N, T], kl_penalty [N, T] | None, values [N, T] | None, cfg) -> ([N, T] advantages, [N, T] returns | None)
+# gae whitens its advantages over the step's policy tokens when algorithm.std_normalize (PPO's usual
+# recipe, verl's masked_whiten); the returns are computed before whitening.
 TOKEN_ESTIMATORS: dict[str, TokenEstimator] = {
-    "reinforce_pp": lambda r, m, klp, v, cfg: reinforce_pp_advantages(r, m, klp, gamma=cfg.gamma),
-    "gae": lambda r, m, klp, v, cfg: gae_advantages(outcome_token_rewards(r, m, klp), v, m, cfg.gamma, cfg.lam)[0],
+    "reinforce_pp": lambda r, m, klp, v, cfg: (reinforce_pp_advantages(r, m, klp, gamma=cfg.gamma), None),
+    "gae": _gae,
 }
 
 
@@ -262,9 +282,11 @@ def compute_advantages(
             raise ValueError("compute_advantages: algorithm.advantage='gae' needs values (one [T] critic tensor per sample)")
         _check_per_sample("values", values, samples)
         v = _pad(values, t_max)
-    tok = TOKEN_ESTIMATORS[name](rewards, mask, kl_pen, v, algo_cfg)
+    tok, returns = TOKEN_ESTIMATORS[name](rewards, mask, kl_pen, v, algo_cfg)
     for i, s in enumerate(samples):
         row = tok[i, : len(s.tokens)]
         m = mask[i, : len(s.tokens)]
         s.metadata[TOKEN_ADVANTAGES_KEY] = row.tolist()
+        if returns is not None:
+            s.metadata[RETURNS_KEY] = returns[i, : len(s.tokens)].tolist()
         s.advantage = float(row[m].mean()) if bool(m.any()) else 0.0

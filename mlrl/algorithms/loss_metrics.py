@@ -25,8 +25,9 @@ import torch
 # metric key -> the count key that divides it in finalize_loss_metrics
 DENOMINATORS: dict[str, str] = {
     "ratio_mean": "n_tokens",              # mean PPO / GSPO ratio over loss tokens
-    "pg_clipfrac": "n_tokens",             # fraction of loss tokens where the clipped term was chosen
-    "pg_clipfrac_dual": "n_tokens",        # fraction where the dual-clip bound -c*A was active
+    "clip_fraction": "n_tokens",           # fraction of loss tokens where the clipped term was chosen
+    "clip_fraction_dual": "n_tokens",      # fraction where the dual-clip bound -c*A was active
+    "approx_kl": "n_tokens",               # mean k3 estimate of KL(old || current policy)
     "kl": "n_tokens",                      # mean KL(pi || ref) estimate (configured estimator)
     "entropy": "n_tokens",                 # mean token entropy
     "mismatch/logprob_gap": "n_tokens",    # mean |old (trainer) - rollout (engine)| logprob
@@ -35,6 +36,9 @@ DENOMINATORS: dict[str, str] = {
     "mismatch/clipped_frac": "n_tokens",   # TIS: fraction of tokens whose ratio was truncated at the cap
     "mismatch/masked_frac": "n_tokens",    # MIS: fraction of loss tokens masked out
     "mismatch/seq_masked_frac": "n_seqs",  # MIS seq: fraction of sequences masked out
+    "values": "n_tokens",                  # critic: mean value over loss tokens (before this update's step)
+    "returns": "n_tokens",                 # critic: mean GAE return (the regression target)
+    "value_clipfrac": "n_tokens",          # critic: fraction of loss tokens where the clipped value loss was larger
 }
 
 

@@ -194,7 +194,7 @@ def make_loss_fn(algo_cfg: AlgorithmConfig) -> LossFn:
       mb.ref_logprobs is given, the KL is reported as metric "kl".
     - entropy: required when entropy_coef > 0; reported as metric "entropy" when given.
     - metrics: "loss", "pg_loss", "kl_loss", "entropy_loss" (loss_weight-weighted step sums),
-      token sums "ratio_mean", "pg_clipfrac", "pg_clipfrac_dual", "kl", "entropy", "mismatch/*",
+      token sums "ratio_mean", "clip_fraction", "clip_fraction_dual", "approx_kl", "kl", "entropy", "mismatch/*",
       counts "n_tokens", "n_seqs", and "ratio_max" / "ratio_min" (see loss_metrics).
     """
     if algo_cfg.policy_loss not in POLICY_LOSSES:
@@ -224,7 +224,8 @@ def make_loss_fn(algo_cfg: AlgorithmConfig) -> LossFn:
         n = mb.num_samples
 
         pg = policy(logprobs, old, mb.advantages.to(dt) * m, m, seg, n, algo_cfg)
-        is_w, keep, mm = rollout_correction(old, mb.rollout_logprobs, m, algo_cfg.rollout_is, algo_cfg.rollout_is_cap, seg, n)
+        is_w, keep, mm = rollout_correction(old, mb.rollout_logprobs, m, algo_cfg.rollout_is, algo_cfg.rollout_is_cap, seg, n,
+                                            bounds=(algo_cfg.icepop_low, algo_cfg.icepop_high))
         wk = weight * keep
         token_loss = is_w * pg.loss
         metrics: dict[str, torch.Tensor] = {"pg_loss": (wk * token_loss).sum().detach()}
@@ -255,11 +256,14 @@ def make_loss_fn(algo_cfg: AlgorithmConfig) -> LossFn:
             ratio_mean=pg.ratio.sum(),
             ratio_max=torch.where(mask_b, pg.ratio, torch.full_like(m, float("-inf"))).max(),
             ratio_min=torch.where(mask_b, pg.ratio, torch.full_like(m, float("inf"))).min(),
-            pg_clipfrac=pg.clipped.sum(),
+            clip_fraction=pg.clipped.sum(),
+            # KL(old || current) per token, Schulman's k3 estimator (r - 1) - log r with r = pi / pi_old:
+            # how far this update has moved from the behaviour policy (0 on the first update)
+            approx_kl=(kl_estimate(old, logprobs.detach(), "k3") * m).sum(),
             **mm,
         )
         if algo_cfg.policy_loss == "dual_clip":
-            metrics["pg_clipfrac_dual"] = pg.dual_clipped.sum()
+            metrics["clip_fraction_dual"] = pg.dual_clipped.sum()
         return loss, metrics
 
     return loss_fn

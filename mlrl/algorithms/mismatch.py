@@ -10,6 +10,8 @@ policy-gradient term of the loss. With rho_t = exp(old_t - rollout_t) (trainer o
     mis_token  w_t = rho_t,   token kept iff 1/cap <= rho_t <= cap    (masked IS, token level)
     mis_seq    w_t = rho_i,   sequence kept iff 1/cap <= rho_i <= cap, rho_i = prod_t rho_t
                                                                        (masked IS, sequence level)
+    icepop     w_t = rho_t,   token kept iff low <= rho_t <= high     (IcePop, Ling team 2025:
+               double-sided masking with calibration; low / high = algorithm.icepop_low / _high)
 
 as in "Your efficient RL framework secretly brings you off-policy RL training" (Yao et al. 2025)
 and "When Speed Kills Stability" (Liu, Li et al. 2025). Departure: a masked token keeps its share
@@ -27,8 +29,8 @@ import torch
 from mlrl.algorithms.kl import LOG_RATIO_BOUND, kl_estimate
 from mlrl.algorithms.segments import segment_sum
 
-RolloutIS = Literal["none", "tis", "mis_token", "mis_seq"]
-ROLLOUT_IS_MODES: tuple[str, ...] = ("none", "tis", "mis_token", "mis_seq")
+RolloutIS = Literal["none", "tis", "mis_token", "mis_seq", "icepop"]
+ROLLOUT_IS_MODES: tuple[str, ...] = ("none", "tis", "mis_token", "mis_seq", "icepop")
 
 
 def rollout_correction(
@@ -39,14 +41,15 @@ def rollout_correction(
     cap: float,
     seg: Optional[torch.Tensor] = None,
     num_seqs: Optional[int] = None,
+    bounds: tuple[float, float] = (0.5, 5.0),
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Importance weights for one packed row: (weight [S], keep [S], metric sums).
 
     weight multiplies the policy-gradient term of each token, keep (0/1) the whole token loss;
     both are 0 where mask is 0. seg / num_seqs (mlrl.algorithms.segments.segment_index) are
-    needed by mis_seq only. Metric values are sums over loss tokens (mlrl.algorithms.loss_metrics
+    needed by mis_seq only; bounds = (low, high) by icepop only. Metric values are sums over loss tokens (mlrl.algorithms.loss_metrics
     gives their denominators): logprob gap, k3 KL(rollout || trainer), mean weight, fraction
-    truncated (tis) or masked (mis_*), and for mis_seq the number of masked sequences.
+    truncated (tis) or masked (mis_*, icepop), and for mis_seq the number of masked sequences.
     """
     if mode not in ROLLOUT_IS_MODES:
         raise ValueError(f"algorithm.rollout_is={mode!r}: expected one of {ROLLOUT_IS_MODES}")
@@ -71,6 +74,12 @@ def rollout_correction(
     elif mode == "mis_token":
         weight = rho
         keep = ((rho >= 1.0 / cap) & (rho <= cap)).to(m.dtype)
+    elif mode == "icepop":
+        low, high = bounds
+        if not 0 < low < high:
+            raise ValueError(f"algorithm.icepop_low / icepop_high = {low} / {high}: expected 0 < low < high")
+        weight = rho
+        keep = ((rho >= low) & (rho <= high)).to(m.dtype)
     else:
         if seg is None or num_seqs is None:
             raise ValueError("rollout_correction(mode='mis_seq') needs seg and num_seqs (per-sequence segmentation)")
@@ -83,7 +92,7 @@ def rollout_correction(
         keep = torch.cat([keep_seq, pad])[seg]
         metrics["mismatch/seq_masked_frac"] = ((1 - keep_seq) * has_tokens.to(m.dtype)).sum()
     weight, keep = weight * m, keep * m
-    if mode in ("mis_token", "mis_seq"):
+    if mode in ("mis_token", "mis_seq", "icepop"):
         metrics["mismatch/masked_frac"] = ((1 - keep) * m).sum()
     metrics["mismatch/is_weight_mean"] = (weight * keep).sum()
     return weight, keep, metrics

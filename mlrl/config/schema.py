@@ -72,7 +72,11 @@ class TrainerConfig:
     samples_per_prompt: int = 4
     """Responses sampled per prompt (the GRPO group size)."""
     mini_batches_per_step: int = 1
-    """Optimizer steps per RL step (the global batch is split into this many mini-batches)."""
+    """Optimizer updates per pass over the step's samples: the prompt groups of a step are split
+    into this many mini-batches (whole groups; 1 = one update per pass)."""
+    epochs_per_step: int = 1
+    """Passes over the step's samples (PPO epochs); updates per RL step = mini_batches_per_step *
+    epochs_per_step, and the LR schedule counts those updates."""
     micro_batch_tokens: int = 4096
     """Token budget of one packed micro-batch (per DP rank)."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -151,11 +155,22 @@ class WeightSyncConfig:
 
 
 @dataclass
+class DynamicSamplingConfig:
+    enabled: bool = False
+    """Drop prompt groups whose rewards are all equal (no group-relative signal) and generate more
+    prompts until trainer.prompts_per_step informative groups are kept (False = off)."""
+    max_rounds: int = 4
+    """Generation rounds per step at most (sync: batches of the missing prompts; async: groups
+    taken = max_rounds * prompts_per_step); then the step trains on what was kept."""
+
+
+@dataclass
 class AlgorithmConfig:
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = "grpo"
     """Advantage estimator."""
     std_normalize: bool = True
-    """GRPO: divide by the group std (False = mean-centering only; ignored by dr_grpo, which never divides)."""
+    """GRPO: divide by the group std (False = mean-centering only); GAE: whiten the advantages over
+    the step's policy tokens (False = raw GAE). Rejected with the other estimators, which never divide."""
     policy_loss: Literal["ppo", "dual_clip", "gspo"] = "ppo"
     """Policy-gradient loss."""
     eps_clip: float = 0.2
@@ -174,12 +189,20 @@ class AlgorithmConfig:
     """Entropy bonus (0 = off)."""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
     """How token losses are aggregated."""
-    rollout_is: Literal["none", "tis", "mis_token", "mis_seq"] = "none"
+    use_rollout_logprobs: bool = False
+    """Take the behaviour ("old") logprobs of the PPO ratio from the engines instead of a trainer
+    forward before the first update (False = trainer forward when more than one update per step,
+    none at all with one update: old = current logprobs, detached)."""
+    rollout_is: Literal["none", "tis", "mis_token", "mis_seq", "icepop"] = "none"
     """Train/rollout mismatch correction (none = off; required when staleness > 0)."""
     rollout_is_cap: float = 2.0
     """Cap of the importance ratio: TIS truncates at cap; MIS masks ratios outside [1/cap, cap]."""
-    dynamic_sampling: bool = False
-    """DAPO: drop groups whose rewards are all equal and refill."""
+    icepop_low: float = 0.5
+    """ICEPOP (rollout_is=icepop): tokens whose train/rollout probability ratio is below this are masked out."""
+    icepop_high: float = 5.0
+    """ICEPOP (rollout_is=icepop): tokens whose train/rollout probability ratio is above this are masked out."""
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    """DAPO dynamic sampling: drop groups whose rewards are all equal and refill the batch."""
     overlong_buffer: int = 0
     """DAPO overlong shaping: tokens before max_new_tokens where the penalty starts (0 = off)."""
     overlong_penalty: float = 1.0
@@ -188,6 +211,40 @@ class AlgorithmConfig:
     """Discount (GAE / REINFORCE++)."""
     lam: float = 1.0
     """GAE lambda."""
+
+
+@dataclass
+class CriticConfig:
+    """The value model for PPO + GAE (algorithm.advantage=gae): the policy's architecture with a
+    scalar value head, on the trainer ranks (same parallel layout), with its own optimizer."""
+
+    hf_dir: Optional[str] = None
+    """Initial weights of the critic's body (None = model.hf_dir, the policy's initial model); the
+    value head starts at zero."""
+    lr: float = 1e-5
+    """Peak learning rate of the critic."""
+    min_lr: float = 0.0
+    """Floor of the critic's decay schedule."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Decay after warm-up (constant = no decay)."""
+    lr_warmup_steps: int = 0
+    """Linear LR warm-up of the critic, in critic optimizer updates (0 = off)."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (0 = off)."""
+    grad_clip: float = 1.0
+    """Global grad-norm clip of the critic (0 = off)."""
+    value_clip: float = 0.2
+    """PPO value clipping: V is kept within +-value_clip of the values before the update (0 = off)."""
+    warmup_steps: int = 0
+    """First RL steps that update only the critic (the policy is not updated; 0 = off)."""
+
+
+@dataclass
+class EvalConfig:
+    samples_per_prompt: int = 1
+    """Responses sampled per held-out prompt (k of pass@k)."""
+    correct_threshold: float = 1.0
+    """A response counts as correct for pass@k when its reward is >= this."""
 
 
 @dataclass
@@ -291,8 +348,11 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    critic: Optional[CriticConfig] = None
+    """The value model (needed by, and only by, algorithm.advantage=gae; None = no critic)."""
     data: DataConfig = field(default_factory=DataConfig)
     workflow: WorkflowConfig = field(default_factory=WorkflowConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)

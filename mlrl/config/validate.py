@@ -45,7 +45,8 @@ def _check_ranges(cfg: Config) -> None:
     _positive("parallel.etp", p.etp)
     if p.vpp is not None:
         _positive("parallel.vpp", p.vpp)
-    for name in ("prompts_per_step", "samples_per_prompt", "mini_batches_per_step", "micro_batch_tokens", "total_steps"):
+    for name in ("prompts_per_step", "samples_per_prompt", "mini_batches_per_step", "epochs_per_step",
+                 "micro_batch_tokens", "total_steps"):
         _positive(f"trainer.{name}", getattr(t, name))
     _positive("trainer.world_size", t.world_size)
     if not t.lr > 0:
@@ -54,9 +55,10 @@ def _check_ranges(cfg: Config) -> None:
         raise ConfigError(f"trainer.min_lr: got {t.min_lr}, expected 0 <= min_lr <= trainer.lr ({t.lr})")
     for name in ("warmup_steps",):
         _positive(f"trainer.{name}", getattr(t, name), 0)
-    if t.warmup_steps and t.warmup_steps >= t.total_steps * t.mini_batches_per_step:
-        raise ConfigError(f"trainer.warmup_steps={t.warmup_steps} must be smaller than the optimizer steps of the run "
-                          f"(trainer.total_steps * mini_batches_per_step = {t.total_steps * t.mini_batches_per_step})")
+    updates = t.total_steps * t.mini_batches_per_step * t.epochs_per_step
+    if t.warmup_steps and t.warmup_steps >= updates:
+        raise ConfigError(f"trainer.warmup_steps={t.warmup_steps} must be smaller than the optimizer updates of the run "
+                          f"(trainer.total_steps * mini_batches_per_step * epochs_per_step = {updates})")
     if t.grad_clip < 0:
         raise ConfigError(f"trainer.grad_clip: got {t.grad_clip}, expected >= 0 (0 = off)")
     if t.weight_decay < 0:
@@ -64,7 +66,8 @@ def _check_ranges(cfg: Config) -> None:
     if not (0 <= t.adam_beta1 < 1 and 0 <= t.adam_beta2 < 1):
         raise ConfigError(f"trainer.adam_beta1/adam_beta2: got {t.adam_beta1}/{t.adam_beta2}, expected in [0, 1)")
     if t.prompts_per_step % t.mini_batches_per_step:
-        raise ConfigError(f"trainer.prompts_per_step ({t.prompts_per_step}) must be divisible by trainer.mini_batches_per_step ({t.mini_batches_per_step})")
+        raise ConfigError(f"trainer.mini_batches_per_step={t.mini_batches_per_step} must divide the prompt groups of a step "
+                          f"(trainer.prompts_per_step={t.prompts_per_step}): a mini-batch holds whole groups")
     _positive("rollout.num_engines", r.num_engines)
     _positive("rollout.engine_tp", r.engine_tp)
     _positive("rollout.max_concurrent_requests", r.max_concurrent_requests)
@@ -91,6 +94,17 @@ def _check_ranges(cfg: Config) -> None:
         raise ConfigError("algorithm.kl_coef / entropy_coef: expected >= 0 (0 = off)")
     if a.rollout_is_cap < 1:
         raise ConfigError(f"algorithm.rollout_is_cap: got {a.rollout_is_cap}, expected >= 1")
+    if not 0 < a.icepop_low < a.icepop_high or not a.icepop_low <= 1 <= a.icepop_high:
+        raise ConfigError(f"algorithm.icepop_low / icepop_high: got [{a.icepop_low}, {a.icepop_high}], expected "
+                          "0 < icepop_low <= 1 <= icepop_high with icepop_low < icepop_high")
+    _positive("algorithm.dynamic_sampling.max_rounds", a.dynamic_sampling.max_rounds)
+    if not a.std_normalize and a.advantage not in ("grpo", "gae"):
+        raise ConfigError(f"algorithm.std_normalize=false has no effect with algorithm.advantage={a.advantage!r} "
+                          "(only grpo and gae normalise); leave it true")
+    if a.use_rollout_logprobs and a.rollout_is != "none":
+        raise ConfigError(f"algorithm.use_rollout_logprobs=true makes the behaviour logprobs the rollout's, so "
+                          f"algorithm.rollout_is={a.rollout_is!r} would have nothing to correct: set one of them off")
+    _positive("eval.samples_per_prompt", cfg.eval.samples_per_prompt)
     if not 0 <= a.gamma <= 1 or not 0 <= a.lam <= 1:
         raise ConfigError("algorithm.gamma / lam: expected in [0, 1]")
     if a.overlong_buffer < 0 or a.overlong_buffer >= s.max_new_tokens and a.overlong_buffer:
@@ -103,6 +117,31 @@ def _check_ranges(cfg: Config) -> None:
     _positive("checkpoint.save_every", cfg.checkpoint.save_every, 0)
     _positive("data.max_prompt_tokens", cfg.data.max_prompt_tokens)
     _positive("workflow.max_concurrency", cfg.workflow.max_concurrency)
+
+
+def _check_critic(cfg: Config) -> None:
+    a, c, t = cfg.algorithm, cfg.critic, cfg.trainer
+    if a.advantage == "gae" and c is None:
+        raise ConfigError("algorithm.advantage=gae needs a critic: add a `critic:` section (e.g. critic.lr=1e-5; "
+                          "see mlrl/config/schema.py CriticConfig)")
+    if c is None:
+        return
+    if a.advantage != "gae":
+        raise ConfigError(f"critic: a critic section is set but algorithm.advantage={a.advantage!r} does not use values "
+                          "(only gae does): remove the section or use algorithm.advantage=gae")
+    if not c.lr > 0:
+        raise ConfigError(f"critic.lr: got {c.lr}, expected > 0")
+    if c.min_lr < 0 or c.min_lr > c.lr:
+        raise ConfigError(f"critic.min_lr: got {c.min_lr}, expected 0 <= min_lr <= critic.lr ({c.lr})")
+    for name in ("lr_warmup_steps", "warmup_steps"):
+        _positive(f"critic.{name}", getattr(c, name), 0)
+    if c.warmup_steps >= t.total_steps:
+        raise ConfigError(f"critic.warmup_steps={c.warmup_steps} (critic-only RL steps) must be smaller than "
+                          f"trainer.total_steps={t.total_steps}")
+    if c.lr_warmup_steps and c.lr_warmup_steps >= t.total_steps * t.mini_batches_per_step * t.epochs_per_step:
+        raise ConfigError(f"critic.lr_warmup_steps={c.lr_warmup_steps} must be smaller than the critic's updates of the run")
+    if c.grad_clip < 0 or c.weight_decay < 0 or c.value_clip < 0:
+        raise ConfigError("critic.grad_clip / weight_decay / value_clip: expected >= 0 (0 = off)")
 
 
 def _check_mode(cfg: Config) -> None:
@@ -222,6 +261,7 @@ def validate(cfg: Config, *, has_cuda: bool | None = None, dry_run: bool = False
     if has_cuda is None:
         has_cuda = dry_run or _cuda_available()  # a dry run never needs the local GPU (and skips importing torch)
     _check_ranges(cfg)
+    _check_critic(cfg)
     _check_mode(cfg)
     _check_devices(cfg, has_cuda=has_cuda or dry_run)
     layout = resolve_layout(cfg)
@@ -230,6 +270,18 @@ def validate(cfg: Config, *, has_cuda: bool | None = None, dry_run: bool = False
     except ModelSpecError as e:
         raise ConfigError(str(e)) from None
     _check_model(cfg, hf, layout)
+    if cfg.critic is not None and cfg.critic.hf_dir:
+        try:
+            chf = hf_config_dict(cfg.critic.hf_dir, None)
+        except ModelSpecError as e:
+            raise ConfigError(f"critic.hf_dir: {e}") from None
+        if chf.get("vocab_size") != hf.get("vocab_size"):
+            raise ConfigError(f"critic.hf_dir: vocab_size {chf.get('vocab_size')} differs from the policy's "
+                              f"{hf.get('vocab_size')} (model.hf_dir): the critic must read the policy's tokens")
+        try:
+            _check_model(cfg, chf, layout)
+        except ConfigError as e:
+            raise ConfigError(f"critic.hf_dir: {e}") from None
     return layout
 
 

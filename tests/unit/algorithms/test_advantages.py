@@ -153,10 +153,34 @@ def test_compute_advantages_token_estimators_store_token_advantages():
     assert samples[0].advantage == pytest.approx(0.577350, abs=1e-5)
     with pytest.raises(ValueError, match="gae.*needs values"):
         compute_advantages(samples, AlgorithmConfig(advantage="gae"))
-    compute_advantages(samples, AlgorithmConfig(advantage="gae", gamma=1.0, lam=1.0), values=[torch.zeros(3), torch.zeros(2)])
+    compute_advantages(samples, AlgorithmConfig(advantage="gae", gamma=1.0, lam=1.0, std_normalize=False),
+                       values=[torch.zeros(3), torch.zeros(2)])
     # V = 0, gamma = lam = 1: A_t = R on every policy token
     assert samples[0].metadata[TOKEN_ADVANTAGES_KEY] == pytest.approx([0.0, 1.0, 1.0])
     assert samples[1].metadata[TOKEN_ADVANTAGES_KEY] == pytest.approx([0.0, 0.0])
+
+
+def test_gae_with_gamma_lam_one_is_monte_carlo_return_minus_value():
+    """Outcome reward at the last token, gamma = lam = 1: A_t = R - V_t (the Monte-Carlo return of
+    every token is the reward), returns R_t = R; whitening (std_normalize) centres and scales A."""
+    from mlrl.algorithms.advantages import RETURNS_KEY
+
+    def step():
+        return [_sample(1.0, "a", n_prompt=1, n_resp=2), _sample(0.0, "a", n_prompt=1, n_resp=1)]
+
+    values = [torch.tensor([9.0, 0.3, 0.6]), torch.tensor([9.0, 0.2])]  # prompt values are never used
+    raw = step()
+    compute_advantages(raw, AlgorithmConfig(advantage="gae", gamma=1.0, lam=1.0, std_normalize=False), values=values)
+    assert raw[0].metadata[TOKEN_ADVANTAGES_KEY] == pytest.approx([0.0, 0.7, 0.4])
+    assert raw[1].metadata[TOKEN_ADVANTAGES_KEY] == pytest.approx([0.0, -0.2])
+    assert raw[0].metadata[RETURNS_KEY] == pytest.approx([0.0, 1.0, 1.0])
+    assert raw[1].metadata[RETURNS_KEY] == pytest.approx([0.0, 0.0])
+    white = step()
+    compute_advantages(white, AlgorithmConfig(advantage="gae", gamma=1.0, lam=1.0, std_normalize=True), values=values)
+    # [0.7, 0.4, -0.2]: mean 0.3, unbiased std sqrt(0.21) = 0.458258
+    assert white[0].metadata[TOKEN_ADVANTAGES_KEY] == pytest.approx([0.0, 0.872872, 0.218218], abs=1e-5)
+    assert white[1].metadata[TOKEN_ADVANTAGES_KEY] == pytest.approx([0.0, -1.091089], abs=1e-5)
+    assert white[0].metadata[RETURNS_KEY] == pytest.approx([0.0, 1.0, 1.0])  # targets are not whitened
 
 
 def test_compute_advantages_rejects_unknown_estimator():

@@ -151,7 +151,7 @@ def test_make_loss_fn_hand_computed():
     assert f["pg_loss"] == pytest.approx(-0.933333, abs=1e-5)
     assert f["kl_loss"] == pytest.approx(0.019315, abs=1e-5)
     assert f["entropy_loss"] == pytest.approx(-0.02, abs=1e-6)
-    assert f["pg_clipfrac"] == pytest.approx(1 / 3)
+    assert f["clip_fraction"] == pytest.approx(1 / 3)
     assert f["kl"] == pytest.approx(0.193147, abs=1e-5)
     assert f["entropy"] == pytest.approx(2.0)
     assert f["ratio_mean"] == pytest.approx(1.033333, abs=1e-5)

@@ -80,3 +80,17 @@ def test_weights_are_detached_and_modes_validated():
         rollout_correction(OLD, ROLLOUT, MASK, "is", 2.0)
     with pytest.raises(ValueError, match="rollout_is_cap=0.5"):
         rollout_correction(OLD, ROLLOUT, MASK, "tis", 0.5)
+
+
+def test_icepop_masks_tokens_outside_its_own_bounds():
+    # rho 3, .25, 1.2, 1: bounds [0.2, 2] keep .25, 1.2, 1 (mis_token with cap 2 would drop .25);
+    # bounds [0.9, 1.1] keep only 1
+    w, keep, m = rollout_correction(OLD, ROLLOUT, MASK, "icepop", 2.0, bounds=(0.2, 2.0))
+    close(keep, [0, 0, 1, 0, 1, 1, 0])
+    close(w * keep, [0, 0, 0.25, 0, 1.2, 1, 0])
+    assert float(m["mismatch/masked_frac"]) == 1.0
+    _, keep, m = rollout_correction(OLD, ROLLOUT, MASK, "icepop", 2.0, bounds=(0.9, 1.1))
+    close(keep, [0, 0, 0, 0, 0, 1, 0])
+    assert float(m["mismatch/masked_frac"]) == 3.0
+    with pytest.raises(ValueError, match="icepop_low / icepop_high = 2.0 / 0.5"):
+        rollout_correction(OLD, ROLLOUT, MASK, "icepop", 2.0, bounds=(2.0, 0.5))

@@ -1,0 +1,34 @@
+"""pass@k for held-out evaluation (Chen et al. 2021, "Evaluating Large Language Models Trained on
+Code", Sec. 2.1): with n samples of a prompt of which c are correct, the unbiased estimator of the
+probability that at least one of k samples is correct is
+
+    pass@k = 1 - C(n - c, k) / C(n, k)          (n >= k; 1 when n - c < k)
+
+computed as the paper's numerically stable product 1 - prod_{i=n-c+1}^{n} (1 - k / i), and
+averaged over prompts. pass@1 reduces to c / n.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one prompt with n samples, c of them correct."""
+    if not 0 <= c <= n or k < 1:
+        raise ValueError(f"pass_at_k: got n={n}, c={c}, k={k}; expected 0 <= c <= n and k >= 1")
+    if k > n:
+        raise ValueError(f"pass_at_k: k={k} exceeds the n={n} samples drawn for the prompt")
+    if n - c < k:
+        return 1.0
+    prod = 1.0
+    for i in range(n - c + 1, n + 1):
+        prod *= 1.0 - k / i
+    return 1.0 - prod
+
+
+def mean_pass_at_k(per_prompt: Sequence[tuple[int, int]], k: int) -> float:
+    """Mean over prompts of pass_at_k(n, c, k), given (n, c) per prompt."""
+    if not per_prompt:
+        raise ValueError("mean_pass_at_k: no prompts")
+    return sum(pass_at_k(n, c, k) for n, c in per_prompt) / len(per_prompt)

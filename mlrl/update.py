@@ -1,0 +1,175 @@
+"""The trainer side of one RL step: behaviour / reference logprobs, critic values, advantages,
+then `trainer.mini_batches_per_step` x `trainer.epochs_per_step` optimizer updates.
+
+Order kept, and why:
+1. every forward pass that feeds the whole step runs first, on the weights the samples were
+   generated with (sync) or the newest ones (async), before any update:
+   - behaviour ("old") logprobs, the denominator of the PPO ratio, once per step. They are
+     skipped when the step makes exactly one update and nothing else needs them: the loss then
+     uses the current logprobs, detached (ratio = exp(lp - sg(lp)) = 1 with the same gradient),
+     which is exactly what a separate forward on the same weights would give, one forward pass
+     cheaper. `algorithm.use_rollout_logprobs` takes them from the engines instead;
+   - reference logprobs (KL), critic values (GAE);
+2. advantages (and GAE returns) over the whole step: group baselines see every group;
+3. the samples are split by prompt group into mini-batches; each mini-batch is packed with its
+   own loss normalisation and makes one optimizer update, for every epoch. From the second
+   update on, the current policy differs from the behaviour policy: ratio != 1, clipping acts.
+   The critic, when there is one, makes one update per mini-batch too (after `critic.warmup_steps`
+   RL steps of critic-only updates, the policy updates as well).
+
+Metrics of the updates are combined into one value per step (`combine_update_metrics`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol, Sequence
+
+import torch
+
+from mlrl.algorithms.advantages import RETURNS_KEY, TOKEN_ADVANTAGES_KEY, compute_advantages
+from mlrl.algorithms.value import explained_variance
+from mlrl.config import Config
+from mlrl.experience.batch import MicroBatch
+from mlrl.experience.minibatch import split_groups
+from mlrl.experience.packing import attach_per_sample, pack_step, unpack_per_sample
+from mlrl.metrics import Timer
+from mlrl.types import Sample
+
+log = logging.getLogger(__name__)
+
+PerDP = list[list[MicroBatch]]
+
+
+class PolicyTrainer(Protocol):
+    """What the step asks of the policy (mlrl.trainer.remote.RemotePolicy)."""
+
+    dp_size: int
+
+    def compute_logprobs(self, per_dp: PerDP, temperature: float, *, reference: bool = False) -> list[list[tuple[torch.Tensor, torch.Tensor]]]: ...
+    def train_step(self, per_dp: PerDP) -> dict[str, float]: ...
+
+
+class CriticTrainer(Protocol):
+    """What the step asks of the critic (mlrl.trainer.remote.RemoteCritic)."""
+
+    def compute_values(self, per_dp: PerDP) -> list[list[torch.Tensor]]: ...
+    def train_step(self, per_dp: PerDP) -> dict[str, float]: ...
+
+
+def needs_old_logprobs(cfg: Config) -> bool:
+    """A separate behaviour-logprob forward is needed when more than one update uses them, or
+    when the KL goes into the reward (advantages need the policy's logprobs before any update)."""
+    t, a = cfg.trainer, cfg.algorithm
+    if a.use_rollout_logprobs:
+        return False
+    return t.mini_batches_per_step * t.epochs_per_step > 1 or (a.kl_in_reward and a.kl_coef > 0)
+
+
+def train_on(cfg: Config, policy: PolicyTrainer, critic: CriticTrainer | None, samples: list[Sample], timer: Timer,
+             step: int) -> dict[str, float]:
+    """All updates of one RL step (blocking trainer calls). Returns the step's train/critic metrics."""
+    a, t = cfg.algorithm, cfg.trainer
+    temperature = cfg.rollout.sampling.temperature or 1.0
+    kl_in_loss = a.kl_coef > 0 and not a.kl_in_reward
+    adv_needs_forward = (a.kl_in_reward and a.kl_coef > 0) or critic is not None
+    if not adv_needs_forward:
+        compute_advantages(samples, a)
+    whole, pack_metrics = _pack(cfg, policy, samples)
+    old = ref = values = None
+    with timer("logprobs"):
+        if needs_old_logprobs(cfg):
+            old = _per_sample(whole, policy.compute_logprobs(whole, temperature), len(samples))
+        if a.kl_coef > 0:
+            ref = _per_sample(whole, policy.compute_logprobs(whole, temperature, reference=True), len(samples))
+        if critic is not None:
+            out = critic.compute_values(whole)
+            values = unpack_per_sample([mb for r in whole for mb in r], [v for r in out for v in r], len(samples))
+    if a.use_rollout_logprobs:
+        old = [torch.tensor(s.rollout_logprobs, dtype=torch.float32) for s in samples]
+    if adv_needs_forward:
+        compute_advantages(samples, a, ref_logprobs=ref, policy_logprobs=old, values=values)
+        whole = None  # packed before the advantages existed
+    returns = [torch.tensor(s.metadata[RETURNS_KEY], dtype=torch.float32) for s in samples] if critic is not None else None
+
+    actor_updates = critic is None or step > cfg.critic.warmup_steps
+    parts = split_groups(samples, t.mini_batches_per_step)
+    policy_metrics: list[dict[str, float]] = []
+    critic_metrics: list[dict[str, float]] = []
+    with timer("train"):
+        for _epoch in range(t.epochs_per_step):
+            for idx in parts:
+                mb_samples = [samples[i] for i in idx]
+                per_dp = whole if whole is not None and len(parts) == 1 else _pack(cfg, policy, mb_samples)[0]
+                flat = [mb for r in per_dp for mb in r]
+                if old is not None:
+                    attach_per_sample(flat, "old_logprobs", [old[i] for i in idx])
+                if ref is not None and kl_in_loss:
+                    attach_per_sample(flat, "ref_logprobs", [ref[i] for i in idx])
+                if critic is not None:
+                    attach_per_sample(flat, "old_values", [values[i] for i in idx])
+                    attach_per_sample(flat, "returns", [returns[i] for i in idx])
+                    critic_metrics.append(critic.train_step(per_dp))
+                if actor_updates:
+                    policy_metrics.append(policy.train_step(per_dp))
+    metrics = {**pack_metrics, **{f"train/{k}": v for k, v in combine_update_metrics(policy_metrics).items()}}
+    metrics["train/updates"] = float(len(policy_metrics))
+    if critic is not None:
+        metrics.update({f"critic/{k}": v for k, v in combine_update_metrics(critic_metrics).items()})
+        metrics["critic/updates"] = float(len(critic_metrics))
+        masks = [torch.tensor(s.loss_mask, dtype=torch.bool) for s in samples]
+        v_all = torch.cat([v[m] for v, m in zip(values, masks)])
+        r_all = torch.cat([r[m] for r, m in zip(returns, masks)])
+        metrics["critic/values_mean"] = float(v_all.mean()) if v_all.numel() else 0.0
+        metrics["critic/returns_mean"] = float(r_all.mean()) if r_all.numel() else 0.0
+        metrics["critic/explained_variance"] = explained_variance(v_all, r_all, torch.ones_like(v_all, dtype=torch.bool))
+    adv = [v for s in samples for v, m in zip(_token_advantages(s), s.loss_mask) if m]
+    if adv:
+        metrics["advantages/mean"] = sum(adv) / len(adv)
+        metrics["advantages/abs_mean"] = sum(abs(x) for x in adv) / len(adv)
+    return metrics
+
+
+def _token_advantages(s: Sample) -> list[float]:
+    tok = s.metadata.get(TOKEN_ADVANTAGES_KEY)
+    return [float(x) for x in tok] if tok is not None else [float(s.advantage)] * len(s.tokens)
+
+
+def _pack(cfg: Config, policy: PolicyTrainer, samples: Sequence[Sample]) -> tuple[PerDP, dict[str, float]]:
+    return pack_step(samples, dp_size=policy.dp_size, token_budget=cfg.trainer.micro_batch_tokens,
+                     loss_agg=cfg.algorithm.loss_agg, norm_len=cfg.rollout.sampling.max_new_tokens)
+
+
+def _per_sample(per_dp: PerDP, out: list[list[tuple[torch.Tensor, Any]]], n: int) -> list[torch.Tensor]:
+    flat = [mb for rank in per_dp for mb in rank]
+    return unpack_per_sample(flat, [lp for rank in out for lp, _ in rank], n)
+
+
+# keys summed over updates; "_max" / "_min" keys reduce by max / min; "lr" is the last update's;
+# everything else is a per-update mean, averaged over updates weighted by the update's loss tokens
+_SUMMED = {"n_tokens", "n_seqs", "tokens", "loss_tokens", "num_micro_batches", "skipped", "time_s"}
+
+
+def combine_update_metrics(updates: Sequence[dict[str, float]]) -> dict[str, float]:
+    """One value per key for a step made of several optimizer updates."""
+    out: dict[str, float] = {}
+    if not updates:
+        return out
+    weights = [max(float(u.get("loss_tokens", u.get("n_tokens", 1.0))), 0.0) for u in updates]
+    if sum(weights) <= 0:
+        weights = [1.0] * len(updates)
+    for k in sorted({k for u in updates for k in u}):
+        present = [(u[k], w) for u, w in zip(updates, weights) if k in u]
+        vals = [v for v, _ in present]
+        if k in _SUMMED:
+            out[k] = float(sum(vals))
+        elif k.endswith("_max"):
+            out[k] = float(max(vals))
+        elif k.endswith("_min"):
+            out[k] = float(min(vals))
+        elif k == "lr":
+            out[k] = float(vals[-1])
+        else:
+            wsum = sum(w for _, w in present)
+            out[k] = float(sum(v * w for v, w in present) / wsum) if wsum > 0 else float(sum(vals) / len(vals))
+    return out

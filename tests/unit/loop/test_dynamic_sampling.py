@@ -1,0 +1,109 @@
+"""DAPO dynamic sampling refills the batch (sync and async), and pass@k evaluation, with a scripted
+engine: prompts with an even digit are always answered right (a group with equal rewards: no
+signal), odd digits right on every other call (an informative group)."""
+
+import asyncio
+import re
+
+import pytest
+
+from mlrl.config import load_config
+from mlrl.data.sampler import PromptSampler
+from mlrl.loop import RunContext, _collect, _produce, evaluate_if_due, rollout_sync
+from mlrl.metrics import Timer
+from mlrl.metrics.pass_at_k import mean_pass_at_k, pass_at_k
+from mlrl.workflow import EpisodeRunner, build_workflow_from_config, gconfig_from_sampling, load_hf_tokenizer
+from mlrl.workflow.testing import ScriptedEngine
+
+P, N = 4, 2
+ROWS = [{"messages": [{"role": "user", "content": f"copy {d}"}], "answer": str(d), "row": i}
+        for i, d in enumerate([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9])]
+
+
+def _ctx(overrides, rows=ROWS):
+    cfg = load_config(None, [f"trainer.prompts_per_step={P}", f"trainer.samples_per_prompt={N}", "workflow.reward_workers=0",
+                             *overrides])
+    tok = load_hf_tokenizer("builtin:tiny-llama")
+
+    def script(input_ids, call):
+        digit = int(re.findall(r"copy (\d)", tok.decode(input_ids, skip_special_tokens=True))[-1])
+        text = str(digit) if digit % 2 == 0 or call % 2 == 0 else "copy"
+        return list(tok(text, add_special_tokens=False)["input_ids"]) + [tok.eos_token_id]
+
+    engine = ScriptedEngine(script, eos_token_id=tok.eos_token_id, vocab_size=len(tok))
+    wf = build_workflow_from_config(cfg.workflow, tokenizer=tok, gconfig=gconfig_from_sampling(cfg.rollout.sampling))
+    runner = EpisodeRunner.from_config(cfg.workflow, wf, engine)
+    return RunContext(cfg=cfg, policy=None, engines=engine, weight_sync=None, runner=runner,
+                      sampler=PromptSampler(rows, seed=0, shuffle=False), logger=None, checkpoint=None,
+                      version_changed=asyncio.Condition())
+
+
+async def test_sync_refill_keeps_generating_until_the_batch_is_full():
+    ctx = _ctx(["algorithm.dynamic_sampling.enabled=true", "algorithm.dynamic_sampling.max_rounds=4"])
+    samples, m = await rollout_sync(ctx)
+    # round 1: digits 0 1 2 3 (two informative), round 2: 4 5 (one), round 3: 6 (none), round 4: 7
+    assert m["rollout/sampling_rounds"] == 4
+    assert m["rollout/filtered_fraction"] == pytest.approx(4 / 8)
+    assert m["groups/count"] == 8 and m["samples/trainable"] == P * N
+    assert len({s.group_id for s in samples}) == P
+    assert all(len({x.reward for x in samples if x.group_id == g}) == 2 for g in {s.group_id for s in samples})
+    assert ctx.sampler.state()["consumed"] == 8
+
+
+async def test_sync_refill_stops_at_max_rounds_and_trains_on_what_was_kept():
+    ctx = _ctx(["algorithm.dynamic_sampling.enabled=true", "algorithm.dynamic_sampling.max_rounds=2"])
+    samples, m = await rollout_sync(ctx)
+    assert m["rollout/sampling_rounds"] == 2 and len({s.group_id for s in samples}) == 3
+    assert m["rollout/filtered_fraction"] == pytest.approx(3 / 6)
+
+
+async def test_without_dynamic_sampling_uniform_groups_are_kept():
+    ctx = _ctx([])
+    samples, m = await rollout_sync(ctx)
+    assert len({s.group_id for s in samples}) == P and "rollout/sampling_rounds" not in m
+    assert ctx.sampler.state()["consumed"] == P
+
+
+async def test_async_refill_starts_one_more_prompt_per_dropped_group():
+    ctx = _ctx(["mode=async", "rollout.staleness=1", "algorithm.rollout_is=tis", "algorithm.dynamic_sampling.enabled=true",
+                "algorithm.dynamic_sampling.max_rounds=4"])
+    q: asyncio.PriorityQueue = asyncio.PriorityQueue()
+    prod = asyncio.create_task(_produce(ctx, q, 1))
+    try:
+        samples, m, stale = await asyncio.wait_for(_collect(ctx, q, 1), 30)
+    finally:
+        prod.cancel()
+        await asyncio.gather(prod, return_exceptions=True)
+    groups = {s.group_id for s in samples}
+    assert len(groups) == P and stale == 0
+    assert ctx.extra_prompts >= 1 and m["rollout/filtered_fraction"] > 0
+    assert m["rollout/sampling_rounds"] == pytest.approx(m["groups/count"] / P)
+    assert all(len({x.reward for x in samples if x.group_id == g}) == 2 for g in groups)
+
+
+def test_pass_at_k_estimator():
+    assert pass_at_k(4, 0, 1) == 0.0 and pass_at_k(4, 4, 4) == 1.0
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)  # 1 - C(3,2)/C(5,2)
+    assert pass_at_k(10, 3, 5) == pytest.approx(1 - 21 / 252)  # 1 - C(7,5)/C(10,5)
+    assert mean_pass_at_k([(4, 1), (4, 0)], 1) == pytest.approx(0.125)
+    with pytest.raises(ValueError, match="k=5 exceeds the n=4"):
+        pass_at_k(4, 1, 5)
+
+
+async def test_eval_reports_pass_at_1_and_pass_at_k():
+    rows = ROWS[:4]  # digits 0 1 2 3: even always right, odd right every other call
+    ctx = _ctx(["data.eval_every=1", "eval.samples_per_prompt=4", "trainer.total_steps=1"])
+    ctx.eval_rows = rows
+    m = await evaluate_if_due(ctx, 1, Timer())
+    assert m["eval/episodes/total"] == 16
+    assert m["eval/pass@1"] == pytest.approx((1 + 0.5 + 1 + 0.5) / 4)
+    assert m["eval/pass@k"] == m["eval/pass@4"] == 1.0
+    assert m["eval/mean_reward"] == pytest.approx(0.75)
+    one = _ctx(["data.eval_every=1", "eval.samples_per_prompt=1", "trainer.total_steps=1"])
+    one.eval_rows = rows
+    m1 = await evaluate_if_due(one, 1, Timer())
+    assert m1["eval/episodes/total"] == 4 and m1["eval/pass@k"] == m1["eval/pass@1"]
+    strict = _ctx(["data.eval_every=1", "eval.samples_per_prompt=4", "trainer.total_steps=1", "eval.correct_threshold=2.0"])
+    strict.eval_rows = rows
+    assert (await evaluate_if_due(strict, 1, Timer()))["eval/pass@k"] == 0.0
