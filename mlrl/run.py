@@ -26,7 +26,7 @@ from mlrl.modelzoo import resolve_model_dir
 from mlrl.rollout.pool import EnginePool
 from mlrl.rollout.server import ServerSpec
 from mlrl.trainer.group import SpawnRanks, TrainerGroup
-from mlrl.trainer.remote import MegatronWeightSource, RemotePolicy
+from mlrl.trainer.remote import MegatronWeightSource, RemoteCritic, RemotePolicy
 from mlrl.weight_sync import make_weight_sync
 from mlrl.workflow import EpisodeRunner, build_workflow_from_config, gconfig_from_sampling, load_hf_tokenizer
 
@@ -34,19 +34,50 @@ log = logging.getLogger("mlrl")
 
 
 class Checkpointer:
-    """Saves (trainer shards + loop state, atomically) and exports HF folders for the loop."""
+    """Saves (trainer shards + loop state, atomically) and exports HF folders for the loop.
+
+    With checkpoint.async_save (GPU) the trainer ranks return from the save while megatron-core
+    still writes the shards in the background: such a save stays pending (its temporary folder,
+    step and loop state) and is committed (COMPLETE, rename, `latest`) only after megatron-core
+    has finalized it on every rank. `finalize` does that: the loop calls it every step without
+    blocking (a collective poll) and blocking at exit, and `save` calls it, blocking, before the
+    next save (at most one checkpoint is in flight). Without async_save, `save` commits at once."""
 
     def __init__(self, manager: CheckpointManager, run_dir: Path):
         self.manager = manager
         self.run_dir = run_dir
         self.last_saved: Path | None = None
         self.last_export: Path | None = None
+        self.pending: tuple[Path, int, dict[str, Any]] | None = None  # async save written, not yet committed
 
-    def save(self, ctx: RunContext, step: int) -> Path:
+    def save(self, ctx: RunContext, step: int) -> Path | None:
+        """The committed checkpoint, or None while an async save is still being written."""
+        self.finalize(ctx)  # commit the previous async save first (a no-op without one)
         tmp = self.manager.begin(step)
-        ctx.policy.save_checkpoint(tmp / "model_optim")
+        ctx.policy.save_checkpoint(tmp / "model_optim", critic_path=tmp / "critic" if ctx.critic is not None else None)
         state = {"weight_version": ctx.version, "sampler": ctx.sampler.state(), "config": dump_yaml(ctx.cfg),
                  "in_flight_rows": [*ctx.in_flight.values(), *ctx.resume_rows]}  # async: re-issued on resume
+        if ctx.cfg.checkpoint.async_save and ctx.policy.finalize_checkpoints(blocking=False):
+            self.pending = (tmp, step, state)  # shards still being written: not COMPLETE, never resumed from
+            log.info("checkpoint step %d: shards are being written in the background", step)
+            return None
+        self.last_saved = self.manager.commit(tmp, step, state)
+        log.info("checkpoint saved: %s", self.last_saved)
+        return self.last_saved
+
+    def finalize(self, ctx: RunContext, blocking: bool = True) -> Path | None:
+        """Commit the pending async save once megatron-core has finalized it on every rank
+        (`blocking`: wait for that). Returns the checkpoint committed now, else None. A collective
+        on the trainer ranks when a save is pending; nothing at all otherwise."""
+        if self.pending is None:
+            return None
+        left = ctx.policy.finalize_checkpoints(blocking=blocking)
+        if left and blocking:
+            raise RuntimeError(f"{left} checkpoint save(s) still pending after a blocking finalize")
+        if left:
+            return None
+        tmp, step, state = self.pending
+        self.pending = None
         self.last_saved = self.manager.commit(tmp, step, state)
         log.info("checkpoint saved: %s", self.last_saved)
         return self.last_saved
@@ -133,6 +164,9 @@ async def _run(cfg: Config, layout: Layout) -> int:
     ckpts = CheckpointManager(cfg.checkpoint.dir or run_dir / "checkpoints", cfg.checkpoint.keep_last)
     resume = ckpts.resolve_resume(cfg.checkpoint.resume)
     state = read_state(resume) if resume else None
+    if resume and cfg.uses_critic and not (resume / "critic").is_dir():
+        raise ConfigError(f"checkpoint.resume: {resume} holds no critic state (saved by a run without a critic) but this "
+                          "config trains a critic (algorithm.advantage=gae); resume from a checkpoint of a gae run or set checkpoint.resume=none")
     train_rows = dataset_from_config(cfg.data, "train", tokenizer=tokenizer, seed=cfg.trainer.seed)
     eval_rows = list(dataset_from_config(cfg.data, "eval", tokenizer=tokenizer, seed=cfg.trainer.seed)) if cfg.data.eval else None
     sampler = PromptSampler(train_rows, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
@@ -156,7 +190,8 @@ async def _run(cfg: Config, layout: Layout) -> int:
         policy = RemotePolicy(group)
         version = 0
         if resume:
-            await asyncio.to_thread(policy.load_checkpoint, resume / "model_optim")
+            await asyncio.to_thread(policy.load_checkpoint, resume / "model_optim",
+                                    resume / "critic" if cfg.uses_critic else None)
             version = int(state["weight_version"])
             log.info("resumed from %s (step %d, weight version %d)", resume, state["step"], version)
         weight_sync = make_weight_sync(cfg.weight_sync, pool, MegatronWeightSource(policy), run_dir=run_dir,
@@ -167,7 +202,8 @@ async def _run(cfg: Config, layout: Layout) -> int:
         start_step = int(state["step"]) if state else 0
         logger = MetricsLogger(run_dir, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard,
                                wandb_project=cfg.logging.wandb_project, resume_step=start_step)
-        ctx = RunContext(cfg=cfg, policy=policy, engines=pool, weight_sync=weight_sync, runner=runner, sampler=sampler,
+        critic = RemoteCritic(policy) if cfg.uses_critic else None
+        ctx = RunContext(cfg=cfg, policy=policy, critic=critic, engines=pool, weight_sync=weight_sync, runner=runner, sampler=sampler,
                          logger=logger, checkpoint=Checkpointer(ckpts, run_dir), eval_rows=eval_rows,
                          start_step=start_step, version=version, progress=_progress(cfg, start_step),
                          resume_rows=list(state.get("in_flight_rows", [])) if state else [])

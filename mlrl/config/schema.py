@@ -349,7 +349,9 @@ class Config:
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     critic: Optional[CriticConfig] = None
-    """The value model (needed by, and only by, algorithm.advantage=gae; None = no critic)."""
+    """The value model: needed by algorithm.advantage=gae (an error without it); with the other
+    estimators, which use no values, no critic is built and the section is not used (recipes may
+    carry it for gae runs). None = no critic section."""
     data: DataConfig = field(default_factory=DataConfig)
     workflow: WorkflowConfig = field(default_factory=WorkflowConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -358,3 +360,8 @@ class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     mode: Literal["sync", "async"] = "sync"
     """Synchronous on-policy, or asynchronous with rollout.staleness > 0."""
+
+    @property
+    def uses_critic(self) -> bool:
+        """A critic is built and trained: the estimator needs values (gae) and the section exists."""
+        return self.algorithm.advantage == "gae" and self.critic is not None

@@ -124,11 +124,8 @@ def _check_critic(cfg: Config) -> None:
     if a.advantage == "gae" and c is None:
         raise ConfigError("algorithm.advantage=gae needs a critic: add a `critic:` section (e.g. critic.lr=1e-5; "
                           "see mlrl/config/schema.py CriticConfig)")
-    if c is None:
+    if not cfg.uses_critic:
         return
-    if a.advantage != "gae":
-        raise ConfigError(f"critic: a critic section is set but algorithm.advantage={a.advantage!r} does not use values "
-                          "(only gae does): remove the section or use algorithm.advantage=gae")
     if not c.lr > 0:
         raise ConfigError(f"critic.lr: got {c.lr}, expected > 0")
     if c.min_lr < 0 or c.min_lr > c.lr:
@@ -270,7 +267,7 @@ def validate(cfg: Config, *, has_cuda: bool | None = None, dry_run: bool = False
     except ModelSpecError as e:
         raise ConfigError(str(e)) from None
     _check_model(cfg, hf, layout)
-    if cfg.critic is not None and cfg.critic.hf_dir:
+    if cfg.uses_critic and cfg.critic.hf_dir:
         try:
             chf = hf_config_dict(cfg.critic.hf_dir, None)
         except ModelSpecError as e:

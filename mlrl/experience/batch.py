@@ -5,6 +5,10 @@ is aligned with `tokens`. Conventions that the trainer, the algorithms and the p
 
 - `logprobs[t]` (whatever produced it: engine, trainer, reference) is log p(tokens[t] | tokens[<t]
   of the same sample); the first token of each sample has no logprob (0.0, loss_mask 0).
+- critic values follow the same alignment: `old_values[t]` is V(tokens[<t]), the value of the
+  state in which token t was generated (the critic's output at position t-1), 0 for the first
+  token of each sample and for padding; `returns[t]` is its regression target (read where
+  loss_mask is 1).
 - `loss_weight[t]` already carries the step-wide normalisation (token-mean: 1 / number of loss
   tokens in the whole step, over all micro-batches and DP ranks; seq-mean modes: see
   mlrl.algorithms.losses), so the step loss is sum_t loss_weight[t] * l_t summed over every
@@ -33,6 +37,8 @@ class MicroBatch:
     rollout_logprobs: torch.Tensor  # [S] float32: engine logprobs at sampling time
     old_logprobs: Optional[torch.Tensor] = None  # [S] trainer logprobs before the update (PPO ratio denominator)
     ref_logprobs: Optional[torch.Tensor] = None  # [S] reference-policy logprobs (KL), None = no KL
+    old_values: Optional[torch.Tensor] = None    # [S] float32 critic values before the update (value clipping), None = no critic
+    returns: Optional[torch.Tensor] = None       # [S] float32 GAE returns: the critic's regression target, None = no critic
 
     @property
     def num_tokens(self) -> int:

@@ -16,8 +16,9 @@ Order of operations, and the invariant each keeps:
    shapes).
 
 Inside a micro-batch samples appear in increasing sample index. `sample_ids` index into the
-`samples` list given to pack_step; per-sample tensors (old / reference logprobs) come back with
-`attach_per_sample`, per-token trainer outputs go back to samples with `unpack_per_sample`.
+`samples` list given to pack_step; per-sample tensors (old / reference logprobs, old critic
+values, returns) come back with `attach_per_sample`, per-token trainer outputs go back to
+samples with `unpack_per_sample`.
 """
 
 from __future__ import annotations
@@ -197,16 +198,19 @@ def gather_per_sample(mb: MicroBatch, per_sample: Sequence[torch.Tensor]) -> tor
     return torch.cat(parts)
 
 
+_PER_SAMPLE_FIELDS = ("old_logprobs", "ref_logprobs", "old_values", "returns")
+
+
 def attach_per_sample(
     micro_batches: Iterable[MicroBatch],
-    name: Literal["old_logprobs", "ref_logprobs"],
+    name: Literal["old_logprobs", "ref_logprobs", "old_values", "returns"],
     per_sample: Sequence[torch.Tensor],
 ) -> None:
     """Set mb.<name> (detached float32) on each micro-batch from per-sample [T_i] tensors indexed
     like the step's sample list. For the pack_step output pass
     `[mb for rank in packed for mb in rank]` (or one rank's list)."""
-    if name not in ("old_logprobs", "ref_logprobs"):
-        raise ValueError(f"attach_per_sample: name={name!r}, expected 'old_logprobs' or 'ref_logprobs'")
+    if name not in _PER_SAMPLE_FIELDS:
+        raise ValueError(f"attach_per_sample: name={name!r}, expected one of {_PER_SAMPLE_FIELDS}")
     for mb in micro_batches:
         setattr(mb, name, gather_per_sample(mb, per_sample).detach().to(torch.float32))
 

@@ -1,4 +1,5 @@
-"""Resumable distributed checkpoints of a `MegatronPolicy`, and its streamed Hugging Face export.
+"""Resumable distributed checkpoints of a `MegatronPolicy` (or a `MegatronCritic`, the same
+format), and the policy's streamed Hugging Face export.
 
 Rank side (every function is a collective over all trainer ranks, like the policy's methods):
 
@@ -11,14 +12,15 @@ Rank side (every function is a collective over all trainer ranks, like the polic
 Format: Megatron-Core `dist_checkpointing` (torch_dist) in `path/`, plus two things of ours
 written by rank 0 after every rank has finished writing: `hf_files/` (config.json,
 generation_config.json, tokenizer files: enough to export an HF folder from the checkpoint
-alone) and `mlrl_checkpoint.json` (format version, the HF config, the architecture the bridge
-parsed from it, the parallel layout, the optimizer kind / precision / state sharding, the
-optimizer step count). `mlrl_checkpoint.json` is written last: a directory without it was never
-completely written.
+alone) and `mlrl_checkpoint.json` (format version, the role: policy or critic, the HF config,
+the architecture the bridge parsed from it, the parallel layout, the optimizer kind / precision /
+state sharding, the optimizer step count). `mlrl_checkpoint.json` is written last: a directory
+without it was never completely written.
 
 Invariants:
 - Nothing is loaded before everything that can be checked has been: the directory is complete,
-  the architecture equals the model's (every field of the bridge's `ModelArch`), and the
+  it holds the same role (a policy's checkpoint never loads into a critic, nor the reverse: their
+  output layers differ), the architecture equals the model's (every field of `ModelArch`), and the
   optimizer state can be resharded into this layout. Errors are `CheckpointError`s naming the
   field and both values.
 - Resharding: model tensors are Megatron ShardedTensors (TP / PP / VPP / EP / DP changes load).
@@ -127,8 +129,17 @@ def _arch_differences(saved_hf_config: dict, policy) -> list[str]:
     return [f"{k}: checkpoint {a[k]!r}, model {b.get(k)!r}" for k in a if a[k] != b.get(k)]
 
 
+def _role(policy) -> str:
+    return getattr(policy, "role", "policy")
+
+
 def check_loadable(policy, meta: dict[str, Any], *, load_optimizer: bool) -> None:
     """Everything that would make the load fail or be wrong, checked before any tensor moves."""
+    saved_role = meta.get("role", "policy")  # checkpoints written before roles were recorded are policies
+    if saved_role != _role(policy):
+        raise CheckpointError(f"checkpoint holds a {saved_role} (its output layer: "
+                              f"{'the LM head' if saved_role == 'policy' else 'a value head'}), the model being loaded "
+                              f"is a {_role(policy)}: load a {_role(policy)} checkpoint into it")
     diff = _arch_differences(meta["hf_config"], policy)
     if diff:
         raise CheckpointError(f"checkpoint architecture does not match model.hf_dir={policy.hf_dir}: " + "; ".join(diff))
@@ -324,7 +335,7 @@ def save_checkpoint(policy, path: str | Path, *, async_save: bool = False,
     if trainable and not with_optimizer:
         sd["scheduler"] = policy.scheduler.state_dict()
     meta = {
-        "format": FORMAT, "backend": "torch_dist", "megatron_core": _megatron_version(),
+        "format": FORMAT, "backend": "torch_dist", "megatron_core": _megatron_version(), "role": _role(policy),
         "model_type": policy.arch.model_type, "arch": asdict(policy.arch), "hf_config": policy.hf_config,
         "layout": _layout(policy),
         "contents": {"model": True, "optimizer": with_optimizer, "scheduler": trainable, "rng": trainable},
@@ -497,6 +508,8 @@ def export_hf_shards(policy, folder: str | Path, *, max_shard_bytes: int = 2 << 
     """Collective. The sender of each pipeline stage writes its stage's HF tensors into
     `folder/stage<pp>-0000i.safetensors` and returns its shard map; other ranks return None.
     Peak memory per sender: one bucket being gathered plus one shard being filled."""
+    if _role(policy) != "policy":
+        raise ValueError(f"HF export of a {_role(policy)}: only the policy is a Hugging Face causal LM")
     info = policy.rank_info()
     writer = None
     if info["is_stage_sender"]:

@@ -115,12 +115,14 @@ def _te_block_spec(config, vp_stage, pp_rank):
                                       vp_stage=vp_stage, pp_rank=pp_rank)
 
 
-def build_model_chunks(spec: ArchSpec, arch: ModelArch, config, layout: Layout) -> list[torch.nn.Module]:
-    """One GPTModel per virtual pipeline stage held by this rank (one without VPP), on device."""
+def build_model_chunks(spec: ArchSpec, arch: ModelArch, config, layout: Layout, *,
+                       overrides: dict[str, Any] | None = None) -> list[torch.nn.Module]:
+    """One GPTModel per virtual pipeline stage held by this rank (one without VPP), on device.
+    `overrides` replace GPTModel arguments of the spec (the critic: no tied output layer)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    kwargs = spec.gpt_model_kwargs(arch)
+    kwargs = {**spec.gpt_model_kwargs(arch), **(overrides or {})}
     kwargs["vocab_size"] = padded_vocab_size(arch.vocab_size, layout.tp)
     vpp = config.virtual_pipeline_model_parallel_size
     pp_rank = ps.get_pipeline_model_parallel_rank()

@@ -23,7 +23,12 @@ so it does not rescale by 1 / tokens: the result is exactly the sum.
 
 Learning rate: optimizer step k (1-based) uses Megatron's OptimizerParamScheduler at
 num_steps = k (linear warm-up from 0 reaches trainer.lr at k = warmup_steps; no step runs at
-lr 0); decay over trainer.total_steps * trainer.mini_batches_per_step optimizer steps.
+lr 0); decay over trainer.total_steps * trainer.mini_batches_per_step * trainer.epochs_per_step
+optimizer steps (the updates of the whole run).
+
+Hooks for models built the same way (mlrl.trainer.critic): `_build_chunks`, `_local_params`,
+`_optimizer_hparams`, `_token_values` (the per-token outputs handed to the loss function and
+returned by `_forward_token_values`) and `TOKEN_VALUES` (how many per-token outputs there are).
 """
 
 from __future__ import annotations
@@ -55,6 +60,9 @@ __all__ = ["MegatronPolicy", "init_parallel", "LossFn"]
 
 
 class MegatronPolicy:
+    role = "policy"  # written into checkpoints: a policy checkpoint never loads into a critic, nor the reverse
+    TOKEN_VALUES = 2  # per-token outputs of `_token_values`: (logprob, entropy)
+
     def __init__(self, model_cfg: ModelConfig, parallel: ParallelConfig, trainer_cfg: TrainerConfig, layout: Layout, *,
                  hf_dir: Path | str, trainable: bool = True):
         from megatron.core import parallel_state
@@ -84,9 +92,8 @@ class MegatronPolicy:
         self.ranks: Ranks = ranks()
         self.device = device()
         self.config = build_transformer_config(self.spec, self.arch, parallel, trainer_cfg, layout)
-        chunks = build_model_chunks(self.spec, self.arch, self.config, layout)
-        vpp = self.config.virtual_pipeline_model_parallel_size
-        self.params = LocalParams(chunks, self.spec, self.arch, self.ranks, vpp=vpp, pp_split=parallel.pp_layer_split)
+        chunks = self._build_chunks()
+        self.params = self._local_params(chunks)
         self.params.load_hf(ckpt)
         self.optimizer = self.scheduler = None
         if trainable:
@@ -100,6 +107,21 @@ class MegatronPolicy:
         self.optimizer_steps = 0
 
     # ---- construction ----------------------------------------------------------------------------
+    def _build_chunks(self) -> list[torch.nn.Module]:
+        """This rank's GPTModel chunks, before DDP (hook: the critic swaps in its value head)."""
+        return build_model_chunks(self.spec, self.arch, self.config, self.layout)
+
+    def _local_params(self, chunks: list[torch.nn.Module]) -> LocalParams:
+        """The parameters that load from / export to the HF checkpoint (hook: the critic's value head is not one)."""
+        return LocalParams(chunks, self.spec, self.arch, self.ranks, vpp=self.config.virtual_pipeline_model_parallel_size,
+                           pp_split=self.parallel.pp_layer_split)
+
+    def _optimizer_hparams(self) -> dict[str, Any]:
+        """Learning-rate schedule and regularisation of this model's optimizer (hook: the critic has its own)."""
+        t = self.trainer_cfg
+        return dict(lr=t.lr, min_lr=t.min_lr, lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps,
+                    weight_decay=t.weight_decay, grad_clip=t.grad_clip)
+
     def _wrap_ddp(self, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
@@ -121,23 +143,23 @@ class MegatronPolicy:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        t = self.trainer_cfg
+        t, h = self.trainer_cfg, self._optimizer_hparams()
         dtype = params_dtype(t)
         opt_cfg = OptimizerConfig(
-            optimizer=t.optimizer, lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
+            optimizer=t.optimizer, lr=h["lr"], min_lr=h["min_lr"], weight_decay=h["weight_decay"],
             adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
             # grad_clip 0 = off; a huge threshold keeps Megatron computing (and returning) the norm
-            clip_grad=t.grad_clip if t.grad_clip > 0 else 1e30,
+            clip_grad=h["grad_clip"] if h["grad_clip"] > 0 else 1e30,
             bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
             use_distributed_optimizer=t.use_distributed_optimizer)
         with cpu_compat.cuda_tensor_methods():
             self.optimizer = get_megatron_optimizer(opt_cfg, self.model)
         self.config.grad_scale_func = self.optimizer.scale_loss
-        total = max(1, t.total_steps * t.mini_batches_per_step)
+        total = max(1, t.total_steps * t.mini_batches_per_step * t.epochs_per_step)
         self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=t.warmup_steps,
-            lr_decay_steps=max(total, t.warmup_steps), lr_decay_style=t.lr_schedule, start_wd=t.weight_decay,
-            end_wd=t.weight_decay, wd_incr_steps=total, wd_incr_style="constant")
+            self.optimizer, init_lr=0.0, max_lr=h["lr"], min_lr=h["min_lr"], lr_warmup_steps=h["warmup_steps"],
+            lr_decay_steps=max(total, h["warmup_steps"]), lr_decay_style=h["lr_schedule"], start_wd=h["weight_decay"],
+            end_wd=h["weight_decay"], wd_incr_steps=total, wd_incr_style="constant")
 
     # ---- forward ---------------------------------------------------------------------------------
     def _inputs(self, micro_batches: list[MicroBatch]) -> list[ModelInputs]:
@@ -148,21 +170,26 @@ class MegatronPolicy:
                                     cp=self.layout.cp, cp_rank=self.ranks.cp))
         return out
 
-    def _token_values(self, output: torch.Tensor, inp: ModelInputs, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def _token_values(self, output: torch.Tensor, inp: ModelInputs, temperature: float) -> tuple[torch.Tensor, ...]:
         """GPTModel output (vocab-parallel logits [1, S', V/tp]) -> (logprobs [S], entropy [S])."""
         from megatron.core import parallel_state as ps
 
         lp, ent = vocab_parallel_logprobs(output[0], inp.labels, temperature=temperature, vocab_size=self.arch.vocab_size,
                                           tp_rank=self.ranks.tp, tp_size=self.ranks.tp_size,
                                           tp_group=ps.get_tensor_model_parallel_group())
+        return self._align_to_tokens(inp, lp, ent)
+
+    def _align_to_tokens(self, inp: ModelInputs, *per_position: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Values of the prediction made at each position of this rank's row [S'] (its CP slice on
+        GPU) -> token-aligned [S] (`align_to_tokens`: first token of each sample and padding 0)."""
         mask = inp.label_mask
+        values = per_position
         if inp.cp_index is not None:
-            lp, ent, mask, index = (_cp_gather(x) for x in (lp, ent, mask, inp.cp_index))
+            *values, mask, index = (_cp_gather(x) for x in (*values, mask, inp.cp_index))
             keep = index >= 0
-            full = [torch.zeros(inp.length, dtype=x.dtype, device=x.device).index_put((index[keep],), x[keep])
-                    for x in (lp, ent, mask)]
-            lp, ent, mask = full
-        return align_to_tokens(lp, mask)[: inp.length], align_to_tokens(ent, mask)[: inp.length]
+            *values, mask = [torch.zeros(inp.length, dtype=x.dtype, device=x.device).index_put((index[keep],), x[keep])
+                              for x in (*values, mask)]
+        return tuple(align_to_tokens(x, mask)[: inp.length] for x in values)
 
     def _run(self, micro_batches: list[MicroBatch], inputs: list[ModelInputs], loss_func, *, forward_only: bool):
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -186,14 +213,19 @@ class MegatronPolicy:
     def compute_logprobs(self, micro_batches: list[MicroBatch], temperature: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(logprobs [S], entropy [S]) per micro-batch (token-aligned, first token of each sample
         and padding 0), on every rank of this DP rank's model-parallel group."""
+        return self._forward_token_values(micro_batches, temperature)
+
+    def _forward_token_values(self, micro_batches: list[MicroBatch], temperature: float) -> list[tuple[torch.Tensor, ...]]:
+        """`_token_values` of each micro-batch (forward only, fp32, on CPU), on every rank of this
+        DP rank's model-parallel group."""
         if not micro_batches:
             return []
         inputs = self._inputs(micro_batches)
         zero = torch.zeros((), device=self.device)
 
         def loss_func(mb, inp, output):
-            lp, ent = self._token_values(output, inp, temperature)
-            return zero, torch.tensor(0, dtype=torch.int, device=self.device), {"lp": lp.detach(), "ent": ent.detach()}
+            values = self._token_values(output, inp, temperature)
+            return zero, torch.tensor(0, dtype=torch.int, device=self.device), {str(i): v.detach() for i, v in enumerate(values)}
 
         for m in self.model:
             m.eval()
@@ -232,20 +264,22 @@ class MegatronPolicy:
             out.append(t.cpu())
         return out
 
-    def _broadcast_from_last_stage(self, store: list[dict], lengths: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _broadcast_from_last_stage(self, store: list[dict], lengths: list[int]) -> list[tuple[torch.Tensor, ...]]:
+        """The last stage's per-micro-batch outputs {"0": [S], "1": [S], ...} (TOKEN_VALUES of
+        them) -> a tuple per micro-batch on every stage."""
         from megatron.core import parallel_state as ps
 
-        r = self.ranks
+        r, k = self.ranks, self.TOKEN_VALUES
         if r.is_last_stage:
-            flat = torch.cat([torch.cat([d["lp"], d["ent"]]) for d in store]).float()
+            flat = torch.cat([torch.cat([d[str(i)] for i in range(k)]) for d in store]).float()
         else:
-            flat = torch.empty(2 * sum(lengths), dtype=torch.float32, device=self.device)
+            flat = torch.empty(k * sum(lengths), dtype=torch.float32, device=self.device)
         if r.pp_size > 1:
             dist.broadcast(flat, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
         out, off = [], 0
         for n in lengths:
-            out.append((flat[off:off + n].cpu(), flat[off + n:off + 2 * n].cpu()))
-            off += 2 * n
+            out.append(tuple(flat[off + i * n:off + (i + 1) * n].cpu() for i in range(k)))
+            off += k * n
         return out
 
     # ---- train -----------------------------------------------------------------------------------
@@ -271,8 +305,7 @@ class MegatronPolicy:
             self.scheduler.step(1)
 
         def loss_func(mb, inp, output):
-            lp, ent = self._token_values(output, inp, temperature)
-            loss, metrics = loss_fn(mb.to(self.device), lp, ent)
+            loss, metrics = loss_fn(mb.to(self.device), *self._token_values(output, inp, temperature))
             reported = {"loss": loss.detach().float()}
             reported.update({k: torch.as_tensor(v, dtype=torch.float32, device=self.device).detach() for k, v in metrics.items()})
             return loss, torch.tensor(int(mb.loss_mask.sum()), dtype=torch.int, device=self.device), reported

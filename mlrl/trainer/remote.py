@@ -46,11 +46,12 @@ class RemotePolicy:
     def train_step(self, per_dp: list[list[MicroBatch]]) -> dict[str, float]:
         return self.group.call("train_step", self._per_rank(per_dp))[0]
 
-    def save_checkpoint(self, path: Path) -> None:
-        self.group.call("save_checkpoint", path=str(path))
+    def save_checkpoint(self, path: Path, critic_path: Path | None = None) -> None:
+        """The policy's training state into `path`, and the critic's into `critic_path` (if any)."""
+        self.group.call("save_checkpoint", path=str(path), critic_path=str(critic_path) if critic_path else None)
 
-    def load_checkpoint(self, path: Path) -> dict[str, Any]:
-        return self.group.call("load_checkpoint", path=str(path))[0]
+    def load_checkpoint(self, path: Path, critic_path: Path | None = None) -> dict[str, Any]:
+        return self.group.call("load_checkpoint", path=str(path), critic_path=str(critic_path) if critic_path else None)[0]
 
     def export_hf(self, out_dir: Path) -> None:
         self.group.call("export_hf", out_dir=str(out_dir))
@@ -61,6 +62,22 @@ class RemotePolicy:
 
     def close(self) -> None:
         self.group.close()
+
+
+class RemoteCritic:
+    """The loop's view of the critic (value model) living on the same trainer ranks as the policy."""
+
+    def __init__(self, policy: RemotePolicy):
+        self.policy = policy
+        self.dp_size = policy.dp_size
+
+    def compute_values(self, per_dp: list[list[MicroBatch]]) -> list[list[torch.Tensor]]:
+        """[dp][micro-batch] -> values [S] (token-aligned like logprobs)."""
+        return self.policy._first_per_dp(self.policy.group.call("compute_values", self.policy._per_rank(per_dp)))
+
+    def train_step(self, per_dp: list[list[MicroBatch]]) -> dict[str, float]:
+        """One critic optimizer update on the micro-batches (old_values / returns attached)."""
+        return self.policy.group.call("train_critic", self.policy._per_rank(per_dp))[0]
 
 
 class MegatronWeightSource:

@@ -41,6 +41,14 @@ class TrainerService:
         if cfg.algorithm.kl_coef > 0:
             self.ref = MegatronPolicy(cfg.model, cfg.parallel, cfg.trainer, self.layout, hf_dir=hf_dir, trainable=False)
         self.loss_fn = make_loss_fn(cfg.algorithm)
+        self.critic = None
+        if cfg.uses_critic:  # the value model shares the trainer ranks and their parallel layout
+            from mlrl.algorithms.value import make_value_loss_fn
+            from mlrl.trainer.critic import MegatronCritic
+
+            critic_dir = resolve_model_dir(cfg.critic.hf_dir) if cfg.critic.hf_dir else hf_dir
+            self.critic = MegatronCritic(cfg.model, cfg.critic, cfg.parallel, cfg.trainer, self.layout, hf_dir=critic_dir)
+            self.value_loss_fn = make_value_loss_fn(cfg.critic.value_clip)
 
     def info(self) -> dict[str, Any]:
         return self.policy.rank_info()
@@ -54,6 +62,17 @@ class TrainerService:
         sums = self.policy.train_step(micro_batches, self.loss_fn, temperature=temperature)
         return finalize_loss_metrics(sums)  # step sums -> means (token / sequence counts) per loss_metrics
 
+    def compute_values(self, micro_batches):
+        return self._critic().compute_values(micro_batches)
+
+    def train_critic(self, micro_batches):
+        return finalize_loss_metrics(self._critic().train_step(micro_batches, self.value_loss_fn))
+
+    def _critic(self):
+        if self.critic is None:
+            raise RuntimeError("this trainer has no critic (config has no `critic:` section)")
+        return self.critic
+
     def push_weights(self, request: dict[str, Any]) -> dict[str, Any] | None:
         """This rank's part of a weight sync (mlrl.weight_sync.sender): the sender of each
         pipeline stage streams its stage's HF tensors; the other ranks take part in the gathers."""
@@ -64,15 +83,29 @@ class TrainerService:
         report = push_from_rank(request, self.policy.iter_hf_buckets, sender)
         return report.to_json() if report is not None else None
 
-    def save_checkpoint(self, path: str) -> None:
+    def save_checkpoint(self, path: str, critic_path: str | None = None) -> None:
         from mlrl.trainer.checkpointing import save_checkpoint
 
         save_checkpoint(self.policy, path, async_save=self.cfg.checkpoint.async_save)
+        if critic_path is not None:
+            save_checkpoint(self._critic(), critic_path, async_save=self.cfg.checkpoint.async_save)
 
-    def load_checkpoint(self, path: str) -> dict[str, Any]:
+    def finalize_checkpoints(self, blocking: bool = True) -> int:
+        """Finalize the async saves whose background writes are done (all of them, waiting, if
+        `blocking`): megatron-core's metadata and our mlrl_checkpoint.json get written. Returns how
+        many saves are still pending; every rank returns the same count (megatron-core agrees on
+        "done" over all ranks), and 0 means every save so far is complete on every rank."""
+        from mlrl.trainer.checkpointing import finalize_async_saves
+
+        return finalize_async_saves(blocking=blocking)
+
+    def load_checkpoint(self, path: str, critic_path: str | None = None) -> dict[str, Any]:
         from mlrl.trainer.checkpointing import load_checkpoint
 
-        return load_checkpoint(self.policy, path)  # the reference policy stays the initial model
+        out = load_checkpoint(self.policy, path)  # the reference policy stays the initial model
+        if critic_path is not None:
+            load_checkpoint(self._critic(), critic_path)
+        return out
 
     def export_hf(self, out_dir: str) -> None:
         """Stream the HF tensors of every pipeline stage into one Hugging Face folder."""

@@ -30,6 +30,9 @@ from mlrl.bridge import ArchSpec, BridgeError, HFCheckpoint, ModelArch, ParamSpe
 from mlrl.trainer.parallel import Ranks
 
 
+_OUTPUT_LAYER = "output_layer.weight"
+
+
 @dataclass
 class LocalParam:
     local_name: str
@@ -47,12 +50,15 @@ class LocalParams:
     """This rank's parameters, each with its bridge spec and TP placement."""
 
     def __init__(self, chunks: list[torch.nn.Module], spec: ArchSpec, arch: ModelArch, ranks: Ranks, *,
-                 vpp: Optional[int], pp_split: Optional[list[int]]):
+                 vpp: Optional[int], pp_split: Optional[list[int]], lm_head: bool = True):
+        """lm_head=False: the model's `output_layer` is not the HF lm_head (a critic's value head):
+        it is neither loaded nor exported, and the HF lm_head is not read."""
         from megatron.core import parallel_state as ps
 
         self.spec, self.arch, self.ranks = spec, arch, ranks
         self.padded_vocab = padded_vocab_size(arch.vocab_size, ranks.tp_size)
-        by_name = {p.name: p for p in spec.params(arch, output_layer_when_tied=ranks.pp_size > 1)}
+        by_name = {p.name: p for p in spec.params(arch, output_layer_when_tied=ranks.pp_size > 1)
+                   if lm_head or p.name != _OUTPUT_LAYER}
         n_local_experts = arch.num_experts // ranks.ep_size if arch.is_moe else 0
         self.items: list[LocalParam] = []
         seen: set[str] = set()
@@ -65,6 +71,8 @@ class LocalParams:
                 raise RuntimeError(f"pipeline split mismatch: Megatron built layers {layers} on pp rank {ranks.pp} chunk {c}, the bridge expects {expected}")
             for name, param in model.named_parameters():
                 gname = global_name(name, layers, expert_offset=ranks.ep * n_local_experts)
+                if not lm_head and gname == _OUTPUT_LAYER:
+                    continue
                 if gname not in by_name:
                     raise BridgeError(f"Megatron parameter {name!r} (global {gname!r}) has no HF mapping in the {arch.model_type} spec")
                 if gname in seen:

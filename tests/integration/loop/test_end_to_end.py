@@ -1,8 +1,10 @@
 """The whole product on CPU: `python -m mlrl.launch` with real megatron-core ranks (gloo), a real
 vLLM CPU server and weight sync every step.
 
-Run A: 3 synchronous steps on the tiny recipe, checkpoint + HF export at the end.
+Run A: 3 synchronous steps on the tiny recipe with 2 mini-batches per step (2 optimizer updates,
+behaviour logprobs once per step), checkpoint + HF export at the end.
 Run B: resumes A's checkpoint and runs 3 asynchronous steps (staleness eta = 1, TIS).
+Run C: PPO with a Megatron critic (algorithm.advantage=gae) for 2 steps, then resumed for a third.
 Asserted: train/rollout logprob gap after every sync <= 1e-3, rewards in [0, 1], every prompt's
 samples accounted for, metrics / TensorBoard / plot / checkpoint / HF export written, and the
 resumed run continues the step count, weight version and data position of the first.
@@ -60,7 +62,7 @@ def _check_steps(recs: list[dict], steps: list[int], sync_steps: set[int]) -> No
 def run_a(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("e2e") / "run"
     out = _launch(run_dir, "trainer.total_steps=3", "mode=sync", "data.eval=synthetic:copy_digit", "data.eval_every=2",
-                  "data.num_synthetic=32")
+                  "data.num_synthetic=32", "trainer.mini_batches_per_step=2", "eval.samples_per_prompt=2")
     return run_dir, out
 
 
@@ -69,7 +71,11 @@ def test_sync_run(run_a):
     recs = _metrics(run_dir)
     evals = [r for r in recs if "eval/reward/mean" in r]
     assert [r["step"] for r in evals] == [2, 3]  # every 2 steps and at the end, on the held-out split
-    assert all(0.0 <= r["eval/reward/mean"] <= 1.0 and r["eval/episodes/total"] == 32 for r in evals)
+    assert all(0.0 <= r["eval/reward/mean"] <= 1.0 and r["eval/episodes/total"] == 64 for r in evals)
+    assert all(0.0 <= r["eval/pass@1"] <= r["eval/pass@2"] <= 1.0 for r in evals)
+    for r in recs:  # two updates per step; the second sees a moved policy
+        assert r["train/updates"] == 2 and r["train/ratio_max"] != 1.0 and r["train/ratio_min"] != 1.0, r
+        assert 0.0 <= r["train/clip_fraction"] <= 1.0 and r["train/approx_kl"] > 0.0
     _check_steps(recs, [1, 2, 3], {1, 2, 3})
     assert (run_dir / "run.png").read_bytes()[:4] == b"\x89PNG"
     assert any((run_dir / "tensorboard").iterdir())
@@ -90,3 +96,21 @@ def test_resume_async(run_a):
         assert 0 <= r["samples/staleness_max"] <= 1  # the bound eta = 1 holds
         assert r["async/stale_dropped"] == 0
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000006"
+
+
+def test_gae_with_critic_and_resume(tmp_path):
+    run_dir = tmp_path / "gae"
+    _launch(run_dir, "trainer.total_steps=2", "algorithm.advantage=gae", "critic.lr=1e-3")
+    recs = _metrics(run_dir)
+    _check_steps(recs, [1, 2], {1, 2})
+    assert recs[0]["critic/values_mean"] == 0.0  # the value head starts at zero
+    for r in recs:
+        assert r["critic/value_loss"] > 0 and r["critic/updates"] == 1 and r["train/updates"] == 1
+        assert -10 < r["critic/explained_variance"] <= 1
+    assert recs[1]["critic/values_mean"] != 0.0  # the critic trained
+    assert (run_dir / "checkpoints" / "step_000002" / "critic").is_dir()
+    _launch(run_dir, "trainer.total_steps=3", "algorithm.advantage=gae", "critic.lr=1e-3")
+    recs = _metrics(run_dir)
+    _check_steps(recs, [1, 2, 3], {1, 2, 3})
+    # the resumed critic is the trained one (a fresh critic would give values exactly 0)
+    assert recs[2]["critic/values_mean"] != 0.0 and recs[2]["critic/value_loss"] > 0
