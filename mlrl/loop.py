@@ -208,8 +208,10 @@ def pass_metrics(groups: list[Any], k: int, threshold: float) -> dict[str, float
 
 async def save_if_due(ctx: RunContext, step: int) -> None:
     """Checkpoint / HF export when due. Runs after the step's metrics are written, so a checkpoint
-    never exists for a step whose metrics line is missing."""
+    never exists for a step whose metrics line is missing. An async save still being written
+    (GPU) is committed here once every rank has finalized it (a non-blocking poll)."""
     cfg = ctx.cfg
+    await asyncio.to_thread(ctx.checkpoint.finalize, ctx, blocking=False)
     last = step == cfg.trainer.total_steps
     if (cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0) or (last and cfg.checkpoint.save_at_end):
         await asyncio.to_thread(ctx.checkpoint.save, ctx, step)

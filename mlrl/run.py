@@ -208,6 +208,7 @@ async def _run(cfg: Config, layout: Layout) -> int:
                          start_step=start_step, version=version, progress=_progress(cfg, start_step),
                          resume_rows=list(state.get("in_flight_rows", [])) if state else [])
         await (train_async(ctx) if cfg.mode == "async" else train_sync(ctx))
+        await asyncio.to_thread(ctx.checkpoint.finalize, ctx)  # an async save still in flight is committed
         if ctx.progress is not None:
             ctx.progress.close()
         _summary(ctx, run_dir)

@@ -21,6 +21,17 @@ FP8 (trainer.fp8_recipe): Transformer Engine keeps the bf16 parameters and cache
 each linear weight: +1 byte per linear parameter (FP8 activations are not credited: conservative).
 A reference model (algorithm.kl_coef > 0) adds one more copy of the parameters.
 
+Critic (`critic:` section, PPO + GAE): a value model with the policy's architecture on the same
+trainer ranks and the same parallel layout, trained by its own optimizer of the policy's kind,
+precision and sharding. Per rank it holds the policy's parameters minus the output layer (no
+vocabulary projection: the last stage has a replicated h x 1 value head instead, h elements),
+and it keeps its own gradients and optimizer state: its params + grads + optimizer (+ the FP8
+weight cache under FP8) are computed with the table above and added to the rank's total as a
+separate term. Its activations are not added: the critic's forward / backward passes run at
+other times than the policy's (values before the policy update, the value loss after it), so the
+peak is the larger of the two, and the critic's is the smaller one (the same layers without the
+vocabulary-sized logits, under the same micro-batch token budget).
+
 Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models", arXiv:2205.05198, Sec. 4): per layer and token the paper stores
 sbh(34 + 5as/h) bytes in 16-bit, with TP t and sequence parallelism sbh(34/t + 5as/(ht)),
@@ -53,7 +64,8 @@ when the KV cache cannot hold one sequence of max_model_len tokens.
 Colocated placement time-shares a GPU: during training the engine sleeps (vLLM sleep level 1:
 weights offloaded, KV cache freed, its CUDA context stays), during generation the trainer keeps
 only its parameters resident (gradients and optimizer state offloaded to host, as verl and slime
-do). The GPU must hold the larger of the two phases.
+do; with a critic, its parameters stay resident too and its gradients and optimizer state are
+offloaded likewise). The GPU must hold the larger of the two phases.
 """
 
 from __future__ import annotations
@@ -88,6 +100,24 @@ class StageParams:
 
 
 @dataclass(frozen=True)
+class ModelStateMemory:
+    """Bytes per trainer GPU of one pipeline stage for one trained model's weights and training
+    state (used for the critic, whose activations are not counted: see the module docstring)."""
+
+    params: float
+    grads: float
+    optimizer: float
+    fp8_weights: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.fp8_weights
+
+    def parts(self) -> dict[str, float]:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer, "fp8": self.fp8_weights}
+
+
+@dataclass(frozen=True)
 class TrainerMemory:
     """Bytes per trainer GPU of one pipeline stage."""
 
@@ -98,14 +128,23 @@ class TrainerMemory:
     reference: float
     activations: float
     runtime: float
+    critic: ModelStateMemory | None = None     # None: no critic in this run
+
+    @property
+    def critic_bytes(self) -> float:
+        return self.critic.total if self.critic is not None else 0.0
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.fp8_weights + self.reference + self.activations + self.runtime
+        return (self.params + self.grads + self.optimizer + self.fp8_weights + self.reference + self.activations
+                + self.runtime + self.critic_bytes)
 
     def parts(self) -> dict[str, float]:
-        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer, "fp8": self.fp8_weights,
-                "reference": self.reference, "activations": self.activations, "runtime": self.runtime}
+        out = {"params": self.params, "grads": self.grads, "optimizer": self.optimizer, "fp8": self.fp8_weights,
+               "reference": self.reference, "activations": self.activations, "runtime": self.runtime}
+        if self.critic is not None:
+            out["critic"] = self.critic.total
+        return out
 
 
 @dataclass(frozen=True)
@@ -142,7 +181,9 @@ def stage_layers(layers: int, pp: int, vpp: int | None, split: list[int] | None)
 
 
 def stage_params(shape: ModelShape, layers: list[int], *, first: bool, last: bool, pp: int,
-                 tp: int, ep: int, etp: int) -> StageParams:
+                 tp: int, ep: int, etp: int, value_head: bool = False) -> StageParams:
+    """Parameters per rank of one pipeline stage; `value_head`: the critic's, whose last stage has
+    a scalar value head (h x 1, replicated under TP) instead of the output layer."""
     dense = linear = expert = 0
     for i in layers:
         attn = shape.attention_params() // tp
@@ -164,7 +205,9 @@ def stage_params(shape: ModelShape, layers: list[int], *, first: bool, last: boo
         dense += emb
     if last:
         dense += shape.hidden  # final norm
-        if not shape.tied or pp > 1:  # untied output layer, or the tied copy on the last stage
+        if value_head:
+            dense += shape.hidden
+        elif not shape.tied or pp > 1:  # untied output layer, or the tied copy on the last stage
             dense += emb
     return StageParams(dense, expert, linear)
 
@@ -208,20 +251,34 @@ def stage_activation_bytes(shape: ModelShape, layers: list[int], *, last: bool, 
     return acts
 
 
-def trainer_memory(p: StageParams, *, precision: str, optimizer: str, distributed_optimizer: bool, dp_cp: int,
-                   edp: int, fp8: bool, reference: bool, activations: float) -> TrainerMemory:
+def model_state_memory(p: StageParams, *, precision: str, optimizer: str, distributed_optimizer: bool, dp_cp: int,
+                        edp: int, fp8: bool) -> ModelStateMemory:
+    """Parameters, main gradients, optimizer state and FP8 weight cache of one trained model
+    (the policy's or the critic's), per the table in the module docstring."""
     pb, gb, ob = PRECISION_BYTES[precision]
     if optimizer == "sgd":
         ob -= 4
     opt = p.dense * ob / (dp_cp if distributed_optimizer else 1) + p.expert * ob / (edp if distributed_optimizer else 1)
+    return ModelStateMemory(params=p.total * pb, grads=p.total * gb, optimizer=opt, fp8_weights=p.linear * 1.0 if fp8 else 0.0)
+
+
+def trainer_memory(p: StageParams, *, precision: str, optimizer: str, distributed_optimizer: bool, dp_cp: int,
+                   edp: int, fp8: bool, reference: bool, activations: float,
+                   critic: StageParams | None = None) -> TrainerMemory:
+    """One trainer GPU of a pipeline stage; `critic`: the critic's parameters on that rank (its
+    weights, gradients and optimizer state are added; its activations are not, see above)."""
+    kw = dict(precision=precision, optimizer=optimizer, distributed_optimizer=distributed_optimizer, dp_cp=dp_cp,
+              edp=edp, fp8=fp8)
+    w = model_state_memory(p, **kw)
     return TrainerMemory(
-        params=p.total * pb,
-        grads=p.total * gb,
-        optimizer=opt,
-        fp8_weights=p.linear * 1.0 if fp8 else 0.0,
-        reference=p.total * pb if reference else 0.0,
+        params=w.params,
+        grads=w.grads,
+        optimizer=w.optimizer,
+        fp8_weights=w.fp8_weights,
+        reference=w.params if reference else 0.0,
         activations=activations,
         runtime=CUDA_RUNTIME_GIB * GIB,
+        critic=model_state_memory(critic, **kw) if critic is not None else None,
     )
 
 
@@ -245,5 +302,6 @@ def engine_memory(shape: ModelShape, *, engine_tp: int, dtype_bytes: int, gpu_by
 def colocated_phases(trainer: TrainerMemory, engine: EngineMemory) -> tuple[float, float]:
     """(training phase, generation phase) bytes on a GPU shared by a trainer rank and an engine rank."""
     train = trainer.total + CUDA_RUNTIME_GIB * GIB   # the sleeping engine keeps its CUDA context
-    generate = engine.budget + trainer.params + trainer.runtime
+    resident = trainer.params + (trainer.critic.params if trainer.critic is not None else 0.0)
+    generate = engine.budget + resident + trainer.runtime
     return train, generate

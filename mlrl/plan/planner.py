@@ -36,6 +36,7 @@ class Plan:
     capacity: float                              # cluster.gpu_memory_gb in bytes
     reasons: list[str] = field(default_factory=list)   # why it does not fit (empty = fits)
     warnings: list[str] = field(default_factory=list)
+    critic_params: list[mem.StageParams] | None = None  # per pipeline rank, the critic's (None = no critic)
 
     @property
     def fits(self) -> bool:
@@ -64,6 +65,9 @@ def make_plan(cfg: Config, layout: Layout) -> Plan:
     layers = mem.stage_layers(shape.layers, layout.pp, layout.vpp, p.pp_layer_split)
     params = [mem.stage_params(shape, ls, first=k == 0, last=k == layout.pp - 1, pp=layout.pp, tp=layout.tp,
                                ep=layout.ep, etp=layout.etp) for k, ls in enumerate(layers)]
+    critic = None if not cfg.uses_critic else [
+        mem.stage_params(shape, ls, first=k == 0, last=k == layout.pp - 1, pp=layout.pp, tp=layout.tp, ep=layout.ep,
+                         etp=layout.etp, value_head=True) for k, ls in enumerate(layers)]
     act_bytes = 4 if t.precision == "fp32" else 2
     tokens = t.micro_batch_tokens / layout.cp
     tmem = []
@@ -76,8 +80,9 @@ def make_plan(cfg: Config, layout: Layout) -> Plan:
         tmem.append(mem.trainer_memory(
             params[k], precision=t.precision, optimizer=t.optimizer, distributed_optimizer=t.use_distributed_optimizer,
             dp_cp=layout.dp * layout.cp, edp=expert_dp(layout), fp8=t.fp8_recipe != "none",
-            reference=cfg.algorithm.kl_coef > 0, activations=acts))
-    plan = Plan(cfg, layout, shape, cpu, [], layers, params, tmem, None, [], micro, seq_len, c.gpu_memory_gb * mem.GIB)
+            reference=cfg.algorithm.kl_coef > 0, activations=acts, critic=critic[k] if critic else None))
+    plan = Plan(cfg, layout, shape, cpu, [], layers, params, tmem, None, [], micro, seq_len, c.gpu_memory_gb * mem.GIB,
+                critic_params=critic)
     if seq_len > t.micro_batch_tokens:
         plan.warnings.append(
             f"a full-length sample ({seq_len} tokens = data.max_prompt_tokens + rollout.sampling.max_new_tokens) "
@@ -116,9 +121,12 @@ def _check_memory(plan: Plan) -> None:
         if slot.trainer is not None:
             key = ("trainer", slot.trainer.pp, slot.engine is not None)
             role = f"trainer rank {slot.trainer.rank} (pp stage {slot.trainer.pp})"
-            parts = plan.trainer_memory[slot.trainer.pp].parts()
+            m = plan.trainer_memory[slot.trainer.pp]
+            parts = {k: v for k, v in m.parts().items() if k != "critic"}
             big = max(parts, key=parts.get)
             detail = f"largest part: {big} {parts[big] / gib:.1f} GiB"
+            if m.critic is not None:
+                detail += f"; the critic adds {m.critic.total / gib:.1f} GiB"
             if slot.engine is not None:
                 role += f" + engine {slot.engine.engine} (colocated)"
         else:

@@ -54,10 +54,14 @@ def _header(plan: Plan) -> list[str]:
         f"cp={L.cp} dp={L.dp} | ep={L.ep} etp={L.etp} edp={plan.expert_dp}; sequence_parallel="
         f"{'on' if cfg.parallel.sequence_parallel else 'off'}, precision {t.precision}, fp8 {t.fp8_recipe}, "
         f"recompute {t.recompute}, distributed optimizer {'on' if t.use_distributed_optimizer else 'off'}")
+    if plan.critic_params is not None:
+        lines.append("         critic: a value model of the same architecture (value head instead of the output layer) "
+                     "on the same ranks and layout, with its own gradients and optimizer state")
     for k, ls in enumerate(plan.stage_layers):
         extra = (" + embedding" if k == 0 else "") + (" + output layer" if k == L.pp - 1 else "")
+        critic = f" (+ critic {_count(plan.critic_params[k].total)})" if plan.critic_params is not None else ""
         lines.append(f"         pp stage {k}: {len(ls)} layers ({_ranges(ls)}){extra}; "
-                     f"{_count(plan.stage_params[k].total)} parameters per {'process' if plan.cpu else 'GPU'}")
+                     f"{_count(plan.stage_params[k].total)} parameters{critic} per {'process' if plan.cpu else 'GPU'}")
     if s.experts:
         lines.append(f"         experts: {s.experts} per MoE layer, {plan.experts_per_rank} per EP rank")
     samples = t.prompts_per_step * t.samples_per_prompt // t.mini_batches_per_step
@@ -86,6 +90,7 @@ def _cpu_processes(plan: Plan) -> list[str]:
         parts = {name: v for name, v in m.parts().items() if name != "runtime"}
         lines.append(f"  pp stage {k}: " + " + ".join(f"{n} {_g(v)}" for n, v in parts.items())
                      + f" = {_g(sum(parts.values()))}")
+        lines += _critic_line(m, f"  critic pp stage {k}: ")
     lines.append("result: CPU run, nothing to fit")
     return lines
 
@@ -100,6 +105,14 @@ def _placement(plan: Plan) -> list[str]:
     return lines
 
 
+def _critic_line(m, prefix: str) -> list[str]:
+    if m.critic is None:
+        return []
+    parts = " + ".join(f"{name} {_g(v)}" for name, v in m.critic.parts().items())
+    return [f"{prefix}{parts} = {_g(m.critic.total)} (the 'critic' term above; its activations are not added: "
+            "its passes run when the policy's do not)"]
+
+
 def _memory(plan: Plan) -> list[str]:
     lines = ["", f"memory per GPU (GiB; capacity {plan.cfg.cluster.gpu_memory_gb:g}):"]
     counts: dict[int, int] = {}
@@ -109,6 +122,7 @@ def _memory(plan: Plan) -> list[str]:
     for k, m in enumerate(plan.trainer_memory):
         parts = " + ".join(f"{name} {_g(v)}" for name, v in m.parts().items())
         lines.append(f"  trainer pp stage {k} ({counts.get(k, 0)} GPUs): {parts} = {_g(m.total)}")
+        lines += _critic_line(m, "    critic on these GPUs: ")
     e = plan.engine_memory
     if e is not None:
         seqs = e.kv_tokens // max(1, plan.seq_len)
@@ -119,7 +133,8 @@ def _memory(plan: Plan) -> list[str]:
             for k, m in enumerate(plan.trainer_memory):
                 train, gen = colocated_phases(m, e)
                 lines.append(f"  colocated GPU, pp stage {k}: training phase {_g(train)} (engine asleep), "
-                             f"generation phase {_g(gen)} (trainer keeps parameters only)")
+                             f"generation phase {_g(gen)} (trainer keeps parameters only"
+                             f"{', policy and critic' if m.critic is not None else ''})")
     return lines
 
 

@@ -53,6 +53,10 @@ class RemotePolicy:
     def load_checkpoint(self, path: Path, critic_path: Path | None = None) -> dict[str, Any]:
         return self.group.call("load_checkpoint", path=str(path), critic_path=str(critic_path) if critic_path else None)[0]
 
+    def finalize_checkpoints(self, blocking: bool = True) -> int:
+        """Finalize finished async saves on every rank; returns how many are still pending (0 = all done)."""
+        return self.group.call("finalize_checkpoints", blocking=blocking)[0]
+
     def export_hf(self, out_dir: Path) -> None:
         self.group.call("export_hf", out_dir=str(out_dir))
 

@@ -19,6 +19,10 @@ Phases (all checkpoints live under --work; `phase:tag@model` runs a phase on ano
                      fresh temporary folder that blocks before Megatron's finalisation (the
                      test SIGKILLs the whole process group there).
 - kill_resume:<tag>  resolve_resume('auto') on the killed run's root, load, 1 step.
+- async_save:<tag>   (tests/gpu) policy A trains 2 steps, saves with async_save=True into a
+                     manager's temporary folder, trains step 3 while the shards are written,
+                     then finalizes and commits; a fresh policy B resumes from
+                     resolve_resume('auto') and trains step 3. On CPU the save is synchronous.
 """
 
 from __future__ import annotations
@@ -198,7 +202,8 @@ def phase_kill_save(ctx: Ctx, tag: str) -> dict:
     tmp = _bcast(tmp)
 
     def stall(*a, **k):  # every shard is written; Megatron's metadata.json is next
-        (ctx.work / f"{tag}_saving.{ctx.ranks.rank}").write_text(str(tmp))
+        (ctx.work / f"{tag}_saving_pid.{ctx.ranks.rank}").write_text(str(os.getpid()))  # torchrun starts us in
+        (ctx.work / f"{tag}_saving.{ctx.ranks.rank}").write_text(str(tmp))             # our own session
         time.sleep(600)
 
     serialization.save_config = stall
@@ -220,6 +225,39 @@ def phase_kill_resume(ctx: Ctx, tag: str) -> dict:
             "load_killed": _error(lambda: load_checkpoint(pol, killed))}
 
 
+def phase_async_save(ctx: Ctx, tag: str) -> dict:
+    from mlrl.checkpoint import CheckpointManager
+    from mlrl.trainer import checkpointing
+    from mlrl.trainer.checkpointing import META_FILE, finalize_async_saves, load_checkpoint, save_checkpoint
+
+    manager = CheckpointManager(ctx.work / f"{tag}_async_run", keep_last=2)
+    a = ctx.policy()
+    for k in range(2):
+        a.train_step(ctx.step_batches(a, k), pg_loss)
+    at_save = digest(weights(a))
+    tmp = _bcast(manager.begin(2) if ctx.ranks.rank == 0 else None)
+    save_checkpoint(a, tmp / "model_optim", async_save=True)
+    out = {"async_queue_used": checkpointing._ASYNC_QUEUE is not None,
+           "meta_before_finalize": (tmp / "model_optim" / META_FILE).exists()}
+    loss_a3 = a.train_step(ctx.step_batches(a, 2), pg_loss)["loss"]  # training goes on while the shards are written
+    found = manager.resolve_resume("auto")
+    out["resume_before_finalize"] = found.name if found else None
+    out["pending_after_blocking_finalize"] = finalize_async_saves(blocking=True)
+    out["meta_after_finalize"] = (tmp / "model_optim" / META_FILE).exists()
+    dist.barrier()
+    if ctx.ranks.rank == 0:
+        manager.commit(tmp, 2, {"weight_version": 2})
+    dist.barrier()
+    ckpt = manager.resolve_resume("auto")
+    b = ctx.policy()
+    info = load_checkpoint(b, ckpt / "model_optim")
+    resumed = digest(weights(b))
+    loss_b3 = b.train_step(ctx.step_batches(b, 2), pg_loss)["loss"]
+    return {**out, "resumed_from": ckpt.name, "info": info, "same_weights_as_at_save": resumed == at_save,
+            "loss_a3": loss_a3, "loss_b3": loss_b3, "same_weights_after_step3": digest(weights(a)) == digest(weights(b)),
+            "weights_compared": len(at_save)}
+
+
 def _bcast(obj):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
@@ -227,7 +265,7 @@ def _bcast(obj):
 
 
 PHASES = {"train_save": phase_train_save, "resume": phase_resume, "errors": phase_errors,
-          "kill_save": phase_kill_save, "kill_resume": phase_kill_resume}
+          "kill_save": phase_kill_save, "kill_resume": phase_kill_resume, "async_save": phase_async_save}
 
 
 def main() -> None:

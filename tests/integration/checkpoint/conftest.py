@@ -103,10 +103,18 @@ def resumed_tp2(work, tiny_model, saved_tp2):
     return launch(2, work, tiny_model, ["resume:tp2"], tp=2)
 
 
+def _alive(pid: int) -> bool:
+    """Running (a zombie left to an init that does not reap counts as dead)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 @pytest.fixture(scope="session")
 def killed(work, tiny_model):
-    """Starts a 1-rank job whose second save stalls after writing its shards, SIGKILLs the whole
-    process group there, and returns what the dying save left behind."""
+    """Starts a 1-rank job whose second save stalls after writing its shards, SIGKILLs the worker's
+    and torchrun's process groups there, and returns what the dying save left behind."""
     out = Path(tempfile.mkdtemp(prefix="mlrl-kill-"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--nnodes=1", "--master-addr=127.0.0.1",
            f"--master-port={free_port()}", str(WORKER), "--out", str(out), "--work", str(work), "--model", str(tiny_model),
@@ -123,8 +131,17 @@ def killed(work, tiny_model):
             if time.monotonic() > deadline:
                 raise AssertionError("the save-to-kill job never reached its second save")
             time.sleep(0.2)
+        # torchrun starts its worker in a session of its own: kill the saving worker's group (the
+        # worker and its helpers) first, then torchrun's
+        worker = int((work / "kill_saving_pid.0").read_text())
+        os.killpg(worker, signal.SIGKILL)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
+        for _ in range(100):
+            if not _alive(worker):
+                break
+            time.sleep(0.1)
+        assert not _alive(worker), f"the saving worker {worker} survived SIGKILL"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -124,6 +124,22 @@ def _maxdiff(a, b) -> float:
     return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
 
 
+def _listening_addresses(port: int) -> set[str]:
+    """Local addresses of the TCP sockets listening on `port` in this network namespace (/proc/net/tcp*)."""
+    import ipaddress
+
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            addr, hex_port = local.split(":")
+            if state != "0A" or int(hex_port, 16) != port:  # 0A = LISTEN
+                continue
+            raw = b"".join(bytes.fromhex(addr[i:i + 8])[::-1] for i in range(0, len(addr), 8))  # host-order words
+            out.add(str(ipaddress.ip_address(raw)))
+    return out
+
+
 def _prompt(tok, text: str) -> list[int]:
     return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
                                    return_dict=False)
@@ -168,7 +184,9 @@ async def test_requests_without_the_token_are_refused(env):
                     assert r.status_code == 401, (path, headers, r.status_code, r.text[:200])
             assert (await c.get("/health", headers={"Authorization": f"Bearer {env.pool.token}"})).status_code == 200
         assert not await e.client.is_paused()  # the unauthenticated /pause above did nothing
-        # bound to loopback only: the machine's other addresses do not answer
+        # bound to loopback only: the listening socket's own address (checked on every machine) ...
+        assert _listening_addresses(e.server.port) == {"127.0.0.1"}
+        # ... and the machine's other address, when its host name resolves to one, does not answer
         try:
             other = socket.gethostbyname(socket.gethostname())
         except OSError:

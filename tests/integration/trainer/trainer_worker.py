@@ -146,6 +146,7 @@ def check_grads(ctx: Ctx) -> dict:
         res[f"names_{n_micro}"] = sorted(grads)
         grads_by_split[n_micro] = grads
         del pol
+    res["ref_names"] = sorted(ref_grads)  # every HF parameter with a gradient: what the ranks must cover
     common = set(grads_by_split[1]) & set(grads_by_split[4])
     res["split_grad_diff"] = max((_max_abs(grads_by_split[1][n], grads_by_split[4][n]) for n in common), default=0.0)
     res["split_loss_diff"] = abs(res["loss_1"] - res["loss_4"])
@@ -176,7 +177,7 @@ def check_adam(ctx: Ctx) -> dict:
         "ref_noise": max((_max_abs(ref_alt[n], ref[n]) for n in ref), default=0.0),
         "moved": max((_max_abs(t, init[n]) for n, t in got.items()), default=0.0),
         "lrs": [m["lr"] for m in metrics], "grad_norms": [m["grad_norm"] for m in metrics],
-        "losses": [m["loss"] for m in metrics], "names": sorted(got),
+        "losses": [m["loss"] for m in metrics], "names": sorted(got), "ref_names": sorted(ref),
     }
 
 

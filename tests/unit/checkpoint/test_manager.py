@@ -50,3 +50,24 @@ def test_resolve_resume(tmp_path):
     _save(m, 3)
     assert m.resolve_resume(str(tmp_path / "ck")).name == "step_000003"
     assert m.resolve_resume(str(tmp_path / "ck" / "step_000003")).name == "step_000003"
+
+
+def test_resume_auto_never_picks_an_unmarked_folder(tmp_path):
+    m = CheckpointManager(tmp_path, keep_last=0)
+    _save(m, 2)
+    # newer folders that look like checkpoints but lack the COMPLETE marker, one of them named by
+    # `latest` (commit never leaves such a folder: it writes COMPLETE before the rename; a partial
+    # copy of a run folder can)
+    for step in (4, 6):
+        d = tmp_path / f"step_{step:06d}"
+        (d / "model_optim").mkdir(parents=True)
+        (d / "trainer_state.json").write_text('{"step": %d}' % step)
+    (tmp_path / "latest").write_text("step_000006\n")
+    # a temporary folder is never a candidate, even with everything in it
+    tmp = m.begin(8)
+    (tmp / "trainer_state.json").write_text('{"step": 8}')
+    (tmp / "COMPLETE").write_text("ok\n")
+    assert m.resolve_resume("auto") == tmp_path / "step_000002"
+    assert [p.name for p in m.complete_checkpoints()] == ["step_000002"]
+    (tmp_path / "step_000006" / "COMPLETE").write_text("ok\n")  # the marker is what makes it a checkpoint
+    assert m.resolve_resume("auto") == tmp_path / "step_000006"

@@ -64,8 +64,10 @@ async def test_start_rule_bound_and_resume_reissues_in_flight_rows(monkeypatch):
     assert len(first) + dropped_a // N + len(in_flight_ids) == len(started_a)  # every started prompt accounted for
     started.clear()
     ctx_b = _ctx(PromptSampler.from_state(rows, state, seed=7), version=3, resume_rows=in_flight)
-    second, _, _ = await _steps(ctx_b, 3, started)
+    second, dropped_b, (_, in_flight_b, _) = await _steps(ctx_b, 3, started)
     assert started[: len(in_flight_ids)] == in_flight_ids  # re-issued first, in order
     new_b = started[len(in_flight_ids):]
+    assert len(second) + dropped_b // N + len(in_flight_b) == len(started)  # run B accounts for every prompt too
+    assert len(second) >= P and new_b  # it trained and drew new prompts: the two checks below are not vacuous
     assert not set(new_b) & set(started_a)  # the sampler continues after what run A drew: nothing twice
     assert not set(first) & set(second)

@@ -1,4 +1,7 @@
 import json
+from types import SimpleNamespace
+
+import pytest
 
 from mlrl.metrics import MetricsLogger, Timer, plot_run, read_jsonl
 
@@ -11,7 +14,14 @@ def test_jsonl_and_tensorboard_written(tmp_path):
     recs = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in recs] == [1, 2, 3]
     assert abs(recs[2]["reward/mean"] - 0.3) < 1e-12
-    assert any((tmp_path / "tensorboard").iterdir())
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ev = EventAccumulator(str(tmp_path / "tensorboard"))
+    ev.Reload()
+    scalars = [(e.step, e.value) for e in ev.Scalars("reward/mean")]
+    assert [s for s, _ in scalars] == [1, 2, 3]
+    assert [v for _, v in scalars] == [pytest.approx(0.1 * s, abs=1e-6) for s in (1, 2, 3)]  # float32 in the event file
+    assert [e.value for e in ev.Scalars("time/step_s")] == [1.0, 1.0, 1.0]
 
 
 def test_resume_drops_lines_after_checkpoint_and_torn_line(tmp_path):
@@ -31,12 +41,20 @@ def test_plot_png(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_timer():
+def test_timer(monkeypatch):
+    import mlrl.metrics.timer as timer_mod
+
+    clock = iter([10.0, 10.25, 20.0, 20.5, 30.0, 31.0])   # perf_counter() at each enter / exit
+    monkeypatch.setattr(timer_mod, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
     t = Timer()
     with t("a"):
         pass
-    d = t.pop()
-    assert "time/a_s" in d and d["time/a_s"] >= 0 and t.pop() == {}
+    with t("b"):
+        pass
+    with t("a"):                                           # the same name again within a step adds up
+        pass
+    assert t.pop() == {"time/a_s": 0.25 + 1.0, "time/b_s": 0.5}
+    assert t.pop() == {}
 
 
 def test_fresh_run_in_a_used_folder_starts_a_clean_curve(tmp_path):

@@ -79,6 +79,39 @@ def test_distributed_optimizer_divides_adam_state_by_dp():
     assert off.params == on.params and off.grads == on.grads
 
 
+CRITIC = ("algorithm.advantage=gae", "critic.lr=1e-6")
+
+
+def test_critic_adds_its_params_grads_and_optimizer_per_gpu():
+    base = plan_for(QWEN8B)                                                  # tp=2, dp=32, bf16, Adam, dist. opt.
+    with_critic = plan_for(QWEN8B, *CRITIC)
+    policy = 36 * (ATTN_8B + MLP_8B) // 2 + 36 * NORMS_8B + 2 * EMB_8B // 2 + 4096
+    critic = policy - EMB_8B // 2 + 4096        # no output layer (vocab-parallel over tp=2); an h x 1 value head
+    assert with_critic.critic_params[0].total == critic == 3_784_360_960 and base.critic_params is None
+    m0, m1 = base.trainer_memory[0], with_critic.trainer_memory[0]
+    c = m1.critic
+    assert (c.params, c.grads) == (2 * critic, 4 * critic)                   # bf16 weights, fp32 main grads
+    assert c.optimizer == pytest.approx(12 * critic / 32)                    # Adam state sharded over dp=32
+    assert m1.total - m0.total == pytest.approx(critic * (2 + 4 + 12 / 32))  # ~22.5 GiB more per GPU
+    # the policy's own terms, and the activation peak, do not change
+    assert {k: v for k, v in m1.parts().items() if k != "critic"} == m0.parts()
+    # colocated generation phase: the critic's parameters stay resident, grads and Adam state are offloaded
+    e = with_critic.engine_memory
+    assert mem.colocated_phases(m1, e)[1] - mem.colocated_phases(m0, e)[1] == 2 * critic
+
+
+def test_critic_that_does_not_fit_is_exit_code_3(capsys):
+    # the recipe fits without a critic (67 GiB per trainer GPU) but not with one (~90 GiB)
+    plain = run_main(capsys, "--config", str(QWEN8B), "--dry-run")
+    assert plain.returncode == 0 and "result: fits" in plain.stdout
+    out = run_main(capsys, "--config", str(QWEN8B), "--dry-run", *CRITIC)
+    assert out.returncode == 3
+    assert "critic 22.47 = 89.61" in out.stdout and "critic on these GPUs: params 7.05 + grads 14.10 + optimizer 1.32" in out.stdout
+    assert "needs 89.6 GiB > cluster.gpu_memory_gb=80" in out.stderr and "the critic adds 22.5 GiB" in out.stderr
+    # and a layout with tp=4 halves both models: fits again
+    assert run_main(capsys, "--config", str(QWEN8B), "--dry-run", *CRITIC, "parallel.tp=4").returncode == 0
+
+
 def test_moe_expert_sharding_and_expert_dp():
     plan = plan_for(QWEN30B)                               # tp=2 pp=2 ep=8 etp=1 -> dp=16, edp=4
     assert plan.experts_per_rank == 16 and plan.expert_dp == 4

@@ -83,6 +83,7 @@ def test_readiness_timeout_leaves_no_process(tmp_path):
         if pgid and len(_pids_in_group(pgid)) == 2:
             break
         time.sleep(0.05)
+    assert len(_pids_in_group(pgid)) == 2  # the server and its child run: the check below is not vacuous
     with pytest.raises(EngineStartError, match="not ready after 1 s"):
         srv.wait_ready(1.0)
     assert _pids_in_group(pgid) == []
@@ -123,6 +124,7 @@ def test_stop_terminates_the_whole_tree(tmp_path):
             break
         time.sleep(0.05)
     pgid = srv._server_pgid()
+    assert len(_pids_in_group(pgid)) == 2  # the server and its child run: the check below is not vacuous
     t0 = time.monotonic()
     srv.stop()
     assert _pids_in_group(pgid) == [] and not srv.alive() and time.monotonic() - t0 < 5

@@ -168,13 +168,19 @@ async def test_disk_sync_verifies_and_retries_the_canary_once(tmp_path):
     client = FakeClient([[0.0] * 8 + wrong, [0.0] * 8 + want])  # first canary off, second right
     pool = FakePool(tmp_path, client)
     ws = make_weight_sync(WeightSyncConfig(transport="disk", canary_tolerance=1e-5, bucket_mb=1e-4), pool, src, run_dir=tmp_path)
-    assert pool.refresher is not None
     rep = await ws.sync(1)
     assert rep.attempts == 2 and rep.version == 1 and rep.canary_max_abs_diff < 1e-6
     assert rep.tensors == 3 and dict(rep)["weight_sync/attempts"] == 2.0
     assert pool.events == ["pause", ("commit", 1), "resume"] and pool.version == 1
     assert all(torch.equal(client.model[n], t) for n, t in src.named_tensors())
     assert sorted(p.name for p in (tmp_path / "weight_sync").iterdir()) == ["v00000001"]
+    # the pool's refresher (installed by make_weight_sync for restarted engines) re-syncs the pool's
+    # current version in full: an engine that lost its weights gets every tensor again
+    client.model.clear()
+    client.canary_values.append([0.0] * 8 + want)
+    await pool.refresher()
+    assert pool.events[3:] == ["pause", ("commit", 1), "resume"] and pool.version == 1
+    assert all(torch.equal(client.model[n], t) for n, t in src.named_tensors())
 
 
 async def test_second_failure_raises_and_leaves_the_pool_paused(tmp_path):
