@@ -115,7 +115,7 @@ def train_on(cfg: Config, policy: PolicyTrainer, critic: CriticTrainer | None, s
     metrics = {**pack_metrics, **{f"train/{k}": v for k, v in combine_update_metrics(policy_metrics).items()}}
     metrics["train/updates"] = float(len(policy_metrics))
     if critic is not None:
-        metrics.update({f"critic/{k}": v for k, v in combine_update_metrics(critic_metrics).items()})
+        metrics.update({f"critic/{k}": v for k, v in combine_update_metrics(critic_metrics).items() if k not in _CRITIC_QUIET})
         metrics["critic/updates"] = float(len(critic_metrics))
         masks = [torch.tensor(s.loss_mask, dtype=torch.bool) for s in samples]
         v_all = torch.cat([v[m] for v, m in zip(values, masks)])
@@ -144,6 +144,10 @@ def _per_sample(per_dp: PerDP, out: list[list[tuple[torch.Tensor, Any]]], n: int
     flat = [mb for rank in per_dp for mb in rank]
     return unpack_per_sample(flat, [lp for rank in out for lp, _ in rank], n)
 
+
+# the critic's train_step returns the policy's bookkeeping keys too: "loss" repeats value_loss and
+# the token / micro-batch counts repeat the policy's
+_CRITIC_QUIET = {"loss", "tokens", "loss_tokens", "n_tokens", "num_micro_batches", "skipped"}
 
 # keys summed over updates; "_max" / "_min" keys reduce by max / min; "lr" is the last update's;
 # everything else is a per-update mean, averaged over updates weighted by the update's loss tokens
