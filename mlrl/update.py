@@ -27,12 +27,12 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
-from mlrl.algorithms.advantages import RETURNS_KEY, TOKEN_ADVANTAGES_KEY, compute_advantages
+from mlrl.algorithms.advantages import RETURNS_KEY, compute_advantages
 from mlrl.algorithms.value import explained_variance
 from mlrl.config import Config
 from mlrl.experience.batch import MicroBatch
 from mlrl.experience.minibatch import split_groups
-from mlrl.experience.packing import attach_per_sample, pack_step, unpack_per_sample
+from mlrl.experience.packing import attach_per_sample, pack_step, token_advantages, unpack_per_sample
 from mlrl.metrics import Timer
 from mlrl.types import Sample
 
@@ -122,17 +122,14 @@ def train_on(cfg: Config, policy: PolicyTrainer, critic: CriticTrainer | None, s
         r_all = torch.cat([r[m] for r, m in zip(returns, masks)])
         metrics["critic/values_mean"] = float(v_all.mean()) if v_all.numel() else 0.0
         metrics["critic/returns_mean"] = float(r_all.mean()) if r_all.numel() else 0.0
-        metrics["critic/explained_variance"] = explained_variance(v_all, r_all, torch.ones_like(v_all, dtype=torch.bool))
-    adv = [v for s in samples for v, m in zip(_token_advantages(s), s.loss_mask) if m]
+        ev = explained_variance(v_all, r_all, torch.ones_like(v_all, dtype=torch.bool))
+        if ev == ev:  # undefined (nan) when every return is equal, e.g. no reward at all: left out
+            metrics["critic/explained_variance"] = ev
+    adv = [v for s in samples for v, m in zip(token_advantages(s), s.loss_mask) if m]
     if adv:
         metrics["advantages/mean"] = sum(adv) / len(adv)
         metrics["advantages/abs_mean"] = sum(abs(x) for x in adv) / len(adv)
     return metrics
-
-
-def _token_advantages(s: Sample) -> list[float]:
-    tok = s.metadata.get(TOKEN_ADVANTAGES_KEY)
-    return [float(x) for x in tok] if tok is not None else [float(s.advantage)] * len(s.tokens)
 
 
 def _pack(cfg: Config, policy: PolicyTrainer, samples: Sequence[Sample]) -> tuple[PerDP, dict[str, float]]:

@@ -62,7 +62,8 @@ def _first_fit_decreasing(indices: Sequence[int], lengths: Sequence[int], budget
     return [sorted(b) for b in bins]
 
 
-def _token_advantages(s: Sample, index: int) -> list[float]:
+def token_advantages(s: Sample, index: int = 0) -> list[float]:
+    """The per-token advantages of a sample ([T]): the token estimators' list, else Sample.advantage broadcast."""
     tok = s.metadata.get(TOKEN_ADVANTAGES_KEY)
     if tok is None:
         return [float(s.advantage)] * len(s.tokens)
@@ -89,7 +90,7 @@ def _build(samples: Sequence[Sample], ids: Sequence[int], weights: Sequence[floa
         sid += [i] * n
         mask += m
         weight += [weights[i] * x for x in m]
-        adv += [a * x for a, x in zip(_token_advantages(s, i), m)]
+        adv += [a * x for a, x in zip(token_advantages(s, i), m)]
         rollout += [float(x) for x in s.rollout_logprobs]
         cu.append(cu[-1] + n)
     length = max(pad_multiple, math.ceil(cu[-1] / pad_multiple) * pad_multiple)
