@@ -2,7 +2,7 @@
 # (scripts/setup_env.sh; a no-op when nothing changed).
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-unit test-integration
+.PHONY: setup demo test test-unit test-integration lint
 setup:
 	@bash scripts/setup_env.sh
 
@@ -11,6 +11,10 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest tests
+
+# ruff, configured in pyproject.toml ([tool.ruff]); .ci/run runs it before the tests
+lint: setup
+	$(PY) -m ruff check .
 
 test-unit: setup
 	$(PY) -m pytest tests/unit

@@ -21,7 +21,9 @@ DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "launch" / "cpu_defaul
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m mlrl.launch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m mlrl.launch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--config", help="YAML recipe (default: launch/cpu_default.yaml)")
     ap.add_argument("--nodes", type=int, help="run on a Ray cluster of N nodes (sets cluster.nodes)")
     ap.add_argument("--print-config", action="store_true", help="print the resolved config and exit")

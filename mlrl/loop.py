@@ -20,42 +20,52 @@ The components come ready-made in `RunContext` (built and torn down by mlrl/run.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
-from typing import Any
-
 import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from mlrl.algorithms.sampling import apply_overlong_shaping, filter_groups
-from mlrl.config import Config
-from mlrl.metrics import Timer
+from mlrl.config import Config, dump_yaml
+from mlrl.data.sampler import PromptSampler
+from mlrl.interfaces import Checkpointer, Critic, Policy, RolloutPool, WeightSync
+from mlrl.metrics import MetricsLogger, Timer
 from mlrl.metrics.pass_at_k import mean_pass_at_k
-from mlrl.types import Sample, SampleStatus
+from mlrl.types import Row, Sample, SampleStatus
 from mlrl.update import train_on
 from mlrl.workflow.api import EpisodeStatus
-from mlrl.workflow.runner import summarize
+from mlrl.workflow.runner import EpisodeRunner, GroupResult, summarize
 
 log = logging.getLogger(__name__)
+
+
+class Progress(Protocol):
+    """A progress bar (tqdm's interface)."""
+
+    def update(self, n: int = 1) -> object: ...
+    def set_postfix(self, **kwargs: str) -> None: ...
+    def close(self) -> None: ...
 
 
 @dataclass
 class RunContext:
     cfg: Config
-    policy: Any            # mlrl.trainer.remote.RemotePolicy
-    engines: Any           # mlrl.rollout.pool.EnginePool
-    weight_sync: Any       # mlrl.weight_sync.WeightSync
-    runner: Any            # mlrl.workflow.runner.EpisodeRunner
-    sampler: Any           # mlrl.data.sampler.PromptSampler
-    logger: Any            # mlrl.metrics.MetricsLogger
-    checkpoint: Any        # mlrl.run.Checkpointer (save / export)
-    critic: Any = None     # mlrl.trainer.remote.RemoteCritic (algorithm.advantage=gae), else None
-    eval_rows: list | None = None
-    start_step: int = 0    # last completed step (0 = fresh run)
-    version: int = 0       # weight version the engines hold
-    progress: Any = None
+    policy: Policy               # the trainer ranks (mlrl.trainer.driver.TrainerClient)
+    engines: RolloutPool         # mlrl.rollout.pool.EnginePool
+    weight_sync: WeightSync      # transport chosen by config (mlrl.weight_sync)
+    runner: EpisodeRunner        # episodes of a step: workflow + reward, groups, failures
+    sampler: PromptSampler
+    logger: MetricsLogger
+    checkpoint: Checkpointer     # mlrl.checkpoint.Checkpointer (save / commit / export)
+    critic: Critic | None = None  # the value model (algorithm.advantage=gae), else None
+    eval_rows: list[Row] | None = None
+    start_step: int = 0          # last completed step (0 = fresh run)
+    version: int = 0             # weight version the engines hold
+    progress: Progress | None = None
     history: list[dict[str, float]] = field(default_factory=list)
     version_changed: asyncio.Condition | None = None  # async mode: wakes the producer after a weight update
-    in_flight: dict[int, Any] = field(default_factory=dict)  # async mode: rows started, not yet trained on
-    resume_rows: list[Any] = field(default_factory=list)    # rows in flight when the resumed checkpoint was saved
+    in_flight: dict[int, Row] = field(default_factory=dict)  # async mode: rows started, not yet trained on
+    resume_rows: list[Row] = field(default_factory=list)    # rows in flight when the resumed checkpoint was saved
     extra_prompts: int = 0  # async mode: groups dropped by dynamic sampling; the producer starts as many more
 
 
@@ -88,7 +98,9 @@ async def train_async(ctx: RunContext) -> None:
             with timer("step"):
                 with timer("wait_rollout"):
                     samples, rollout_metrics, stale = await _collect(ctx, groups, eta)
-                metrics = await asyncio.to_thread(train_step, ctx, samples, timer, step)  # engines keep generating meanwhile
+                metrics = await asyncio.to_thread(
+                    train_step, ctx, samples, timer, step
+                )  # engines keep generating meanwhile
                 with timer("weight_sync"):
                     ctx.version = step
                     sync_metrics = await ctx.weight_sync.sync(ctx.version)
@@ -121,7 +133,7 @@ async def rollout_sync(ctx: RunContext) -> tuple[list[Sample], dict[str, float]]
             sel.add(g.samples)
         if not ds.enabled or sel.groups_kept >= want or rounds >= ds.max_rounds:
             break
-    return sel.samples, {**summarize(groups, getattr(ctx.runner, "metric_prefix", "")), **sel.metrics(rounds)}
+    return sel.samples, {**summarize(groups, ctx.runner.metric_prefix), **sel.metrics(rounds)}
 
 
 class Selection:
@@ -190,14 +202,18 @@ async def evaluate_if_due(ctx: RunContext, step: int, timer: Timer) -> dict[str,
     return {}
 
 
-def pass_metrics(groups: list[Any], k: int, threshold: float) -> dict[str, float]:
+def pass_metrics(groups: Sequence[GroupResult], k: int, threshold: float) -> dict[str, float]:
     """pass@1 / pass@k / mean reward of evaluation groups; an episode that did not complete
     counts as incorrect (and as reward 0)."""
     per_prompt, rewards = [], []
     for g in groups:
-        ok = [e.status == EpisodeStatus.COMPLETED and e.reward is not None and e.reward >= threshold for e in g.episodes]
+        ok = [
+            e.status == EpisodeStatus.COMPLETED and e.reward is not None and e.reward >= threshold for e in g.episodes
+        ]
         per_prompt.append((len(ok), sum(ok)))
-        rewards += [e.reward if e.status == EpisodeStatus.COMPLETED and e.reward is not None else 0.0 for e in g.episodes]
+        rewards += [
+            e.reward if e.status == EpisodeStatus.COMPLETED and e.reward is not None else 0.0 for e in g.episodes
+        ]
     if not per_prompt:
         return {}
     out = {"eval/pass@1": mean_pass_at_k(per_prompt, 1), "eval/pass@k": mean_pass_at_k(per_prompt, k),
@@ -211,12 +227,21 @@ async def save_if_due(ctx: RunContext, step: int) -> None:
     never exists for a step whose metrics line is missing. An async save still being written
     (GPU) is committed here once every rank has finalized it (a non-blocking poll)."""
     cfg = ctx.cfg
-    await asyncio.to_thread(ctx.checkpoint.finalize, ctx, blocking=False)
+    await asyncio.to_thread(ctx.checkpoint.finalize, blocking=False)
     last = step == cfg.trainer.total_steps
     if (cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0) or (last and cfg.checkpoint.save_at_end):
-        await asyncio.to_thread(ctx.checkpoint.save, ctx, step)
-    if (cfg.checkpoint.hf_export_every and step % cfg.checkpoint.hf_export_every == 0) or (last and cfg.checkpoint.hf_export_at_end):
-        await asyncio.to_thread(ctx.checkpoint.export_hf, ctx, step)
+        await asyncio.to_thread(ctx.checkpoint.save, step, loop_state(ctx))
+    if (cfg.checkpoint.hf_export_every and step % cfg.checkpoint.hf_export_every == 0) or (
+        last and cfg.checkpoint.hf_export_at_end
+    ):
+        await asyncio.to_thread(ctx.checkpoint.export_hf, step)
+
+
+def loop_state(ctx: RunContext) -> dict[str, object]:
+    """What a checkpoint records besides the trainer state, for resume: the weight version, the
+    sampler position, the config, and (async) the rows in flight, re-issued first on resume."""
+    return {"weight_version": ctx.version, "sampler": ctx.sampler.state(), "config": dump_yaml(ctx.cfg),
+            "in_flight_rows": [*ctx.in_flight.values(), *ctx.resume_rows]}
 
 
 def finish_step(ctx: RunContext, step: int, metrics: dict[str, float]) -> None:
@@ -241,14 +266,16 @@ async def _produce(ctx: RunContext, out: asyncio.Queue, eta: int) -> None:
     started = 0
     tasks: set[asyncio.Task] = set()
 
-    async def one(key: int, row: Any) -> None:
+    async def one(key: int, row: Row) -> None:
         out.put_nowait((key, await ctx.runner.run_group(row, ctx.cfg.trainer.samples_per_prompt)))
 
     try:
         while True:
             async with ctx.version_changed:
+                # the predicate is re-evaluated while we wait, within this iteration: it must read
+                # the current `started` (hence B023 does not apply)
                 await ctx.version_changed.wait_for(
-                    lambda: started < (ctx.version - base + eta + 1) * per_step + ctx.extra_prompts)
+                    lambda: started < (ctx.version - base + eta + 1) * per_step + ctx.extra_prompts)  # noqa: B023
             # rows that were in flight when the checkpoint we resumed from was saved come first:
             # with the sampler position saved after them, no prompt is skipped or seen twice
             row = ctx.resume_rows.pop(0) if ctx.resume_rows else ctx.sampler.next_batch(1)[0]

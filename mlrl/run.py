@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from mlrl.checkpoint import CheckpointManager, read_state
+from mlrl.checkpoint import Checkpointer, CheckpointManager, check_resume_has_critic, read_state
 from mlrl.config import Config, ConfigError, Layout, dump_yaml
 from mlrl.data import dataset_from_config
 from mlrl.data.sampler import PromptSampler
@@ -25,69 +25,12 @@ from mlrl.metrics import MetricsLogger, plot_run
 from mlrl.modelzoo import resolve_model_dir
 from mlrl.rollout.pool import EnginePool
 from mlrl.rollout.server import ServerSpec
-from mlrl.trainer.group import SpawnRanks, TrainerGroup
-from mlrl.trainer.remote import MegatronWeightSource, RemoteCritic, RemotePolicy
+from mlrl.trainer.driver.client import CriticClient, MegatronWeightSource, TrainerClient
+from mlrl.trainer.driver.group import SpawnRanks, TrainerGroup
 from mlrl.weight_sync import make_weight_sync
 from mlrl.workflow import EpisodeRunner, build_workflow_from_config, gconfig_from_sampling, load_hf_tokenizer
 
 log = logging.getLogger("mlrl")
-
-
-class Checkpointer:
-    """Saves (trainer shards + loop state, atomically) and exports HF folders for the loop.
-
-    With checkpoint.async_save (GPU) the trainer ranks return from the save while megatron-core
-    still writes the shards in the background: such a save stays pending (its temporary folder,
-    step and loop state) and is committed (COMPLETE, rename, `latest`) only after megatron-core
-    has finalized it on every rank. `finalize` does that: the loop calls it every step without
-    blocking (a collective poll) and blocking at exit, and `save` calls it, blocking, before the
-    next save (at most one checkpoint is in flight). Without async_save, `save` commits at once."""
-
-    def __init__(self, manager: CheckpointManager, run_dir: Path):
-        self.manager = manager
-        self.run_dir = run_dir
-        self.last_saved: Path | None = None
-        self.last_export: Path | None = None
-        self.pending: tuple[Path, int, dict[str, Any]] | None = None  # async save written, not yet committed
-
-    def save(self, ctx: RunContext, step: int) -> Path | None:
-        """The committed checkpoint, or None while an async save is still being written."""
-        self.finalize(ctx)  # commit the previous async save first (a no-op without one)
-        tmp = self.manager.begin(step)
-        ctx.policy.save_checkpoint(tmp / "model_optim", critic_path=tmp / "critic" if ctx.critic is not None else None)
-        state = {"weight_version": ctx.version, "sampler": ctx.sampler.state(), "config": dump_yaml(ctx.cfg),
-                 "in_flight_rows": [*ctx.in_flight.values(), *ctx.resume_rows]}  # async: re-issued on resume
-        if ctx.cfg.checkpoint.async_save and ctx.policy.finalize_checkpoints(blocking=False):
-            self.pending = (tmp, step, state)  # shards still being written: not COMPLETE, never resumed from
-            log.info("checkpoint step %d: shards are being written in the background", step)
-            return None
-        self.last_saved = self.manager.commit(tmp, step, state)
-        log.info("checkpoint saved: %s", self.last_saved)
-        return self.last_saved
-
-    def finalize(self, ctx: RunContext, blocking: bool = True) -> Path | None:
-        """Commit the pending async save once megatron-core has finalized it on every rank
-        (`blocking`: wait for that). Returns the checkpoint committed now, else None. A collective
-        on the trainer ranks when a save is pending; nothing at all otherwise."""
-        if self.pending is None:
-            return None
-        left = ctx.policy.finalize_checkpoints(blocking=blocking)
-        if left and blocking:
-            raise RuntimeError(f"{left} checkpoint save(s) still pending after a blocking finalize")
-        if left:
-            return None
-        tmp, step, state = self.pending
-        self.pending = None
-        self.last_saved = self.manager.commit(tmp, step, state)
-        log.info("checkpoint saved: %s", self.last_saved)
-        return self.last_saved
-
-    def export_hf(self, ctx: RunContext, step: int) -> Path:
-        out = self.run_dir / "hf" / f"step_{step:06d}"
-        ctx.policy.export_hf(out)
-        self.last_export = out
-        log.info("HF export written: %s", out)
-        return out
 
 
 @dataclass
@@ -114,8 +57,10 @@ def local_placement(cfg: Config, layout: Layout) -> Placement:
     plan = make_plan(cfg, layout)
     visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
     if visible and len(visible) < cfg.cluster.gpus_per_node:
-        raise ConfigError(f"cluster.gpus_per_node={cfg.cluster.gpus_per_node} but CUDA_VISIBLE_DEVICES={','.join(visible)} "
-                          f"lists {len(visible)}")
+        raise ConfigError(
+            f"cluster.gpus_per_node={cfg.cluster.gpus_per_node} but CUDA_VISIBLE_DEVICES={','.join(visible)} "
+            f"lists {len(visible)}"
+        )
     ids = tuple(int(visible[g]) if visible else g for g in range(cfg.cluster.gpus_per_node))
     ports = (0,) * ports_needed(plan)[0]  # torchrun and the engines pick their own ports on one machine
     a = assign(plan, [NodeInfo(0, "local", "127.0.0.1", ids, ports)])
@@ -150,8 +95,12 @@ def cluster_placement(cfg: Config, layout: Layout, run_dir: Path) -> Placement:
 
 
 def run(cfg: Config, layout: Layout) -> int:
-    logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))  # one line per request otherwise
+    logging.basicConfig(
+        level=cfg.logging.level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    logging.getLogger("httpx").setLevel(
+        max(logging.WARNING, logging.getLogger().level)
+    )  # one line per request otherwise
     return asyncio.run(_run(cfg, layout))
 
 
@@ -164,15 +113,22 @@ async def _run(cfg: Config, layout: Layout) -> int:
     ckpts = CheckpointManager(cfg.checkpoint.dir or run_dir / "checkpoints", cfg.checkpoint.keep_last)
     resume = ckpts.resolve_resume(cfg.checkpoint.resume)
     state = read_state(resume) if resume else None
-    if resume and cfg.uses_critic and not (resume / "critic").is_dir():
-        raise ConfigError(f"checkpoint.resume: {resume} holds no critic state (saved by a run without a critic) but this "
-                          "config trains a critic (algorithm.advantage=gae); resume from a checkpoint of a gae run or set checkpoint.resume=none")
+    if resume:
+        check_resume_has_critic(resume, cfg.uses_critic)
     train_rows = dataset_from_config(cfg.data, "train", tokenizer=tokenizer, seed=cfg.trainer.seed)
-    eval_rows = list(dataset_from_config(cfg.data, "eval", tokenizer=tokenizer, seed=cfg.trainer.seed)) if cfg.data.eval else None
+    eval_rows = (
+        list(dataset_from_config(cfg.data, "eval", tokenizer=tokenizer, seed=cfg.trainer.seed))
+        if cfg.data.eval
+        else None
+    )
     sampler = PromptSampler(train_rows, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
     if state:
-        sampler = PromptSampler.from_state(train_rows, state["sampler"], seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
-    workflow = build_workflow_from_config(cfg.workflow, tokenizer=tokenizer, gconfig=gconfig_from_sampling(cfg.rollout.sampling))
+        sampler = PromptSampler.from_state(
+            train_rows, state["sampler"], seed=cfg.trainer.seed, shuffle=cfg.data.shuffle
+        )
+    workflow = build_workflow_from_config(
+        cfg.workflow, tokenizer=tokenizer, gconfig=gconfig_from_sampling(cfg.rollout.sampling)
+    )
     # 2. processes: where they go (this machine, or the reserved Ray nodes), then engines and
     #    trainer ranks start concurrently
     placement = await asyncio.to_thread(cluster_placement, cfg, layout, run_dir) if cfg.cluster.nodes > 1 \
@@ -183,32 +139,54 @@ async def _run(cfg: Config, layout: Layout) -> int:
                           cuda_devices=placement.engine_devices, server_factory=placement.engine_server)
         pool_started = asyncio.create_task(pool.start())
         try:
-            group = await asyncio.to_thread(TrainerGroup, dump_yaml(cfg), layout.trainer_devices, run_dir=run_dir,
-                                            host=placement.host, env=placement.trainer_env, spawn=placement.spawn_trainer)
+            group = await asyncio.to_thread(
+                TrainerGroup,
+                dump_yaml(cfg),
+                layout.trainer_devices,
+                run_dir=run_dir,
+                host=placement.host,
+                env=placement.trainer_env,
+                spawn=placement.spawn_trainer,
+            )
         finally:
             await pool_started
-        policy = RemotePolicy(group)
+        policy = TrainerClient(group)
+        checkpointer = Checkpointer(ckpts, run_dir, policy, with_critic=cfg.uses_critic,
+                                    async_save=cfg.checkpoint.async_save)
         version = 0
         if resume:
-            await asyncio.to_thread(policy.load_checkpoint, resume / "model_optim",
-                                    resume / "critic" if cfg.uses_critic else None)
+            await asyncio.to_thread(checkpointer.load, resume)
             version = int(state["weight_version"])
             log.info("resumed from %s (step %d, weight version %d)", resume, state["step"], version)
-        weight_sync = make_weight_sync(cfg.weight_sync, pool, MegatronWeightSource(policy), run_dir=run_dir,
-                                       store_host=placement.host, backend=placement.sync_backend)
+        weight_sync = make_weight_sync(cfg.weight_sync, pool, MegatronWeightSource(policy), model_dir=hf_dir,
+                                       engine_tp=cfg.rollout.engine_tp, host=placement.host or cfg.rollout.host,
+                                       run_dir=run_dir, backend=placement.sync_backend)
+        pool.refresher = weight_sync.refresh  # an engine restarted after a crash is re-synced before it serves
         # 3. verify the trainer -> engine path before the first step (and load resumed weights)
         await weight_sync.sync(version)
-        runner = EpisodeRunner.from_config(cfg.workflow, workflow, pool)
+        runner = EpisodeRunner.from_config(cfg.workflow, workflow, pool, seed=cfg.rollout.sampling.seed)
         start_step = int(state["step"]) if state else 0
         logger = MetricsLogger(run_dir, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard,
                                wandb_project=cfg.logging.wandb_project, resume_step=start_step)
-        critic = RemoteCritic(policy) if cfg.uses_critic else None
-        ctx = RunContext(cfg=cfg, policy=policy, critic=critic, engines=pool, weight_sync=weight_sync, runner=runner, sampler=sampler,
-                         logger=logger, checkpoint=Checkpointer(ckpts, run_dir), eval_rows=eval_rows,
-                         start_step=start_step, version=version, progress=_progress(cfg, start_step),
-                         resume_rows=list(state.get("in_flight_rows", [])) if state else [])
+        critic = CriticClient(policy) if cfg.uses_critic else None
+        ctx = RunContext(
+            cfg=cfg,
+            policy=policy,
+            critic=critic,
+            engines=pool,
+            weight_sync=weight_sync,
+            runner=runner,
+            sampler=sampler,
+            logger=logger,
+            checkpoint=checkpointer,
+            eval_rows=eval_rows,
+            start_step=start_step,
+            version=version,
+            progress=_progress(cfg, start_step),
+            resume_rows=list(state.get("in_flight_rows", [])) if state else [],
+        )
         await (train_async(ctx) if cfg.mode == "async" else train_sync(ctx))
-        await asyncio.to_thread(ctx.checkpoint.finalize, ctx)  # an async save still in flight is committed
+        await asyncio.to_thread(ctx.checkpoint.finalize)  # an async save still in flight is committed
         if ctx.progress is not None:
             ctx.progress.close()
         _summary(ctx, run_dir)

@@ -19,6 +19,16 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+Row = dict[str, Any]
+"""One dataset row: `{"messages": [...], "answer": ..., **metadata}` (see mlrl.data.rows); every
+key reaches the workflow and the reward function."""
+
+
+# Sample.metadata keys written by the advantage estimators (mlrl.algorithms.advantages) and read
+# by the packer (mlrl.experience.packing) and the update (mlrl.update):
+TOKEN_ADVANTAGES_KEY = "token_advantages"  # per-token advantages ([T] list, 0.0 on non-policy tokens)
+RETURNS_KEY = "returns"  # GAE: per-token value targets R_t = A_t + V_t ([T] list), the critic's regression target
+
 
 class StopReason(str, enum.Enum):
     """Why one generation ended (vLLM's finish_reason, plus our own)."""
@@ -42,7 +52,8 @@ class GenerationHyperparameters:
     top_k: int = -1                  # -1 = off
     stop_token_ids: list[int] = field(default_factory=list)  # extra stop tokens besides EOS
     stop: list[str] = field(default_factory=list)            # stop strings
-    greedy: bool = False             # shorthand for temperature 0
+    greedy: bool = False  # shorthand for temperature 0
+    seed: int | None = None  # this request's sampling seed (vLLM per-request RNG); None = the engine's shared RNG
 
     def new(self, **kw: Any) -> "GenerationHyperparameters":
         d = dict(self.__dict__)
@@ -65,7 +76,7 @@ class ModelRequest:
     input_ids: list[int]                                     # [P]
     gconfig: GenerationHyperparameters = field(default_factory=GenerationHyperparameters)
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)  # request id (unique; used for abort and de-duplication)
-    session_id: str | None = None   # multi-turn conversation id: requests with one id stick to one engine (prefix cache)
+    session_id: str | None = None  # multi-turn conversation id: requests with one id stick to one engine (prefix cache)
     metadata: dict[str, Any] = field(default_factory=dict)
     tokenizer: Any = None           # AReaL's field: lets engines decode text for stop strings
 
@@ -75,8 +86,10 @@ class ModelResponse:
     """What the engine produced for one request."""
 
     input_tokens: list[int]                                  # [P]
-    output_tokens: list[int] = field(default_factory=list)   # [R]
-    output_logprobs: list[float] = field(default_factory=list)  # [R] logprob of each sampled token under the sampling distribution
+    output_tokens: list[int] = field(default_factory=list)  # [R]
+    output_logprobs: list[float] = field(
+        default_factory=list
+    )  # [R] logprob of each sampled token under the sampling distribution
     output_versions: list[int] = field(default_factory=list)    # [R] weight version that produced each token
     stop_reason: StopReason = StopReason.STOP
     text: str = ""                  # decoded output (when the engine returns it)

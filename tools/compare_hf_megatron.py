@@ -163,13 +163,13 @@ def worker(args) -> int:
     from mlrl.config.schema import Config
     from mlrl.config.validate import resolve_layout
     from mlrl.modelzoo import resolve_model_dir
-    from mlrl.trainer.policy import MegatronPolicy, init_parallel
+    from mlrl.trainer.rank.policy import MegatronPolicy, init_parallel
 
     hf_dir = resolve_model_dir(args.hf_dir)
     cfg = Config()
     cfg.model.hf_dir = str(hf_dir)
     cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep = args.tp, args.pp, args.ep
-    cfg.parallel.dp = args.ep
+    cfg.cluster.trainer_devices = args.tp * args.pp * args.ep  # dp = ep (room for the expert groups)
     hf_config = json.loads((hf_dir / "config.json").read_text())
     is_moe = bool(hf_config.get("num_experts") or hf_config.get("num_local_experts"))
     cfg.parallel.sequence_parallel = is_moe and args.tp > 1
@@ -187,7 +187,10 @@ def worker(args) -> int:
         cu = mb.cu_seqlens.tolist()
         d_logits, d_lp = _max_diff(logits, ref, samples, cu)
         # the logprobs Megatron's own (vocab-parallel) path computes, vs HF's log_softmax
-        d_lp_path = max(float((logprobs[a + 1:b] - _token_logprobs(r, s)).abs().max()) for a, b, r, s in zip(cu, cu[1:], ref, samples))
+        d_lp_path = max(
+            float((logprobs[a + 1 : b] - _token_logprobs(r, s)).abs().max())
+            for a, b, r, s in zip(cu, cu[1:], ref, samples)
+        )
         res = {"hf_dir": str(hf_dir), "tp": args.tp, "pp": args.pp, "ep": args.ep, "tokens": int(mb.num_tokens),
                "max_abs_logits": d_logits, "max_abs_logprob": max(d_lp, d_lp_path)}
         measured = max(d_logits, d_lp, d_lp_path)
@@ -207,9 +210,13 @@ def worker(args) -> int:
         line = (f"compare_hf_megatron: {hf_dir.name} tp={args.tp} pp={args.pp} ep={args.ep} tokens={res['tokens']}: "
                 f"Megatron vs HF fp32: max|d logits|={d_logits:.3e} max|d logprob|={res['max_abs_logprob']:.3e}")
         if args.noise_floor:
-            line += (f"; vs HF fp64: Megatron {res['megatron_vs_fp64_logits']:.3e} / {res['megatron_vs_fp64_logprob']:.3e}, "
-                     f"HF fp32 {res['hf_fp32_vs_fp64_logits']:.3e} / {res['hf_fp32_vs_fp64_logprob']:.3e} (logits / logprob); "
-                     f"HF batched vs single {res['hf_batched_vs_single_logits']:.3e} / {res['hf_batched_vs_single_logprob']:.3e}")
+            line += (
+                f"; vs HF fp64: Megatron {res['megatron_vs_fp64_logits']:.3e} / {res['megatron_vs_fp64_logprob']:.3e}, "
+                f"HF fp32 {res['hf_fp32_vs_fp64_logits']:.3e} / {res['hf_fp32_vs_fp64_logprob']:.3e} (logits / "
+                "logprob); "
+                f"HF batched vs single {res['hf_batched_vs_single_logits']:.3e} / "
+                f"{res['hf_batched_vs_single_logprob']:.3e}"
+            )
         print(line + f" -> {'OK' if res['ok'] else 'FAIL'} (bound {bound:.1e})", flush=True)
         print(json.dumps(res), flush=True)
         if args.json:

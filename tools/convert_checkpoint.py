@@ -35,7 +35,6 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-_PRECISION = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "TB": 1 << 40}
 
 
@@ -61,23 +60,42 @@ def parse_size(text: str) -> int:
         raise ConversionError(f"--max-shard-size {text!r}: expected a size like 2GB, 500MB or 1048576") from None
 
 
+def _dtypes() -> tuple[str, ...]:
+    """The model.dtype values (float32, bfloat16, float16)."""
+    from typing import get_args
+
+    from mlrl.config.schema import Dtype
+
+    return get_args(Dtype)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="convert_checkpoint.py", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
     h = sub.add_parser("hf-to-mcore", help="HF folder -> Megatron distributed checkpoint (weights)")
-    h.add_argument("--hf", required=True, help="Hugging Face model folder (config.json + safetensors) or builtin:<name>")
-    h.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
-                   help="dtype of the stored weights (auto = config.json's dtype)")
+    h.add_argument(
+        "--hf", required=True, help="Hugging Face model folder (config.json + safetensors) or builtin:<name>"
+    )
+    h.add_argument("--dtype", choices=["auto", *_dtypes()], default="auto",
+                   help="dtype of the stored weights, as model.dtype (auto = config.json's dtype, float32 if it has "
+                        "none or another)")
+    h.add_argument("--precision", help=argparse.SUPPRESS)  # removed: a clear error pointing at --dtype
     m = sub.add_parser("mcore-to-hf", help="Megatron distributed checkpoint -> HF folder")
     m.add_argument("--ckpt", required=True, help="checkpoint folder (model_optim/, step_N/ or a run's checkpoint root)")
-    m.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16", "keep"], default="auto",
+    m.add_argument("--dtype", choices=["auto", *_dtypes(), "keep"], default="auto",
                    help="dtype of the written tensors (auto = config.json's dtype, keep = the checkpoint's)")
     m.add_argument("--max-shard-size", default="2GB", help="largest safetensors file (e.g. 5GB, 500MB)")
     for p in (h, m):
         p.add_argument("--out", required=True, help="output folder (must be empty or absent, unless --force)")
-        p.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (mcore-to-hf default: the checkpoint's)")
-        p.add_argument("--pp", type=int, default=None, help="pipeline-parallel ranks (mcore-to-hf default: the checkpoint's)")
-        p.add_argument("--ep", type=int, default=None, help="expert-parallel ranks (mcore-to-hf default: the checkpoint's)")
+        p.add_argument(
+            "--tp", type=int, default=None, help="tensor-parallel ranks (mcore-to-hf default: the checkpoint's)"
+        )
+        p.add_argument(
+            "--pp", type=int, default=None, help="pipeline-parallel ranks (mcore-to-hf default: the checkpoint's)"
+        )
+        p.add_argument(
+            "--ep", type=int, default=None, help="expert-parallel ranks (mcore-to-hf default: the checkpoint's)"
+        )
         p.add_argument("--verify", action="store_true", help="compare logits with transformers after converting")
         p.add_argument("--verify-tol", type=float, default=1e-3, help="largest accepted |logit difference| (fp32)")
         p.add_argument("--force", action="store_true", help="replace a non-empty --out")
@@ -91,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
 def resolve_ckpt(path: str) -> Path:
     """model_optim/ folder of a checkpoint given as that folder, step_N/ or a checkpoint root."""
     from mlrl.checkpoint import CheckpointManager
-    from mlrl.trainer.checkpointing import META_FILE
+    from mlrl.trainer.rank.checkpointing import META_FILE
 
     p = Path(path)
     if not p.exists():
@@ -107,7 +125,8 @@ def resolve_ckpt(path: str) -> Path:
 
 
 def check_layout(hf_config: dict, tp: int, pp: int, ep: int, what: str) -> None:
-    from mlrl.bridge import BridgeError, check_layout as bridge_check, spec_for
+    from mlrl.bridge import BridgeError, spec_for
+    from mlrl.bridge import check_layout as bridge_check
 
     if min(tp, pp, ep) < 1:
         raise ConversionError(f"--tp/--pp/--ep must be >= 1, got {tp}/{pp}/{ep}")
@@ -122,11 +141,14 @@ def prepare(args) -> dict[str, Any]:
     """Validate the inputs; returns the job description the ranks run."""
     from mlrl.bridge import BridgeError, HFCheckpoint, spec_for
     from mlrl.checkpoint import CheckpointError
-    from mlrl.trainer.conversion import check_output_dir
+    from mlrl.trainer.rank.conversion import check_output_dir
 
     job: dict[str, Any] = {"command": args.command, "out": str(Path(args.out).resolve()), "verify": args.verify,
                            "verify_tol": args.verify_tol, "progress": not args.no_progress}
     if args.command == "hf-to-mcore":
+        if args.precision is not None:
+            raise ConversionError("--precision was removed: use --dtype float32|bfloat16|float16 (fp32|bf16|fp16), "
+                                  "named as model.dtype")
         from mlrl.modelzoo import BUILTIN_PREFIX, resolve_model_dir
 
         if not args.hf.startswith(BUILTIN_PREFIX) and not Path(args.hf).exists():
@@ -146,12 +168,13 @@ def prepare(args) -> dict[str, Any]:
         except BridgeError as e:
             raise ConversionError(f"--hf {hf}: {e}") from None
         tp, pp, ep = args.tp or 1, args.pp or 1, args.ep or 1
-        precision = args.precision
-        if precision == "auto":
-            precision = _PRECISION.get(hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32", "fp32")
-        job.update(hf=str(hf), precision=precision)
+        dtype = args.dtype
+        if dtype == "auto":
+            dtype = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
+            dtype = dtype if dtype in _dtypes() else "float32"
+        job.update(hf=str(hf), dtype=dtype)
     else:
-        from mlrl.trainer.checkpointing import HF_FILES_DIR, read_meta
+        from mlrl.trainer.rank.checkpointing import HF_FILES_DIR, read_meta
 
         max_shard_bytes = parse_size(args.max_shard_size)
         path = resolve_ckpt(args.ckpt)
@@ -171,7 +194,7 @@ def prepare(args) -> dict[str, Any]:
         check_output_dir(args.out, force=args.force)
     except CheckpointError as e:
         raise ConversionError(str(e)) from None
-    from mlrl.trainer.conversion import world_size_for
+    from mlrl.trainer.rank.conversion import world_size_for
 
     job.update(tp=tp, pp=pp, ep=ep, world=world_size_for(tp, pp, ep))
     return job
@@ -182,7 +205,7 @@ def run_rank(job: dict[str, Any]) -> dict[str, Any]:
     """This process's part of the conversion (a torchrun rank, or the only rank)."""
     import torch.distributed as dist
 
-    from mlrl.trainer import conversion
+    from mlrl.trainer.rank import conversion
 
     rank = int(os.environ.get("RANK", "0"))
     bar = None
@@ -203,7 +226,7 @@ def run_rank(job: dict[str, Any]) -> dict[str, Any]:
     try:
         if job["command"] == "hf-to-mcore":
             report = conversion.hf_to_mcore(job["hf"], job["out"], tp=job["tp"], pp=job["pp"], ep=job["ep"],
-                                            precision=job["precision"], verify=job["verify"], progress=progress)
+                                            dtype=job["dtype"], verify=job["verify"], progress=progress)
         else:
             report = conversion.mcore_to_hf(job["ckpt"], job["out"], tp=job["tp"], pp=job["pp"], ep=job["ep"],
                                             dtype=job["dtype"], max_shard_bytes=job["max_shard_bytes"],
@@ -232,7 +255,9 @@ def launch(job: dict[str, Any]) -> dict[str, Any]:
     job_file.write_text(json.dumps(job))
     if job["world"] == 1 or "WORLD_SIZE" in os.environ:
         if "WORLD_SIZE" not in os.environ:
-            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+            os.environ.update(
+                RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
+            )
         return _rank_main(job_file)
     import torch
 
@@ -291,7 +316,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if job["verify"]:
         gap = report["max_abs_logit_diff"]
         if not gap <= job["verify_tol"]:
-            print(f"verify FAILED: max |logit difference| {gap:.3g} > --verify-tol {job['verify_tol']:g}", file=sys.stderr)
+            print(
+                f"verify FAILED: max |logit difference| {gap:.3g} > --verify-tol {job['verify_tol']:g}", file=sys.stderr
+            )
             return 1
         print(f"verify ok: max |logit difference| {gap:.3g} <= {job['verify_tol']:g}")
     return 0

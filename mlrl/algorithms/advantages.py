@@ -21,10 +21,7 @@ import torch
 
 from mlrl.algorithms.kl import kl_reward_penalty
 from mlrl.config.schema import AlgorithmConfig
-from mlrl.types import Sample
-
-TOKEN_ADVANTAGES_KEY = "token_advantages"
-RETURNS_KEY = "returns"  # GAE: per-token value targets R_t = A_t + V_t ([T] list), the critic's regression target
+from mlrl.types import RETURNS_KEY, TOKEN_ADVANTAGES_KEY, Sample  # noqa: F401 - the keys are re-exported
 
 GroupIds = Union[torch.Tensor, Sequence[Hashable]]
 
@@ -43,7 +40,9 @@ def _group_index(group_ids: GroupIds, n: int) -> tuple[torch.Tensor, int]:
     return torch.tensor(idx, dtype=torch.int64), len(dense)
 
 
-def _group_stats(rewards: torch.Tensor, idx: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _group_stats(
+    rewards: torch.Tensor, idx: torch.Tensor, num_groups: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-sample group mean, unbiased group std (0 for groups of one) and group size."""
     counts = torch.bincount(idx, minlength=num_groups).to(rewards.dtype)
     mean = torch.zeros(num_groups, dtype=rewards.dtype).index_add(0, idx, rewards) / counts
@@ -52,7 +51,9 @@ def _group_stats(rewards: torch.Tensor, idx: torch.Tensor, num_groups: int) -> t
     return mean[idx], var.sqrt()[idx], counts[idx]
 
 
-def grpo_advantages(rewards: torch.Tensor, group_ids: GroupIds, std_normalize: bool = True, eps: float = 1e-6) -> torch.Tensor:
+def grpo_advantages(
+    rewards: torch.Tensor, group_ids: GroupIds, std_normalize: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
     """GRPO (Shao et al. 2024, outcome supervision): [N] -> [N].
 
         A_i = (r_i - mean_g(r)) / (std_g(r) + eps)     with std_normalize
@@ -206,7 +207,8 @@ def _gae(r, m, klp, v, cfg):
     return (whiten(adv, m) if cfg.std_normalize else adv), ret
 
 
-# (rewards [N], mask [N, T], kl_penalty [N, T] | None, values [N, T] | None, cfg) -> ([N, T] advantages, [N, T] returns | None)
+# (rewards [N], mask [N, T], kl_penalty [N, T] | None, values [N, T] | None, cfg)
+#     -> ([N, T] advantages, [N, T] returns | None)
 # gae whitens its advantages over the step's policy tokens when algorithm.std_normalize (PPO's usual
 # recipe, verl's masked_whiten); the returns are computed before whitening.
 TOKEN_ESTIMATORS: dict[str, TokenEstimator] = {
@@ -252,7 +254,9 @@ def compute_advantages(
     """
     name = algo_cfg.advantage
     if name not in GROUP_ESTIMATORS and name not in TOKEN_ESTIMATORS:
-        raise ValueError(f"algorithm.advantage={name!r}: expected one of {sorted(GROUP_ESTIMATORS) + sorted(TOKEN_ESTIMATORS)}")
+        raise ValueError(
+            f"algorithm.advantage={name!r}: expected one of {sorted(GROUP_ESTIMATORS) + sorted(TOKEN_ESTIMATORS)}"
+        )
     if not samples:
         return
     t_max = max(len(s.tokens) for s in samples)
@@ -262,11 +266,16 @@ def compute_advantages(
     kl_pen = None
     if algo_cfg.kl_in_reward and algo_cfg.kl_coef > 0:
         if ref_logprobs is None:
-            raise ValueError("compute_advantages: algorithm.kl_in_reward with kl_coef > 0 needs ref_logprobs (one [T] tensor per sample)")
+            raise ValueError(
+                "compute_advantages: algorithm.kl_in_reward with kl_coef > 0 needs ref_logprobs (one [T] tensor per "
+                "sample)"
+            )
         _check_per_sample("ref_logprobs", ref_logprobs, samples)
         pol = policy_logprobs if policy_logprobs is not None else [torch.tensor(s.rollout_logprobs) for s in samples]
         _check_per_sample("policy_logprobs", pol, samples)
-        kl_pen = kl_reward_penalty(_pad(pol, t_max), _pad(ref_logprobs, t_max), mask, algo_cfg.kl_coef, algo_cfg.kl_estimator)
+        kl_pen = kl_reward_penalty(
+            _pad(pol, t_max), _pad(ref_logprobs, t_max), mask, algo_cfg.kl_coef, algo_cfg.kl_estimator
+        )
 
     if name in GROUP_ESTIMATORS:
         r = rewards if kl_pen is None else rewards + kl_pen.sum(dim=1)
@@ -279,7 +288,9 @@ def compute_advantages(
     v = None
     if name == "gae":
         if values is None:
-            raise ValueError("compute_advantages: algorithm.advantage='gae' needs values (one [T] critic tensor per sample)")
+            raise ValueError(
+                "compute_advantages: algorithm.advantage='gae' needs values (one [T] critic tensor per sample)"
+            )
         _check_per_sample("values", values, samples)
         v = _pad(values, t_max)
     tok, returns = TOKEN_ESTIMATORS[name](rewards, mask, kl_pen, v, algo_cfg)

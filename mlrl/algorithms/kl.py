@@ -36,7 +36,11 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: K
 
 
 def kl_reward_penalty(
-    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, kl_coef: float, estimator: KLEstimator = "k3"
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    kl_coef: float,
+    estimator: KLEstimator = "k3",
 ) -> torch.Tensor:
     """Per-token reward term -kl_coef * kl_t on policy tokens (0 elsewhere), detached.
 

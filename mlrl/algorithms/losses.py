@@ -23,7 +23,7 @@ Metrics are additive 0-dim tensors (see mlrl.algorithms.loss_metrics for how to 
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -32,48 +32,7 @@ from mlrl.algorithms.mismatch import ROLLOUT_IS_MODES, rollout_correction
 from mlrl.algorithms.segments import segment_index, segment_sum
 from mlrl.config.schema import AlgorithmConfig
 from mlrl.experience.batch import MicroBatch
-
-LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-
-
-# --------------------------------------------------------------------------- aggregation
-
-
-def loss_agg_weights(num_loss_tokens: Sequence[int], loss_agg: str, norm_len: Optional[int] = None) -> list[float]:
-    """Per-sample weight c_i given to each loss token of sample i, over ALL samples of a step, so
-    that the step loss is sum_i c_i * sum_{t in y_i} l_t. With |y_i| the loss tokens of sample i
-    and n the number of samples that have at least one:
-
-        token-mean               c_i = 1 / sum_j |y_j|
-        seq-mean-token-mean      c_i = 1 / (n * |y_i|)
-        seq-mean-token-sum       c_i = 1 / n
-        seq-mean-token-sum-norm  c_i = 1 / (n * L)
-
-    L is the constant length of Dr.GRPO (Liu et al. 2025): pass norm_len = the generation budget
-    (rollout.sampling.max_new_tokens) to get the paper's objective, which does not depend on the
-    batch; norm_len=None uses the longest |y_i| of the step instead. Samples without loss tokens
-    get 0.
-    """
-    if loss_agg not in LOSS_AGG_MODES:
-        raise ValueError(f"algorithm.loss_agg={loss_agg!r}: expected one of {LOSS_AGG_MODES}")
-    if norm_len is not None and norm_len <= 0:
-        raise ValueError(f"norm_len={norm_len}: expected a positive token count (or None)")
-    counts = [int(c) for c in num_loss_tokens]
-    if any(c < 0 for c in counts):
-        raise ValueError(f"num_loss_tokens={counts}: expected counts >= 0")
-    n = sum(1 for c in counts if c > 0)
-    if n == 0:
-        return [0.0] * len(counts)
-    if loss_agg == "token-mean":
-        total = sum(counts)
-        return [1.0 / total if c else 0.0 for c in counts]
-    if loss_agg == "seq-mean-token-mean":
-        return [1.0 / (n * c) if c else 0.0 for c in counts]
-    if loss_agg == "seq-mean-token-sum":
-        return [1.0 / n if c else 0.0 for c in counts]
-    length = norm_len if norm_len is not None else max(counts)
-    return [1.0 / (n * length) if c else 0.0 for c in counts]
-
+from mlrl.experience.loss_weights import LOSS_AGG_MODES, loss_agg_weights  # noqa: F401 - loss_agg_weights: re-exported
 
 # --------------------------------------------------------------------------- policy-gradient terms
 
@@ -92,7 +51,12 @@ def _masked_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: 
 
 
 def _clipped_objective(
-    ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, eps_low: float, eps_high: float, dual_clip_c: Optional[float]
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    dual_clip_c: Optional[float],
 ) -> PolicyLossOutput:
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
@@ -166,7 +130,9 @@ def gspo_loss(
     return _clipped_objective(ratio, advantages, mask, eps_low, eps_high, None)
 
 
-PolicyLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, AlgorithmConfig], PolicyLossOutput]
+PolicyLoss = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, AlgorithmConfig], PolicyLossOutput
+]
 
 
 def _eps(cfg: AlgorithmConfig) -> tuple[float, float]:
@@ -176,7 +142,9 @@ def _eps(cfg: AlgorithmConfig) -> tuple[float, float]:
 # (logprobs, old_logprobs, advantages, mask, seg, num_seqs, cfg) -> PolicyLossOutput
 POLICY_LOSSES: dict[str, PolicyLoss] = {
     "ppo": lambda lp, old, adv, m, seg, n, cfg: ppo_clip_loss(lp, old, adv, m, *_eps(cfg)),
-    "dual_clip": lambda lp, old, adv, m, seg, n, cfg: ppo_clip_loss(lp, old, adv, m, *_eps(cfg), dual_clip_c=cfg.dual_clip_c),
+    "dual_clip": lambda lp, old, adv, m, seg, n, cfg: ppo_clip_loss(
+        lp, old, adv, m, *_eps(cfg), dual_clip_c=cfg.dual_clip_c
+    ),
     "gspo": lambda lp, old, adv, m, seg, n, cfg: gspo_loss(lp, old, adv, m, seg, n, *_eps(cfg)),
 }
 
@@ -224,18 +192,31 @@ def make_loss_fn(algo_cfg: AlgorithmConfig) -> LossFn:
         n = mb.num_samples
 
         pg = policy(logprobs, old, mb.advantages.to(dt) * m, m, seg, n, algo_cfg)
-        is_w, keep, mm = rollout_correction(old, mb.rollout_logprobs, m, algo_cfg.rollout_is, algo_cfg.rollout_is_cap, seg, n,
-                                            bounds=(algo_cfg.icepop_low, algo_cfg.icepop_high))
+        is_w, keep, mm = rollout_correction(
+            old,
+            mb.rollout_logprobs,
+            m,
+            algo_cfg.rollout_is,
+            algo_cfg.rollout_is_cap,
+            seg,
+            n,
+            bounds=(algo_cfg.icepop_low, algo_cfg.icepop_high),
+        )
         wk = weight * keep
         token_loss = is_w * pg.loss
         metrics: dict[str, torch.Tensor] = {"pg_loss": (wk * token_loss).sum().detach()}
 
         if mb.ref_logprobs is not None:
-            kl = torch.where(m > 0, kl_estimate(logprobs, mb.ref_logprobs.to(dt), algo_cfg.kl_estimator), torch.zeros_like(m))
+            kl = torch.where(
+                m > 0, kl_estimate(logprobs, mb.ref_logprobs.to(dt), algo_cfg.kl_estimator), torch.zeros_like(m)
+            )
             metrics["kl"] = (kl.detach() * m).sum()
         if kl_in_loss:
             if mb.ref_logprobs is None:
-                raise ValueError("loss_fn: algorithm.kl_coef > 0 with the KL in the loss needs mb.ref_logprobs (attach the reference logprobs)")
+                raise ValueError(
+                    "loss_fn: algorithm.kl_coef > 0 with the KL in the loss needs mb.ref_logprobs (attach the "
+                    "reference logprobs)"
+                )
             token_loss = token_loss + algo_cfg.kl_coef * kl
             metrics["kl_loss"] = (wk * algo_cfg.kl_coef * kl).sum().detach()
         if entropy is not None:

@@ -47,9 +47,10 @@ def rollout_correction(
 
     weight multiplies the policy-gradient term of each token, keep (0/1) the whole token loss;
     both are 0 where mask is 0. seg / num_seqs (mlrl.algorithms.segments.segment_index) are
-    needed by mis_seq only; bounds = (low, high) by icepop only. Metric values are sums over loss tokens (mlrl.algorithms.loss_metrics
-    gives their denominators): logprob gap, k3 KL(rollout || trainer), mean weight, fraction
-    truncated (tis) or masked (mis_*, icepop), and for mis_seq the number of masked sequences.
+    needed by mis_seq only; bounds = (low, high) by icepop only. Metric values are sums over loss
+    tokens (mlrl.algorithms.loss_metrics gives their denominators): logprob gap, k3 KL(rollout ||
+    trainer), mean weight, fraction truncated (tis) or masked (mis_*, icepop), and for mis_seq the
+    number of masked sequences.
     """
     if mode not in ROLLOUT_IS_MODES:
         raise ValueError(f"algorithm.rollout_is={mode!r}: expected one of {ROLLOUT_IS_MODES}")

@@ -39,7 +39,9 @@ def overlong_penalty(response_len: int, max_len: int, buffer: int, penalty: floa
     turns shaping off (0 for every length).
     """
     if buffer < 0 or max_len <= 0 or buffer > max_len:
-        raise ValueError(f"overlong shaping: got max_len={max_len}, buffer={buffer}; expected 0 <= buffer <= max_len, max_len > 0")
+        raise ValueError(
+            f"overlong shaping: got max_len={max_len}, buffer={buffer}; expected 0 <= buffer <= max_len, max_len > 0"
+        )
     if penalty < 0:
         raise ValueError(f"algorithm.overlong_penalty={penalty}: expected >= 0")
     start = max_len - buffer

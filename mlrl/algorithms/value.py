@@ -1,6 +1,6 @@
 """The critic's value loss (PPO + GAE) on one packed micro-batch, and explained variance.
 
-Contract with the trainer (mlrl.trainer.critic.MegatronCritic.train_step), the same as the
+Contract with the trainer (mlrl.trainer.rank.critic.MegatronCritic.train_step), the same as the
 policy loss's (mlrl.algorithms.losses): the trainer computes the token-aligned values of one
 MicroBatch (values[t] = V(tokens[<t]), the alignment of mlrl.experience.batch) and calls
 
@@ -61,8 +61,10 @@ def make_value_loss_fn(value_clip: float) -> ValueLossFn:
 
     def value_loss_fn(mb: MicroBatch, values: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if mb.returns is None:
-            raise ValueError("MicroBatch.returns is None: attach the GAE returns (attach_per_sample(..., 'returns', ...)) "
-                             "before the critic update")
+            raise ValueError(
+                "MicroBatch.returns is None: attach the GAE returns (attach_per_sample(..., 'returns', ...)) "
+                "before the critic update"
+            )
         if value_clip > 0 and mb.old_values is None:
             raise ValueError(f"MicroBatch.old_values is None but critic.value_clip={value_clip}: attach the critic's "
                              "values before the update (attach_per_sample(..., 'old_values', ...))")

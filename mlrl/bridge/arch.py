@@ -81,7 +81,9 @@ def parse_dense(hf: dict[str, Any], *, qkv_bias: bool, qk_norm: bool, tie_defaul
     """Fields common to the llama / qwen decoder family."""
     act = _get(hf, "hidden_act", "silu")
     if act != "silu":
-        raise BridgeError(f"config.json: hidden_act={act!r} is not supported (expected 'silu', model_type={hf.get('model_type')!r})")
+        raise BridgeError(
+            f"config.json: hidden_act={act!r} is not supported (expected 'silu', model_type={hf.get('model_type')!r})"
+        )
     heads = int(_get(hf, "num_attention_heads"))
     hidden = int(_get(hf, "hidden_size"))
     head_dim = int(_get(hf, "head_dim", hidden // heads))

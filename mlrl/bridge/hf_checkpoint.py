@@ -56,7 +56,10 @@ def _read_header(path: Path) -> dict:
         for d in v["shape"]:
             numel *= d
         if hi - lo != numel * _DTYPE_BYTES.get(v["dtype"], 0) and v["dtype"] in _DTYPE_BYTES:
-            raise BridgeError(f"{path}: tensor {k!r} has {hi - lo} bytes, shape {v['shape']} {v['dtype']} needs {numel * _DTYPE_BYTES[v['dtype']]}")
+            raise BridgeError(
+                f"{path}: tensor {k!r} has {hi - lo} bytes, shape {v['shape']} {v['dtype']} needs "
+                f"{numel * _DTYPE_BYTES[v['dtype']]}"
+            )
     return header
 
 
@@ -77,7 +80,10 @@ class HFCheckpoint:
             files = sorted(p.name for p in self.dir.glob("*.safetensors"))
             weight_map = None
         if not files:
-            raise BridgeError(f"{self.dir}: no *.safetensors weights found (expected model.safetensors or model.safetensors.index.json)")
+            raise BridgeError(
+                f"{self.dir}: no *.safetensors weights found (expected model.safetensors or "
+                "model.safetensors.index.json)"
+            )
         for name in files:
             path = self.dir / name
             if not path.is_file():
@@ -91,7 +97,9 @@ class HFCheckpoint:
         if weight_map is not None:
             missing = sorted(k for k in weight_map if k not in self.tensors)
             if missing:
-                raise BridgeError(f"{self.dir}: tensor {missing[0]!r} is listed in the index but absent from {weight_map[missing[0]]}")
+                raise BridgeError(
+                    f"{self.dir}: tensor {missing[0]!r} is listed in the index but absent from {weight_map[missing[0]]}"
+                )
 
     def check(self, spec: ArchSpec, arch: ModelArch) -> None:
         """Every tensor config.json implies is present with its shape, and nothing unknown is."""
@@ -99,10 +107,14 @@ class HFCheckpoint:
         for name, shape in expected.items():
             info = self.tensors.get(name)
             if info is None:
-                raise BridgeError(f"{self.dir}: tensor {name!r} is missing (config.json: model_type={arch.model_type!r}, "
-                                  f"{arch.num_layers} layers{f', {arch.num_experts} experts' if arch.is_moe else ''})")
+                raise BridgeError(
+                    f"{self.dir}: tensor {name!r} is missing (config.json: model_type={arch.model_type!r}, "
+                    f"{arch.num_layers} layers{f', {arch.num_experts} experts' if arch.is_moe else ''})"
+                )
             if info.shape != shape:
-                raise BridgeError(f"{info.file}: tensor {name!r} has shape {list(info.shape)}, config.json implies {list(shape)}")
+                raise BridgeError(
+                    f"{info.file}: tensor {name!r} has shape {list(info.shape)}, config.json implies {list(shape)}"
+                )
         extra = sorted(n for n in self.tensors if n not in expected and not spec.ignorable_hf_tensor(arch, n))
         if extra:
             raise BridgeError(f"{self.dir}: tensor {extra[0]!r} is not part of the model config.json describes "

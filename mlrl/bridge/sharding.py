@@ -87,7 +87,9 @@ def stage_layers(num_layers: int, pp: int, pp_rank: int, *, vpp: Optional[int] =
         if chunks > 1:
             raise BridgeError("parallel.pp_layer_split cannot be combined with parallel.vpp")
         if len(split) != pp or sum(split) != num_layers or min(split) < 1:
-            raise BridgeError(f"parallel.pp_layer_split={list(split)} must have pp={pp} positive entries summing to {num_layers}")
+            raise BridgeError(
+                f"parallel.pp_layer_split={list(split)} must have pp={pp} positive entries summing to {num_layers}"
+            )
         start = sum(split[:pp_rank])
         return list(range(start, start + split[pp_rank]))
     if num_layers % (pp * chunks):
@@ -120,7 +122,9 @@ def check_layout(arch: ModelArch, *, tp: int = 1, pp: int = 1, ep: int = 1, etp:
         if arch.num_experts % ep:
             raise BridgeError(f"parallel.ep={ep} must divide the model's num_experts={arch.num_experts}")
         if arch.moe_ffn_hidden_size % etp:
-            raise BridgeError(f"parallel.etp={etp} must divide the model's moe_intermediate_size={arch.moe_ffn_hidden_size}")
+            raise BridgeError(
+                f"parallel.etp={etp} must divide the model's moe_intermediate_size={arch.moe_ffn_hidden_size}"
+            )
     elif ep > 1:
         raise BridgeError(f"parallel.ep={ep} but the model (model_type={arch.model_type!r}) has no experts")
     if pp_split is not None or vpp or pp > 1:

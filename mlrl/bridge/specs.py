@@ -104,14 +104,29 @@ class ArchSpec:
         """Every Megatron parameter of the full model. With tied embeddings Megatron has no
         output layer at PP=1; at PP>1 the last stage holds a copy (`output_layer_when_tied`)."""
         h, v = arch.hidden_size, arch.vocab_size
-        out = [ParamSpec("embedding.word_embeddings.weight", (v, h), ("model.embed_tokens.weight",), "vocab", "copy", stage="first")]
+        out = [
+            ParamSpec(
+                "embedding.word_embeddings.weight",
+                (v, h),
+                ("model.embed_tokens.weight",),
+                "vocab",
+                "copy",
+                stage="first",
+            )
+        ]
         for i in range(arch.num_layers):
             out.extend(self._layer_params(arch, i))
-        out.append(ParamSpec("decoder.final_layernorm.weight", (h,), ("model.norm.weight",), "replicated", "copy", stage="last"))
+        out.append(
+            ParamSpec(
+                "decoder.final_layernorm.weight", (h,), ("model.norm.weight",), "replicated", "copy", stage="last"
+            )
+        )
         if not arch.tie_embeddings:
             out.append(ParamSpec("output_layer.weight", (v, h), ("lm_head.weight",), "vocab", "copy", stage="last"))
         elif output_layer_when_tied:
-            out.append(ParamSpec("output_layer.weight", (v, h), ("model.embed_tokens.weight",), "vocab", "copy", stage="last"))
+            out.append(
+                ParamSpec("output_layer.weight", (v, h), ("model.embed_tokens.weight",), "vocab", "copy", stage="last")
+            )
         return out
 
     def _layer_params(self, arch: ModelArch, i: int) -> list[ParamSpec]:
@@ -120,27 +135,111 @@ class ArchSpec:
         qkv_rows = arch.q_size + 2 * arch.kv_size
         attn = (f"{p}self_attn.q_proj", f"{p}self_attn.k_proj", f"{p}self_attn.v_proj")
         out = [
-            ParamSpec(m + "input_layernorm.weight", (h,), (p + "input_layernorm.weight",), "replicated", "copy", layer=i),
-            ParamSpec(m + "self_attention.linear_qkv.weight", (qkv_rows, h), tuple(a + ".weight" for a in attn), "column", "qkv", layer=i),
-            ParamSpec(m + "self_attention.linear_proj.weight", (h, arch.q_size), (p + "self_attn.o_proj.weight",), "row", "copy", layer=i),
-            ParamSpec(m + "pre_mlp_layernorm.weight", (h,), (p + "post_attention_layernorm.weight",), "replicated", "copy", layer=i),
+            ParamSpec(
+                m + "input_layernorm.weight", (h,), (p + "input_layernorm.weight",), "replicated", "copy", layer=i
+            ),
+            ParamSpec(
+                m + "self_attention.linear_qkv.weight",
+                (qkv_rows, h),
+                tuple(a + ".weight" for a in attn),
+                "column",
+                "qkv",
+                layer=i,
+            ),
+            ParamSpec(
+                m + "self_attention.linear_proj.weight",
+                (h, arch.q_size),
+                (p + "self_attn.o_proj.weight",),
+                "row",
+                "copy",
+                layer=i,
+            ),
+            ParamSpec(
+                m + "pre_mlp_layernorm.weight",
+                (h,),
+                (p + "post_attention_layernorm.weight",),
+                "replicated",
+                "copy",
+                layer=i,
+            ),
         ]
         if arch.qkv_bias:
-            out.append(ParamSpec(m + "self_attention.linear_qkv.bias", (qkv_rows,), tuple(a + ".bias" for a in attn), "column", "qkv", layer=i))
+            out.append(
+                ParamSpec(
+                    m + "self_attention.linear_qkv.bias",
+                    (qkv_rows,),
+                    tuple(a + ".bias" for a in attn),
+                    "column",
+                    "qkv",
+                    layer=i,
+                )
+            )
         if arch.qk_norm:
-            out.append(ParamSpec(m + "self_attention.q_layernorm.weight", (hd,), (p + "self_attn.q_norm.weight",), "replicated", "copy", layer=i))
-            out.append(ParamSpec(m + "self_attention.k_layernorm.weight", (hd,), (p + "self_attn.k_norm.weight",), "replicated", "copy", layer=i))
+            out.append(
+                ParamSpec(
+                    m + "self_attention.q_layernorm.weight",
+                    (hd,),
+                    (p + "self_attn.q_norm.weight",),
+                    "replicated",
+                    "copy",
+                    layer=i,
+                )
+            )
+            out.append(
+                ParamSpec(
+                    m + "self_attention.k_layernorm.weight",
+                    (hd,),
+                    (p + "self_attn.k_norm.weight",),
+                    "replicated",
+                    "copy",
+                    layer=i,
+                )
+            )
         if arch.is_moe and arch.moe_layers[i]:
             f = arch.moe_ffn_hidden_size
-            out.append(ParamSpec(m + "mlp.router.weight", (arch.num_experts, h), (p + "mlp.gate.weight",), "replicated", "copy", layer=i))
+            out.append(
+                ParamSpec(
+                    m + "mlp.router.weight",
+                    (arch.num_experts, h),
+                    (p + "mlp.gate.weight",),
+                    "replicated",
+                    "copy",
+                    layer=i,
+                )
+            )
             for e in range(arch.num_experts):
                 me, pe = f"{m}mlp.experts.local_experts.{e}.", f"{p}mlp.experts.{e}."
-                out.append(ParamSpec(me + "linear_fc1.weight", (2 * f, h), (pe + "gate_proj.weight", pe + "up_proj.weight"), "glu", "glu", layer=i, expert=e))
-                out.append(ParamSpec(me + "linear_fc2.weight", (h, f), (pe + "down_proj.weight",), "row", "copy", layer=i, expert=e))
+                out.append(
+                    ParamSpec(
+                        me + "linear_fc1.weight",
+                        (2 * f, h),
+                        (pe + "gate_proj.weight", pe + "up_proj.weight"),
+                        "glu",
+                        "glu",
+                        layer=i,
+                        expert=e,
+                    )
+                )
+                out.append(
+                    ParamSpec(
+                        me + "linear_fc2.weight", (h, f), (pe + "down_proj.weight",), "row", "copy", layer=i, expert=e
+                    )
+                )
         else:
             f = arch.ffn_hidden_size
-            out.append(ParamSpec(m + "mlp.linear_fc1.weight", (2 * f, h), (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), "glu", "glu", layer=i))
-            out.append(ParamSpec(m + "mlp.linear_fc2.weight", (h, f), (p + "mlp.down_proj.weight",), "row", "copy", layer=i))
+            out.append(
+                ParamSpec(
+                    m + "mlp.linear_fc1.weight",
+                    (2 * f, h),
+                    (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                    "glu",
+                    "glu",
+                    layer=i,
+                )
+            )
+            out.append(
+                ParamSpec(m + "mlp.linear_fc2.weight", (h, f), (p + "mlp.down_proj.weight",), "row", "copy", layer=i)
+            )
         return out
 
     def hf_shapes(self, arch: ModelArch) -> dict[str, tuple[int, ...]]:
@@ -220,7 +319,9 @@ def supported_model_types() -> list[str]:
 
 def get_spec(model_type: Optional[str]) -> ArchSpec:
     if model_type not in _REGISTRY:
-        raise BridgeError(f"config.json: model_type {model_type!r} is not supported; supported: {', '.join(supported_model_types())}")
+        raise BridgeError(
+            f"config.json: model_type {model_type!r} is not supported; supported: {', '.join(supported_model_types())}"
+        )
     return _REGISTRY[model_type]
 
 
@@ -234,7 +335,9 @@ def spec_for(hf: dict[str, Any]) -> tuple[ArchSpec, ModelArch]:
 class LlamaSpec(ArchSpec):
     def parse(self, hf: dict[str, Any]) -> ModelArch:
         if hf.get("attention_bias") or hf.get("mlp_bias"):
-            raise BridgeError(f"config.json: attention_bias/mlp_bias=True is not supported for model_type={hf.get('model_type')!r}")
+            raise BridgeError(
+                f"config.json: attention_bias/mlp_bias=True is not supported for model_type={hf.get('model_type')!r}"
+            )
         fields = parse_dense(hf, qkv_bias=False, qk_norm=False, tie_default=False)
         window = hf.get("sliding_window")
         if window is not None and int(window) < fields["max_position_embeddings"]:

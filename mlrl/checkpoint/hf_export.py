@@ -120,8 +120,10 @@ def finalize_hf_folder(tmp: str | Path, out_dir: str | Path, shard_maps: Iterabl
         expected = set(expected_names)
         missing, extra = sorted(expected - owner.keys()), sorted(owner.keys() - expected)
         if missing or extra:
-            raise ValueError(f"HF export: the weight stream does not match config.json: "
-                             f"{len(missing)} missing (first {missing[:1]}), {len(extra)} unexpected (first {extra[:1]})")
+            raise ValueError(
+                f"HF export: the weight stream does not match config.json: "
+                f"{len(missing)} missing (first {missing[:1]}), {len(extra)} unexpected (first {extra[:1]})"
+            )
     n = len(files)
     if n == 0:  # an empty model: still a valid (empty) single file
         save_file({}, str(tmp / "model.safetensors"), metadata={"format": "pt"})

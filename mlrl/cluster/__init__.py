@@ -8,7 +8,13 @@ runs to wait for its Ray workers. The mapping itself (`assign`) is pure and has 
 """
 
 from mlrl.cluster.assignment import (
-    ClusterAssignment, ClusterError, EngineServer, NodeInfo, TrainerWorker, assign, ports_needed,
+    ClusterAssignment,
+    ClusterError,
+    EngineServer,
+    NodeInfo,
+    TrainerWorker,
+    assign,
+    ports_needed,
 )
 from mlrl.cluster.ray_cluster import join_cluster, release, wait_for_nodes
 

@@ -92,7 +92,9 @@ def ports_needed(plan: Plan) -> dict[int, int]:
 def assign(plan: Plan, nodes: list[NodeInfo]) -> ClusterAssignment:
     """Map the plan onto probed nodes (nodes[i] hosts plan node i)."""
     if plan.cpu:
-        raise ClusterError("the plan is a CPU run (cluster.gpus_per_node=0): there is nothing to place on a Ray cluster")
+        raise ClusterError(
+            "the plan is a CPU run (cluster.gpus_per_node=0): there is nothing to place on a Ray cluster"
+        )
     n_nodes = plan.cfg.cluster.nodes
     if len(nodes) != n_nodes:
         raise ClusterError(f"got {len(nodes)} probed node(s) for a plan of cluster.nodes={n_nodes}")
@@ -123,7 +125,9 @@ def assign(plan: Plan, nodes: list[NodeInfo]) -> ClusterAssignment:
             env = {"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "RANK": str(s.trainer.rank),
                    "WORLD_SIZE": str(world), "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(len(slots)),
                    "CUDA_VISIBLE_DEVICES": visible}
-            trainers.append(TrainerWorker(s.trainer.rank, local, node, info.ip, info.node_id, info.gpu_ids[s.gpu], s.gpu, env))
+            trainers.append(
+                TrainerWorker(s.trainer.rank, local, node, info.ip, info.node_id, info.gpu_ids[s.gpu], s.gpu, env)
+            )
     trainers.sort(key=lambda w: w.rank)
 
     groups: dict[int, list] = {}
@@ -137,5 +141,7 @@ def assign(plan: Plan, nodes: list[NodeInfo]) -> ClusterAssignment:
         info = nodes[node]
         gpus = tuple(info.gpu_ids[s.gpu] for s in slots)
         env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
-        engines.append(EngineServer(e, node, info.ip, info.node_id, gpus, tuple(s.gpu for s in slots), take_port(node), env))
+        engines.append(
+            EngineServer(e, node, info.ip, info.node_id, gpus, tuple(s.gpu for s in slots), take_port(node), env)
+        )
     return ClusterAssignment(trainers, engines, master_addr, master_port, sync_port, list(nodes))

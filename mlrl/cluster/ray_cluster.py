@@ -74,7 +74,9 @@ def _describe(min_gpus: int) -> str:
     return f"{len(alive)} alive node(s) [{seen}]"
 
 
-def wait_for_nodes(nodes: int, gpus_per_node: int, timeout_s: float = 600.0, poll_s: float = 2.0) -> list[dict[str, Any]]:
+def wait_for_nodes(
+    nodes: int, gpus_per_node: int, timeout_s: float = 600.0, poll_s: float = 2.0
+) -> list[dict[str, Any]]:
     """Block until `nodes` nodes with >= gpus_per_node GPUs are alive; return them (ordered)."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -84,7 +86,8 @@ def wait_for_nodes(nodes: int, gpus_per_node: int, timeout_s: float = 600.0, pol
         if time.monotonic() >= deadline:
             raise ClusterError(
                 f"the Ray cluster has {len(found)} node(s) with >= {gpus_per_node} GPUs after {timeout_s:g} s; "
-                f"cluster.nodes={nodes} x cluster.gpus_per_node={gpus_per_node} are needed ({_describe(gpus_per_node)})")
+                f"cluster.nodes={nodes} x cluster.gpus_per_node={gpus_per_node} are needed ({_describe(gpus_per_node)})"
+            )
         time.sleep(poll_s)
 
 
@@ -103,8 +106,10 @@ def reserve(plan: Plan, nodes: list[dict[str, Any]], timeout_s: float = 300.0) -
     if pending:
         for pg in pgs:
             remove_placement_group(pg)
-        raise ClusterError(f"{len(pending)} of {len(pgs)} node reservations ({g} GPUs + {g * CPUS_PER_BUNDLE:g} CPUs each) "
-                           f"were not placed within {timeout_s:g} s: GPUs/CPUs already taken by another job?")
+        raise ClusterError(
+            f"{len(pending)} of {len(pgs)} node reservations ({g} GPUs + {g * CPUS_PER_BUNDLE:g} CPUs each) "
+            f"were not placed within {timeout_s:g} s: GPUs/CPUs already taken by another job?"
+        )
     return pgs
 
 

@@ -3,7 +3,7 @@
 One `NodeAgent` Ray actor per plan node (pinned to that machine with a hard node-affinity
 strategy, zero resources of its own: the node's placement group holds the GPUs) starts, watches
 and stops the processes placed there:
-- trainer ranks: `python -m mlrl.trainer.service --connect DRIVER:PORT` with torchrun's environment
+- trainer ranks: `python -m mlrl.trainer.rank.service --connect DRIVER:PORT` with torchrun's environment
   from the assignment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT, CUDA_VISIBLE_DEVICES); they
   connect back to the driver's `TrainerGroup`, so nothing else changes for the loop;
 - engines: an `mlrl.rollout.server.EngineServer` held by the agent (the same supervisor and vLLM
@@ -76,7 +76,7 @@ class NodeAgent:
 
     # ---- trainer ranks
     def start_rank(self, rank: int, service_args: list[str], env: dict[str, str], log_path: str) -> int:
-        from mlrl.trainer.group import die_with_parent
+        from mlrl.trainer.driver.group import die_with_parent
 
         log = Path(log_path)
         log.parent.mkdir(parents=True, exist_ok=True)
@@ -132,12 +132,20 @@ class RayRanks:
 
         self._ray = ray
         self._agents = {w.node: agents[w.node] for w in workers}
-        ray.get([agents[w.node].start_rank.remote(w.rank, service_args, {**env, **w.env}, str(log_dir / f"rank-{w.rank}.log"))
-                 for w in workers])
+        ray.get(
+            [
+                agents[w.node].start_rank.remote(
+                    w.rank, service_args, {**env, **w.env}, str(log_dir / f"rank-{w.rank}.log")
+                )
+                for w in workers
+            ]
+        )
 
     def wait(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
-        return all(self._ray.get(a.ranks_wait.remote(max(0.0, deadline - time.monotonic()))) for a in self._agents.values())
+        return all(
+            self._ray.get(a.ranks_wait.remote(max(0.0, deadline - time.monotonic()))) for a in self._agents.values()
+        )
 
     def kill(self) -> None:
         self._ray.get([a.ranks_kill.remote() for a in self._agents.values()])
@@ -205,9 +213,14 @@ class ClusterRuntime:
         self.driver_ip = ray.util.get_node_ip_address()
         actor = ray.remote(NodeAgent)
         self.agents = {
-            n.index: actor.options(num_cpus=0, max_concurrency=AGENT_CONCURRENCY, name=f"mlrl-agent-{os.getpid()}-{n.index}",
-                                   scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False)).remote()
-            for n in assignment.nodes}
+            n.index: actor.options(
+                num_cpus=0,
+                max_concurrency=AGENT_CONCURRENCY,
+                name=f"mlrl-agent-{os.getpid()}-{n.index}",
+                scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False),
+            ).remote()
+            for n in assignment.nodes
+        }
         try:
             found = ray.get([a.describe.remote() for a in self.agents.values()], timeout=300)
             for n, (node_id, ip, _) in zip(assignment.nodes, found):

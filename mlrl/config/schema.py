@@ -11,6 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 Dtype = Literal["float32", "bfloat16", "float16"]
+Precision = Literal["fp32", "bf16", "fp16"]
+
+PRECISION: dict[str, Precision] = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+"""model.dtype -> the Megatron trainer's precision name (bf16 / fp16 train with fp32 master weights;
+the name checkpoints record under optimizer.precision and the dry-run planner prints)."""
 
 
 @dataclass
@@ -20,10 +25,17 @@ class ModelConfig:
     model mlrl materialises offline (`builtin:tiny-llama`, `builtin:tiny-qwen3-moe`,
     `builtin:smollm2-135m-instruct`)."""
     dtype: Dtype = "float32"
-    """Parameter / compute dtype of trainer and engines."""
+    """Parameter / compute dtype of trainer and engines (vLLM --dtype; the trainer's precision
+    follows it: float32 -> fp32, bfloat16 -> bf16, float16 -> fp16, see `precision`)."""
     arch: Optional[str] = None
     """Name of a known HF config (e.g. `Qwen/Qwen3-8B`, see mlrl.modelzoo) that --dry-run uses
     when hf_dir is not on this machine (None = read hf_dir/config.json)."""
+
+    @property
+    def precision(self) -> Precision:
+        """The trainer's precision, derived from dtype (Megatron params dtype and bf16 / fp16 flags,
+        with fp32 master weights for bf16 / fp16)."""
+        return PRECISION[self.dtype]
 
 
 @dataclass
@@ -39,9 +51,8 @@ class ParallelConfig:
     etp: Optional[int] = None
     """Tensor-parallel size inside experts (None = same as tp)."""
     cp: int = 1
-    """Context-parallel size (1 = off; GPU only, needs Transformer Engine)."""
-    dp: Optional[int] = None
-    """Data-parallel size (None = derived: trainer devices / (tp * pp * cp))."""
+    """Context-parallel size (1 = off; GPU only, needs Transformer Engine). The data-parallel size
+    is not set: it is derived, cluster.trainer_devices / (tp * pp * cp) (Layout.dp)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (needs tp > 1)."""
     pp_layer_split: Optional[list[int]] = None
@@ -49,24 +60,34 @@ class ParallelConfig:
 
 
 @dataclass
-class TrainerConfig:
-    optimizer: Literal["adam", "sgd"] = "adam"
-    """Optimizer (Megatron's get_megatron_optimizer)."""
+class OptimizerConfig:
+    """Learning rate schedule and regularisation of one model's optimizer: the policy's
+    (`trainer.*`) and the critic's (`critic.*`) are the same fields, declared once here."""
+
     lr: float = 1e-5
     """Peak learning rate."""
     min_lr: float = 0.0
     """Floor of the decay schedule."""
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     """Decay after warm-up (constant = no decay)."""
-    warmup_steps: int = 0
-    """Linear warm-up steps (0 = off)."""
     weight_decay: float = 0.0
     """Decoupled weight decay (0 = off)."""
+    grad_clip: float = 1.0
+    """Global grad-norm clip (0 = off)."""
+
+
+@dataclass
+class TrainerConfig(OptimizerConfig):
+    """The policy's Megatron trainer (lr / min_lr / lr_schedule / weight_decay / grad_clip: see
+    OptimizerConfig). Its precision follows model.dtype (ModelConfig.precision)."""
+
+    optimizer: Literal["adam", "sgd"] = "adam"
+    """Optimizer (Megatron's get_megatron_optimizer); the critic uses the same kind."""
+    warmup_steps: int = 0
+    """Linear LR warm-up, in optimizer updates (0 = off)."""
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
-    grad_clip: float = 1.0
-    """Global grad-norm clip (0 = off)."""
     prompts_per_step: int = 8
     """Global batch, in prompts per RL step."""
     samples_per_prompt: int = 4
@@ -79,8 +100,6 @@ class TrainerConfig:
     epochs_per_step, and the LR schedule counts those updates."""
     micro_batch_tokens: int = 4096
     """Token budget of one packed micro-batch (per DP rank)."""
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """Training precision (bf16/fp16 with fp32 master weights)."""
     fp8_recipe: Literal["none", "tensorwise", "delayed", "blockwise", "mxfp8"] = "none"
     """Transformer Engine FP8 recipe (none = off; GPU only)."""
     recompute: Literal["none", "selective", "full"] = "none"
@@ -93,8 +112,6 @@ class TrainerConfig:
     """Seed of every RNG (model init, sampling order, dropout)."""
     deterministic: bool = True
     """Deterministic kernels and reductions (bit-exact resume)."""
-    world_size: Optional[int] = None
-    """Trainer processes / GPUs (None = derived from the cluster config)."""
 
 
 @dataclass
@@ -107,6 +124,11 @@ class SamplingConfig:
     """Top-k sampling (-1 = off)."""
     max_new_tokens: int = 64
     """Maximum response length in tokens."""
+    seed: Optional[int] = None
+    """Reproducible sampling: every generation request gets its own vLLM seed, derived from this
+    seed, the weight version, the dataset row, the episode index and the call number, so a run's
+    samples do not depend on batching, engine choice or timing (None = off: the engines' shared
+    RNG, whose draws depend on how requests were batched)."""
 
 
 @dataclass
@@ -143,7 +165,8 @@ class RolloutConfig:
 @dataclass
 class WeightSyncConfig:
     transport: Literal["broadcast", "disk", "cuda_ipc"] = "broadcast"
-    """How weights reach the engines: torch.distributed broadcast (gloo on CPU, NCCL on GPU), safetensors on disk, or CUDA IPC (colocated GPU only)."""
+    """How weights reach the engines: torch.distributed broadcast (gloo on CPU, NCCL on GPU),
+    safetensors on disk, or CUDA IPC (colocated GPU only)."""
     bucket_mb: float = 64.0
     """Size of one broadcast bucket in MiB."""
     verify_checksums: bool = True
@@ -187,7 +210,9 @@ class AlgorithmConfig:
     """Put the KL into the reward instead of the loss."""
     entropy_coef: float = 0.0
     """Entropy bonus (0 = off)."""
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
     """How token losses are aggregated."""
     use_rollout_logprobs: bool = False
     """Take the behaviour ("old") logprobs of the PPO ratio from the engines instead of a trainer
@@ -214,25 +239,17 @@ class AlgorithmConfig:
 
 
 @dataclass
-class CriticConfig:
+class CriticConfig(OptimizerConfig):
     """The value model for PPO + GAE (algorithm.advantage=gae): the policy's architecture with a
-    scalar value head, on the trainer ranks (same parallel layout), with its own optimizer."""
+    scalar value head, on the trainer ranks (same parallel layout), with its own optimizer
+    (lr / min_lr / lr_schedule / weight_decay / grad_clip: see OptimizerConfig; the optimizer kind,
+    betas, eps and the distributed optimizer are trainer's, the precision model.dtype's)."""
 
     hf_dir: Optional[str] = None
     """Initial weights of the critic's body (None = model.hf_dir, the policy's initial model); the
     value head starts at zero."""
-    lr: float = 1e-5
-    """Peak learning rate of the critic."""
-    min_lr: float = 0.0
-    """Floor of the critic's decay schedule."""
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    """Decay after warm-up (constant = no decay)."""
     lr_warmup_steps: int = 0
     """Linear LR warm-up of the critic, in critic optimizer updates (0 = off)."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay (0 = off)."""
-    grad_clip: float = 1.0
-    """Global grad-norm clip of the critic (0 = off)."""
     value_clip: float = 0.2
     """PPO value clipping: V is kept within +-value_clip of the values before the update (0 = off)."""
     warmup_steps: int = 0
@@ -329,8 +346,9 @@ class ClusterConfig:
     placement: Literal["disaggregated", "colocated"] = "disaggregated"
     """Trainer and engines on separate GPUs, or time-sharing the same GPUs."""
     trainer_devices: Optional[int] = None
-    """Trainer ranks (None = all GPUs when colocated, the GPUs left after the engines when
-    disaggregated; on CPU, tp*pp*cp*dp with dp defaulting to 1)."""
+    """Trainer ranks, the one place their number is set (None = all GPUs when colocated, the GPUs
+    left after the engines when disaggregated; on CPU, tp*pp*cp, i.e. dp = 1). The data-parallel
+    size is derived: trainer_devices / (parallel.tp * pp * cp), and tp*pp*cp must divide it."""
     gpu_memory_gb: float = 80.0
     """Memory per GPU in GiB (for --dry-run's fit check)."""
     ray_address: str = "auto"

@@ -2,8 +2,9 @@
 
 Every rule raises `ConfigError` with one line that names the field(s) and what was expected.
 Rules that depend on the model read its HF config (config.json, a builtin, or a preset), never
-its weights. `resolve_layout` derives dp and the trainer device count; everything that needs
-them (launcher, dry-run planner, trainer) takes them from there.
+its weights. `resolve_layout` derives the trainer device count (cluster.trainer_devices, or from
+the cluster) and dp = trainer devices / (tp*pp*cp); everything that needs them (launcher, dry-run
+planner, trainer) takes them from there.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlrl.config.loader import ConfigError
-from mlrl.config.schema import Config
+from mlrl.config.schema import Config, OptimizerConfig
 from mlrl.modelzoo import ModelSpecError, hf_config_dict
 
 
@@ -37,28 +38,33 @@ def _positive(name: str, value: Any, minimum: float = 1) -> None:
         raise ConfigError(f"{name}: got {value}, expected >= {minimum}")
 
 
+def _check_lr(section: str, o: OptimizerConfig) -> None:
+    if not o.lr > 0:
+        raise ConfigError(f"{section}.lr: got {o.lr}, expected > 0")
+    if o.min_lr < 0 or o.min_lr > o.lr:
+        raise ConfigError(f"{section}.min_lr: got {o.min_lr}, expected 0 <= min_lr <= {section}.lr ({o.lr})")
+
+
 def _check_ranges(cfg: Config) -> None:
     p, t, r, a, s = cfg.parallel, cfg.trainer, cfg.rollout, cfg.algorithm, cfg.rollout.sampling
     for name in ("tp", "pp", "ep", "cp"):
         _positive(f"parallel.{name}", getattr(p, name))
-    _positive("parallel.dp", p.dp)
     _positive("parallel.etp", p.etp)
     if p.vpp is not None:
         _positive("parallel.vpp", p.vpp)
     for name in ("prompts_per_step", "samples_per_prompt", "mini_batches_per_step", "epochs_per_step",
                  "micro_batch_tokens", "total_steps"):
         _positive(f"trainer.{name}", getattr(t, name))
-    _positive("trainer.world_size", t.world_size)
-    if not t.lr > 0:
-        raise ConfigError(f"trainer.lr: got {t.lr}, expected > 0")
-    if t.min_lr < 0 or t.min_lr > t.lr:
-        raise ConfigError(f"trainer.min_lr: got {t.min_lr}, expected 0 <= min_lr <= trainer.lr ({t.lr})")
+    _positive("cluster.trainer_devices", cfg.cluster.trainer_devices)
+    _check_lr("trainer", t)
     for name in ("warmup_steps",):
         _positive(f"trainer.{name}", getattr(t, name), 0)
     updates = t.total_steps * t.mini_batches_per_step * t.epochs_per_step
     if t.warmup_steps and t.warmup_steps >= updates:
-        raise ConfigError(f"trainer.warmup_steps={t.warmup_steps} must be smaller than the optimizer updates of the run "
-                          f"(trainer.total_steps * mini_batches_per_step * epochs_per_step = {updates})")
+        raise ConfigError(
+            f"trainer.warmup_steps={t.warmup_steps} must be smaller than the optimizer updates of the run "
+            f"(trainer.total_steps * mini_batches_per_step * epochs_per_step = {updates})"
+        )
     if t.grad_clip < 0:
         raise ConfigError(f"trainer.grad_clip: got {t.grad_clip}, expected >= 0 (0 = off)")
     if t.weight_decay < 0:
@@ -66,8 +72,10 @@ def _check_ranges(cfg: Config) -> None:
     if not (0 <= t.adam_beta1 < 1 and 0 <= t.adam_beta2 < 1):
         raise ConfigError(f"trainer.adam_beta1/adam_beta2: got {t.adam_beta1}/{t.adam_beta2}, expected in [0, 1)")
     if t.prompts_per_step % t.mini_batches_per_step:
-        raise ConfigError(f"trainer.mini_batches_per_step={t.mini_batches_per_step} must divide the prompt groups of a step "
-                          f"(trainer.prompts_per_step={t.prompts_per_step}): a mini-batch holds whole groups")
+        raise ConfigError(
+            f"trainer.mini_batches_per_step={t.mini_batches_per_step} must divide the prompt groups of a step "
+            f"(trainer.prompts_per_step={t.prompts_per_step}): a mini-batch holds whole groups"
+        )
     _positive("rollout.num_engines", r.num_engines)
     _positive("rollout.engine_tp", r.engine_tp)
     _positive("rollout.max_concurrent_requests", r.max_concurrent_requests)
@@ -108,7 +116,10 @@ def _check_ranges(cfg: Config) -> None:
     if not 0 <= a.gamma <= 1 or not 0 <= a.lam <= 1:
         raise ConfigError("algorithm.gamma / lam: expected in [0, 1]")
     if a.overlong_buffer < 0 or a.overlong_buffer >= s.max_new_tokens and a.overlong_buffer:
-        raise ConfigError(f"algorithm.overlong_buffer: got {a.overlong_buffer}, expected 0 (off) or < rollout.sampling.max_new_tokens ({s.max_new_tokens})")
+        raise ConfigError(
+            f"algorithm.overlong_buffer: got {a.overlong_buffer}, expected 0 (off) or < "
+            f"rollout.sampling.max_new_tokens ({s.max_new_tokens})"
+        )
     _positive("cluster.nodes", cfg.cluster.nodes)
     _positive("cluster.gpus_per_node", cfg.cluster.gpus_per_node, 0)
     if cfg.cluster.join_timeout_s <= 0:
@@ -126,17 +137,16 @@ def _check_critic(cfg: Config) -> None:
                           "see mlrl/config/schema.py CriticConfig)")
     if not cfg.uses_critic:
         return
-    if not c.lr > 0:
-        raise ConfigError(f"critic.lr: got {c.lr}, expected > 0")
-    if c.min_lr < 0 or c.min_lr > c.lr:
-        raise ConfigError(f"critic.min_lr: got {c.min_lr}, expected 0 <= min_lr <= critic.lr ({c.lr})")
+    _check_lr("critic", c)
     for name in ("lr_warmup_steps", "warmup_steps"):
         _positive(f"critic.{name}", getattr(c, name), 0)
     if c.warmup_steps >= t.total_steps:
         raise ConfigError(f"critic.warmup_steps={c.warmup_steps} (critic-only RL steps) must be smaller than "
                           f"trainer.total_steps={t.total_steps}")
     if c.lr_warmup_steps and c.lr_warmup_steps >= t.total_steps * t.mini_batches_per_step * t.epochs_per_step:
-        raise ConfigError(f"critic.lr_warmup_steps={c.lr_warmup_steps} must be smaller than the critic's updates of the run")
+        raise ConfigError(
+            f"critic.lr_warmup_steps={c.lr_warmup_steps} must be smaller than the critic's updates of the run"
+        )
     if c.grad_clip < 0 or c.weight_decay < 0 or c.value_clip < 0:
         raise ConfigError("critic.grad_clip / weight_decay / value_clip: expected >= 0 (0 = off)")
 
@@ -148,7 +158,10 @@ def _check_mode(cfg: Config) -> None:
     if cfg.mode == "async" and eta == 0:
         raise ConfigError("mode=async needs rollout.staleness >= 1 (the staleness bound eta)")
     if eta > 0 and cfg.algorithm.rollout_is == "none":
-        raise ConfigError(f"rollout.staleness={eta} needs importance-sampling correction: set algorithm.rollout_is to tis, mis_token or mis_seq")
+        raise ConfigError(
+            f"rollout.staleness={eta} needs importance-sampling correction: set algorithm.rollout_is to tis, "
+            "mis_token or mis_seq"
+        )
 
 
 def resolve_layout(cfg: Config) -> Layout:
@@ -156,29 +169,35 @@ def resolve_layout(cfg: Config) -> Layout:
     total = c.nodes * c.gpus_per_node
     rollout_devices = cfg.rollout.num_engines * cfg.rollout.engine_tp if c.gpus_per_node else 0
     model_par = p.tp * p.pp * p.cp
-    devices = cfg.trainer.world_size or c.trainer_devices
-    if devices is None:
-        if c.gpus_per_node == 0:
-            devices = model_par * (p.dp or 1)
-        elif c.placement == "colocated":
-            devices = total
-        else:
-            devices = total - rollout_devices
-            if devices <= 0:
-                raise ConfigError(
-                    f"cluster: {c.nodes} node(s) x {c.gpus_per_node} GPUs = {total} GPUs leave none for the trainer after "
-                    f"rollout.num_engines x rollout.engine_tp = {rollout_devices} engine GPUs (disaggregated placement)")
+    devices = c.trainer_devices
+    if devices is not None:
+        source = "cluster.trainer_devices"
+    elif c.gpus_per_node == 0:
+        devices, source = model_par, "on CPU: tp*pp*cp"
+    elif c.placement == "colocated":
+        devices, source = total, "colocated: all GPUs"
+    else:
+        devices, source = total - rollout_devices, "disaggregated: the GPUs left after the engines"
+        if devices <= 0:
+            raise ConfigError(
+                f"cluster: {c.nodes} node(s) x {c.gpus_per_node} GPUs = {total} GPUs leave none for the trainer after "
+                f"rollout.num_engines x rollout.engine_tp = {rollout_devices} engine GPUs (disaggregated placement)")
     if devices % model_par:
-        raise ConfigError(f"parallel: tp*pp*cp = {p.tp}*{p.pp}*{p.cp} = {model_par} does not divide the trainer's {devices} devices")
+        raise ConfigError(f"parallel: tp*pp*cp = {p.tp}*{p.pp}*{p.cp} = {model_par} does not divide the trainer's "
+                          f"{devices} devices ({source}); the data-parallel size is cluster.trainer_devices / "
+                          f"(tp*pp*cp): set cluster.trainer_devices to a multiple of {model_par}")
     dp = devices // model_par
-    if p.dp is not None and p.dp != dp:
-        raise ConfigError(f"parallel: tp*pp*cp*dp = {model_par}*{p.dp} = {model_par * p.dp} does not equal the trainer's {devices} devices")
     etp = p.etp if p.etp is not None else p.tp
     if total:
         if c.placement == "disaggregated" and devices + rollout_devices > total:
-            raise ConfigError(f"cluster: trainer {devices} + engines {rollout_devices} GPUs exceed {c.nodes} x {c.gpus_per_node} = {total} GPUs")
+            raise ConfigError(
+                f"cluster: trainer {devices} + engines {rollout_devices} GPUs exceed {c.nodes} x {c.gpus_per_node} = "
+                f"{total} GPUs"
+            )
         if c.placement == "colocated" and max(devices, rollout_devices) > total:
-            raise ConfigError(f"cluster: colocated trainer/engines need {max(devices, rollout_devices)} GPUs, the cluster has {total}")
+            raise ConfigError(
+                f"cluster: colocated trainer/engines need {max(devices, rollout_devices)} GPUs, the cluster has {total}"
+            )
     return Layout(p.tp, p.pp, p.cp, p.ep, etp, dp, p.vpp, devices, rollout_devices, total)
 
 
@@ -188,18 +207,27 @@ def _check_model(cfg: Config, hf: dict[str, Any], layout: Layout) -> None:
     kv = hf.get("num_key_value_heads", heads)
     layers = hf.get("num_hidden_layers")
     if heads is None or layers is None:
-        raise ConfigError(f"model.hf_dir: config.json lacks num_attention_heads / num_hidden_layers (model_type={hf.get('model_type')!r})")
+        raise ConfigError(
+            "model.hf_dir: config.json lacks num_attention_heads / num_hidden_layers "
+            f"(model_type={hf.get('model_type')!r})"
+        )
     if heads % p.tp:
         raise ConfigError(f"parallel.tp={p.tp} must divide the model's num_attention_heads={heads}")
     if kv % p.tp:
         raise ConfigError(f"parallel.tp={p.tp} must divide the model's num_key_value_heads={kv}")
     if p.pp_layer_split is not None:
         if len(p.pp_layer_split) != p.pp:
-            raise ConfigError(f"parallel.pp_layer_split has {len(p.pp_layer_split)} entries, expected parallel.pp={p.pp}")
+            raise ConfigError(
+                f"parallel.pp_layer_split has {len(p.pp_layer_split)} entries, expected parallel.pp={p.pp}"
+            )
         if sum(p.pp_layer_split) != layers or min(p.pp_layer_split) < 1:
-            raise ConfigError(f"parallel.pp_layer_split={p.pp_layer_split} must be positive and sum to num_hidden_layers={layers}")
+            raise ConfigError(
+                f"parallel.pp_layer_split={p.pp_layer_split} must be positive and sum to num_hidden_layers={layers}"
+            )
     elif layers % p.pp:
-        raise ConfigError(f"parallel.pp={p.pp} must divide the model's num_hidden_layers={layers} (or set parallel.pp_layer_split)")
+        raise ConfigError(
+            f"parallel.pp={p.pp} must divide the model's num_hidden_layers={layers} (or set parallel.pp_layer_split)"
+        )
     if p.vpp is not None and p.vpp > 1:
         if p.pp < 2:
             raise ConfigError(f"parallel.vpp={p.vpp} needs parallel.pp >= 2")
@@ -211,42 +239,64 @@ def _check_model(cfg: Config, hf: dict[str, Any], layout: Layout) -> None:
     if experts and experts % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} must divide the model's num_experts={experts}")
     if experts and p.tp > 1 and not p.sequence_parallel:
-        raise ConfigError(f"parallel.tp={p.tp} with a MoE model needs parallel.sequence_parallel=true (Megatron's MoE layers require it)")
+        raise ConfigError(
+            f"parallel.tp={p.tp} with a MoE model needs parallel.sequence_parallel=true (Megatron's MoE layers "
+            "require it)"
+        )
     if experts and (layout.etp * p.ep) > layout.trainer_devices // p.pp:
-        raise ConfigError(f"parallel.ep*etp = {p.ep * layout.etp} exceeds the trainer ranks per pipeline stage ({layout.trainer_devices // p.pp})")
+        raise ConfigError(
+            f"parallel.ep*etp = {p.ep * layout.etp} exceeds the trainer ranks per pipeline stage "
+            f"({layout.trainer_devices // p.pp})"
+        )
     if cfg.rollout.engine_tp > 1 and heads % cfg.rollout.engine_tp:
         raise ConfigError(f"rollout.engine_tp={cfg.rollout.engine_tp} must divide num_attention_heads={heads}")
     max_len = hf.get("max_position_embeddings")
     need = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_new_tokens
     if max_len and need > max_len:
         raise ConfigError(
-            f"data.max_prompt_tokens + rollout.sampling.max_new_tokens = {need} exceeds the model's max_position_embeddings={max_len}")
+            f"data.max_prompt_tokens + rollout.sampling.max_new_tokens = {need} exceeds the model's "
+            f"max_position_embeddings={max_len}"
+        )
 
 
 def _check_devices(cfg: Config, has_cuda: bool) -> None:
     p, t, c = cfg.parallel, cfg.trainer, cfg.cluster
     gpu_run = c.gpus_per_node > 0
     if t.fp8_recipe != "none" and not gpu_run:
-        raise ConfigError(f"trainer.fp8_recipe={t.fp8_recipe!r} needs GPUs with Transformer Engine (cluster.gpus_per_node is 0: a CPU run)")
+        raise ConfigError(
+            f"trainer.fp8_recipe={t.fp8_recipe!r} needs GPUs with Transformer Engine (cluster.gpus_per_node is 0: a "
+            "CPU run)"
+        )
     if p.cp > 1 and not gpu_run:
-        raise ConfigError(f"parallel.cp={p.cp}: context parallel needs GPUs (Transformer Engine attention); cluster.gpus_per_node is 0")
+        raise ConfigError(
+            f"parallel.cp={p.cp}: context parallel needs GPUs (Transformer Engine attention); cluster.gpus_per_node "
+            "is 0"
+        )
     if gpu_run and c.nodes == 1 and not has_cuda:
-        raise ConfigError(f"cluster.gpus_per_node={c.gpus_per_node} but this machine has no CUDA device (use --dry-run to plan, or gpus_per_node=0)")
+        raise ConfigError(
+            f"cluster.gpus_per_node={c.gpus_per_node} but this machine has no CUDA device (use --dry-run to plan, or "
+            "gpus_per_node=0)"
+        )
     if p.vpp is not None and p.vpp > 1 and not gpu_run:
-        raise ConfigError(f"parallel.vpp={p.vpp}: the interleaved pipeline schedule hangs on gloo; virtual pipeline stages are GPU only")
+        raise ConfigError(
+            f"parallel.vpp={p.vpp}: the interleaved pipeline schedule hangs on gloo; virtual pipeline stages are GPU "
+            "only"
+        )
     if p.sequence_parallel and p.tp < 2:
         raise ConfigError("parallel.sequence_parallel needs parallel.tp >= 2")
     if c.nodes > 1 and not gpu_run:
         raise ConfigError(f"cluster.nodes={c.nodes} needs cluster.gpus_per_node >= 1 (multi-node runs are GPU runs)")
-    if t.precision == "fp16" and not gpu_run:
-        raise ConfigError("trainer.precision=fp16 is GPU only; use fp32 (or bf16) on CPU")
+    if cfg.model.dtype == "float16" and not gpu_run:
+        raise ConfigError("model.dtype=float16 (trainer precision fp16) is GPU only; use float32 (or bfloat16) on CPU")
     if cfg.checkpoint.async_save and not gpu_run:
         raise ConfigError("checkpoint.async_save needs GPUs (megatron-core's async writer); set it false on CPU")
     if cfg.weight_sync.transport == "cuda_ipc" and (not gpu_run or c.placement != "colocated"):
         raise ConfigError("weight_sync.transport=cuda_ipc needs GPUs and cluster.placement=colocated")
     if cfg.weight_sync.transport == "cuda_ipc" and c.nodes > 1:
-        raise ConfigError(f"weight_sync.transport=cuda_ipc shares the trainer's GPU memory with engines on the same machine; "
-                          f"cluster.nodes={c.nodes} puts engines on other nodes: use weight_sync.transport=broadcast")
+        raise ConfigError(
+            f"weight_sync.transport=cuda_ipc shares the trainer's GPU memory with engines on the same machine; "
+            f"cluster.nodes={c.nodes} puts engines on other nodes: use weight_sync.transport=broadcast"
+        )
 
 
 def validate(cfg: Config, *, has_cuda: bool | None = None, dry_run: bool = False) -> Layout:

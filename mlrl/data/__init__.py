@@ -1,6 +1,10 @@
 """Datasets: `get_dataset(name_or_path, split, kind="rl"|"sft", tokenizer, max_length)` over local
 jsonl / json / parquet files, registered datasets (`@register_dataset`, e.g. `gsm8k`) and synthetic
-verifiable tasks (`synthetic:copy_digit`, `synthetic:add_digits`, `synthetic:arith_word`)."""
+verifiable tasks (`synthetic:copy_digit`, `synthetic:add_digits`, `synthetic:arith_word`).
+
+`mlrl.data.tokenizer` holds the tokenizer helpers datasets share with workflows
+(`apply_chat_template`, `load_hf_tokenizer`). `mlrl.data` is the lower layer: `mlrl.workflow` may
+import it, nothing here imports `mlrl.workflow`."""
 
 from mlrl.data.registry import SFTDataset, dataset_from_config, get_dataset, list_datasets, register_dataset
 from mlrl.data.rows import DatasetError, RLDataset, normalise_rl_row

@@ -33,7 +33,9 @@ def find_split_file(folder: Path, split: str) -> Path:
     if shards:
         return shards[0]
     have = sorted(p.name for p in folder.iterdir() if p.suffix in SUFFIXES) if folder.is_dir() else []
-    raise DatasetError(f"{folder}: no file for split {split!r} (looked for {split}.jsonl/.json/.parquet); found: {have}")
+    raise DatasetError(
+        f"{folder}: no file for split {split!r} (looked for {split}.jsonl/.json/.parquet); found: {have}"
+    )
 
 
 def read_rows(path: Path, skip_malformed: bool, skipped: list[str]) -> Iterator[tuple[str, Any]]:

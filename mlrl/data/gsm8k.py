@@ -37,8 +37,14 @@ def load_gsm8k(split: str = "train", instruction: str = INSTRUCTION) -> list[dic
                            "set MLRL_GSM8K_DIR to its folder)")
     rows = []
     for where, row in read_rows(path, skip_malformed=False, skipped=[]):
-        if not isinstance(row, dict) or not isinstance(row.get("question"), str) or "####" not in str(row.get("answer", "")):
-            raise DatasetError(f"{where}: expected a GSM8K row with 'question' and an 'answer' ending in '#### <number>'")
+        if (
+            not isinstance(row, dict)
+            or not isinstance(row.get("question"), str)
+            or "####" not in str(row.get("answer", ""))
+        ):
+            raise DatasetError(
+                f"{where}: expected a GSM8K row with 'question' and an 'answer' ending in '#### <number>'"
+            )
         final = str(row["answer"]).rsplit("####", 1)[1].strip().replace(",", "")
         rows.append({"messages": [{"role": "user", "content": row["question"] + instruction}],
                      "answer": final, "solution": row["answer"]})

@@ -24,6 +24,7 @@ from mlrl.data import synthetic
 from mlrl.data.files import find_split_file, read_rows
 from mlrl.data.rows import DatasetError, RLDataset, normalise_rl_row
 from mlrl.data.sft import sft_example
+from mlrl.data.tokenizer import apply_chat_template
 
 Loader = Callable[..., list[dict[str, Any]]]
 _DATASETS: dict[str, Loader] = {}
@@ -85,7 +86,9 @@ def _raw_rows(name_or_path: str, split: str, skip_malformed: bool, skipped: list
     if loader is not None:
         rows = loader(split, **kwargs)
         if not isinstance(rows, (list, tuple)):
-            raise DatasetError(f"dataset loader {name_or_path!r} returned {type(rows).__name__}, expected a list of rows")
+            raise DatasetError(
+                f"dataset loader {name_or_path!r} returned {type(rows).__name__}, expected a list of rows"
+            )
         return [(f"{name_or_path}/{split}[{i}]", r) for i, r in enumerate(rows)], getattr(loader, "reward", None)
     path = Path(name_or_path).expanduser()
     if not path.exists():
@@ -122,13 +125,13 @@ def get_dataset(
     if num_rows is not None and not str(name_or_path).startswith("synthetic:"):
         raw = raw[:num_rows]
     if kind == "rl":
-        return _build_rl(raw, str(name_or_path), split, skipped, skip_malformed, require_answer, tokenizer, max_length, reward)
+        return _build_rl(
+            raw, str(name_or_path), split, skipped, skip_malformed, require_answer, tokenizer, max_length, reward
+        )
     return _build_sft(raw, str(name_or_path), split, skipped, skip_malformed, tokenizer, max_length)
 
 
 def _build_rl(raw, name, split, skipped, skip_malformed, require_answer, tokenizer, max_length, reward) -> RLDataset:
-    from mlrl.workflow.api import apply_chat_template
-
     rows, too_long = [], 0
     for where, row in raw:
         try:

@@ -25,7 +25,9 @@ class DatasetError(ValueError):
 
 def normalise_messages(messages: Any, where: str) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
-        raise DatasetError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects, got {_short(messages)}")
+        raise DatasetError(
+            f"{where}: 'messages' must be a non-empty list of {{role, content}} objects, got {_short(messages)}"
+        )
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):

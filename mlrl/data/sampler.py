@@ -51,5 +51,7 @@ class PromptSampler:
         return dict(vars(self._state))
 
     @classmethod
-    def from_state(cls, rows: Sequence[Any], state: dict[str, int], *, seed: int, shuffle: bool = True) -> "PromptSampler":
+    def from_state(
+        cls, rows: Sequence[Any], state: dict[str, int], *, seed: int, shuffle: bool = True
+    ) -> "PromptSampler":
         return cls(rows, seed=seed, shuffle=shuffle, state=SamplerState(**state))

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from mlrl.data.rows import DatasetError, normalise_messages
-from mlrl.workflow.api import apply_chat_template
+from mlrl.data.tokenizer import apply_chat_template
 
 
 def tokenize_messages(tokenizer: Any, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
@@ -26,11 +26,15 @@ def tokenize_messages(tokenizer: Any, messages: list[dict[str, Any]]) -> tuple[l
         if m["role"] == "assistant":
             head = apply_chat_template(tokenizer, messages[:i], add_generation_prompt=True) if i else []
             if full[: len(head)] != head or head[: len(ids)] != ids:
-                raise DatasetError("the chat template is not prefix-stable around assistant turns; cannot build a loss mask")
+                raise DatasetError(
+                    "the chat template is not prefix-stable around assistant turns; cannot build a loss mask"
+                )
             mask += [0] * (len(head) - len(ids)) + [1] * (len(full) - len(head))
         else:
             if full[: len(ids)] != ids:
-                raise DatasetError("the chat template re-renders earlier turns when a turn is added; cannot build a loss mask")
+                raise DatasetError(
+                    "the chat template re-renders earlier turns when a turn is added; cannot build a loss mask"
+                )
             mask += [0] * (len(full) - len(ids))
         ids = full
     return ids, mask
@@ -56,4 +60,6 @@ def sft_example(tokenizer: Any, row: dict[str, Any], where: str) -> tuple[list[i
         if tokenizer.eos_token_id is not None:
             c.append(tokenizer.eos_token_id)
         return p + c, [0] * len(p) + [1] * len(c)
-    raise DatasetError(f"{where}: an SFT row needs 'messages', or 'prompt' and 'completion' strings; keys: {sorted(row)}")
+    raise DatasetError(
+        f"{where}: an SFT row needs 'messages', or 'prompt' and 'completion' strings; keys: {sorted(row)}"
+    )

@@ -57,7 +57,10 @@ _TEMPLATES = [
     ("{name} has {a} {item} and buys {b} more. How many {item} does {pron} have now?", lambda a, b: a + b),
     ("{name} has {a} {item} and gives {b} to a friend. How many {item} does {pron} have left?", lambda a, b: a - b),
     ("{name} has {a} bags with {b} {item} in each bag. How many {item} does {pron} have in total?", lambda a, b: a * b),
-    ("There are {a} {item} on a table. {name} puts {b} more on it. How many {item} are on the table?", lambda a, b: a + b),
+    (
+        "There are {a} {item} on a table. {name} puts {b} more on it. How many {item} are on the table?",
+        lambda a, b: a + b,
+    ),
     ("{name} had {a} {item}. {pron_cap} lost {b} of them. How many {item} does {pron} have now?", lambda a, b: a - b),
 ]
 ARITH_INSTRUCTION = " Answer with a single number."

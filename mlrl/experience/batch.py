@@ -37,8 +37,8 @@ class MicroBatch:
     rollout_logprobs: torch.Tensor  # [S] float32: engine logprobs at sampling time
     old_logprobs: Optional[torch.Tensor] = None  # [S] trainer logprobs before the update (PPO ratio denominator)
     ref_logprobs: Optional[torch.Tensor] = None  # [S] reference-policy logprobs (KL), None = no KL
-    old_values: Optional[torch.Tensor] = None    # [S] float32 critic values before the update (value clipping), None = no critic
-    returns: Optional[torch.Tensor] = None       # [S] float32 GAE returns: the critic's regression target, None = no critic
+    old_values: Optional[torch.Tensor] = None
+    returns: Optional[torch.Tensor] = None  # [S] float32 GAE returns: the critic's regression target, None = no critic
 
     @property
     def num_tokens(self) -> int:

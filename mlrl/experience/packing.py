@@ -1,7 +1,7 @@
 """Packing one RL step's samples into micro-batches for the DP ranks of the trainer.
 
 Order of operations, and the invariant each keeps:
-1. loss weights are computed over ALL samples of the step (mlrl.algorithms.losses.loss_agg_weights)
+1. loss weights are computed over ALL samples of the step (mlrl.experience.loss_weights.loss_agg_weights)
    before any split, so sum over every micro-batch of every rank of sum_t loss_weight * l_t is the
    step loss whatever the split (the MicroBatch contract in batch.py);
 2. samples go to DP ranks by longest-processing-time (longest first, to the rank with the fewest
@@ -29,10 +29,9 @@ from typing import Iterable, Literal, Optional, Sequence
 
 import torch
 
-from mlrl.algorithms.advantages import TOKEN_ADVANTAGES_KEY
-from mlrl.algorithms.losses import loss_agg_weights
 from mlrl.experience.batch import MicroBatch
-from mlrl.types import Sample
+from mlrl.experience.loss_weights import loss_agg_weights
+from mlrl.types import TOKEN_ADVANTAGES_KEY, Sample
 
 
 def _balance_ranks(lengths: Sequence[int], dp_size: int) -> list[list[int]]:
@@ -68,11 +67,16 @@ def token_advantages(s: Sample, index: int = 0) -> list[float]:
     if tok is None:
         return [float(s.advantage)] * len(s.tokens)
     if len(tok) != len(s.tokens):
-        raise ValueError(f"samples[{index}].metadata[{TOKEN_ADVANTAGES_KEY!r}] has {len(tok)} values, expected len(tokens)={len(s.tokens)}")
+        raise ValueError(
+            f"samples[{index}].metadata[{TOKEN_ADVANTAGES_KEY!r}] has {len(tok)} values, expected "
+            f"len(tokens)={len(s.tokens)}"
+        )
     return [float(a) for a in tok]
 
 
-def _build(samples: Sequence[Sample], ids: Sequence[int], weights: Sequence[float], pad_multiple: int, pad_token_id: int) -> MicroBatch:
+def _build(
+    samples: Sequence[Sample], ids: Sequence[int], weights: Sequence[float], pad_multiple: int, pad_token_id: int
+) -> MicroBatch:
     tokens: list[int] = []
     pos: list[int] = []
     sid: list[int] = []
@@ -132,7 +136,10 @@ def pack_step(
     if pad_multiple < 1:
         raise ValueError(f"pack_step: pad_multiple={pad_multiple}, expected >= 1")
     if token_budget < 1 or token_budget % pad_multiple:
-        raise ValueError(f"pack_step: token_budget={token_budget} (trainer.micro_batch_tokens), expected a positive multiple of pad_multiple={pad_multiple}")
+        raise ValueError(
+            f"pack_step: token_budget={token_budget} (trainer.micro_batch_tokens), expected a positive multiple of "
+            f"pad_multiple={pad_multiple}"
+        )
     if not samples:
         raise ValueError("pack_step: no samples to pack")
     lengths = [len(s.tokens) for s in samples]
@@ -224,11 +231,15 @@ def unpack_per_sample(
     step exactly once (`[mb for rank in packed for mb in rank]`); num_samples defaults to the
     largest sample id + 1. Missing or duplicated samples are an error."""
     if len(micro_batches) != len(per_token):
-        raise ValueError(f"unpack_per_sample: {len(micro_batches)} micro-batches but {len(per_token)} per-token tensors")
+        raise ValueError(
+            f"unpack_per_sample: {len(micro_batches)} micro-batches but {len(per_token)} per-token tensors"
+        )
     found: dict[int, torch.Tensor] = {}
     for k, (mb, t) in enumerate(zip(micro_batches, per_token)):
         if t.shape[:1] != (mb.num_tokens,):
-            raise ValueError(f"unpack_per_sample: per_token[{k}] has shape {tuple(t.shape)}, expected ({mb.num_tokens}, ...)")
+            raise ValueError(
+                f"unpack_per_sample: per_token[{k}] has shape {tuple(t.shape)}, expected ({mb.num_tokens}, ...)"
+            )
         for i, a, b in _segments(mb):
             if i in found:
                 raise ValueError(f"unpack_per_sample: sample {i} appears in more than one micro-batch")
@@ -236,5 +247,7 @@ def unpack_per_sample(
     n = num_samples if num_samples is not None else (max(found) + 1 if found else 0)
     missing = [i for i in range(n) if i not in found]
     if missing or len(found) != n:
-        raise ValueError(f"unpack_per_sample: samples {missing[:10]} missing (expected ids 0..{n - 1}, got {len(found)})")
+        raise ValueError(
+            f"unpack_per_sample: samples {missing[:10]} missing (expected ids 0..{n - 1}, got {len(found)})"
+        )
     return [found[i] for i in range(n)]

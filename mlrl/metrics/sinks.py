@@ -1,4 +1,6 @@
-"""Metric sinks: JSONL (always complete lines, fsync'd per step) and TensorBoard, optional W&B.
+"""Metric sinks: JSONL (always complete lines, fsync'd per step) and TensorBoard, optional W&B
+(`wandb_project`; the `wandb` extra: `pip install mlrl[wandb]`; W&B's own environment variables
+apply, e.g. WANDB_MODE=offline, WANDB_RUN_ID to continue a run).
 
 Invariant: a step's metrics are written as one JSON line and flushed before the step is
 considered done, so a crash never leaves a half-written line that a resumed run would choke on.
@@ -24,11 +26,23 @@ def _clean(v: Any) -> Any:
     return v
 
 
+def _import_wandb() -> Any:
+    try:
+        import wandb
+    except ImportError as e:
+        raise ImportError(
+            f"metrics: wandb_project is set but Weights & Biases is not installed ({e}); "
+            "pip install mlrl[wandb]  (or pip install wandb), or unset wandb_project"
+        ) from None
+    return wandb
+
+
 class MetricsLogger:
     """Fan-out of scalar metrics per step to the configured sinks."""
 
     def __init__(self, run_dir: str | Path, *, jsonl: bool = True, tensorboard: bool = True,
                  wandb_project: str | None = None, resume_step: int | None = None, config: dict | None = None):
+        wandb = _import_wandb() if wandb_project else None  # before any side effect: a clear error first
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = self.run_dir / "metrics.jsonl" if jsonl else None
@@ -38,11 +52,11 @@ class MetricsLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=None if resume_step is None else resume_step + 1)
+            self._tb = SummaryWriter(
+                str(self.run_dir / "tensorboard"), purge_step=None if resume_step is None else resume_step + 1
+            )
         self._wandb = None
-        if wandb_project:
-            import wandb  # optional dependency
-
+        if wandb is not None:
             self._wandb = wandb.init(project=wandb_project, dir=str(self.run_dir), config=config, resume="allow",
                                      id=os.environ.get("WANDB_RUN_ID"))
 

@@ -259,7 +259,9 @@ def model_state_memory(p: StageParams, *, precision: str, optimizer: str, distri
     if optimizer == "sgd":
         ob -= 4
     opt = p.dense * ob / (dp_cp if distributed_optimizer else 1) + p.expert * ob / (edp if distributed_optimizer else 1)
-    return ModelStateMemory(params=p.total * pb, grads=p.total * gb, optimizer=opt, fp8_weights=p.linear * 1.0 if fp8 else 0.0)
+    return ModelStateMemory(
+        params=p.total * pb, grads=p.total * gb, optimizer=opt, fp8_weights=p.linear * 1.0 if fp8 else 0.0
+    )
 
 
 def trainer_memory(p: StageParams, *, precision: str, optimizer: str, distributed_optimizer: bool, dp_cp: int,
@@ -290,7 +292,11 @@ def engine_memory(shape: ModelShape, *, engine_tp: int, dtype_bytes: int, gpu_by
         ffn_tokens = shape.top_k * shape.expert_ffn + shape.shared_expert_ffn
     else:
         ffn_tokens = shape.ffn
-    act = VLLM_BATCHED_TOKENS * dtype_bytes * (2 * shape.hidden + (shape.q_width + 2 * shape.kv_width) / t + 3 * ffn_tokens / t)
+    act = (
+        VLLM_BATCHED_TOKENS
+        * dtype_bytes
+        * (2 * shape.hidden + (shape.q_width + 2 * shape.kv_width) / t + 3 * ffn_tokens / t)
+    )
     act += VLLM_MAX_SEQS * shape.vocab * 4 / t
     runtime = (CUDA_RUNTIME_GIB + (0.0 if enforce_eager else CUDA_GRAPHS_GIB)) * GIB
     budget = utilization * gpu_bytes

@@ -82,7 +82,10 @@ def place(layout: Layout, nodes: int, gpus_per_node: int, num_engines: int, engi
     engine: dict[int, EngineRank] = {}
     problems: list[str] = []
     if engine_tp > gpus_per_node:
-        problems.append(f"rollout.engine_tp={engine_tp} exceeds cluster.gpus_per_node={gpus_per_node} (an engine must fit in one node)")
+        problems.append(
+            f"rollout.engine_tp={engine_tp} exceeds cluster.gpus_per_node={gpus_per_node} (an engine must fit in one "
+            "node)"
+        )
     else:
         start = 0 if colocated else layout.trainer_devices
         placed = 0
@@ -93,7 +96,9 @@ def place(layout: Layout, nodes: int, gpus_per_node: int, num_engines: int, engi
                 if colocated:
                     problems.append(
                         f"engine {placed} (rollout.engine_tp={engine_tp}) would span nodes {g // gpus_per_node} and "
-                        f"{g // gpus_per_node + 1}: engine_tp must divide cluster.gpus_per_node={gpus_per_node} when colocated")
+                        f"{g // gpus_per_node + 1}: engine_tp must divide cluster.gpus_per_node={gpus_per_node} when "
+                        "colocated"
+                    )
                     break
                 g = node_end
                 continue
@@ -103,8 +108,10 @@ def place(layout: Layout, nodes: int, gpus_per_node: int, num_engines: int, engi
             g += engine_tp
         if placed < num_engines and not problems:
             problems.append(
-                f"only {placed} of rollout.num_engines={num_engines} engines (engine_tp={engine_tp}) fit on the GPUs left "
-                f"without spanning nodes ({total - start} GPUs from global GPU {start})")
+                f"only {placed} of rollout.num_engines={num_engines} engines (engine_tp={engine_tp}) fit on the GPUs "
+                "left "
+                f"without spanning nodes ({total - start} GPUs from global GPU {start})"
+            )
     slots = [GpuSlot(g // gpus_per_node, g % gpus_per_node, trainer.get(g), engine.get(g)) for g in range(total)]
     return slots, problems
 
@@ -115,5 +122,7 @@ def tp_groups_spanning_nodes(layout: Layout, gpus_per_node: int) -> list[str]:
     for first in range(0, layout.trainer_devices, layout.tp):
         last = first + layout.tp - 1
         if first // gpus_per_node != last // gpus_per_node:
-            out.append(f"trainer TP group of ranks {first}-{last} spans nodes {first // gpus_per_node}-{last // gpus_per_node}")
+            out.append(
+                f"trainer TP group of ranks {first}-{last} spans nodes {first // gpus_per_node}-{last // gpus_per_node}"
+            )
     return out

@@ -16,7 +16,7 @@ from mlrl.config.validate import Layout
 from mlrl.modelzoo import hf_config_dict
 from mlrl.plan import memory as mem
 from mlrl.plan.model import ModelShape, model_shape
-from mlrl.plan.placement import GpuSlot, expert_dp, place, tp_groups_spanning_nodes, trainer_rank, TrainerRank
+from mlrl.plan.placement import GpuSlot, TrainerRank, expert_dp, place, tp_groups_spanning_nodes, trainer_rank
 
 
 @dataclass
@@ -68,7 +68,8 @@ def make_plan(cfg: Config, layout: Layout) -> Plan:
     critic = None if not cfg.uses_critic else [
         mem.stage_params(shape, ls, first=k == 0, last=k == layout.pp - 1, pp=layout.pp, tp=layout.tp, ep=layout.ep,
                          etp=layout.etp, value_head=True) for k, ls in enumerate(layers)]
-    act_bytes = 4 if t.precision == "fp32" else 2
+    precision = cfg.model.precision  # the trainer's, derived from model.dtype
+    act_bytes = 4 if precision == "fp32" else 2
     tokens = t.micro_batch_tokens / layout.cp
     tmem = []
     for k, ls in enumerate(layers):
@@ -78,7 +79,7 @@ def make_plan(cfg: Config, layout: Layout) -> Plan:
             etp=layout.etp, sp=p.sequence_parallel, flash=not cpu, recompute=t.recompute,
             seq_len=min(seq_len, t.micro_batch_tokens))
         tmem.append(mem.trainer_memory(
-            params[k], precision=t.precision, optimizer=t.optimizer, distributed_optimizer=t.use_distributed_optimizer,
+            params[k], precision=precision, optimizer=t.optimizer, distributed_optimizer=t.use_distributed_optimizer,
             dp_cp=layout.dp * layout.cp, edp=expert_dp(layout), fp8=t.fp8_recipe != "none",
             reference=cfg.algorithm.kl_coef > 0, activations=acts, critic=critic[k] if critic else None))
     plan = Plan(cfg, layout, shape, cpu, [], layers, params, tmem, None, [], micro, seq_len, c.gpu_memory_gb * mem.GIB,
@@ -93,7 +94,9 @@ def make_plan(cfg: Config, layout: Layout) -> Plan:
     plan.engine_memory = mem.engine_memory(
         shape, engine_tp=r.engine_tp, dtype_bytes=mem.DTYPE_BYTES[cfg.model.dtype], gpu_bytes=plan.capacity,
         utilization=r.gpu_memory_utilization, max_model_len=max_len, enforce_eager=r.enforce_eager)
-    plan.slots, problems = place(layout, c.nodes, c.gpus_per_node, r.num_engines, r.engine_tp, c.placement == "colocated")
+    plan.slots, problems = place(
+        layout, c.nodes, c.gpus_per_node, r.num_engines, r.engine_tp, c.placement == "colocated"
+    )
     plan.reasons.extend(problems)
     plan.warnings.extend(tp_groups_spanning_nodes(layout, c.gpus_per_node))
     _check_memory(plan)
@@ -145,9 +148,11 @@ def _check_memory(plan: Plan) -> None:
         if e.kv_cache <= 0:
             plan.reasons.append(
                 f"engine: weights {e.weights / gib:.1f} + activations {e.activations / gib:.1f} + runtime "
-                f"{e.runtime / gib:.1f} = {fixed / gib:.1f} GiB leave no KV cache within rollout.gpu_memory_utilization="
+                f"{e.runtime / gib:.1f} = {fixed / gib:.1f} GiB leave no KV cache within "
+                "rollout.gpu_memory_utilization="
                 f"{plan.cfg.rollout.gpu_memory_utilization} x {cap / gib:g} GiB = {e.budget / gib:.1f} GiB "
-                f"(raise rollout.engine_tp)")
+                f"(raise rollout.engine_tp)"
+            )
         elif e.kv_tokens < e.max_model_len:
             plan.reasons.append(
                 f"engine: KV cache of {e.kv_cache / gib:.1f} GiB holds {e.kv_tokens} tokens < one sequence of "

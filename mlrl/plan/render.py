@@ -45,14 +45,16 @@ def _header(plan: Plan) -> list[str]:
         f"hidden {s.hidden}, {s.heads} heads / {s.kv_heads} KV heads, vocab {s.vocab}",
     ]
     if plan.cpu:
-        lines.append("cluster  this machine, CPU only (cluster.gpus_per_node=0): trainer processes and engines share the cores")
+        lines.append(
+            "cluster  this machine, CPU only (cluster.gpus_per_node=0): trainer processes and engines share the cores"
+        )
     else:
         lines.append(f"cluster  {c.nodes} node(s) x {c.gpus_per_node} GPUs = {L.total_devices} GPUs of "
                      f"{c.gpu_memory_gb:g} GiB, placement {c.placement}")
     lines.append(
         f"trainer  {L.trainer_devices} {'process(es)' if plan.cpu else 'GPUs'}: tp={L.tp} pp={L.pp} vpp={L.vpp or '-'} "
         f"cp={L.cp} dp={L.dp} | ep={L.ep} etp={L.etp} edp={plan.expert_dp}; sequence_parallel="
-        f"{'on' if cfg.parallel.sequence_parallel else 'off'}, precision {t.precision}, fp8 {t.fp8_recipe}, "
+        f"{'on' if cfg.parallel.sequence_parallel else 'off'}, precision {cfg.model.precision}, fp8 {t.fp8_recipe}, "
         f"recompute {t.recompute}, distributed optimizer {'on' if t.use_distributed_optimizer else 'off'}")
     if plan.critic_params is not None:
         lines.append("         critic: a value model of the same architecture (value head instead of the output layer) "
@@ -69,7 +71,10 @@ def _header(plan: Plan) -> list[str]:
                  f"mini-batch(es) = {samples} samples per optimizer step, <= {plan.seq_len} tokens each; "
                  f"micro-batch {t.micro_batch_tokens} tokens -> {plan.micro_batches} micro-batches per DP rank")
     if plan.cpu:
-        lines.append(f"engines  {r.num_engines} vLLM CPU server(s), engine_tp={r.engine_tp}, KV cache {r.cpu_kv_cache_gb:g} GiB each")
+        lines.append(
+            f"engines  {r.num_engines} vLLM CPU server(s), engine_tp={r.engine_tp}, KV cache {r.cpu_kv_cache_gb:g} "
+            "GiB each"
+        )
     else:
         e = plan.engine_memory
         lines.append(f"engines  {r.num_engines} x engine_tp {r.engine_tp} = {r.num_engines * r.engine_tp} GPUs "
@@ -126,9 +131,12 @@ def _memory(plan: Plan) -> list[str]:
     e = plan.engine_memory
     if e is not None:
         seqs = e.kv_tokens // max(1, plan.seq_len)
-        lines.append(f"  engine (engine_tp {plan.cfg.rollout.engine_tp}): budget {_g(e.budget)} = weights {_g(e.weights)} + "
-                     f"activations {_g(e.activations)} + runtime {_g(e.runtime)} + KV cache {_g(e.kv_cache)} "
-                     f"({e.kv_tokens} tokens at {e.kv_bytes_per_token / 1024:.0f} KiB/token = {seqs} sequences of {plan.seq_len})")
+        lines.append(
+            f"  engine (engine_tp {plan.cfg.rollout.engine_tp}): budget {_g(e.budget)} = weights {_g(e.weights)} + "
+            f"activations {_g(e.activations)} + runtime {_g(e.runtime)} + KV cache {_g(e.kv_cache)} "
+            f"({e.kv_tokens} tokens at {e.kv_bytes_per_token / 1024:.0f} KiB/token = {seqs} sequences of "
+            f"{plan.seq_len})"
+        )
         if plan.cfg.cluster.placement == "colocated":
             for k, m in enumerate(plan.trainer_memory):
                 train, gen = colocated_phases(m, e)

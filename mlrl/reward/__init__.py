@@ -1,12 +1,13 @@
 """Rewards: the registry (`register_reward`, `get_reward_fn`), `AsyncRewardWrapper` (process pool,
-timeout -> 0.0), and the built-ins `exact_match`, `boxed`, `gsm8k`, `math_verify`.
+timeout -> 0.0), and the built-ins `exact_match`, `boxed`, `gsm8k`, `math_verify` (the last three check
+answers with math-verify; `math_equal` is that check for custom rewards).
 
 Signature of every reward function (AReaL's):
     fn(prompt, completions, prompt_ids, completion_ids, **data) -> float
 """
 
 from mlrl.reward import builtin as _builtin  # noqa: F401  (registers the built-ins)
-from mlrl.reward.builtin import extract_boxed, extract_final_number, parse_number
+from mlrl.reward.builtin import extract_boxed, extract_final_number, final_answer_text, math_equal, parse_number
 from mlrl.reward.registry import RewardFn, get_reward_fn, import_from_string, list_rewards, register_reward, reward_data
 from mlrl.reward.wrapper import (
     GLOBAL_REWARD_STATS,
@@ -25,9 +26,11 @@ __all__ = [
     "default_max_workers",
     "extract_boxed",
     "extract_final_number",
+    "final_answer_text",
     "get_reward_fn",
     "import_from_string",
     "list_rewards",
+    "math_equal",
     "parse_number",
     "register_reward",
     "reward_data",

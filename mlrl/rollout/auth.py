@@ -47,7 +47,9 @@ class TokenMiddleware:
     def __init__(self, app: ASGIApp, token: str | None = None) -> None:
         token = token if token is not None else os.environ.get(TOKEN_ENV, "")
         if not token:
-            raise RuntimeError(f"mlrl.rollout.auth.TokenMiddleware: ${TOKEN_ENV} is empty; refusing to serve without a job token")
+            raise RuntimeError(
+                f"mlrl.rollout.auth.TokenMiddleware: ${TOKEN_ENV} is empty; refusing to serve without a job token"
+            )
         self.app = app
         self._digest = _digest(token)
 

@@ -56,7 +56,9 @@ class Segment:
     text: str = ""
 
 
-def sampling_params(g: GenerationHyperparameters, *, max_tokens: int | None = None, min_tokens: int | None = None) -> dict[str, Any]:
+def sampling_params(
+    g: GenerationHyperparameters, *, max_tokens: int | None = None, min_tokens: int | None = None
+) -> dict[str, Any]:
     """vLLM SamplingParams (JSON) for one request; logprobs=0 returns the sampled token's logprob only."""
     sp: dict[str, Any] = {
         "n": 1,
@@ -71,6 +73,8 @@ def sampling_params(g: GenerationHyperparameters, *, max_tokens: int | None = No
         sp["stop_token_ids"] = list(g.stop_token_ids)
     if g.stop:
         sp["stop"] = list(g.stop)
+    if g.seed is not None:
+        sp["seed"] = int(g.seed)
     return sp
 
 
@@ -94,8 +98,16 @@ SERVER_KEEPALIVE_S = 60  # VLLM_HTTP_TIMEOUT_KEEP_ALIVE set by mlrl.rollout.serv
 class EngineClient:
     """One engine's HTTP API. All methods are coroutines; one instance per engine, shared by all requests."""
 
-    def __init__(self, url: str, token: str, *, timeout_s: float = 600.0, max_connections: int = 256, name: str = "engine",
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        token: str,
+        *,
+        timeout_s: float = 600.0,
+        max_connections: int = 256,
+        name: str = "engine",
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
         self.url = url
         self.name = name
         self._timeout_s = timeout_s
@@ -111,7 +123,9 @@ class EngineClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def _post(self, path: str, *, json: Any = None, params: dict | None = None, timeout: float | None = None) -> Any:
+    async def _post(
+        self, path: str, *, json: Any = None, params: dict | None = None, timeout: float | None = None
+    ) -> Any:
         try:
             r = await self._http.post(path, json=json, params=params,
                                       timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout)
@@ -156,11 +170,21 @@ class EngineClient:
             content = (ch.get("logprobs") or {}).get("content") or []
             logprobs = [float(c["logprob"]) for c in content]
         except (KeyError, IndexError, TypeError) as e:
-            raise EngineUnavailableError(f"{self.name}: malformed /inference/v1/generate answer ({e}): {str(js)[:300]}") from e
+            raise EngineUnavailableError(
+                f"{self.name}: malformed /inference/v1/generate answer ({e}): {str(js)[:300]}"
+            ) from e
         if len(logprobs) != len(tokens):
-            raise EngineUnavailableError(f"{self.name}: {len(tokens)} tokens but {len(logprobs)} logprobs in the answer")
-        return Segment(tokens=tokens, logprobs=logprobs, versions=_versions(ch.get("weight_versions"), len(tokens), default_version),
-                       finish=ch.get("finish_reason") or "stop", stop_reason=ch.get("stop_reason"), text=ch.get("text") or "")
+            raise EngineUnavailableError(
+                f"{self.name}: {len(tokens)} tokens but {len(logprobs)} logprobs in the answer"
+            )
+        return Segment(
+            tokens=tokens,
+            logprobs=logprobs,
+            versions=_versions(ch.get("weight_versions"), len(tokens), default_version),
+            finish=ch.get("finish_reason") or "stop",
+            stop_reason=ch.get("stop_reason"),
+            text=ch.get("text") or "",
+        )
 
     async def agenerate(self, req: ModelRequest, *, default_version: int = 0) -> ModelResponse:
         """One request on this engine alone (no failover, no resume: that is the pool's job).
@@ -173,14 +197,24 @@ class EngineClient:
         except (EngineRequestError, EngineAuthError) as err:
             resp.stop_reason, resp.error = StopReason.ERROR, str(err)
         else:
-            resp.output_tokens, resp.output_logprobs, resp.output_versions, resp.text = seg.tokens, seg.logprobs, seg.versions, seg.text
-            resp.stop_reason = {"length": StopReason.LENGTH, "abort": StopReason.ABORT, "error": StopReason.ERROR}.get(seg.finish, StopReason.STOP)
+            resp.output_tokens, resp.output_logprobs, resp.output_versions, resp.text = (
+                seg.tokens,
+                seg.logprobs,
+                seg.versions,
+                seg.text,
+            )
+            resp.stop_reason = {"length": StopReason.LENGTH, "abort": StopReason.ABORT, "error": StopReason.ERROR}.get(
+                seg.finish, StopReason.STOP
+            )
         resp.latency = time.monotonic() - t0
         return resp
 
     async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """logprob of token i given tokens[:i], for i = 1..len-1 (teacher forcing; raw logits, temperature 1)."""
-        body = {"token_ids": list(token_ids), "sampling_params": {"max_tokens": 1, "prompt_logprobs": 0, "temperature": 0.0}}
+        body = {
+            "token_ids": list(token_ids),
+            "sampling_params": {"max_tokens": 1, "prompt_logprobs": 0, "temperature": 0.0},
+        }
         js = await self._post("/inference/v1/generate", json=body)
         out = []
         for tok, entry in zip(token_ids[1:], (js.get("prompt_logprobs") or [None])[1:]):
@@ -191,7 +225,9 @@ class EngineClient:
             raise EngineUnavailableError(f"{self.name}: expected {len(token_ids) - 1} prompt logprobs, got {len(out)}")
         return out
 
-    async def tokenize_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
+    async def tokenize_chat(
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, **template_kwargs: Any
+    ) -> list[int]:
         body: dict[str, Any] = {"messages": messages, "add_generation_prompt": add_generation_prompt}
         if template_kwargs:
             body["chat_template_kwargs"] = template_kwargs

@@ -111,7 +111,9 @@ class EnginePool:
         if not (Path(model_dir) / "config.json").is_file():
             raise ValueError(f"EnginePool model_dir: {model_dir} is not a Hugging Face model folder (no config.json)")
         if cuda_devices is not None and len(cuda_devices) != cfg.num_engines:
-            raise ValueError(f"cuda_devices lists {len(cuda_devices)} engines, rollout.num_engines is {cfg.num_engines}")
+            raise ValueError(
+                f"cuda_devices lists {len(cuda_devices)} engines, rollout.num_engines is {cfg.num_engines}"
+            )
         self.cfg = cfg
         self.model_dir = str(model_dir)
         self.dtype = dtype
@@ -147,8 +149,10 @@ class EnginePool:
         self._started = True
         for e in self.engines:
             e.server.start()
-        results = await asyncio.gather(*(asyncio.to_thread(e.server.wait_ready, self.cfg.startup_timeout_s) for e in self.engines),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            *(asyncio.to_thread(e.server.wait_ready, self.cfg.startup_timeout_s) for e in self.engines),
+            return_exceptions=True,
+        )
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             await asyncio.gather(*(asyncio.to_thread(e.server.stop) for e in self.engines))
@@ -218,7 +222,11 @@ class EnginePool:
             return await asyncio.wait_for(self._run(req, resp, t0), timeout=self.cfg.request_timeout_s)
         except asyncio.TimeoutError:
             self.stats["timeouts"] += 1
-            return _failed(resp, f"request {req.rid} timed out after {self.cfg.request_timeout_s:.0f} s (rollout.request_timeout_s)", t0)
+            return _failed(
+                resp,
+                f"request {req.rid} timed out after {self.cfg.request_timeout_s:.0f} s (rollout.request_timeout_s)",
+                t0,
+            )
         finally:
             self._user_aborted.discard(req.rid)
 
@@ -235,7 +243,11 @@ class EnginePool:
             try:
                 e = await self._acquire(req)
             except PoolClosedError as err:
-                return _finish(resp, StopReason.INTERRUPT, t0, error=str(err)) if resp.output_len else _failed(resp, str(err), t0)
+                return (
+                    _finish(resp, StopReason.INTERRUPT, t0, error=str(err))
+                    if resp.output_len
+                    else _failed(resp, str(err), t0)
+                )
             if e is None:  # aborted while waiting
                 return _finish(resp, StopReason.ABORT, t0)
             attempt_id = f"{req.rid}-{attempt}"
@@ -282,7 +294,11 @@ class EnginePool:
             req.rid = rid
         engine = next((e for e in self.engines if e.routable), None) or next((e for e in self.engines if e.live), None)
         if engine is None:
-            return _failed(ModelResponse(input_tokens=[], rid=req.rid), "no live engine to apply the chat template", time.monotonic())
+            return _failed(
+                ModelResponse(input_tokens=[], rid=req.rid),
+                "no live engine to apply the chat template",
+                time.monotonic(),
+            )
         try:
             req.input_ids = await engine.client.tokenize_chat(messages, **template_kwargs)
         except (EngineRequestError, EngineUnavailableError) as err:
@@ -356,7 +372,11 @@ class EnginePool:
             e.state = EngineState.DEAD
             self._cond.notify_all()
         self.stats["engine_deaths"] += 1
-        log.error("%s died; in-flight requests are re-issued on the other engines. Log tail:\n%s", e.name, e.server.log_tail(15))
+        log.error(
+            "%s died; in-flight requests are re-issued on the other engines. Log tail:\n%s",
+            e.name,
+            e.server.log_tail(15),
+        )
         if e.restarts < self.max_restarts and not self._closed:
             t = asyncio.create_task(self._restart(e))
             self._tasks.add(t)
@@ -403,8 +423,9 @@ class EnginePool:
     async def _drained(self, timeout_s: float) -> bool:
         async with self._cond:
             try:
-                await asyncio.wait_for(self._cond.wait_for(lambda: all(e.in_flight == 0 for e in self.engines) or self._closed),
-                                       timeout_s)
+                await asyncio.wait_for(
+                    self._cond.wait_for(lambda: all(e.in_flight == 0 for e in self.engines) or self._closed), timeout_s
+                )
                 return True
             except asyncio.TimeoutError:
                 return False
@@ -433,7 +454,8 @@ def _validate(req: ModelRequest) -> str | None:
     if not req.input_ids:
         return "ModelRequest.input_ids is empty (expected the prompt token ids)"
     if g.n_samples != 1:
-        return f"GenerationHyperparameters.n_samples={g.n_samples}: the pool returns one response per call; call agenerate once per sample"
+        return (f"GenerationHyperparameters.n_samples={g.n_samples}: the pool returns one response per call; "
+                "call agenerate once per sample")
     if g.max_new_tokens < 1:
         return f"GenerationHyperparameters.max_new_tokens={g.max_new_tokens}: expected >= 1"
     return None

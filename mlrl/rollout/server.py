@@ -78,13 +78,27 @@ class ServerSpec:
     extra_args: list[str] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
     seed: int = 0
-    command: list[str] | None = None            # replaces the vLLM command ("{host}", "{port}" substituted): tests, custom launchers
+    command: list[str] | None = (
+        None  # replaces the vLLM command ("{host}", "{port}" substituted): tests, custom launchers
+    )
 
     @classmethod
-    def from_config(cls, cfg: RolloutConfig, name: str, model_dir: str | Path, dtype: str, token: str, **kw) -> "ServerSpec":
-        return cls(name=name, model_dir=str(model_dir), dtype=dtype, token=token, host=cfg.host, engine_tp=cfg.engine_tp,
-                   max_model_len=cfg.max_model_len, enforce_eager=cfg.enforce_eager, kv_cache_gb=cfg.cpu_kv_cache_gb,
-                   gpu_memory_utilization=cfg.gpu_memory_utilization, **kw)
+    def from_config(
+        cls, cfg: RolloutConfig, name: str, model_dir: str | Path, dtype: str, token: str, **kw
+    ) -> "ServerSpec":
+        return cls(
+            name=name,
+            model_dir=str(model_dir),
+            dtype=dtype,
+            token=token,
+            host=cfg.host,
+            engine_tp=cfg.engine_tp,
+            max_model_len=cfg.max_model_len,
+            enforce_eager=cfg.enforce_eager,
+            kv_cache_gb=cfg.cpu_kv_cache_gb,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            **kw,
+        )
 
 
 def free_port(host: str) -> int:
@@ -221,7 +235,9 @@ class EngineServer:
     def _fail(self, why: str) -> None:
         tail = self.log_tail()
         self.stop()
-        raise EngineStartError(f"vLLM engine {self.spec.name} ({self.spec.model_dir}): {why}; log {self.log_path}, last lines:\n{tail}")
+        raise EngineStartError(
+            f"vLLM engine {self.spec.name} ({self.spec.model_dir}): {why}; log {self.log_path}, last lines:\n{tail}"
+        )
 
     def log_tail(self, lines: int = 40) -> str:
         try:

@@ -105,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
 
-    child = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_term_with_parent)  # own group: killpg reaches EngineCore + workers
+    child = subprocess.Popen(
+        cmd, start_new_session=True, preexec_fn=_term_with_parent
+    )  # own group: killpg reaches EngineCore + workers
     pgid = child.pid
     tmp = f"{args.pgid_file}.tmp"
     with open(tmp, "w") as f:

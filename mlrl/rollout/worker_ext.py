@@ -11,8 +11,9 @@ Two pieces, both loaded by every mlrl engine (see mlrl.rollout.server):
   torch-only code (mlrl.weight_sync.wire / .receiver): gloo on CPU, NCCL on GPU, safetensors
   on disk, and JSON-encoded CUDA IPC handles.
 - `MlrlWorkerExtension` (`--worker-extension-cls`): small `collective_rpc` methods the
-  framework has no endpoint for: the last update's report (checksums) and the raw-broadcast
-  benchmark.
+  framework has no endpoint for: the last update's report (checksums), and one hook for
+  tools/bench_weight_sync.py's reference measurements (mlrl.weight_sync.bench_reference,
+  imported only when the benchmark calls it).
 
 Applying the weights (the CPU reload problem, ../shared/DESIGN.md): `start_weight_update` opens
 vLLM's layer-wise reload (`initialize_layerwise_reload`), every received bucket goes through
@@ -53,7 +54,7 @@ class MlrlInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class MlrlUpdateInfo(WeightTransferUpdateInfo):
-    mode: str = "broadcast"          # broadcast | disk | cuda_ipc
+    transport: str = "broadcast"     # a name in mlrl.weight_sync.registry.TRANSPORTS; the other fields are its own
     version: int | None = None
     verify: bool = True
     session: str | None = None       # broadcast: the joined session
@@ -122,9 +123,7 @@ class MlrlWeightTransferEngine(WeightTransferEngine[MlrlInitInfo, MlrlUpdateInfo
         try:
             rep = self.receiver.receive(asdict(update_info), apply)
         except BaseException:
-            self._update = None
-            if update_info.mode == "broadcast":
-                self.receiver.close()  # the group is unusable after a failed stream: the driver re-joins
+            self._update = None  # (a failed broadcast stream also left the group: the driver re-joins)
             # close the layer-wise session so the retry's initialize starts clean (layers that were only
             # partly loaded would otherwise keep their buffered state); the weights are now a mix, which
             # the driver knows: it retries a full update or stops the run
@@ -137,7 +136,7 @@ class MlrlWeightTransferEngine(WeightTransferEngine[MlrlInitInfo, MlrlUpdateInfo
             raise
         self._update["streams"] += rep["streams"]
         self._update["recv_s"] += rep["seconds"]
-        self._update["mode"], self._update["version"] = rep["mode"], rep["version"]
+        self._update["transport"], self._update["version"] = rep["transport"], rep["version"]
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -150,7 +149,8 @@ class MlrlWeightTransferEngine(WeightTransferEngine[MlrlInitInfo, MlrlUpdateInfo
         refreshed = refresh_embedding_kernels(self.model)
         now = time.perf_counter()
         self.last_report = {
-            "worker": self._worker_index(), "mode": u.get("mode"), "version": u.get("version"), "streams": u["streams"],
+            "worker": self._worker_index(), "transport": u.get("transport"), "version": u.get("version"),
+            "streams": u["streams"],
             "missing": sorted(u["expected"] - u["loaded"]), "refreshed": refreshed,
             "receive_s": u["recv_s"], "finalize_s": now - t1, "total_s": now - u["t0"],
         }
@@ -178,10 +178,9 @@ class MlrlWorkerExtension:
         """Report of the last finished update on this worker (JSON)."""
         return dict(self._mlrl_engine().last_report)
 
-    def mlrl_receive_discard(self, info_json: str) -> dict[str, Any]:
-        """Benchmark: receive and verify a broadcast stream without loading it (the model is untouched)."""
-        return self._mlrl_engine().receiver.receive_discard(json.loads(info_json))
+    def mlrl_bench_reference(self, call_json: str) -> dict[str, Any]:
+        """Benchmark only (tools/bench_weight_sync.py): this worker's side of a reference measurement
+        on its joined group, see mlrl.weight_sync.bench_reference.on_worker."""
+        from mlrl.weight_sync import bench_reference
 
-    def mlrl_raw_receive(self, sizes_json: str) -> dict[str, Any]:
-        """Benchmark: receive raw byte buffers of the given sizes over the joined group (nothing applied)."""
-        return self._mlrl_engine().receiver.receive_raw([int(s) for s in json.loads(sizes_json)])
+        return bench_reference.on_worker(self._mlrl_engine().receiver, json.loads(call_json))

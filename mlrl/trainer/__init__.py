@@ -1,19 +1,13 @@
-"""The Megatron-Core trainer (the only package that imports megatron).
+"""The Megatron-Core trainer (the only package that imports megatron), in two halves named for
+the process they run in:
 
-Rank side: `init_parallel` and `MegatronPolicy` (mlrl.trainer.policy), built on
-`cpu_compat` (CUDA-less machines), `model` (GPTModel build), `weights` (HF load / export),
-`inputs` (packed micro-batches), `logprobs`. Driver side: `group` / `remote` / `service`.
-Attributes are imported lazily so that the driver can import this package without megatron.
+- `mlrl.trainer.driver` (the driver process; imports no megatron): `group.TrainerGroup` starts
+  the ranks (torchrun, or Ray node agents) and calls them; `client.TrainerClient` /
+  `CriticClient` / `MegatronWeightSource` are the typed clients the loop and the weight sync hold.
+- `mlrl.trainer.rank` (each Megatron rank, `python -m mlrl.trainer.rank.service`): the
+  `TrainerService` the driver calls, `MegatronPolicy` / `MegatronCritic`, built on `cpu_compat`
+  (CUDA-less machines), `model` (GPTModel build), `parallel`, `weights` (HF load / export),
+  `inputs` (packed micro-batches), `logprobs`, `checkpointing` (megatron-core dist-checkpoint
+  calls behind small functions), `conversion` (HF <-> Megatron checkpoints for tools/).
+- `mlrl.trainer.rpc`: the wire between the two.
 """
-
-from typing import Any
-
-__all__ = ["MegatronPolicy", "init_parallel"]
-
-
-def __getattr__(name: str) -> Any:
-    if name in __all__:
-        from mlrl.trainer import policy
-
-        return getattr(policy, name)
-    raise AttributeError(name)

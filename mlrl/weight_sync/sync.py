@@ -1,7 +1,10 @@
 """`WeightSync.sync(version) -> SyncReport`: one verified weight update of every live engine.
 
 The loop calls only `await weight_sync.sync(version)`; the transport (broadcast / disk / CUDA
-IPC, see mlrl.weight_sync.transports) is chosen once by `make_weight_sync(cfg, pool, source)`.
+IPC, see mlrl.weight_sync.transports) is chosen once by `mlrl.weight_sync.registry.make_weight_sync`.
+This module is the transport-independent half: the `WeightSync` base class (pause, verify, canary,
+retry, commit), its report and the facts it is built from (`SyncSetup`). The pool and its engines
+are seen only through the Protocols of mlrl.interfaces (`RolloutPool`, `EngineHandle`).
 
 Order of one sync (the same for every transport):
     pool.pause()            in-flight requests finish first or are interrupted (rollout.interrupt_on_update);
@@ -28,14 +31,11 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 from mlrl.config.schema import WeightSyncConfig
-from mlrl.weight_sync.sender import SendReport
-from mlrl.weight_sync.source import WeightSource
-
-if TYPE_CHECKING:  # the pool is only driven through its public methods; no import cycle at run time
-    from mlrl.rollout.pool import EngineHandle, EnginePool
+from mlrl.interfaces import EngineHandle, RolloutPool
+from mlrl.weight_sync.source import SendReport, WeightSource
 
 log = logging.getLogger(__name__)
 CANARY_PROMPT, CANARY_COMPLETION = 8, 16
@@ -86,14 +86,30 @@ class SyncReport(Mapping):
         return len(self.metrics())
 
 
+@dataclass(frozen=True)
+class SyncSetup:
+    """What a weight sync needs to know about the engines besides the pool (given by the caller,
+    e.g. mlrl.run from the config and the placement)."""
+
+    model_dir: str | Path          # the engines' HF model folder: vocab_size for the canary prompt
+    engine_tp: int = 1             # workers per engine (broadcast: receivers per engine)
+    host: str = "127.0.0.1"        # address trainer ranks and engine workers reach this driver at (broadcast store)
+    run_dir: str | Path | None = None  # disk: shards go to <run_dir>/weight_sync unless weight_sync.disk_dir is set
+    backend: str | None = None     # broadcast: "gloo" / "nccl" (None: NCCL if this machine has CUDA, else gloo)
+
+
 def canary_tokens(vocab_size: int) -> tuple[list[int], list[int]]:
     """A fixed, model-independent token sequence spread over the vocabulary (prompt, completion)."""
     ids = [(11 + 7919 * i) % vocab_size for i in range(CANARY_PROMPT + CANARY_COMPLETION)]
     return ids[:CANARY_PROMPT], ids[CANARY_PROMPT:]
 
 
-def verify_reports(senders: Sequence[SendReport], engines: Sequence["EngineHandle"], reports: Sequence[list[dict[str, Any]]],
-                   version: int) -> tuple[int, int, float]:
+def verify_reports(
+    senders: Sequence[SendReport],
+    engines: Sequence[EngineHandle],
+    reports: Sequence[list[dict[str, Any]]],
+    version: int,
+) -> tuple[int, int, float]:
     """Raise _Mismatch unless every worker of every engine received exactly what each sender sent.
     Returns (tensors, bytes, max finalize seconds)."""
     by_sender = {r.sender: r for r in senders}
@@ -103,27 +119,40 @@ def verify_reports(senders: Sequence[SendReport], engines: Sequence["EngineHandl
             raise _Mismatch(f"{e.name}: no weight report from its workers")
         for w in workers:
             if not isinstance(w, dict) or w.get("version") != version:
-                raise _Mismatch(f"{e.name}: worker report is for version {w.get('version') if isinstance(w, dict) else w!r}, expected {version}")
+                raise _Mismatch(
+                    f"{e.name}: worker report is for version {w.get('version') if isinstance(w, dict) else w!r}, "
+                    f"expected {version}"
+                )
             if w.get("missing"):
-                raise _Mismatch(f"{e.name} worker {w.get('worker')}: {len(w['missing'])} parameters received no tensor, e.g. {w['missing'][:5]}")
+                raise _Mismatch(
+                    f"{e.name} worker {w.get('worker')}: {len(w['missing'])} parameters received no tensor, e.g. "
+                    f"{w['missing'][:5]}"
+                )
             streams = {s["sender"]: s for s in w.get("streams", [])}
             if set(streams) != set(by_sender):
-                raise _Mismatch(f"{e.name} worker {w.get('worker')}: streams from senders {sorted(streams)}, expected {sorted(by_sender)}")
+                raise _Mismatch(
+                    f"{e.name} worker {w.get('worker')}: streams from senders {sorted(streams)}, expected "
+                    f"{sorted(by_sender)}"
+                )
             for s, sent in by_sender.items():
                 got = streams[s]
                 if (got["tensors"], got["bytes"], got["digest"]) != (sent.tensors, sent.bytes, sent.digest):
-                    raise _Mismatch(f"{e.name} worker {w.get('worker')}: from sender {s} received {got['tensors']} tensors / "
-                                    f"{got['bytes']} bytes / digest {got['digest'][:12]}, sent {sent.tensors} / {sent.bytes} / {sent.digest[:12]}")
+                    raise _Mismatch(
+                        f"{e.name} worker {w.get('worker')}: from sender {s} received {got['tensors']} tensors / "
+                        f"{got['bytes']} bytes / digest {got['digest'][:12]}, sent {sent.tensors} / {sent.bytes} / "
+                        f"{sent.digest[:12]}"
+                    )
             apply_s = max(apply_s, float(w.get("finalize_s", 0.0)))
     return sum(r.tensors for r in senders), sum(r.bytes for r in senders), apply_s
 
 
 class WeightSync(abc.ABC):
-    """Pushes the trainer's weights into every live engine of the pool, verified. Subclasses implement `_transfer`."""
+    """Pushes the trainer's weights into every live engine of the pool, verified. Subclasses
+    (mlrl.weight_sync.transports) implement `_transfer`; all take `(cfg, pool, source, setup)`."""
 
     transport: str = ""
 
-    def __init__(self, cfg: WeightSyncConfig, pool: "EnginePool", source: WeightSource) -> None:
+    def __init__(self, cfg: WeightSyncConfig, pool: RolloutPool, source: WeightSource, setup: SyncSetup) -> None:
         if cfg.bucket_mb <= 0:
             raise ValueError(f"weight_sync.bucket_mb must be > 0, got {cfg.bucket_mb}")
         self.cfg = cfg
@@ -131,23 +160,31 @@ class WeightSync(abc.ABC):
         self.source = source
         self.bucket_bytes = int(cfg.bucket_mb * (1 << 20))
         self._lock = asyncio.Lock()
-        cfg_json = json.loads((Path(pool.model_dir) / "config.json").read_text())
+        self.setup = setup
+        cfg_json = json.loads((Path(setup.model_dir) / "config.json").read_text())
         vocab = int(cfg_json.get("vocab_size") or cfg_json.get("text_config", {}).get("vocab_size", 0))
         if vocab <= 0:
-            raise ValueError(f"{pool.model_dir}/config.json has no vocab_size (needed for the canary prompt)")
+            raise ValueError(f"{setup.model_dir}/config.json has no vocab_size (needed for the canary prompt)")
         self.canary = canary_tokens(vocab)
         self.history: list[SyncReport] = []
 
     @abc.abstractmethod
-    async def _transfer(self, version: int, engines: list["EngineHandle"]) -> tuple[list[SendReport], list[list[dict[str, Any]]]]:
+    async def _transfer(
+        self, version: int, engines: Sequence[EngineHandle]
+    ) -> tuple[list[SendReport], list[list[dict[str, Any]]]]:
         """Move the weights into `engines` and finish the update with `version` (paused engines);
         return the senders' reports and each engine's per-worker reports."""
 
-    async def _after_failure(self) -> None:
+    async def _after_failure(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Reset transport state after a failed attempt (e.g. tear down a broadcast group)."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Release transport resources (groups, files kept for restarts)."""
+
+    async def refresh(self) -> None:
+        """A full sync to the pool's current version: the pool's `refresher` hook (wired by the caller,
+        e.g. mlrl.run), so that an engine restarted after a crash serves the current weights again."""
+        await self.sync(self.pool.version)
 
     async def sync(self, version: int) -> SyncReport:
         async with self._lock:
@@ -167,17 +204,21 @@ class WeightSync(abc.ABC):
                     last = err
                     log.warning("weight sync v%d attempt %d failed: %s", version, attempt, err)
                     await self._after_failure()
-                    await asyncio.gather(*(e.client.pause("wait") for e in self.pool.live_engines()), return_exceptions=True)
+                    await asyncio.gather(
+                        *(e.client.pause("wait") for e in self.pool.live_engines()), return_exceptions=True
+                    )
             else:
-                raise WeightSyncError(f"weight sync to version {version} ({self.transport}) failed twice; engines left paused. "
-                                      f"Last error: {type(last).__name__}: {last}") from last
+                raise WeightSyncError(
+                    f"weight sync to version {version} ({self.transport}) failed twice; engines left paused. "
+                    f"Last error: {type(last).__name__}: {last}"
+                ) from last
             self.pool.commit_version(version, engines)
             await self.pool.resume()
             rep.seconds = time.perf_counter() - t0
             self.history.append(rep)
             return rep
 
-    async def _attempt(self, version: int, engines: list["EngineHandle"], rep: SyncReport) -> None:
+    async def _attempt(self, version: int, engines: Sequence[EngineHandle], rep: SyncReport) -> None:
         t = time.perf_counter()
         senders, reports = await self._transfer(version, engines)
         rep.transfer_s = time.perf_counter() - t
@@ -186,7 +227,10 @@ class WeightSync(abc.ABC):
         rep.tensors, rep.bytes, rep.engine_apply_s = verify_reports(senders, engines, reports, version)
         ok = await asyncio.gather(*(e.client.reset_prefix_cache() for e in engines))
         if not all(ok):
-            raise _Mismatch(f"prefix cache reset refused by {[e.name for e, k in zip(engines, ok) if not k]} (requests still hold blocks)")
+            raise _Mismatch(
+                f"prefix cache reset refused by {[e.name for e, k in zip(engines, ok) if not k]} (requests still "
+                "hold blocks)"
+            )
         await asyncio.gather(*(e.client.resume() for e in engines))  # the pool stays closed: only the canary runs
         if self.cfg.canary_tolerance > 0:
             rep.canary_max_abs_diff = await self._canary(engines)
@@ -197,7 +241,7 @@ class WeightSync(abc.ABC):
         rep.sender_reports, rep.engine_reports = senders, [w for ws in reports for w in ws]
         rep.verify_s = time.perf_counter() - t
 
-    async def _canary(self, engines: list["EngineHandle"]) -> float:
+    async def _canary(self, engines: Sequence[EngineHandle]) -> float:
         prompt, completion = self.canary
         want = await asyncio.to_thread(self.source.canary_logprobs, prompt, completion)
         if len(want) != len(completion):
@@ -205,25 +249,3 @@ class WeightSync(abc.ABC):
         got = await asyncio.gather(*(e.client.prompt_logprobs(prompt + completion) for e in engines))
         return max(abs(a - b) for g in got for a, b in zip(g[-len(completion):], want))
 
-
-def make_weight_sync(cfg: WeightSyncConfig, pool: "EnginePool", source: WeightSource, *, run_dir: str | Path | None = None,
-                     store_host: str | None = None, backend: str | None = None) -> WeightSync:
-    """The configured transport. Installs itself as the pool's refresher: an engine restarted after a
-    crash is brought to the pool's current version by a full sync before it serves again."""
-    from mlrl.weight_sync.transports import BroadcastWeightSync, CudaIpcWeightSync, DiskWeightSync
-
-    if cfg.transport == "broadcast":
-        ws: WeightSync = BroadcastWeightSync(cfg, pool, source, store_host=store_host, backend=backend)
-    elif cfg.transport == "disk":
-        root = Path(cfg.disk_dir) if cfg.disk_dir else Path(run_dir or pool.run_dir) / "weight_sync"
-        ws = DiskWeightSync(cfg, pool, source, root=root)
-    elif cfg.transport == "cuda_ipc":
-        ws = CudaIpcWeightSync(cfg, pool, source)
-    else:
-        raise ValueError(f"weight_sync.transport: unknown {cfg.transport!r} (expected broadcast, disk or cuda_ipc)")
-
-    async def refresh() -> None:
-        await ws.sync(pool.version)
-
-    pool.refresher = refresh
-    return ws

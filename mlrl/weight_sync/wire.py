@@ -47,7 +47,7 @@ import threading
 import time
 import zlib
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.distributed import BroadcastOptions, PrefixStore, TCPStore
@@ -284,7 +284,11 @@ class Channel:
                 numel = 1
                 for d in m["shape"]:
                     numel *= int(d)
-                bufs.append(torch.empty(numel * torch.empty((), dtype=dtype).element_size(), dtype=torch.uint8, device=self.device))
+                bufs.append(
+                    torch.empty(
+                        numel * torch.empty((), dtype=dtype).element_size(), dtype=torch.uint8, device=self.device
+                    )
+                )
             got: list[str] = []
             for i, b in enumerate(bufs + [None]):
                 work = self._bcast_async(b) if b is not None and b.numel() else None
@@ -307,16 +311,6 @@ class Channel:
                 digest.add(m["name"], check, b.numel())
                 bucket.append((m["name"], b.view(dtype_from_name(m["dtype"])).reshape([int(d) for d in m["shape"]])))
             yield bucket
-
-    # raw (benchmark reference: the same bytes, no protocol) -----------------
-
-    def raw_broadcast(self, sizes: Iterable[int], src: torch.Tensor | None = None) -> int:
-        total = 0
-        for n in sizes:
-            buf = src[:n] if src is not None else torch.empty(n, dtype=torch.uint8, device=self.device)
-            self._bcast(buf)
-            total += n
-        return total
 
     def close(self) -> None:
         pg, self.pg = self.pg, None
@@ -345,7 +339,9 @@ def join_as_receiver(spec: GroupSpec, receiver: int, device: torch.device | None
     return [Channel(_new_group(spec, store, s, 1 + receiver), dev, store) for s in range(spec.num_senders)]
 
 
-def receive_all(channels: list[Channel], apply: Callable[[NamedTensors], Any], verify: bool = True) -> list[dict[str, Any]]:
+def receive_all(
+    channels: list[Channel], apply: Callable[[NamedTensors], Any], verify: bool = True
+) -> list[dict[str, Any]]:
     """Drain every sender's stream in order, calling `apply(bucket)` on THIS thread (vLLM's loader
     needs the caller's context) while a background thread already receives the next bucket.
     One summary per sender. Any error stops both sides and is raised here."""

@@ -27,6 +27,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from mlrl import types as _types
+from mlrl.data.tokenizer import (  # re-exported: AReaL's names, users import them from here
+    apply_chat_template,
+    load_hf_tokenizer,
+)
 from mlrl.types import GenerationHyperparameters, ModelResponse, Sample, StopReason, TerminationReason
 
 if "tokenizer" in {f.name for f in dataclasses.fields(_types.ModelRequest)}:
@@ -87,37 +91,6 @@ class RolloutWorkflow(ABC):
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> Any:
         """Run one episode on `data` (a dataset row) and return its trainable result, or None to reject it."""
         raise NotImplementedError
-
-
-def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], *, tokenize: bool = True, **kwargs: Any) -> Any:
-    """`tokenizer.apply_chat_template` returning `list[int]` when tokenizing (transformers >= 5
-    returns a BatchEncoding by default). Same helper as `areal.utils.hf_utils.apply_chat_template`."""
-    if tokenize:
-        kwargs.setdefault("return_dict", False)
-    out = tokenizer.apply_chat_template(messages, tokenize=tokenize, **kwargs)
-    if tokenize and not isinstance(out, list):
-        out = out["input_ids"]
-    if tokenize and out and isinstance(out[0], list):  # batched by mistake
-        raise ValueError("apply_chat_template: expected one conversation (a list of message dicts)")
-    return list(out) if tokenize else out
-
-
-_TOKENIZERS: dict[str, Any] = {}
-
-
-def load_hf_tokenizer(path_or_spec: str) -> Any:
-    """The HF tokenizer of a model folder or `builtin:<name>` (cached per process; pad = eos if unset)."""
-    from mlrl.modelzoo import resolve_model_dir
-
-    key = str(path_or_spec)
-    if key not in _TOKENIZERS:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(str(resolve_model_dir(key)))
-        if tok.pad_token_id is None:
-            tok.pad_token_id = tok.eos_token_id
-        _TOKENIZERS[key] = tok
-    return _TOKENIZERS[key]
 
 
 def gconfig_from_sampling(sampling: Any) -> GenerationHyperparameters:

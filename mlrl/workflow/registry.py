@@ -54,7 +54,7 @@ def list_workflows() -> list[str]:
 
 def _ensure_builtins() -> None:
     # The built-ins register themselves on import; importing them lazily keeps `import mlrl.workflow` light.
-    from mlrl.workflow import agent, multi_turn, rlvr  # noqa: F401
+    from mlrl.workflow.builtin import agent, multi_turn, rlvr  # noqa: F401
 
 
 def get_workflow(name_or_path: str) -> Any:
@@ -120,7 +120,7 @@ def build_workflow(
             raise ValueError(f"workflow.kwargs given for an already-built workflow instance {_qual(type(obj))}")
         return obj
     if _is_agent(obj):
-        from mlrl.workflow.agent import OpenAIAgentWorkflow
+        from mlrl.workflow.builtin.agent import OpenAIAgentWorkflow
 
         agent_kwargs = kwargs.pop("agent_kwargs", {})
         agent = obj(**agent_kwargs) if inspect.isclass(obj) else obj
@@ -128,7 +128,9 @@ def build_workflow(
     if callable(obj) and not inspect.isclass(obj):  # a registered factory function
         built = _construct(spec, obj, context, kwargs)
         if not hasattr(built, "arun_episode"):
-            raise ValueError(f"workflow factory {_qual(obj)} returned {type(built).__name__}, which has no arun_episode")
+            raise ValueError(
+                f"workflow factory {_qual(obj)} returned {type(built).__name__}, which has no arun_episode"
+            )
         return built
     raise ValueError(
         f"workflow {spec!r} resolves to {_qual(obj)}, which is neither a RolloutWorkflow (arun_episode), "

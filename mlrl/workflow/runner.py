@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
+import hashlib
+import json
 import logging
 import math
 import time
@@ -100,14 +103,28 @@ class BatchResult(list):
         return [s for g in self for s in g.samples]
 
 
-class _RecordingEngine:
-    """Passes everything through to the engine and remembers the responses of one episode."""
+def derive_seed(*parts: Any) -> int:
+    """A 63-bit seed that is a pure function of `parts` (their JSON form): the same episode of the
+    same step gets the same seed in every run, whatever the batching or timing."""
+    blob = json.dumps(parts, sort_keys=True, default=str).encode()
+    return int.from_bytes(hashlib.sha256(blob).digest()[:8], "big") >> 1
 
-    def __init__(self, engine: Any):
+
+class _RecordingEngine:
+    """Passes everything through to the engine and remembers the responses of one episode.
+
+    With `seed` (rollout.sampling.seed), the k-th request of the episode is sent with the
+    per-request seed derive_seed(seed, k): vLLM then samples it with its own RNG, so its tokens
+    do not depend on which other requests shared the batch (reproducible runs)."""
+
+    def __init__(self, engine: Any, seed: int | None = None):
         self._engine = engine
+        self._seed = seed
         self.responses: list[ModelResponse] = []
 
     async def agenerate(self, req: Any) -> ModelResponse:
+        if self._seed is not None:
+            req = dataclasses.replace(req, gconfig=req.gconfig.new(seed=derive_seed(self._seed, len(self.responses))))
         resp = await self._engine.agenerate(req)
         self.responses.append(resp)
         return resp
@@ -128,9 +145,13 @@ class EpisodeRunner:
         episode_timeout_s: float = 300.0,
         metric_prefix: str = "",
         max_logged_errors: int = 5,
+        seed: int | None = None,
     ):
         if not hasattr(workflow, "arun_episode"):
-            raise TypeError(f"EpisodeRunner: {type(workflow).__name__} has no arun_episode (build it with mlrl.workflow.build_workflow)")
+            raise TypeError(
+                f"EpisodeRunner: {type(workflow).__name__} has no arun_episode (build it with "
+                "mlrl.workflow.build_workflow)"
+            )
         if max_concurrency < 1:
             raise ValueError(f"EpisodeRunner: max_concurrency must be >= 1, got {max_concurrency}")
         self.workflow = workflow
@@ -138,6 +159,9 @@ class EpisodeRunner:
         self.max_concurrency = max_concurrency
         self.episode_timeout_s = episode_timeout_s
         self.metric_prefix = metric_prefix
+        self.seed = (
+            seed  # per-request sampling seeds derived from (seed, weight version, row, episode index); None = off
+        )
         self._sem = asyncio.Semaphore(max_concurrency)
         self._errors_logged = 0
         self._max_logged_errors = max_logged_errors
@@ -145,7 +169,8 @@ class EpisodeRunner:
 
     @classmethod
     def from_config(cls, cfg: Any, workflow: Any, engine: Any, **kw: Any) -> "EpisodeRunner":
-        """From `mlrl.config.schema.WorkflowConfig` (max_concurrency, episode_timeout_s)."""
+        """From `mlrl.config.schema.WorkflowConfig` (max_concurrency, episode_timeout_s); `seed`
+        (rollout.sampling.seed) may come in `kw`."""
         return cls(workflow, engine, max_concurrency=cfg.max_concurrency, episode_timeout_s=cfg.episode_timeout_s, **kw)
 
     # --- public API ----------------------------------------------------------------------------
@@ -195,10 +220,15 @@ class EpisodeRunner:
             await close()
 
     # --- internals -----------------------------------------------------------------------------
-    async def _run(self, data: dict[str, Any], gid: str, index: int, n: int, group_call: bool = False) -> list[EpisodeResult]:
+    async def _run(
+        self, data: dict[str, Any], gid: str, index: int, n: int, group_call: bool = False
+    ) -> list[EpisodeResult]:
         """One workflow call: one episode, or the n episodes of a `group_native` workflow's arun_group."""
         async with self._sem:
-            engine = _RecordingEngine(self.engine)
+            seed = None
+            if self.seed is not None:
+                seed = derive_seed(self.seed, getattr(self.engine, "version", 0), data, index)
+            engine = _RecordingEngine(self.engine, seed)
             t0 = time.monotonic()
             row = copy.deepcopy(data)
             with collect_reward_stats() as stats:
@@ -216,16 +246,26 @@ class EpisodeRunner:
                     else:
                         result = await coro
                 except TimeoutError:
-                    results = [EpisodeResult(EpisodeStatus.TIMEOUT, termination_reason=TerminationReason.TIMEOUT,
-                                             info={"timeout_s": self.episode_timeout_s}) for _ in range(n)]
+                    results = [
+                        EpisodeResult(
+                            EpisodeStatus.TIMEOUT,
+                            termination_reason=TerminationReason.TIMEOUT,
+                            info={"timeout_s": self.episode_timeout_s},
+                        )
+                        for _ in range(n)
+                    ]
                 except _InnerTimeout as e:
-                    results = [self._error_result("TimeoutError", "a timeout inside the workflow", e.tb) for _ in range(n)]
+                    results = [
+                        self._error_result("TimeoutError", "a timeout inside the workflow", e.tb) for _ in range(n)
+                    ]
                 except asyncio.CancelledError:
                     raise
                 except Exception as e:
                     results = [self._error_result(type(e).__name__, str(e), traceback.format_exc()) for _ in range(n)]
                 else:
-                    grouped = group_call and isinstance(result, list) and all(isinstance(r, EpisodeOutput) for r in result)
+                    grouped = (
+                        group_call and isinstance(result, list) and all(isinstance(r, EpisodeOutput) for r in result)
+                    )
                     outputs = result if grouped else [result]
                     results = [self._convert(o, engine.responses) for o in outputs]
             dt = time.monotonic() - t0
@@ -246,7 +286,9 @@ class EpisodeRunner:
             samples = list(result.samples) if status == EpisodeStatus.COMPLETED else []
             if status == EpisodeStatus.COMPLETED and not samples:
                 status = EpisodeStatus.REJECTED
-            return EpisodeResult(status, samples, result.termination_reason, result.is_correct, dict(result.metrics), dict(result.info))
+            return EpisodeResult(
+                status, samples, result.termination_reason, result.is_correct, dict(result.metrics), dict(result.info)
+            )
         failed = [r for r in responses if r.stop_reason in (StopReason.ERROR, StopReason.ABORT)]
         if failed:
             msg = f"engine request {failed[0].rid} ended with {failed[0].stop_reason.value}: {failed[0].error}"
@@ -260,8 +302,14 @@ class EpisodeRunner:
     def _log_error(self, gid: str, index: int, err: dict[str, Any]) -> None:
         if self._errors_logged < self._max_logged_errors:
             self._errors_logged += 1
-            logger.warning("episode %s/%d failed: %s: %s\n%s", gid, index, err.get("error_type"), err.get("error_message"),
-                           err.get("traceback", ""))
+            logger.warning(
+                "episode %s/%d failed: %s: %s\n%s",
+                gid,
+                index,
+                err.get("error_type"),
+                err.get("error_message"),
+                err.get("traceback", ""),
+            )
 
 
 class _InnerTimeout(Exception):
@@ -275,7 +323,9 @@ class _InnerTimeout(Exception):
 def _mark_truncated(samples: list[Sample], responses: list[ModelResponse]) -> None:
     cut = [r.output_tokens for r in responses if r.stop_reason == StopReason.LENGTH and r.output_tokens]
     for s in samples:
-        if s.status == SampleStatus.COMPLETED and any(len(o) <= len(s.tokens) and s.tokens[-len(o):] == list(o) for o in cut):
+        if s.status == SampleStatus.COMPLETED and any(
+            len(o) <= len(s.tokens) and s.tokens[-len(o) :] == list(o) for o in cut
+        ):
             s.status = SampleStatus.TRUNCATED
 
 

@@ -110,13 +110,15 @@ def _dict_to_samples(d: dict[str, Any]) -> list[Sample]:
     for i, toks in enumerate(tokens):
         keep = fields["attention_mask"][i] if fields["attention_mask"] is not None else [1] * len(toks)
 
-        def sel(name: str, default: Any) -> list[Any] | None:
+        def sel(name: str, default: Any, i: int = i, toks: list = toks, keep: list = keep) -> list[Any] | None:
             rows = fields[name]
             if rows is None:
                 return None
             row = rows[i]
             if len(row) != len(toks):
-                raise WorkflowResultError(f"workflow result: {name} has length {len(row)}, input_ids {len(toks)} (row {i})")
+                raise WorkflowResultError(
+                    f"workflow result: {name} has length {len(row)}, input_ids {len(toks)} (row {i})"
+                )
             return [x for x, k in zip(row, keep) if k]
 
         t = [int(x) for x, k in zip(toks, keep) if k]

@@ -35,10 +35,23 @@ def cluster():
 @pytest.mark.parametrize("placement", ["disaggregated", "colocated"])
 def test_two_node_gpu_run(cluster, tmp_path, placement):
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "mlrl.launch", "--nodes", "2", "cluster.gpus_per_node=1", f"cluster.placement={placement}",
-           f"cluster.ray_address={cluster.address}", "rollout.num_engines=1" if placement == "disaggregated" else "rollout.num_engines=2",
-           "rollout.gpu_memory_utilization=0.3", "trainer.total_steps=2", "trainer.prompts_per_step=4",
-           "trainer.samples_per_prompt=4", "logging.progress_bar=false", f"logging.run_dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlrl.launch",
+        "--nodes",
+        "2",
+        "cluster.gpus_per_node=1",
+        f"cluster.placement={placement}",
+        f"cluster.ray_address={cluster.address}",
+        "rollout.num_engines=1" if placement == "disaggregated" else "rollout.num_engines=2",
+        "rollout.gpu_memory_utilization=0.3",
+        "trainer.total_steps=2",
+        "trainer.prompts_per_step=4",
+        "trainer.samples_per_prompt=4",
+        "logging.progress_bar=false",
+        f"logging.run_dir={run_dir}",
+    ]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500, env=dict(os.environ))
     assert out.returncode == 0, f"{out.stdout[-3000:]}\n{out.stderr[-8000:]}"
     place = json.loads((run_dir / "placement.json").read_text())

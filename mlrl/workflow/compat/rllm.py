@@ -40,7 +40,15 @@ from typing import Any
 
 from mlrl import types as _types
 from mlrl.reward import import_from_string
-from mlrl.types import Episode, GenerationHyperparameters, Sample, SampleStatus, StopReason, TerminationReason, Trajectory
+from mlrl.types import (
+    Episode,
+    GenerationHyperparameters,
+    Sample,
+    SampleStatus,
+    StopReason,
+    TerminationReason,
+    Trajectory,
+)
 from mlrl.workflow.api import EpisodeOutput, EpisodeStatus, ModelRequest, RolloutWorkflow, apply_chat_template
 
 
@@ -100,9 +108,12 @@ class Step(_types.Step):
             raise ValueError(f"Step: {len(self.response_ids)} response_ids but {len(self.logprobs)} logprobs")
 
     @classmethod
-    def from_model_output(cls, model_output: ModelOutput, messages: list[dict] | None = None, action: Any = None) -> "Step":
+    def from_model_output(
+        cls, model_output: ModelOutput, messages: list[dict] | None = None, action: Any = None
+    ) -> "Step":
         return cls(
-            chat_completions=(messages or []) + [{"role": "assistant", "content": model_output.content, "reasoning": model_output.reasoning}],
+            chat_completions=(messages or [])
+            + [{"role": "assistant", "content": model_output.content, "reasoning": model_output.reasoning}],
             thought=model_output.reasoning or "",
             action=action,
             model_response=model_output.content or "",
@@ -224,11 +235,17 @@ class MlrlRolloutEngine(RolloutEngine):
             reasoning, content = "", text
         versions = list(resp.output_versions)
         out = ModelOutput(
-            text=text, content=content.strip() if sep else content, reasoning=reasoning.replace("<think>", "").strip(),
-            prompt_ids=list(resp.input_tokens), completion_ids=list(resp.output_tokens), logprobs=list(resp.output_logprobs),
-            prompt_length=resp.input_len, completion_length=resp.output_len,
+            text=text,
+            content=content.strip() if sep else content,
+            reasoning=reasoning.replace("<think>", "").strip(),
+            prompt_ids=list(resp.input_tokens),
+            completion_ids=list(resp.output_tokens),
+            logprobs=list(resp.output_logprobs),
+            prompt_length=resp.input_len,
+            completion_length=resp.output_len,
             finish_reason="length" if resp.stop_reason == StopReason.LENGTH else "stop",
-            weight_version=min(versions) if versions else None, versions=versions,
+            weight_version=min(versions) if versions else None,
+            versions=versions,
         )
         self.calls.append((copy.deepcopy(messages), out))
         return out
@@ -380,7 +397,9 @@ class TimingTrackingMixin:
         finally:
             self._timing["env_time"] += time.monotonic() - t
 
-    def postprocess_episode(self, episode: Episode, termination_reason: Any = None, error: dict | None = None) -> Episode:
+    def postprocess_episode(
+        self, episode: Episode, termination_reason: Any = None, error: dict | None = None
+    ) -> Episode:
         episode = super().postprocess_episode(episode, termination_reason, error)
         episode.info["timing"] = dict(self._timing)
         return episode
@@ -426,7 +445,9 @@ class MultiTurnWorkflow(TimingTrackingMixin, Workflow):
 class SingleTurnWorkflow(MultiTurnWorkflow):
     """One model call, one environment step."""
 
-    def __init__(self, agent_cls: Any, env_cls: Any, agent_args: dict | None = None, env_args: dict | None = None, **kwargs: Any):
+    def __init__(
+        self, agent_cls: Any, env_cls: Any, agent_args: dict | None = None, env_args: dict | None = None, **kwargs: Any
+    ):
         super().__init__(agent_cls, env_cls, agent_args, env_args, max_steps=1, **kwargs)
 
 
@@ -434,8 +455,16 @@ class SingleTurnWorkflow(MultiTurnWorkflow):
 class RLLMWorkflowAdapter(RolloutWorkflow):
     """Runs an rLLM `Workflow` subclass as an mlrl RolloutWorkflow (see the module docstring)."""
 
-    def __init__(self, workflow_cls: type[Workflow], *, tokenizer: Any, gconfig: GenerationHyperparameters | None = None,
-                 step_rewards: str = "auto", max_threads: int = 64, **workflow_kwargs: Any):
+    def __init__(
+        self,
+        workflow_cls: type[Workflow],
+        *,
+        tokenizer: Any,
+        gconfig: GenerationHyperparameters | None = None,
+        step_rewards: str = "auto",
+        max_threads: int = 64,
+        **workflow_kwargs: Any,
+    ):
         if not (inspect.isclass(workflow_cls) and issubclass(workflow_cls, Workflow)):
             raise TypeError(f"RLLMWorkflowAdapter needs a compat.rllm.Workflow subclass, got {workflow_cls!r}")
         if step_rewards not in ("auto", "trajectory", "step"):
@@ -532,7 +561,9 @@ def attach_model_outputs(episode: Episode, calls: list[tuple[list[dict], ModelOu
 
 
 def _same_messages(a: list[dict], b: list[dict]) -> bool:
-    return len(a) == len(b) and all(x.get("role") == y.get("role") and x.get("content") == y.get("content") for x, y in zip(a, b))
+    return len(a) == len(b) and all(
+        x.get("role") == y.get("role") and x.get("content") == y.get("content") for x, y in zip(a, b)
+    )
 
 
 def _step_versions(step: Any) -> list[int]:
@@ -544,7 +575,11 @@ def _step_versions(step: Any) -> list[int]:
 
 
 def _step_logprobs(step: Any) -> list[float]:
-    return [float(x) for x in step.logprobs] if len(step.logprobs) == len(step.response_ids) else [0.0] * len(step.response_ids)
+    return (
+        [float(x) for x in step.logprobs]
+        if len(step.logprobs) == len(step.response_ids)
+        else [0.0] * len(step.response_ids)
+    )
 
 
 def trajectory_to_samples(traj: Trajectory, steps: list[Any], mode: str) -> list[Sample]:
@@ -564,7 +599,9 @@ def trajectory_to_samples(traj: Trajectory, steps: list[Any], mode: str) -> list
                 loss_mask=chain.loss_mask + [0] * len(extra) + [1] * len(resp),
                 rollout_logprobs=chain.rollout_logprobs + [0.0] * len(extra) + _step_logprobs(st),
                 versions=chain.versions + [-1] * len(extra) + _step_versions(st),
-                reward=reward, prompt_len=chain.prompt_len, metadata={**chain.metadata, "steps": chain.metadata["steps"] + [i]},
+                reward=reward,
+                prompt_len=chain.prompt_len,
+                metadata={**chain.metadata, "steps": chain.metadata["steps"] + [i]},
             )
             out[-1] = chain
             continue

@@ -30,7 +30,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlrl.types import GenerationHyperparameters, Sample, SampleStatus, StopReason
-from mlrl.workflow.api import EpisodeOutput, EpisodeStatus, ModelRequest, RolloutWorkflow, apply_chat_template, is_evaluation
+from mlrl.workflow.api import (
+    EpisodeOutput,
+    EpisodeStatus,
+    ModelRequest,
+    RolloutWorkflow,
+    apply_chat_template,
+    is_evaluation,
+)
 
 
 # --- registry ------------------------------------------------------------------------------------
@@ -166,7 +173,9 @@ class Experience:
             if prompt_length <= 0:
                 raise ValueError("Experience: prompt_length must be > 0 for single-turn experiences")
             if len(self.tokens) <= prompt_length:
-                raise ValueError(f"Experience: tokens ({len(self.tokens)}) must be longer than prompt_length ({prompt_length})")
+                raise ValueError(
+                    f"Experience: tokens ({len(self.tokens)}) must be longer than prompt_length ({prompt_length})"
+                )
             self.experience_type = "single_turn"
         else:
             self.experience_type = "multi_turn"
@@ -308,7 +317,9 @@ class ModelWrapper:
         return exps
 
     async def chat_async(self, messages: list[dict], **kwargs: Any) -> list[Experience]:
-        return await self._agenerate_ids(apply_chat_template(self.tokenizer, messages, add_generation_prompt=True), **kwargs)
+        return await self._agenerate_ids(
+            apply_chat_template(self.tokenizer, messages, add_generation_prompt=True), **kwargs
+        )
 
     def chat(self, messages: list[dict], **kwargs: Any) -> list[Experience]:
         """Responses to a conversation: `n` of them, each an Experience with response_text, tokens,
@@ -328,7 +339,9 @@ class ModelWrapper:
 
         ids, mask = tokenize_messages(self.tokenizer, messages)
         p = next((i for i, m in enumerate(mask) if m), len(mask))
-        return Experience(tokens=ids, prompt_length=p, action_mask=mask[p:], logprobs=[0.0] * (len(ids) - p), messages=messages)
+        return Experience(
+            tokens=ids, prompt_length=p, action_mask=mask[p:], logprobs=[0.0] * (len(ids) - p), messages=messages
+        )
 
     @property
     def model_version(self) -> int:
@@ -404,15 +417,19 @@ class TrinityWorkflowAdapter(RolloutWorkflow):
             raise TypeError(f"TrinityWorkflowAdapter needs a compat.trinity.Workflow subclass, got {workflow_cls!r}")
         if tokenizer is None:
             raise ValueError("a Trinity workflow needs the model's tokenizer")
-        from mlrl.workflow.proxy import OpenAIProxy
+        from mlrl.workflow.agent_proxy.proxy import OpenAIProxy
 
         self.workflow_cls = workflow_cls
         self.tokenizer = tokenizer
         self.gconfig = (gconfig or GenerationHyperparameters()).new(n_samples=1)
         self.reward_fn = reward_fn
         self.format_args = format_args if isinstance(format_args, FormatConfig) else FormatConfig(**(format_args or {}))
-        base_rollout = {"temperature": self.gconfig.temperature, "top_p": self.gconfig.top_p, "top_k": self.gconfig.top_k,
-                        "max_tokens": self.gconfig.max_new_tokens}
+        base_rollout = {
+            "temperature": self.gconfig.temperature,
+            "top_p": self.gconfig.top_p,
+            "top_k": self.gconfig.top_k,
+            "max_tokens": self.gconfig.max_new_tokens,
+        }
         if isinstance(rollout_args, GenerationConfig):
             self.rollout_args = rollout_args
         else:
@@ -430,9 +447,17 @@ class TrinityWorkflowAdapter(RolloutWorkflow):
 
     def _task(self, data: dict[str, Any], repeat_times: int) -> Task:
         rollout = copy.deepcopy(self.rollout_args)
-        return Task(workflow=self.workflow_cls, repeat_times=repeat_times, format_args=copy.deepcopy(self.format_args),
-                    rollout_args=rollout, workflow_args=dict(self.workflow_args), reward_fn_args=dict(self.reward_fn_args),
-                    reward_fn=self.reward_fn, raw_task=data, is_eval=is_evaluation())
+        return Task(
+            workflow=self.workflow_cls,
+            repeat_times=repeat_times,
+            format_args=copy.deepcopy(self.format_args),
+            rollout_args=rollout,
+            workflow_args=dict(self.workflow_args),
+            reward_fn_args=dict(self.reward_fn_args),
+            reward_fn=self.reward_fn,
+            raw_task=data,
+            is_eval=is_evaluation(),
+        )
 
     def _acquire(self, task: Task) -> Workflow:
         """An instance for `task` (in the worker thread: __init__ may call the model synchronously)."""
@@ -465,7 +490,9 @@ class TrinityWorkflowAdapter(RolloutWorkflow):
         if not self.proxy.started:
             await self.proxy.start()
         if self._threads is None:
-            self._threads = concurrent.futures.ThreadPoolExecutor(max_workers=self._max_threads, thread_name_prefix="trinity-wf")
+            self._threads = concurrent.futures.ThreadPoolExecutor(
+                max_workers=self._max_threads, thread_name_prefix="trinity-wf"
+            )
         self._loop = asyncio.get_running_loop()
         task = self._task(data, repeat)
         holder: dict[str, Any] = {}
@@ -545,7 +572,9 @@ def _class_repeatable(cls: type) -> bool:
     return False
 
 
-def experience_to_sample(exp: Experience, generated: dict[tuple[int, ...], list[int]], version_floor: int = -1) -> Sample:
+def experience_to_sample(
+    exp: Experience, generated: dict[tuple[int, ...], list[int]], version_floor: int = -1
+) -> Sample:
     """Experience -> Sample (loss mask = action mask over the response; versions recovered by token match)."""
     tokens = [int(t) for t in exp.tokens.tolist()]
     p = int(exp.prompt_length)

@@ -20,9 +20,13 @@ WORKER = INTEGRATION / "checkpoint" / "ckpt_worker.py"
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.skipif(GPUS < 2, reason=f"needs 2 GPUs, found {GPUS}"))])
+@pytest.mark.parametrize(
+    "nproc", [1, pytest.param(2, marks=pytest.mark.skipif(GPUS < 2, reason=f"needs 2 GPUs, found {GPUS}"))]
+)
 def test_async_save_completes_only_after_finalize_and_resumes_bit_exact(tmp_path, nproc):
-    ranks, _ = run_torchrun(WORKER, ["--work", str(tmp_path), "--model", "tiny-llama", "--phases", "async_save:gpu"], nproc)
+    ranks, _ = run_torchrun(
+        WORKER, ["--work", str(tmp_path), "--model", "tiny-llama", "--phases", "async_save:gpu"], nproc
+    )
     for r in ranks:  # nproc=2: DP2, the finalize agreed on over both ranks
         a = r["async_save:gpu"]
         assert a["async_queue_used"]                                   # the background writer really ran

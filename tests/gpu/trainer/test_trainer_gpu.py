@@ -53,6 +53,8 @@ def test_context_parallel_thd_matches_hf():
 @pytest.mark.skipif(not _fp8_capable(), reason="FP8 needs compute capability >= 8.9")
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
 def test_fp8_train_step_runs_and_stays_close(recipe):
-    ranks = run_worker(1, checks=["parity"], models=["tiny-llama"], trainer_opts={"precision": "bf16", "fp8_recipe": recipe})
+    ranks = run_worker(
+        1, checks=["parity"], models=["tiny-llama"], trainer_opts={"model.dtype": "bfloat16", "fp8_recipe": recipe}
+    )
     p = ranks[0]["tiny-llama/parity"]
     assert p["logprob"] < 0.5 and p["first_token_zero"]  # FP8 GEMMs: close, not exact

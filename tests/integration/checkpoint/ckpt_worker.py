@@ -55,7 +55,7 @@ def build_cfg(args, model=None, **trainer):
     cfg.model.hf_dir = name if "/" in name else f"builtin:{name}"
     world = int(os.environ["WORLD_SIZE"])
     cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep = args.tp, args.pp, args.ep
-    cfg.parallel.dp = world // (args.tp * args.pp)
+    cfg.cluster.trainer_devices = world  # dp = world / (tp*pp)
     cfg.parallel.sequence_parallel = args.tp > 1 and "moe" in (model or args.model)
     for k, v in {**TRAIN, **trainer}.items():
         setattr(cfg.trainer, k, v)
@@ -64,7 +64,7 @@ def build_cfg(args, model=None, **trainer):
 
 class Ctx:
     def __init__(self, args):
-        from mlrl.trainer.policy import init_parallel
+        from mlrl.trainer.rank.policy import init_parallel
 
         self.args = args
         self.cfg, self.layout = build_cfg(args)
@@ -75,7 +75,7 @@ class Ctx:
 
     def policy(self, model=None, trainable=True, **trainer):
         from mlrl.modelzoo import resolve_model_dir
-        from mlrl.trainer.policy import MegatronPolicy
+        from mlrl.trainer.rank.policy import MegatronPolicy
 
         cfg, layout = build_cfg(self.args, model or self.phase_model, **trainer)
         return MegatronPolicy(cfg.model, cfg.parallel, cfg.trainer, layout, hf_dir=resolve_model_dir(cfg.model.hf_dir),
@@ -91,7 +91,12 @@ def rng_draws() -> dict:
 
     with tensor_parallel.get_cuda_rng_tracker().fork():
         tracked = torch.rand(3).tolist()
-    return {"python": random.random(), "numpy": float(np.random.rand()), "torch": torch.rand(3).tolist(), "tracker": tracked}
+    return {
+        "python": random.random(),
+        "numpy": float(np.random.rand()),
+        "torch": torch.rand(3).tolist(),
+        "tracker": tracked,
+    }
 
 
 def weights(pol) -> dict:
@@ -102,11 +107,13 @@ def digest(w: dict) -> dict:
     """Bit patterns of every exported tensor (stage senders only hold theirs)."""
     import hashlib
 
-    return {n: hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest() for n, t in sorted(w.items())}
+    return {
+        n: hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest() for n, t in sorted(w.items())
+    }
 
 
 def phase_train_save(ctx: Ctx, tag: str) -> dict:
-    from mlrl.trainer.checkpointing import export_hf, save_checkpoint
+    from mlrl.trainer.rank.checkpointing import export_hf, save_checkpoint
 
     a = ctx.policy()
     straight = [a.train_step(ctx.step_batches(a, k), pg_loss)["loss"] for k in range(4)]
@@ -129,7 +136,7 @@ def probe_batch(vocab: int):
 
 
 def phase_resume(ctx: Ctx, tag: str) -> dict:
-    from mlrl.trainer.checkpointing import export_hf, load_checkpoint
+    from mlrl.trainer.rank.checkpointing import export_hf, load_checkpoint
 
     pol = ctx.policy()
     t0 = time.perf_counter()
@@ -158,7 +165,7 @@ def _error(fn) -> str | None:
 def phase_errors(ctx: Ctx, tag: str) -> dict:
     import shutil
 
-    from mlrl.trainer.checkpointing import load_checkpoint
+    from mlrl.trainer.rank.checkpointing import load_checkpoint
 
     pol = ctx.policy()
     before = digest(weights(pol))
@@ -185,7 +192,7 @@ def phase_kill_save(ctx: Ctx, tag: str) -> dict:
     from megatron.core.dist_checkpointing import serialization
 
     from mlrl.checkpoint import CheckpointManager
-    from mlrl.trainer.checkpointing import save_checkpoint
+    from mlrl.trainer.rank.checkpointing import save_checkpoint
 
     root = ctx.work / f"{tag}_run"
     manager = CheckpointManager(root, keep_last=2)
@@ -213,7 +220,7 @@ def phase_kill_save(ctx: Ctx, tag: str) -> dict:
 
 def phase_kill_resume(ctx: Ctx, tag: str) -> dict:
     from mlrl.checkpoint import CheckpointManager, read_state
-    from mlrl.trainer.checkpointing import load_checkpoint
+    from mlrl.trainer.rank.checkpointing import load_checkpoint
 
     manager = CheckpointManager(ctx.work / f"{tag}_run", keep_last=2)
     ckpt = manager.resolve_resume("auto")
@@ -227,8 +234,8 @@ def phase_kill_resume(ctx: Ctx, tag: str) -> dict:
 
 def phase_async_save(ctx: Ctx, tag: str) -> dict:
     from mlrl.checkpoint import CheckpointManager
-    from mlrl.trainer import checkpointing
-    from mlrl.trainer.checkpointing import META_FILE, finalize_async_saves, load_checkpoint, save_checkpoint
+    from mlrl.trainer.rank import checkpointing
+    from mlrl.trainer.rank.checkpointing import META_FILE, finalize_async_saves, load_checkpoint, save_checkpoint
 
     manager = CheckpointManager(ctx.work / f"{tag}_async_run", keep_last=2)
     a = ctx.policy()
@@ -253,9 +260,16 @@ def phase_async_save(ctx: Ctx, tag: str) -> dict:
     info = load_checkpoint(b, ckpt / "model_optim")
     resumed = digest(weights(b))
     loss_b3 = b.train_step(ctx.step_batches(b, 2), pg_loss)["loss"]
-    return {**out, "resumed_from": ckpt.name, "info": info, "same_weights_as_at_save": resumed == at_save,
-            "loss_a3": loss_a3, "loss_b3": loss_b3, "same_weights_after_step3": digest(weights(a)) == digest(weights(b)),
-            "weights_compared": len(at_save)}
+    return {
+        **out,
+        "resumed_from": ckpt.name,
+        "info": info,
+        "same_weights_as_at_save": resumed == at_save,
+        "loss_a3": loss_a3,
+        "loss_b3": loss_b3,
+        "same_weights_after_step3": digest(weights(a)) == digest(weights(b)),
+        "weights_compared": len(at_save),
+    }
 
 
 def _bcast(obj):

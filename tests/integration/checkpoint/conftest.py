@@ -69,7 +69,9 @@ def tiny_model(tmp_path_factory) -> Path:
 def wide_model(tiny_model, tmp_path_factory) -> Path:
     """The same architecture with another hidden size (an architecture mismatch)."""
     cfg = json.loads((tiny_model / "config.json").read_text())
-    return _variant(tiny_model, tmp_path_factory.mktemp("models") / "tiny-llama-wide", hidden_size=2 * cfg["hidden_size"])
+    return _variant(
+        tiny_model, tmp_path_factory.mktemp("models") / "tiny-llama-wide", hidden_size=2 * cfg["hidden_size"]
+    )
 
 
 @pytest.fixture(scope="session")
@@ -116,9 +118,24 @@ def killed(work, tiny_model):
     """Starts a 1-rank job whose second save stalls after writing its shards, SIGKILLs the worker's
     and torchrun's process groups there, and returns what the dying save left behind."""
     out = Path(tempfile.mkdtemp(prefix="mlrl-kill-"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--nnodes=1", "--master-addr=127.0.0.1",
-           f"--master-port={free_port()}", str(WORKER), "--out", str(out), "--work", str(work), "--model", str(tiny_model),
-           "--phases", "kill_save:kill"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=1",
+        "--nnodes=1",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        str(WORKER),
+        "--out",
+        str(out),
+        "--work",
+        str(work),
+        "--model",
+        str(tiny_model),
+        "--phases",
+        "kill_save:kill",
+    ]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parents[2]), os.environ.get("PYTHONPATH", "")]),
                PYTHONWARNINGS="ignore", OMP_NUM_THREADS="2")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -151,4 +168,10 @@ def killed(work, tiny_model):
 
 @pytest.fixture(scope="session")
 def resumed_dp2(work, tiny_model, wide_model, saved_tp2, saved_pp2, killed):
-    return launch(2, work, tiny_model, ["resume:tp2", "resume:pp2", "resume:moe@tiny-qwen3-moe", "errors:tp2", "kill_resume:kill"], other_model=wide_model)
+    return launch(
+        2,
+        work,
+        tiny_model,
+        ["resume:tp2", "resume:pp2", "resume:moe@tiny-qwen3-moe", "errors:tp2", "kill_resume:kill"],
+        other_model=wide_model,
+    )

@@ -92,7 +92,9 @@ def test_qwen3_moe_ep2_roundtrip_is_bit_exact(tmp_path):
 def test_training_checkpoint_to_hf_on_another_layout(saved_tp2, work, tmp_path):
     """A TP2 training checkpoint (optimizer state included) -> HF on one rank: the weights the
     training run itself exported at that step."""
-    r = run_tool("mcore-to-hf", "--ckpt", str(work / "tp2_fr"), "--out", str(tmp_path / "hf"), "--tp", "1", "--no-progress")
+    r = run_tool(
+        "mcore-to-hf", "--ckpt", str(work / "tp2_fr"), "--out", str(tmp_path / "hf"), "--tp", "1", "--no-progress"
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "world=1" in r.stdout
     assert_same_model(tmp_path / "hf", work / "tp2_step2_hf")
@@ -152,7 +154,9 @@ def test_bad_inputs(tool, capsys, tmp_path):
     (tmp_path / "full" / "x").write_text("x")
     assert "not empty" in _error(tool, capsys, "hf-to-mcore", "--hf", str(tiny), "--out", str(tmp_path / "full"))
     assert "does not exist" in _error(tool, capsys, "mcore-to-hf", "--ckpt", str(tmp_path / "nope"), "--out", out)
-    assert "not an mlrl checkpoint" in _error(tool, capsys, "mcore-to-hf", "--ckpt", str(tmp_path / "empty"), "--out", out)
+    assert "not an mlrl checkpoint" in _error(
+        tool, capsys, "mcore-to-hf", "--ckpt", str(tmp_path / "empty"), "--out", out
+    )
     partial = tmp_path / "partial"
     partial.mkdir()
     (partial / "metadata.json").write_text("{}")

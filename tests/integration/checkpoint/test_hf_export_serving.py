@@ -61,8 +61,9 @@ async def test_vllm_serves_the_export(exported, work):
             lp = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)
         ref = [float(lp[i, t]) for i, t in enumerate(prompt[1:])]
         assert max(abs(a - b) for a, b in zip(got, ref)) <= 1e-5
-        seg = await client.generate(prompt, GenerationHyperparameters(max_new_tokens=8, greedy=True), request_id="greedy",
-                                    default_version=0)
+        seg = await client.generate(
+            prompt, GenerationHyperparameters(max_new_tokens=8, greedy=True), request_id="greedy", default_version=0
+        )
         hf = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
                             eos_token_id=tok.eos_token_id)[0, len(prompt):].tolist()
         assert seg.tokens and seg.tokens == hf[: len(seg.tokens)]

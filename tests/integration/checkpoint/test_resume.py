@@ -57,7 +57,10 @@ def test_bad_inputs_fail_before_loading(resumed_dp2, tiny_model):
         assert "incomplete" in e["incomplete"] and "mlrl_checkpoint.json" in e["incomplete"]
         assert "model_type: checkpoint 'llama', model 'qwen3'" in e["architecture"]
         assert "qk_norm: checkpoint False, model True" in e["architecture"]
-        assert "CheckpointError" in e["hidden_size"] and f"hidden_size: checkpoint {hidden}, model {2 * hidden}" in e["hidden_size"]
+        assert (
+            "CheckpointError" in e["hidden_size"]
+            and f"hidden_size: checkpoint {hidden}, model {2 * hidden}" in e["hidden_size"]
+        )
         msg = e["dp_reshardable_after_layout_change"]
         assert "'dp_reshardable'" in msg and "tp 2 -> 1" in msg and "resume with tp=2" in msg
         assert e["untouched"]
@@ -84,10 +87,17 @@ def test_killed_save_leaves_the_previous_checkpoint(killed, resumed_dp2, saved_t
 
 def test_checkpoint_metadata(saved_tp2, work):
     meta = json.loads((work / "tp2_fr" / "mlrl_checkpoint.json").read_text())
-    assert meta["layout"]["tp"] == 2 and meta["contents"] == {"model": True, "optimizer": True, "scheduler": True, "rng": True}
+    assert meta["layout"]["tp"] == 2 and meta["contents"] == {
+        "model": True,
+        "optimizer": True,
+        "scheduler": True,
+        "rng": True,
+    }
     assert meta["optimizer"]["sharding"]["distrib_optim_sharding_type"] == "fully_reshardable"
     assert meta["optimizer"]["steps"] == 2 and meta["arch"]["model_type"] == "llama"
-    assert (work / "tp2_fr" / "hf_files" / "config.json").is_file() and (work / "tp2_fr" / "hf_files" / "tokenizer.json").is_file()
+    assert (work / "tp2_fr" / "hf_files" / "config.json").is_file() and (
+        work / "tp2_fr" / "hf_files" / "tokenizer.json"
+    ).is_file()
 
 
 def test_timings(saved_tp2, saved_pp2, resumed_tp2, resumed_dp2):

@@ -42,7 +42,9 @@ def _mlrl_processes() -> list[str]:
     out = []
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if any(k in cmd for k in ("mlrl.trainer.service", "mlrl.rollout.supervisor", "vllm.entrypoints", "VLLM::")):
+        if any(
+            k in cmd for k in ("mlrl.trainer.rank.service", "mlrl.rollout.supervisor", "vllm.entrypoints", "VLLM::")
+        ):
             out.append(f"{p.pid}: {cmd[:120]}")
     return out
 
@@ -126,8 +128,10 @@ def test_killed_launcher_leaves_no_process_and_no_reservation(cluster, tmp_path)
         while not (run_dir / "metrics.jsonl").exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.5)
         assert proc.poll() is None and (run_dir / "metrics.jsonl").exists(), "the run did not reach its first step"
-        assert len([p for p in _mlrl_processes() if "mlrl.trainer.service" in p]) == 2
-        assert len([p for p in _mlrl_processes() if "mlrl.rollout.supervisor --pgid-file" in p]) == 2  # + a watchdog each
+        assert len([p for p in _mlrl_processes() if "mlrl.trainer.rank.service" in p]) == 2
+        assert (
+            len([p for p in _mlrl_processes() if "mlrl.rollout.supervisor --pgid-file" in p]) == 2
+        )  # + a watchdog each
     finally:
         proc.kill()
         proc.wait()

@@ -1,4 +1,5 @@
-"""--nodes on the Ray cluster simulated on this machine (conftest.py). Checks node discovery, STRICT_PACK placement groups pinned per node, the probe and the assignment."""
+"""--nodes on the Ray cluster simulated on this machine (conftest.py). Checks node discovery,
+STRICT_PACK placement groups pinned per node, the probe and the assignment."""
 
 import time
 from pathlib import Path

@@ -22,7 +22,9 @@ def vllm_tiny_llama(tmp_path_factory) -> Path:
     src = resolve_model_dir("builtin:tiny-llama")
     cfg = json.loads((src / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    assert head_dim in VLLM_CPU_HEAD_SIZES, f"{src}: head_dim {head_dim} is not served by vLLM's CPU attention {VLLM_CPU_HEAD_SIZES}"
+    assert head_dim in VLLM_CPU_HEAD_SIZES, (
+        f"{src}: head_dim {head_dim} is not served by vLLM's CPU attention {VLLM_CPU_HEAD_SIZES}"
+    )
     out = tmp_path_factory.mktemp("tiny-llama-vllm")
     for f in src.iterdir():
         if f.is_file() and not f.name.startswith("."):

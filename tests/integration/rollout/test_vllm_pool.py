@@ -25,13 +25,12 @@ import pytest
 import pytest_asyncio
 import torch
 import transformers
-
 from rollout_reference import hf_token_logprobs
+
 from mlrl.config.schema import RolloutConfig, WeightSyncConfig
 from mlrl.rollout import EngineClient, EnginePool, EngineServer, EngineState, ServerSpec
 from mlrl.types import GenerationHyperparameters, ModelRequest, StopReason
 from mlrl.weight_sync import HFWeightSource, make_weight_sync, push_from_rank
-from mlrl.weight_sync.transports import DiskWeightSync
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(900)]
 
@@ -73,13 +72,21 @@ async def env(vllm_tiny_llama, tmp_path_factory):
     e.fresh.start()
     try:
         await e.pool.start()
-        e.ws = make_weight_sync(WeightSyncConfig(canary_tolerance=TOL), e.pool, e.src)
+        e.ws = _weight_sync(WeightSyncConfig(canary_tolerance=TOL), e.pool, e.src)
         yield e
     finally:
         e.fresh.stop()
         if hasattr(e, "ws"):
             await e.ws.close()
         await e.pool.shutdown()
+
+
+def _weight_sync(cfg: WeightSyncConfig, pool: EnginePool, src):
+    """A weight sync over `pool`, installed as its refresher (as mlrl.run wires it)."""
+    ws = make_weight_sync(cfg, pool, src, model_dir=pool.model_dir, engine_tp=pool.cfg.engine_tp, host=pool.cfg.host,
+                          run_dir=pool.run_dir)
+    pool.refresher = ws.refresh
+    return ws
 
 
 class _FlakySource:
@@ -162,23 +169,51 @@ async def test_generation_matches_hf(env):
             assert resp.output_tokens[-1] == env.tok.eos_token_id
     assert worst <= TOL, f"engine vs HF logprob gap {worst}"
     assert {r.engine for r in resps} == {"engine-0", "engine-1"}
-    greedy = [await env.pool.agenerate(ModelRequest(input_ids=prompts[0], gconfig=GenerationHyperparameters(max_new_tokens=16, greedy=True)))
-              for _ in range(2)]
+    greedy = [
+        await env.pool.agenerate(
+            ModelRequest(input_ids=prompts[0], gconfig=GenerationHyperparameters(max_new_tokens=16, greedy=True))
+        )
+        for _ in range(2)
+    ]
     ids = torch.tensor([prompts[0]])
-    hf = model.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=env.tok.eos_token_id)[0, ids.shape[1]:].tolist()
+    hf = model.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=env.tok.eos_token_id)[
+        0, ids.shape[1] :
+    ].tolist()
     assert greedy[0].output_tokens == greedy[1].output_tokens == hf[: greedy[0].output_len]
+
+
+async def test_per_request_seeds_make_sampling_independent_of_batching(env):
+    """rollout.sampling.seed: a request's tokens are a function of its seed alone, not of the
+    requests it shares a batch (or an engine) with; other seeds, or none, give other samples."""
+    prompt = _prompt(env.tok, "say anything")
+
+    def req(seed):
+        return ModelRequest(input_ids=prompt, gconfig=GenerationHyperparameters(max_new_tokens=12, seed=seed))
+
+    seeds = list(range(100, 108))
+    batched = await asyncio.gather(*(env.pool.agenerate(req(s)) for s in seeds))           # one batch, both engines
+    alone = [await env.pool.agenerate(req(s)) for s in reversed(seeds)][::-1]              # one at a time, other order
+    assert all(r.error is None for r in batched + alone)
+    assert [r.output_tokens for r in batched] == [r.output_tokens for r in alone]
+    assert len({tuple(r.output_tokens) for r in batched}) > 1                               # the seeds matter
+    unseeded = await asyncio.gather(*(env.pool.agenerate(req(None)) for _ in seeds))
+    assert len({tuple(r.output_tokens) for r in unseeded}) > 1                              # shared RNG: samples differ
 
 
 async def test_requests_without_the_token_are_refused(env):
     for e in env.pool.engines:
         url = e.server.url
         async with httpx.AsyncClient(base_url=url, timeout=30) as c:
-            for method, path, body in [("GET", "/health", None), ("GET", "/metrics", None),
-                                       ("POST", "/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {"max_tokens": 2}}),
-                                       ("POST", "/v1/completions", {"prompt": [1, 2], "max_tokens": 2}),
-                                       ("POST", "/collective_rpc", {"method": "mlrl_weight_report"}),
-                                       ("POST", "/pause", None), ("POST", "/update_weights", {"update_info": {}}),
-                                       ("POST", "/reset_prefix_cache", None)]:
+            for method, path, body in [
+                ("GET", "/health", None),
+                ("GET", "/metrics", None),
+                ("POST", "/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {"max_tokens": 2}}),
+                ("POST", "/v1/completions", {"prompt": [1, 2], "max_tokens": 2}),
+                ("POST", "/collective_rpc", {"method": "mlrl_weight_report"}),
+                ("POST", "/pause", None),
+                ("POST", "/update_weights", {"update_info": {}}),
+                ("POST", "/reset_prefix_cache", None),
+            ]:
                 for headers in ({}, {"Authorization": "Bearer wrong-token"}):
                     r = await c.request(method, path, json=body, headers=headers)
                     assert r.status_code == 401, (path, headers, r.status_code, r.text[:200])
@@ -218,7 +253,7 @@ async def test_weight_sync_makes_the_engines_the_new_model(env):
     assert rep.version == 1 and rep.attempts == 1 and rep.engines == 2 and rep.canary_max_abs_diff <= TOL
     assert rep.bytes == sum(t.numel() * t.element_size() for _, t in src.named_tensors())
     assert {w["worker"] for w in rep.engine_reports} == {0} and len(rep.engine_reports) == 2
-    assert all(w["refreshed"] and not w["missing"] for w in rep.engine_reports)
+    assert all(w["refreshed"] and not w["missing"] and w["transport"] == "broadcast" for w in rep.engine_reports)
     env.snapshots[1] = copy.deepcopy(src.model)
     v1 = [await _probe_logprobs(e.client) for e in pool.engines]
     assert _maxdiff(v1[0], old[0]) > 1e-2  # really changed
@@ -227,14 +262,19 @@ async def test_weight_sync_makes_the_engines_the_new_model(env):
     assert resp.output_versions == [1] * resp.output_len and pool.version == 1
 
     _perturb(src.model, seed=2)  # version 2: disk
-    disk = DiskWeightSync(WeightSyncConfig(transport="disk", canary_tolerance=TOL), pool, src, root=env.tmp / "disk")
+    disk = make_weight_sync(
+        WeightSyncConfig(transport="disk", canary_tolerance=TOL, disk_dir=str(env.tmp / "disk")),
+        pool,
+        src,
+        model_dir=pool.model_dir,
+    )  # not the refresher: the broadcast sync stays installed
     rep = await disk.sync(2)
     assert rep.transport == "disk" and rep.canary_max_abs_diff <= TOL and pool.version == 2
     env.snapshots[2] = copy.deepcopy(src.model)
 
     # version 2 again over a new broadcast group whose first push dies mid-stream: retried once, then exact
     flaky = _FlakySource(src)
-    ws = make_weight_sync(WeightSyncConfig(canary_tolerance=TOL, bucket_mb=0.25), pool, flaky)
+    ws = _weight_sync(WeightSyncConfig(canary_tolerance=TOL, bucket_mb=0.25), pool, flaky)
     await env.ws.close()
     env.ws = ws
     rep = await ws.sync(2)
@@ -242,8 +282,13 @@ async def test_weight_sync_makes_the_engines_the_new_model(env):
 
     # a freshly started engine on the version-2 weights (started by the fixture)
     fresh = env.fresh
-    assert all(torch.equal(a, b) for a, b in zip(src.model.state_dict().values(),
-                                                  transformers.AutoModelForCausalLM.from_pretrained(str(env.tmp / "fresh-v2")).state_dict().values()))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(
+            src.model.state_dict().values(),
+            transformers.AutoModelForCausalLM.from_pretrained(str(env.tmp / "fresh-v2")).state_dict().values(),
+        )
+    )
     try:
         await asyncio.to_thread(fresh.wait_ready, 400)
         fc = EngineClient(fresh.url, pool.token, name="fresh")
@@ -285,17 +330,26 @@ async def test_interrupted_requests_resume_with_versions(env):
         if len(set(resp.output_versions)) == 2:
             mixed += 1
             cut = resp.output_versions.index(3)
-            eos = (env.tok.eos_token_id,)  # min_new_tokens suppresses EOS: processed logprobs are renormalised without it
+            eos = (
+                env.tok.eos_token_id,
+            )  # min_new_tokens suppresses EOS: processed logprobs are renormalised without it
             before = hf_token_logprobs(env.snapshots[2], p, resp.output_tokens[:cut], suppressed=eos)
-            after = hf_token_logprobs(env.snapshots[3], p + resp.output_tokens[:cut], resp.output_tokens[cut:], suppressed=eos)
+            after = hf_token_logprobs(
+                env.snapshots[3], p + resp.output_tokens[:cut], resp.output_tokens[cut:], suppressed=eos
+            )
             assert max(abs(a - b) for a, b in zip(resp.output_logprobs, before + after)) <= TOL
     assert mixed >= 1 and pool.stats["interrupted"] >= 1
 
 
 async def test_killing_one_engine_mid_rollout_loses_no_request(env):
     pool = env.pool
-    reqs = [ModelRequest(input_ids=_prompt(env.tok, f"add {i} and 1"), gconfig=GenerationHyperparameters(max_new_tokens=120, min_new_tokens=120))
-            for i in range(16)]
+    reqs = [
+        ModelRequest(
+            input_ids=_prompt(env.tok, f"add {i} and 1"),
+            gconfig=GenerationHyperparameters(max_new_tokens=120, min_new_tokens=120),
+        )
+        for i in range(16)
+    ]
     tasks = [asyncio.create_task(pool.agenerate(r)) for r in reqs]
     victim = pool.engines[1]
     # crash as soon as the victim holds requests (a fixed sleep lets a fast machine finish them all first)
@@ -319,6 +373,12 @@ async def test_killing_one_engine_mid_rollout_loses_no_request(env):
         await asyncio.sleep(1.0)
     assert victim.state == EngineState.READY and victim.restarts == 1 and pool.version == 3
     assert _maxdiff(await _probe_logprobs(victim.client), _hf_probe(env.snapshots[3])) <= TOL
-    after = await asyncio.gather(*(pool.agenerate(ModelRequest(input_ids=p, gconfig=GenerationHyperparameters(max_new_tokens=4)))
-                                   for p in PROBES * 4))
-    assert {r.engine for r in after} == {"engine-0", "engine-1"} and all(r.output_versions == [3] * r.output_len for r in after)
+    after = await asyncio.gather(
+        *(
+            pool.agenerate(ModelRequest(input_ids=p, gconfig=GenerationHyperparameters(max_new_tokens=4)))
+            for p in PROBES * 4
+        )
+    )
+    assert {r.engine for r in after} == {"engine-0", "engine-1"} and all(
+        r.output_versions == [3] * r.output_len for r in after
+    )

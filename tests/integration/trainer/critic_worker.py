@@ -21,7 +21,6 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-
 from hf_reference import make_step
 from trainer_worker import build_cfg
 
@@ -44,7 +43,7 @@ class Phase:
 
     def __init__(self, model: str, name: str):
         from mlrl.modelzoo import resolve_model_dir
-        from mlrl.trainer import parallel
+        from mlrl.trainer.rank import parallel
 
         self.args = layout_args(model, name)
         self.cfg, self.layout = build_cfg(self.args)
@@ -56,15 +55,19 @@ class Phase:
 
     def critic(self, **critic_opts):
         from mlrl.config.schema import CriticConfig
-        from mlrl.trainer.critic import MegatronCritic
+        from mlrl.trainer.rank.critic import MegatronCritic
 
         trainer = {"optimizer": critic_opts.pop("optimizer", "adam"), "total_steps": 10}
-        trainer["use_distributed_optimizer"] = trainer["optimizer"] == "adam"  # Megatron's DistributedOptimizer is Adam-only
+        trainer["use_distributed_optimizer"] = (
+            trainer["optimizer"] == "adam"
+        )  # Megatron's DistributedOptimizer is Adam-only
         cfg, layout = build_cfg(self.args, **trainer)
-        return MegatronCritic(cfg.model, CriticConfig(**critic_opts), cfg.parallel, cfg.trainer, layout, hf_dir=self.hf_dir)
+        return MegatronCritic(
+            cfg.model, CriticConfig(**critic_opts), cfg.parallel, cfg.trainer, layout, hf_dir=self.hf_dir
+        )
 
     def policy(self):
-        from mlrl.trainer.policy import MegatronPolicy
+        from mlrl.trainer.rank.policy import MegatronPolicy
 
         return MegatronPolicy(self.cfg.model, self.cfg.parallel, self.cfg.trainer, self.layout, hf_dir=self.hf_dir,
                               trainable=False)
@@ -130,7 +133,7 @@ def sgd_update(ph: Phase, mbs) -> dict:
 def reference_phase(ph: Phase, tmp: Path) -> tuple[dict, dict]:
     from mlrl.algorithms.value import make_value_loss_fn
     from mlrl.checkpoint.manager import CheckpointError
-    from mlrl.trainer.checkpointing import load_checkpoint, save_checkpoint
+    from mlrl.trainer.rank.checkpointing import load_checkpoint, save_checkpoint
 
     res: dict = {}
     mbs = make_critic_step(ph.vocab)
@@ -193,24 +196,37 @@ def reference_phase(ph: Phase, tmp: Path) -> tuple[dict, dict]:
     del c, pol
 
     sgd = sgd_update(ph, mbs)
-    res["sgd"] = {"loss": sgd["loss"], "grad_norm": sgd["grad_norm"], "clipfrac": sgd["clipfrac"],
-                  "moved": max_diff(sgd["after"], sgd["before"]), "values_abs_max": max(float(v.abs().max()) for v in sgd["before"])}
+    res["sgd"] = {
+        "loss": sgd["loss"],
+        "grad_norm": sgd["grad_norm"],
+        "clipfrac": sgd["clipfrac"],
+        "moved": max_diff(sgd["after"], sgd["before"]),
+        "values_abs_max": max(float(v.abs().max()) for v in sgd["before"]),
+    }
     return res, sgd
 
 
 def layout_phase(ph: Phase, ref: dict) -> dict:
     mbs = make_critic_step(ph.vocab)
     got = sgd_update(ph, mbs)
-    return {"values_err": max_diff(got["before"], ref["before"]), "after_err": max_diff(got["after"], ref["after"]),
-            "loss": got["loss"], "grad_norm": got["grad_norm"], "ref_loss": ref["loss"], "ref_grad_norm": ref["grad_norm"],
-            "ranks": ph.ranks.as_dict()}
+    return {
+        "values_err": max_diff(got["before"], ref["before"]),
+        "after_err": max_diff(got["after"], ref["after"]),
+        "loss": got["loss"],
+        "grad_norm": got["grad_norm"],
+        "ref_loss": ref["loss"],
+        "ref_grad_norm": ref["grad_norm"],
+        "ranks": ph.ranks.as_dict(),
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--models", default="tiny-llama")
-    ap.add_argument("--layouts", default="tp2+sp,pp2", help="after the reference; a model:layout entry runs only for that model")
+    ap.add_argument(
+        "--layouts", default="tp2+sp,pp2", help="after the reference; a model:layout entry runs only for that model"
+    )
     args = ap.parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ.get("WORLD_SIZE", "1"))))
     rank = int(os.environ.get("RANK", "0"))

@@ -13,10 +13,15 @@ from mlrl.experience.batch import MicroBatch
 
 def make_samples(vocab: int, n: int, seed: int, min_len: int = 4, max_len: int = 12) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (int(torch.randint(min_len, max_len + 1, (1,), generator=g)),), generator=g) for _ in range(n)]
+    return [
+        torch.randint(3, vocab, (int(torch.randint(min_len, max_len + 1, (1,), generator=g)),), generator=g)
+        for _ in range(n)
+    ]
 
 
-def pack(samples: list[torch.Tensor], sample_ids: list[int], total_loss_tokens: int, seed: int, pad: int = 3) -> MicroBatch:
+def pack(
+    samples: list[torch.Tensor], sample_ids: list[int], total_loss_tokens: int, seed: int, pad: int = 3
+) -> MicroBatch:
     """One packed row; the second half of each sample is the 'response' (loss_mask 1); the
     advantage of a sample depends only on (seed, sample id), not on the packing."""
     lens = [len(s) for s in samples]
@@ -65,15 +70,15 @@ def hf_row(model, mb: MicroBatch, temperature: float, *, grad: bool = False):
         lp_parts.append((a, b, logp.gather(-1, mb.tokens[a + 1:b, None])[:, 0], -(logp.exp() * logp).sum(-1)))
     if grad:
         lp_list, ent_list, prev = [], [], 0
-        for a, b, l, e in lp_parts:
-            lp_list += [torch.zeros(a + 1 - prev), l]
+        for a, b, lp_ab, e in lp_parts:
+            lp_list += [torch.zeros(a + 1 - prev), lp_ab]
             ent_list += [torch.zeros(a + 1 - prev), e]
             prev = b
         lp_list.append(torch.zeros(S - prev))
         ent_list.append(torch.zeros(S - prev))
         return torch.cat(lp_list), torch.cat(ent_list), logits_all
-    for a, b, l, e in lp_parts:
-        lp[a + 1:b] = l
+    for a, b, lp_ab, e in lp_parts:
+        lp[a + 1:b] = lp_ab
         ent[a + 1:b] = e
     return lp, ent, logits_all
 
@@ -105,7 +110,9 @@ def hf_loss_and_grads(model, micro_batches: list[MicroBatch], temperature: float
         loss, _ = pg_loss(mb, lp, ent)
         loss.backward()
         total += float(loss)
-    return total, checkpoint_names({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+    return total, checkpoint_names(
+        {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    )
 
 
 def reference_lr(k: int, lr: float, warmup: int) -> float:
@@ -119,8 +126,12 @@ def hf_adamw_steps(model, steps: list[list[MicroBatch]], *, lr: float, warmup: i
     global-norm clipping, schedule `reference_lr`."""
     decay = [p for n, p in model.named_parameters() if p.ndim > 1 and not n.endswith(".bias")]
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim > 1 and not n.endswith(".bias"))]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=lr, betas=betas, eps=eps)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        betas=betas,
+        eps=eps,
+    )
     for k, mbs in enumerate(steps, start=1):
         for group in opt.param_groups:
             group["lr"] = reference_lr(k, lr, warmup)

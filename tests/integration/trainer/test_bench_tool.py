@@ -12,8 +12,25 @@ TOOL = Path(__file__).resolve().parents[3] / "tools" / "bench_train_step.py"
 def test_bench_reports_megatron_and_hf_rates(tmp_path):
     out = tmp_path / "bench.json"
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, str(TOOL), "--hf-dir", "builtin:tiny-llama", "--samples", "4", "--sample-len", "16",
-                           "--steps", "1", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(TOOL),
+            "--hf-dir",
+            "builtin:tiny-llama",
+            "--samples",
+            "4",
+            "--sample-len",
+            "16",
+            "--steps",
+            "1",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     wall = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())

@@ -22,8 +22,13 @@ pytestmark = pytest.mark.slow
 
 def _run(tmp_path, *layout, timeout=900):
     out = tmp_path / "res.json"
-    proc = subprocess.run([sys.executable, str(TOOL), "--hf-dir", MODEL, *layout, "--noise-floor", "--json", str(out)],
-                          capture_output=True, text=True, timeout=timeout, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    proc = subprocess.run(
+        [sys.executable, str(TOOL), "--hf-dir", MODEL, *layout, "--noise-floor", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, PYTHONWARNINGS="ignore"),
+    )
     return proc, (json.loads(out.read_text()) if out.exists() else None)
 
 

@@ -12,7 +12,6 @@
 from pathlib import Path
 
 import pytest
-
 from trainer_harness import run_torchrun
 
 WORKER = Path(__file__).with_name("critic_worker.py")
@@ -37,7 +36,9 @@ def test_initial_values_are_zero_and_the_body_is_the_policys(ranks, model):
         if body["sender"]:
             senders += 1
             # every HF tensor but the LM head (tied models have none of their own)
-            assert sorted(set(body["policy_names"]) - set(body["names"])) == ([] if model == "tiny-llama" else ["lm_head.weight"])
+            assert sorted(set(body["policy_names"]) - set(body["names"])) == (
+                [] if model == "tiny-llama" else ["lm_head.weight"]
+            )
             assert "model.norm.weight" in body["names"] and "model.embed_tokens.weight" in body["names"]
         else:
             assert body["names"] == []

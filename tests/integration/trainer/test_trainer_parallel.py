@@ -3,7 +3,6 @@ EP2 (qwen3_moe). Each layout is one torchrun launch running several checks; ever
 compares against HF transformers computed on each rank."""
 
 import pytest
-
 from trainer_harness import assert_adam, assert_export, assert_grads, assert_parity, run_worker
 
 TP_MODELS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe+sp", "tiny-llama+sp"]
@@ -13,7 +12,9 @@ DP_MODELS = ["tiny-llama", "tiny-qwen3"]
 
 @pytest.fixture(scope="module")
 def tp2():
-    return run_worker(2, tp=2, checks=["parity", "export", "grads", "adam@tiny-qwen3", "adam@tiny-qwen3-moe+sp"], models=TP_MODELS)
+    return run_worker(
+        2, tp=2, checks=["parity", "export", "grads", "adam@tiny-qwen3", "adam@tiny-qwen3-moe+sp"], models=TP_MODELS
+    )
 
 
 @pytest.fixture(scope="module")

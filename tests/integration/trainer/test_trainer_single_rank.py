@@ -3,7 +3,6 @@ HF -> Megatron -> HF export bit-exact, loss and gradients vs HF for 1 and 4 micr
 three DistributedOptimizer steps vs torch AdamW, and bad input rejected before the build."""
 
 import pytest
-
 from trainer_harness import assert_adam, assert_export, assert_grads, assert_parity, run_worker
 
 MODELS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe"]
@@ -11,7 +10,9 @@ MODELS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe"]
 
 @pytest.fixture(scope="module")
 def ranks():
-    return run_worker(1, checks=["parity", "export", "grads", "adam", "bad_input@tiny-llama", "state@tiny-qwen3-moe"], models=MODELS)
+    return run_worker(
+        1, checks=["parity", "export", "grads", "adam", "bad_input@tiny-llama", "state@tiny-qwen3-moe"], models=MODELS
+    )
 
 
 @pytest.mark.parametrize("model", MODELS)

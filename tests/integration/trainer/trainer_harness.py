@@ -45,7 +45,9 @@ def _run_torchrun(script: Path, args: list[str], nproc: int, *, timeout: float) 
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // nproc)),
                PYTHONPATH=os.pathsep.join([str(REPO), str(script.parent), os.environ.get("PYTHONPATH", "")]),
                PYTHONWARNINGS="ignore")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True, text=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True, text=True
+    )
     try:
         log, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -71,8 +73,22 @@ def run_worker(nproc: int, *, checks: list[str], models: list[str], tp: int = 1,
                trainer_opts: dict | None = None, timeout: float = 420.0) -> list[dict]:
     """Each rank's results {"<model>/<check>": {...}, "ranks": {...}}; see trainer_worker.py for
     the `model+sp` and `check@model` syntax."""
-    args = ["--models", ",".join(models), "--checks", ",".join(checks), "--tp", str(tp), "--pp", str(pp), "--ep", str(ep),
-            "--cp", str(cp), "--trainer-opts", ",".join(f"{k}={v}" for k, v in (trainer_opts or {}).items())]
+    args = [
+        "--models",
+        ",".join(models),
+        "--checks",
+        ",".join(checks),
+        "--tp",
+        str(tp),
+        "--pp",
+        str(pp),
+        "--ep",
+        str(ep),
+        "--cp",
+        str(cp),
+        "--trainer-opts",
+        ",".join(f"{k}={v}" for k, v in (trainer_opts or {}).items()),
+    ]
     return run_torchrun(WORKER, args, nproc, timeout=timeout)[0]
 
 

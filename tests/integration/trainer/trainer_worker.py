@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
 from hf_reference import hf_adamw_steps, hf_loss_and_grads, hf_row, make_step, pg_loss
 
 
@@ -32,20 +31,23 @@ def build_cfg(args, **trainer):
     cfg.model.hf_dir = f"builtin:{args.model}" if ":" not in args.model and "/" not in args.model else args.model
     world = int(os.environ["WORLD_SIZE"])
     cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.cp = args.tp, args.pp, args.ep, args.cp
-    cfg.parallel.dp = world // (args.tp * args.pp * args.cp)
     cfg.parallel.sequence_parallel = args.sp
     cfg.parallel.vpp = args.vpp
     cfg.parallel.pp_layer_split = [int(x) for x in args.pp_split.split(",")] if args.pp_split else None
-    cfg.trainer.world_size = world
+    cfg.cluster.trainer_devices = world  # dp = world / (tp*pp*cp)
     for k, v in {**args.trainer_opts, **trainer}.items():
-        setattr(cfg.trainer, k, v)
+        section, _, name = k.rpartition(".")  # a dotted key names another section (model.dtype=bfloat16)
+        target = getattr(cfg, section) if section else cfg.trainer
+        if not hasattr(target, name):
+            raise ValueError(f"--trainer-opts {k}: {type(target).__name__} has no field {name!r}")
+        setattr(target, name, v)
     return cfg, resolve_layout(cfg)
 
 
 class Ctx:
     def __init__(self, args):
         from mlrl.modelzoo import resolve_model_dir
-        from mlrl.trainer.policy import init_parallel
+        from mlrl.trainer.rank.policy import init_parallel
 
         self.args = args
         self.cfg, self.layout = build_cfg(args)
@@ -63,7 +65,7 @@ class Ctx:
         return self._hf
 
     def policy(self, trainable: bool, **trainer):
-        from mlrl.trainer.policy import MegatronPolicy
+        from mlrl.trainer.rank.policy import MegatronPolicy
 
         cfg, layout = build_cfg(self.args, **trainer)
         return MegatronPolicy(cfg.model, cfg.parallel, cfg.trainer, layout, hf_dir=self.hf_dir, trainable=trainable)
@@ -83,14 +85,23 @@ def check_parity(ctx: Ctx) -> dict:
     mbs = ctx.my_micro_batches(make_step(ctx.vocab, n_samples=6, n_micro=2 * ctx.ranks.dp_size, seed=7))
     hf = ctx.hf_model()
     logits = pol.compute_logits(mbs)
-    res = {"logits": 0.0, "logprob": 0.0, "entropy": 0.0, "logprob_t07": 0.0, "entropy_t07": 0.0, "first_token_zero": True}
+    res = {
+        "logits": 0.0,
+        "logprob": 0.0,
+        "entropy": 0.0,
+        "logprob_t07": 0.0,
+        "entropy_t07": 0.0,
+        "first_token_zero": True,
+    }
     for T, suffix in ((1.0, ""), (0.7, "_t07")):
         out = pol.compute_logprobs(mbs, T)
         for mb, (lp, ent), lg in zip(mbs, out, logits):
             ref_lp, ref_ent, ref_logits = hf_row(hf, mb, T)
             res["logprob" + suffix] = max(res["logprob" + suffix], _max_abs(lp, ref_lp))
             res["entropy" + suffix] = max(res["entropy" + suffix], _max_abs(ent, ref_ent))
-            res["first_token_zero"] &= bool((lp[mb.cu_seqlens[:-1].long()] == 0).all() and (lp[mb.cu_seqlens[-1]:] == 0).all())
+            res["first_token_zero"] &= bool(
+                (lp[mb.cu_seqlens[:-1].long()] == 0).all() and (lp[mb.cu_seqlens[-1] :] == 0).all()
+            )
             if T == 1.0:
                 cu = mb.cu_seqlens.tolist()
                 for (a, b), rl in zip(zip(cu[:-1], cu[1:]), ref_logits):
@@ -118,7 +129,9 @@ def check_export(ctx: Ctx) -> dict:
                 raise AssertionError(f"{name} exported twice")
             got[name] = t.cpu()
     ref = _hf_tensors(ctx)
-    mismatched = sorted(n for n, t in got.items() if n not in ref or t.dtype != ref[n].dtype or not torch.equal(t, ref[n]))
+    mismatched = sorted(
+        n for n, t in got.items() if n not in ref or t.dtype != ref[n].dtype or not torch.equal(t, ref[n])
+    )
     return {"names": sorted(got), "mismatched": mismatched, "buckets": n_buckets,
             "sender": pol.rank_info()["is_stage_sender"], "hf_names": sorted(ref)}
 
@@ -173,11 +186,16 @@ def check_adam(ctx: Ctx) -> dict:
     init = _hf_tensors(ctx)
     return {
         "param_err": max((_max_abs(t, ref[n]) for n, t in got.items()), default=0.0),
-        "param_err_mean": float(sum((t - ref[n]).abs().sum() for n, t in got.items()) / max(1, sum(t.numel() for t in got.values()))),
+        "param_err_mean": float(
+            sum((t - ref[n]).abs().sum() for n, t in got.items()) / max(1, sum(t.numel() for t in got.values()))
+        ),
         "ref_noise": max((_max_abs(ref_alt[n], ref[n]) for n in ref), default=0.0),
         "moved": max((_max_abs(t, init[n]) for n, t in got.items()), default=0.0),
-        "lrs": [m["lr"] for m in metrics], "grad_norms": [m["grad_norm"] for m in metrics],
-        "losses": [m["loss"] for m in metrics], "names": sorted(got), "ref_names": sorted(ref),
+        "lrs": [m["lr"] for m in metrics],
+        "grad_norms": [m["grad_norm"] for m in metrics],
+        "losses": [m["loss"] for m in metrics],
+        "names": sorted(got),
+        "ref_names": sorted(ref),
     }
 
 
@@ -187,7 +205,7 @@ def check_bad_input(ctx: Ctx) -> dict:
     import tempfile
 
     from mlrl.config.validate import Layout
-    from mlrl.trainer.policy import MegatronPolicy
+    from mlrl.trainer.rank.policy import MegatronPolicy
 
     cfg, layout = build_cfg(ctx.args)
     out = {}
@@ -230,9 +248,13 @@ def check_bad_input(ctx: Ctx) -> dict:
         conf["model_type"] = "gpt_bigcode"
         (d / "config.json").write_text(json.dumps(conf))
         attempt("unknown_model_type", d)
-        bad = Layout(tp=3, pp=1, cp=1, ep=1, etp=3, dp=1, vpp=None, trainer_devices=3, rollout_devices=0, total_devices=0)
+        bad = Layout(
+            tp=3, pp=1, cp=1, ep=1, etp=3, dp=1, vpp=None, trainer_devices=3, rollout_devices=0, total_devices=0
+        )
         attempt("tp_not_dividing_heads", ctx.hf_dir, bad)
-        bad = Layout(tp=1, pp=3, cp=1, ep=1, etp=1, dp=1, vpp=None, trainer_devices=3, rollout_devices=0, total_devices=0)
+        bad = Layout(
+            tp=1, pp=3, cp=1, ep=1, etp=1, dp=1, vpp=None, trainer_devices=3, rollout_devices=0, total_devices=0
+        )
         attempt("pp_not_dividing_layers", ctx.hf_dir, bad)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -260,14 +282,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default="tiny-llama")
-    ap.add_argument("--models", default=None, help="comma list: run the checks for each model (same layout); +sp suffix")
+    ap.add_argument(
+        "--models", default=None, help="comma list: run the checks for each model (same layout); +sp suffix"
+    )
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--cp", type=int, default=1)
     ap.add_argument("--vpp", type=int, default=None)
     ap.add_argument("--pp-split", default=None, help="layers per pipeline stage, e.g. 3,1")
-    ap.add_argument("--trainer-opts", default="", help="k=v,... TrainerConfig overrides (e.g. precision=bf16)")
+    ap.add_argument("--trainer-opts", default="",
+                    help="k=v,... TrainerConfig overrides, other sections' by dotted name (e.g. model.dtype=bfloat16)")
     ap.add_argument("--checks", required=True)
     args = ap.parse_args()
     args.trainer_opts = dict(kv.split("=", 1) for kv in args.trainer_opts.split(",") if kv)

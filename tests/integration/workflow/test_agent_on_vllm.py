@@ -61,7 +61,9 @@ def hf(model_dir):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def pool(model_dir, tmp_path_factory):
-    cfg = RolloutConfig(num_engines=1, max_model_len=256, max_concurrent_requests=16, startup_timeout_s=400, request_timeout_s=400)
+    cfg = RolloutConfig(
+        num_engines=1, max_model_len=256, max_concurrent_requests=16, startup_timeout_s=400, request_timeout_s=400
+    )
     p = EnginePool(cfg, model_dir, run_dir=tmp_path_factory.mktemp("engines"))
     try:
         await p.start()
@@ -85,7 +87,10 @@ class CopyAgent:
                                     http_client=extra_kwargs["http_client"], max_retries=0)
         msgs = list(data["messages"])
         first = await client.chat.completions.create(model="default", messages=msgs, max_tokens=6, logprobs=True)
-        msgs2 = msgs + [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "copy 3"}]
+        msgs2 = msgs + [
+            {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "copy 3"},
+        ]
         second = await client.chat.completions.create(model="default", messages=msgs2, max_tokens=6, logprobs=True)
         SEEN.append([(msgs, first), (msgs2, second)])
         return float(second.choices[0].message.content.strip() == "3")

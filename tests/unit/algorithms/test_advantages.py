@@ -21,7 +21,10 @@ from mlrl.types import Sample
 
 
 def approx(t, values, tol=1e-5):
-    assert torch.allclose(t.to(torch.float64), torch.tensor(values, dtype=torch.float64), atol=tol), (t.tolist(), values)
+    assert torch.allclose(t.to(torch.float64), torch.tensor(values, dtype=torch.float64), atol=tol), (
+        t.tolist(),
+        values,
+    )
 
 
 # group "a" = [1, 0, 0, 1]: mean 0.5, unbiased var = 4 * 0.25 / 3 = 1/3, std = 0.577350

@@ -8,7 +8,14 @@ from mlrl.types import Sample
 
 def _s(reward, group, n_resp=1):
     n = 1 + n_resp
-    return Sample(tokens=[0] * n, loss_mask=[0] + [1] * n_resp, rollout_logprobs=[0.0] * n, versions=[-1] + [0] * n_resp, reward=reward, group_id=group)
+    return Sample(
+        tokens=[0] * n,
+        loss_mask=[0] + [1] * n_resp,
+        rollout_logprobs=[0.0] * n,
+        versions=[-1] + [0] * n_resp,
+        reward=reward,
+        group_id=group,
+    )
 
 
 def test_filter_groups_drops_flat_groups_and_keeps_order():

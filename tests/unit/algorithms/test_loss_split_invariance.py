@@ -36,8 +36,14 @@ def _step():
             mask[-2] = 0  # a non-policy token inside the response (multi-turn)
         rollout = torch.where(torch.tensor(mask) > 0, -torch.rand(n, generator=g) * 2, torch.zeros(n))
         samples.append(
-            Sample(tokens=torch.randint(1, 50, (n,), generator=g).tolist(), loss_mask=mask, rollout_logprobs=rollout.tolist(),
-                   versions=[0] * n, advantage=float(torch.randn(1, generator=g)), prompt_len=p)
+            Sample(
+                tokens=torch.randint(1, 50, (n,), generator=g).tolist(),
+                loss_mask=mask,
+                rollout_logprobs=rollout.tolist(),
+                versions=[0] * n,
+                advantage=float(torch.randn(1, generator=g)),
+                prompt_len=p,
+            )
         )
         old.append(rollout + 0.05 * torch.randn(n, generator=g))
         ref.append(rollout + 0.1 * torch.randn(n, generator=g))
@@ -51,7 +57,9 @@ SAMPLES, OLD, REF, LP0, ENT0 = _step()
 
 def _run(cfg, split):
     dp, budget, pad = split
-    packed, _ = pack_step(SAMPLES, dp_size=dp, token_budget=budget, loss_agg=cfg.loss_agg, pad_multiple=pad, norm_len=NORM_LEN)
+    packed, _ = pack_step(
+        SAMPLES, dp_size=dp, token_budget=budget, loss_agg=cfg.loss_agg, pad_multiple=pad, norm_len=NORM_LEN
+    )
     mbs = [mb for rank in packed for mb in rank]
     attach_per_sample(mbs, "old_logprobs", OLD)
     attach_per_sample(mbs, "ref_logprobs", REF)
@@ -69,11 +77,20 @@ def _run(cfg, split):
 
 
 CONFIGS = [
-    AlgorithmConfig(policy_loss=pl, loss_agg=agg, kl_coef=0.05, entropy_coef=0.01, rollout_is=ris, eps_clip=0.2, eps_clip_high=0.28)
+    AlgorithmConfig(
+        policy_loss=pl, loss_agg=agg, kl_coef=0.05, entropy_coef=0.01, rollout_is=ris, eps_clip=0.2, eps_clip_high=0.28
+    )
     for pl, agg, ris in itertools.product(["ppo", "dual_clip", "gspo"], AGGS, ["none"])
 ] + [
-    AlgorithmConfig(policy_loss=pl, loss_agg="token-mean", rollout_is=ris, rollout_is_cap=1.05, kl_coef=0.05, kl_estimator=est)
-    for pl, ris, est in [("ppo", "tis", "k1"), ("ppo", "mis_token", "k2"), ("gspo", "mis_seq", "k3"), ("dual_clip", "mis_seq", "k3")]
+    AlgorithmConfig(
+        policy_loss=pl, loss_agg="token-mean", rollout_is=ris, rollout_is_cap=1.05, kl_coef=0.05, kl_estimator=est
+    )
+    for pl, ris, est in [
+        ("ppo", "tis", "k1"),
+        ("ppo", "mis_token", "k2"),
+        ("gspo", "mis_seq", "k3"),
+        ("dual_clip", "mis_seq", "k3"),
+    ]
 ]
 
 

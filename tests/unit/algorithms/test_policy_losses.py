@@ -20,7 +20,10 @@ def leaf(values):
 
 
 def close(t, values, tol=1e-6):
-    assert torch.allclose(t.detach().to(torch.float64), torch.tensor(values, dtype=torch.float64), atol=tol), (t.tolist(), values)
+    assert torch.allclose(t.detach().to(torch.float64), torch.tensor(values, dtype=torch.float64), atol=tol), (
+        t.tolist(),
+        values,
+    )
 
 
 def test_ppo_clip_hand_computed():
@@ -30,7 +33,13 @@ def test_ppo_clip_hand_computed():
     # t2 r=1.1 A=-1: max( 1.1,  1.1) =  1.1 (grad -A r = 1.1)
     # t3 r=0.7 A=-1: max( 0.7,  0.8) =  0.8 (clipped, grad 0)
     lp = leaf([LN(1.5), LN(0.5), LN(1.1), LN(0.7), 1e4])
-    out = ppo_clip_loss(lp, torch.zeros(5, dtype=torch.float64), torch.tensor([1.0, 1, -1, -1, 5]), torch.tensor([1, 1, 1, 1, 0]), eps_low=0.2)
+    out = ppo_clip_loss(
+        lp,
+        torch.zeros(5, dtype=torch.float64),
+        torch.tensor([1.0, 1, -1, -1, 5]),
+        torch.tensor([1, 1, 1, 1, 0]),
+        eps_low=0.2,
+    )
     close(out.loss, [-1.2, -0.5, 1.1, 0.8, 0])
     close(out.clipped, [1, 0, 0, 1, 0])
     close(out.ratio, [1.5, 0.5, 1.1, 0.7, 0])
@@ -40,7 +49,14 @@ def test_ppo_clip_hand_computed():
 
 def test_clip_higher_is_asymmetric():
     # eps_low .2, eps_high .28: r=1.5 A=+1 -> -1.28 ; r=.7 A=-1 -> still clipped at .8
-    out = ppo_clip_loss(leaf([LN(1.5), LN(0.7)]), torch.zeros(2, dtype=torch.float64), torch.tensor([1.0, -1.0]), torch.ones(2), 0.2, 0.28)
+    out = ppo_clip_loss(
+        leaf([LN(1.5), LN(0.7)]),
+        torch.zeros(2, dtype=torch.float64),
+        torch.tensor([1.0, -1.0]),
+        torch.ones(2),
+        0.2,
+        0.28,
+    )
     close(out.loss, [-1.28, 0.8])
 
 
@@ -50,7 +66,9 @@ def test_dual_clip_hand_computed():
     # t1 r=2.5 A=-1: ppo 2.5 < 3 -> 2.5 (grad -A r = 2.5)
     # t2 r=4   A=+1: dual-clip does not apply: max(-4, -1.2) = -1.2
     lp = leaf([LN(4.0), LN(2.5), LN(4.0)])
-    out = ppo_clip_loss(lp, torch.zeros(3, dtype=torch.float64), torch.tensor([-1.0, -1.0, 1.0]), torch.ones(3), 0.2, dual_clip_c=3.0)
+    out = ppo_clip_loss(
+        lp, torch.zeros(3, dtype=torch.float64), torch.tensor([-1.0, -1.0, 1.0]), torch.ones(3), 0.2, dual_clip_c=3.0
+    )
     close(out.loss, [3.0, 2.5, -1.2])
     close(out.dual_clipped, [1, 0, 0])
     out.loss.sum().backward()
@@ -82,7 +100,9 @@ def test_gspo_gradient_matches_paper_with_seq_mean_token_mean():
     # s = exp(.3) = 1.349859, |y| = 2, A = 1 -> each token -0.674929
     seg = segment_index(torch.tensor([0, 3], dtype=torch.int32), 3)
     lp = leaf([0.0, 0.2, 0.4])
-    out = gspo_loss(lp, torch.zeros(3, dtype=torch.float64), torch.tensor([0.0, 1, 1]), torch.tensor([0, 1, 1]), seg, 1, 0.5)
+    out = gspo_loss(
+        lp, torch.zeros(3, dtype=torch.float64), torch.tensor([0.0, 1, 1]), torch.tensor([0, 1, 1]), seg, 1, 0.5
+    )
     (out.loss.sum() / 2).backward()
     close(lp.grad, [0, -0.674929, -0.674929])
 
@@ -199,7 +219,17 @@ def test_make_loss_fn_errors_name_what_is_missing():
 
 def test_metric_reductions():
     assert [metric_reduction(k) for k in ("kl", "ratio_max", "ratio_min")] == ["sum", "max", "min"]
-    a = {"kl": torch.tensor(1.0), "n_tokens": torch.tensor(2.0), "ratio_max": torch.tensor(1.5), "ratio_min": torch.tensor(float("inf"))}
-    b = {"kl": torch.tensor(2.0), "n_tokens": torch.tensor(4.0), "ratio_max": torch.tensor(1.2), "ratio_min": torch.tensor(0.9)}
+    a = {
+        "kl": torch.tensor(1.0),
+        "n_tokens": torch.tensor(2.0),
+        "ratio_max": torch.tensor(1.5),
+        "ratio_min": torch.tensor(float("inf")),
+    }
+    b = {
+        "kl": torch.tensor(2.0),
+        "n_tokens": torch.tensor(4.0),
+        "ratio_max": torch.tensor(1.2),
+        "ratio_min": torch.tensor(0.9),
+    }
     f = finalize_loss_metrics(combine_loss_metrics([a, b]))
     assert f == pytest.approx({"kl": 0.5, "n_tokens": 6.0, "ratio_max": 1.5, "ratio_min": 0.9})

@@ -20,7 +20,10 @@ SEG = segment_index(torch.tensor([0, 3, 6], dtype=torch.int32), 7)
 
 
 def close(t, values, tol=1e-6):
-    assert torch.allclose(t.to(torch.float64), torch.tensor(values, dtype=torch.float64), atol=tol), (t.tolist(), values)
+    assert torch.allclose(t.to(torch.float64), torch.tensor(values, dtype=torch.float64), atol=tol), (
+        t.tolist(),
+        values,
+    )
 
 
 def test_tis_truncates_at_cap():

@@ -54,7 +54,9 @@ def test_unclipped_value_loss_differs_and_ignores_old_values():
 
 def test_wide_clip_range_equals_unclipped():
     mb, v = micro_batch()
-    assert float(make_value_loss_fn(100.0)(mb, v)[0].detach()) == pytest.approx(float(make_value_loss_fn(0.0)(mb, v)[0].detach()), abs=1e-7)
+    assert float(make_value_loss_fn(100.0)(mb, v)[0].detach()) == pytest.approx(
+        float(make_value_loss_fn(0.0)(mb, v)[0].detach()), abs=1e-7
+    )
 
 
 def test_loss_adds_up_over_a_split():

@@ -8,8 +8,19 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mlrl.bridge import (BridgeError, HFCheckpoint, check_layout, global_name, padded_vocab_size, rank_experts, shard,
-                         spec_for, stage_layers, supported_model_types, unshard)
+from mlrl.bridge import (
+    BridgeError,
+    HFCheckpoint,
+    check_layout,
+    global_name,
+    padded_vocab_size,
+    rank_experts,
+    shard,
+    spec_for,
+    stage_layers,
+    supported_model_types,
+    unshard,
+)
 from mlrl.modelzoo import PRESETS, hf_config_dict
 
 TINY = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe"]
@@ -50,14 +61,20 @@ def test_hf_shapes_match_the_materialised_checkpoint(name):
     spec, arch = spec_for(_hf(name))
     ckpt = HFCheckpoint(resolve_model_dir(f"builtin:{name}"))
     ckpt.check(spec, arch)
-    assert {n: i.shape for n, i in ckpt.tensors.items() if not spec.ignorable_hf_tensor(arch, n)} == spec.hf_shapes(arch)
+    assert {n: i.shape for n, i in ckpt.tensors.items() if not spec.ignorable_hf_tensor(arch, n)} == spec.hf_shapes(
+        arch
+    )
 
 
 def test_arch_fields():
     hf = _hf("tiny-llama")
     _, llama = spec_for(hf)
     assert (llama.tie_embeddings, llama.qkv_bias, llama.qk_norm) == (True, False, False)
-    assert (llama.num_kv_heads, llama.head_dim, llama.hidden_size) == (hf["num_key_value_heads"], hf["head_dim"], hf["hidden_size"])
+    assert (llama.num_kv_heads, llama.head_dim, llama.hidden_size) == (
+        hf["num_key_value_heads"],
+        hf["head_dim"],
+        hf["hidden_size"],
+    )
     _, qwen2 = spec_for(_hf("tiny-qwen2"))
     assert qwen2.qkv_bias and not qwen2.tie_embeddings
     _, qwen3 = spec_for(_hf("tiny-qwen3"))
@@ -164,11 +181,16 @@ def test_pipeline_and_expert_layout():
     with pytest.raises(BridgeError, match="must divide num_hidden_layers=5"):
         stage_layers(5, 2, 0)
     assert rank_experts(8, 4, 3) == [6, 7]
-    assert global_name("module.decoder.layers.1.mlp.experts.local_experts.0.linear_fc2.weight", [4, 5], expert_offset=2) == \
-        "decoder.layers.5.mlp.experts.local_experts.2.linear_fc2.weight"
+    assert (
+        global_name("module.decoder.layers.1.mlp.experts.local_experts.0.linear_fc2.weight", [4, 5], expert_offset=2)
+        == "decoder.layers.5.mlp.experts.local_experts.2.linear_fc2.weight"
+    )
     assert global_name("decoder.layers.0.mlp.experts.linear_fc1.weight1", [3], expert_offset=4) == \
         "decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.weight"
-    assert global_name("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight", [7]) == "decoder.layers.7.input_layernorm.weight"
+    assert (
+        global_name("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight", [7])
+        == "decoder.layers.7.input_layernorm.weight"
+    )
     assert global_name("embedding.word_embeddings.weight", [0]) == "embedding.word_embeddings.weight"
 
 
@@ -226,6 +248,10 @@ def test_checkpoint_validation(tmp_path):
     from mlrl.bridge import ModelArch
 
     f, h = arch.ffn_hidden_size, arch.hidden_size
-    with pytest.raises(BridgeError, match=rf"a.safetensors: tensor 'model.layers.0.mlp.gate_proj.weight' has shape \[{f}, {h}\], config.json implies \[{2 * f}, {h}\]"):
+    with pytest.raises(
+        BridgeError,
+        match=rf"a.safetensors: tensor 'model.layers.0.mlp.gate_proj.weight' has shape \[{f}, {h}\], "
+        rf"config.json implies \[{2 * f}, {h}\]",
+    ):
         ckpt = HFCheckpoint(tmp_path)
         ckpt.check(spec, ModelArch(**bad))

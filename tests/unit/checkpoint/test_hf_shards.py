@@ -30,13 +30,19 @@ def test_two_stage_writers_make_one_loadable_folder(tmp_path):
             w.add(items[i:i + 2])
         maps.append(json.loads(json.dumps(w.close())))  # shard maps cross processes as JSON
     assert all(len(m) > 1 for m in maps)
-    finalize_hf_folder(tmp, out, maps, src, expected_names=[k for k, _ in model.state_dict().items() if k != "lm_head.weight"])
+    finalize_hf_folder(
+        tmp, out, maps, src, expected_names=[k for k, _ in model.state_dict().items() if k != "lm_head.weight"]
+    )
     index = json.loads((out / INDEX_FILE).read_text())
     n = len(sum((list(m) for m in maps), []))
-    assert sorted(set(index["weight_map"].values())) == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    assert sorted(set(index["weight_map"].values())) == [
+        f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)
+    ]
     assert (out / "config.json").read_text() == (src / "config.json").read_text()
     assert not tmp.exists()
-    assert oct(os.stat(out / "model-00001-of-{:05d}.safetensors".format(n)).st_mode & 0o044) == oct(0o044)  # not owner-only
+    assert oct(os.stat(out / "model-00001-of-{:05d}.safetensors".format(n)).st_mode & 0o044) == oct(
+        0o044
+    )  # not owner-only
     back = transformers.AutoModelForCausalLM.from_pretrained(out)
     ids = torch.tensor([[5, 6, 7, 8]])
     assert torch.equal(back(ids).logits, model(ids).logits)

@@ -43,7 +43,14 @@ def test_disaggregated_two_nodes():
 def test_trainer_spanning_nodes_gets_local_ranks_per_node():
     plan = plan_for("cluster.nodes=2", "cluster.gpus_per_node=4", "rollout.num_engines=1", "rollout.engine_tp=2")
     a = assign(plan, fake_nodes(plan))
-    assert [(w.rank, w.node, w.local_rank) for w in a.trainers] == [(0, 0, 0), (1, 0, 1), (2, 0, 2), (3, 0, 3), (4, 1, 0), (5, 1, 1)]
+    assert [(w.rank, w.node, w.local_rank) for w in a.trainers] == [
+        (0, 0, 0),
+        (1, 0, 1),
+        (2, 0, 2),
+        (3, 0, 3),
+        (4, 1, 0),
+        (5, 1, 1),
+    ]
     assert a.trainers[5].env["LOCAL_WORLD_SIZE"] == "2" and a.trainers[5].env["CUDA_VISIBLE_DEVICES"] == "0,1"
     assert a.trainers[5].env["WORLD_SIZE"] == "6" and a.engines[0].bundles == (2, 3)
 

@@ -20,7 +20,13 @@ def _placement(*overrides):
 def test_cpu_run_places_nothing():
     cfg = load_config(ROOT / "launch" / "cpu_default.yaml")
     p = local_placement(cfg, validate(cfg, has_cuda=False))
-    assert (p.trainer_env, p.engine_devices, p.spawn_trainer, p.engine_server, p.host) == ({}, None, None, None, "127.0.0.1")
+    assert (p.trainer_env, p.engine_devices, p.spawn_trainer, p.engine_server, p.host) == (
+        {},
+        None,
+        None,
+        None,
+        "127.0.0.1",
+    )
 
 
 def test_disaggregated_split(monkeypatch):
@@ -41,6 +47,8 @@ def test_split_maps_through_the_callers_visible_devices(monkeypatch):
 
 def test_colocated_engines_share_the_trainer_gpus(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    p = _placement("cluster.placement=colocated", "rollout.num_engines=4", "rollout.engine_tp=2", "parallel.tp=2", "parallel.pp=1")
+    p = _placement(
+        "cluster.placement=colocated", "rollout.num_engines=4", "rollout.engine_tp=2", "parallel.tp=2", "parallel.pp=1"
+    )
     assert p.trainer_env == {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
     assert p.engine_devices == [[0, 1], [2, 3], [4, 5], [6, 7]]

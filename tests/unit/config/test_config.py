@@ -1,12 +1,24 @@
 """Config loading, overrides and validation: each bad config fails with its own one-line message."""
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from mlrl.config import ConfigError, dump_yaml, load_config, validate
+from mlrl.config import (
+    ConfigError,
+    CriticConfig,
+    OptimizerConfig,
+    TrainerConfig,
+    config_from_yaml,
+    dump_yaml,
+    load_config,
+    resolve_layout,
+    validate,
+)
+from mlrl.config.loader import REMOVED
 
 ROOT = Path(__file__).resolve().parents[3]
 DEFAULT = ROOT / "launch" / "cpu_default.yaml"
@@ -24,28 +36,116 @@ def test_default_recipe_validates():
     assert layout.dp == 1 and layout.trainer_devices == 1
 
 
-def test_dp_derived_from_world_size():
-    layout = validate(load_config(DEFAULT, ["trainer.world_size=2"]), has_cuda=False)
-    assert layout.dp == 2
+def test_dp_derived_from_trainer_devices():
+    layout = validate(load_config(DEFAULT, ["cluster.trainer_devices=2"]), has_cuda=False)
+    assert layout.dp == 2 and layout.trainer_devices == 2
+    layout = validate(load_config(DEFAULT, ["cluster.trainer_devices=4", "parallel.pp=2"]), has_cuda=False)
+    assert (layout.pp, layout.dp, layout.trainer_devices) == (2, 2, 4)
+    # CPU without trainer_devices: tp*pp*cp ranks, dp = 1
+    layout = validate(load_config(DEFAULT, ["parallel.pp=2"]), has_cuda=False)
+    assert (layout.dp, layout.trainer_devices) == (1, 2)
+
+
+@pytest.mark.parametrize("overrides,devices,dp", [
+    (["cluster.gpus_per_node=8", "rollout.num_engines=2", "rollout.engine_tp=2", "parallel.tp=2"], 4, 2),
+    (["cluster.gpus_per_node=8", "cluster.placement=colocated", "parallel.tp=2"], 8, 4),
+    (["cluster.gpus_per_node=8", "cluster.trainer_devices=2", "parallel.tp=2"], 2, 1),
+])
+def test_gpu_trainer_devices_derived_from_the_cluster(overrides, devices, dp):
+    layout = resolve_layout(load_config(DEFAULT, overrides))
+    assert (layout.trainer_devices, layout.dp) == (devices, dp)
+
+
+def test_precision_follows_model_dtype():
+    assert [load_config(DEFAULT, [f"model.dtype={d}"]).model.precision for d in ("float32", "bfloat16", "float16")] \
+        == ["fp32", "bf16", "fp16"]
+    assert "precision" not in dump_yaml(load_config(DEFAULT))  # derived: not a config key
+
+
+def test_optimizer_fields_declared_once_for_trainer_and_critic():
+    shared = {f.name for f in dataclasses.fields(OptimizerConfig)}
+    assert shared == {"lr", "min_lr", "lr_schedule", "weight_decay", "grad_clip"}
+    assert issubclass(TrainerConfig, OptimizerConfig) and issubclass(CriticConfig, OptimizerConfig)
+    # same defaults and same YAML keys as before the fields were shared
+    for cls in (TrainerConfig, CriticConfig):
+        c = cls()
+        assert (c.lr, c.min_lr, c.lr_schedule, c.weight_decay, c.grad_clip) == (1e-5, 0.0, "constant", 0.0, 1.0)
+    cfg = load_config(DEFAULT, ["trainer.weight_decay=0.1", "critic.weight_decay=0.2", "critic.lr_schedule=cosine",
+                                "critic.grad_clip=0.5", "trainer.min_lr=1e-7"])
+    assert (cfg.trainer.weight_decay, cfg.critic.weight_decay, cfg.critic.lr_schedule) == (0.1, 0.2, "cosine")
+    assert cfg.critic.lr == pytest.approx(2e-3) and cfg.trainer.lr == pytest.approx(4e-3)
+    text = dump_yaml(cfg)
+    assert "weight_decay: 0.1" in text and "weight_decay: 0.2" in text and "lr_warmup_steps: 0" in text
+    assert config_from_yaml(text) == cfg  # inherited fields survive dump -> load (trainer ranks get the config so)
+    with pytest.raises(
+        ConfigError, match=r"critic.lr_schedule: got 'cosin', expected one of .* \(did you mean 'cosine"
+    ):
+        load_config(DEFAULT, ["critic.lr_schedule=cosin"])
+
+
+REMOVED_NAMES = [
+    ("trainer", "world_size", 4,
+     "trainer.world_size was removed: set cluster.trainer_devices (the number of trainer ranks)"),
+    ("parallel", "dp", 2,
+     "parallel.dp was removed: the data-parallel size is derived as cluster.trainer_devices / (tp*pp*cp); "
+     "set cluster.trainer_devices=N"),
+    ("trainer", "precision", "bf16",
+     "trainer.precision was removed: set model.dtype (float32|bfloat16|float16), the trainer's precision follows it"),
+]
+
+
+@pytest.mark.parametrize("section,key,value,message", REMOVED_NAMES, ids=[f"{r[0]}.{r[1]}" for r in REMOVED_NAMES])
+def test_removed_name_points_at_the_new_one(tmp_path, section, key, value, message):
+    with pytest.raises(ConfigError) as ei:  # dotted override
+        load_config(DEFAULT, [f"{section}.{key}={value}"])
+    assert str(ei.value) == message
+    recipe = tmp_path / "old.yaml"  # YAML recipe
+    recipe.write_text(f"model: {{dtype: float32}}\n{section}:\n  {key}: {value}\n")
+    with pytest.raises(ConfigError) as ei:
+        load_config(recipe)
+    assert str(ei.value) == message
+    assert set(REMOVED) == {f"{s}.{k}" for s, k, _, _ in REMOVED_NAMES}
+    # the CLI fails before anything starts, exit code 2, with the same message
+    out = subprocess.run([sys.executable, "-m", "mlrl.launch", "--config", str(recipe), "--dry-run"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 2 and out.stderr.strip() == f"config error: {message}", out.stderr
 
 
 BAD = [
     (["trainer.lrr=1"], "unknown config key 'trainer.lrr' (did you mean 'trainer.lr'?)"),
     (["trainr.lr=1"], "unknown config key 'trainr' (did you mean 'trainer'?)"),
     (["parallel.tp=two"], "parallel.tp: got 'two' (str), expected an integer"),
+    (["parallel.vpp=x"], "parallel.vpp: got 'x' (str), expected an integer"),  # Optional[int]
+    (["critic.value_clip=abc"], "critic.value_clip: got 'abc' (str), expected a number"),  # in Optional[CriticConfig]
     (["trainer.lr=-1"], "trainer.lr: got -1.0, expected > 0"),
     (["rollout.sampling.top_p=1.5"], "rollout.sampling.top_p: got 1.5, expected in (0, 1]"),
-    (["trainer.world_size=3", "parallel.tp=2"], "does not divide the trainer's 3 devices"),
-    (["trainer.world_size=4", "parallel.tp=2", "parallel.dp=3"], "tp*pp*cp*dp = 2*3 = 6 does not equal the trainer's 4 devices"),
-    (["trainer.world_size=3", "parallel.tp=3"], "parallel.tp=3 must divide the model's num_attention_heads=4"),
-    (["trainer.world_size=4", "parallel.tp=4"], "parallel.tp=4 must divide the model's num_key_value_heads=2"),
-    (["trainer.world_size=3", "parallel.pp=3"], "parallel.pp=3 must divide the model's num_hidden_layers=2"),
-    (["trainer.world_size=2", "parallel.pp=2", "parallel.pp_layer_split=[1,2]"], "must be positive and sum to num_hidden_layers=2"),
-    (["model.hf_dir=builtin:tiny-qwen3-moe", "trainer.world_size=3", "parallel.ep=3"], "parallel.ep=3 must divide the model's num_experts=4"),
-    (["parallel.ep=2", "trainer.world_size=2"], "parallel.ep=2 but the model"),
+    (
+        ["cluster.trainer_devices=3", "parallel.tp=2"],
+        "parallel: tp*pp*cp = 2*1*1 = 2 does not divide the trainer's 3 devices (cluster.trainer_devices); the "
+        "data-parallel",
+    ),
+    (
+        ["cluster.nodes=2", "cluster.gpus_per_node=4", "rollout.num_engines=3", "parallel.tp=2"],
+        "does not divide the trainer's 5 devices (disaggregated: the GPUs left after the engines)",
+    ),
+    (["cluster.trainer_devices=0"], "cluster.trainer_devices: got 0, expected >= 1"),
+    (["model.dtype=float16"], "model.dtype=float16 (trainer precision fp16) is GPU only"),
+    (["model.dtype=fp16"], "model.dtype: got 'fp16', expected one of 'float32', 'bfloat16', 'float16'"),
+    (["cluster.trainer_devices=3", "parallel.tp=3"], "parallel.tp=3 must divide the model's num_attention_heads=4"),
+    (["cluster.trainer_devices=4", "parallel.tp=4"], "parallel.tp=4 must divide the model's num_key_value_heads=2"),
+    (["cluster.trainer_devices=3", "parallel.pp=3"], "parallel.pp=3 must divide the model's num_hidden_layers=2"),
+    (
+        ["cluster.trainer_devices=2", "parallel.pp=2", "parallel.pp_layer_split=[1,2]"],
+        "must be positive and sum to num_hidden_layers=2",
+    ),
+    (
+        ["model.hf_dir=builtin:tiny-qwen3-moe", "cluster.trainer_devices=3", "parallel.ep=3"],
+        "parallel.ep=3 must divide the model's num_experts=4",
+    ),
+    (["parallel.ep=2", "cluster.trainer_devices=2"], "parallel.ep=2 but the model"),
     (["trainer.fp8_recipe=delayed"], "trainer.fp8_recipe='delayed' needs GPUs"),
     (["trainer.fp8_recipe=fp4"], "trainer.fp8_recipe: got 'fp4', expected one of"),
-    (["parallel.cp=2", "trainer.world_size=2"], "parallel.cp=2: context parallel needs GPUs"),
+    (["parallel.cp=2", "cluster.trainer_devices=2"], "parallel.cp=2: context parallel needs GPUs"),
     (["rollout.staleness=-1"], "rollout.staleness: got -1, expected >= 0"),
     (["mode=async", "rollout.staleness=1"], "needs importance-sampling correction"),
     (["model.hf_dir=/nonexistent/model"], "model.hf_dir: folder '/nonexistent/model' does not exist"),
@@ -54,29 +154,64 @@ BAD = [
     (["cluster.gpus_per_node=8"], "this machine has no CUDA device"),
     (["trainer.deterministic=maybe"], "trainer.deterministic: got 'maybe', expected true or false"),
     (["rollout.sampling.max_new_tokens=1000"], "exceeds the model's max_position_embeddings=256"),
-    (["model.hf_dir=builtin:tiny-qwen3-moe", "trainer.world_size=2", "parallel.tp=2"], "needs parallel.sequence_parallel=true"),
-    (["trainer.world_size=2", "parallel.pp=2", "parallel.vpp=2"], "virtual pipeline stages are GPU only"),
+    (
+        ["model.hf_dir=builtin:tiny-qwen3-moe", "cluster.trainer_devices=2", "parallel.tp=2"],
+        "needs parallel.sequence_parallel=true",
+    ),
+    (["cluster.trainer_devices=2", "parallel.pp=2", "parallel.vpp=2"], "virtual pipeline stages are GPU only"),
     (["checkpoint.async_save=true"], "checkpoint.async_save needs GPUs"),
-    (["trainer.warmup_steps=5", "trainer.total_steps=5"], "trainer.warmup_steps=5 must be smaller than the optimizer updates"),
-    (["trainer.warmup_steps=10", "trainer.total_steps=5", "trainer.epochs_per_step=2"], "(trainer.total_steps * mini_batches_per_step * epochs_per_step = 10)"),
+    (
+        ["trainer.warmup_steps=5", "trainer.total_steps=5"],
+        "trainer.warmup_steps=5 must be smaller than the optimizer updates",
+    ),
+    (
+        ["trainer.warmup_steps=10", "trainer.total_steps=5", "trainer.epochs_per_step=2"],
+        "(trainer.total_steps * mini_batches_per_step * epochs_per_step = 10)",
+    ),
     (["algorithm.advantage=gae", "critic=null"], "algorithm.advantage=gae needs a critic: add a `critic:` section"),
     (["algorithm.advantage=gae", "critic.lr=0"], "critic.lr: got 0.0, expected > 0"),
-    (["algorithm.advantage=gae", "critic.warmup_steps=10", "trainer.total_steps=10"], "critic.warmup_steps=10 (critic-only RL steps) must be smaller"),
-    (["algorithm.advantage=gae", "critic.value_clip=-1"], "critic.grad_clip / weight_decay / value_clip: expected >= 0"),
-    (["algorithm.advantage=gae", "critic.hf_dir=builtin:smollm2-135m-instruct"], "critic.hf_dir: vocab_size 49152 differs"),
-    (["trainer.prompts_per_step=6", "trainer.mini_batches_per_step=4"], "trainer.mini_batches_per_step=4 must divide the prompt groups of a step"),
+    (
+        ["algorithm.advantage=gae", "critic.warmup_steps=10", "trainer.total_steps=10"],
+        "critic.warmup_steps=10 (critic-only RL steps) must be smaller",
+    ),
+    (
+        ["algorithm.advantage=gae", "critic.value_clip=-1"],
+        "critic.grad_clip / weight_decay / value_clip: expected >= 0",
+    ),
+    (
+        ["algorithm.advantage=gae", "critic.hf_dir=builtin:smollm2-135m-instruct"],
+        "critic.hf_dir: vocab_size 49152 differs",
+    ),
+    (
+        ["trainer.prompts_per_step=6", "trainer.mini_batches_per_step=4"],
+        "trainer.mini_batches_per_step=4 must divide the prompt groups of a step",
+    ),
     (["trainer.epochs_per_step=0"], "trainer.epochs_per_step: got 0, expected >= 1"),
-    (["algorithm.rollout_is=icepop", "algorithm.icepop_low=2", "algorithm.icepop_high=0.5"], "algorithm.icepop_low / icepop_high: got [2.0, 0.5]"),
+    (
+        ["algorithm.rollout_is=icepop", "algorithm.icepop_low=2", "algorithm.icepop_high=0.5"],
+        "algorithm.icepop_low / icepop_high: got [2.0, 0.5]",
+    ),
     (["algorithm.rollout_is=icepop", "algorithm.icepop_low=0"], "algorithm.icepop_low / icepop_high: got [0.0, 5.0]"),
     (["eval.samples_per_prompt=0"], "eval.samples_per_prompt: got 0, expected >= 1"),
     (["algorithm.dynamic_sampling.max_rounds=0"], "algorithm.dynamic_sampling.max_rounds: got 0, expected >= 1"),
     (["algorithm.dynamic_sampling=true"], "algorithm.dynamic_sampling: expected a mapping of fields"),
-    (["algorithm.advantage=rloo", "algorithm.std_normalize=false"], "algorithm.std_normalize=false has no effect with algorithm.advantage='rloo'"),
-    (["algorithm.use_rollout_logprobs=true", "algorithm.rollout_is=tis"], "algorithm.use_rollout_logprobs=true makes the behaviour logprobs"),
-    (["cluster.nodes=2", "cluster.gpus_per_node=8", "cluster.join_timeout_s=0"], "cluster.join_timeout_s: got 0.0, expected > 0 (seconds)"),
+    (
+        ["algorithm.advantage=rloo", "algorithm.std_normalize=false"],
+        "algorithm.std_normalize=false has no effect with algorithm.advantage='rloo'",
+    ),
+    (
+        ["algorithm.use_rollout_logprobs=true", "algorithm.rollout_is=tis"],
+        "algorithm.use_rollout_logprobs=true makes the behaviour logprobs",
+    ),
+    (
+        ["cluster.nodes=2", "cluster.gpus_per_node=8", "cluster.join_timeout_s=0"],
+        "cluster.join_timeout_s: got 0.0, expected > 0 (seconds)",
+    ),
     (["cluster.nodes=2"], "cluster.nodes=2 needs cluster.gpus_per_node >= 1"),
-    (["cluster.nodes=2", "cluster.gpus_per_node=8", "cluster.placement=colocated", "weight_sync.transport=cuda_ipc"],
-     "cluster.nodes=2 puts engines on other nodes: use weight_sync.transport=broadcast"),
+    (
+        ["cluster.nodes=2", "cluster.gpus_per_node=8", "cluster.placement=colocated", "weight_sync.transport=cuda_ipc"],
+        "cluster.nodes=2 puts engines on other nodes: use weight_sync.transport=broadcast",
+    ),
 ]
 
 
@@ -101,15 +236,23 @@ def test_missing_model_config_json(tmp_path):
 
 
 def test_print_config_cli():
-    out = subprocess.run([sys.executable, "-m", "mlrl.launch", "--config", str(DEFAULT), "trainer.lr=0.5", "--print-config"],
-                         capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-m", "mlrl.launch", "--config", str(DEFAULT), "trainer.lr=0.5", "--print-config"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr
     assert "lr: 0.5" in out.stdout and "hf_dir: builtin:tiny-llama" in out.stdout
 
 
 def test_cli_bad_config_exit_code():
-    out = subprocess.run([sys.executable, "-m", "mlrl.launch", "parallel.tp=3", "trainer.world_size=3", "--print-config"],
-                         capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-m", "mlrl.launch", "parallel.tp=3", "cluster.trainer_devices=3", "--print-config"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert out.returncode == 2
     assert "config error: parallel.tp=3 must divide" in out.stderr
 

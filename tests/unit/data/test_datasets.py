@@ -6,7 +6,15 @@ import re
 
 import pytest
 
-from mlrl.data import DatasetError, RLDataset, SFTDataset, get_dataset, list_datasets, register_dataset, tokenize_messages
+from mlrl.data import (
+    DatasetError,
+    RLDataset,
+    SFTDataset,
+    get_dataset,
+    list_datasets,
+    register_dataset,
+    tokenize_messages,
+)
 from mlrl.data.gsm8k import gsm8k_dir
 from mlrl.data.synthetic import TASKS, generate
 from mlrl.modelzoo import SPECIALS, WORDS
@@ -29,17 +37,31 @@ ROW = {"messages": [{"role": "user", "content": "copy 7"}], "answer": "007", "le
 
 
 def test_jsonl_rows_keep_answers_and_metadata_exactly(tmp_path):
-    p = write_jsonl(tmp_path / "d.jsonl", [ROW, {"question": "copy 2", "answer": 2}, {"prompt": "copy 3", "answer": "3"}])
+    p = write_jsonl(
+        tmp_path / "d.jsonl", [ROW, {"question": "copy 2", "answer": 2}, {"prompt": "copy 3", "answer": "3"}]
+    )
     ds = get_dataset(str(p))
     assert isinstance(ds, RLDataset) and len(ds) == 3
-    assert ds[0] == ROW                               # "007" stays a string, metadata kept
-    assert ds[1]["messages"] == [{"role": "user", "content": "copy 2"}] and ds[1]["answer"] == 2 and ds[1]["question"] == "copy 2"
+    assert ds[0] == ROW  # "007" stays a string, metadata kept
+    assert (
+        ds[1]["messages"] == [{"role": "user", "content": "copy 2"}]
+        and ds[1]["answer"] == 2
+        and ds[1]["question"] == "copy 2"
+    )
     assert ds[2]["messages"][0]["content"] == "copy 3"
 
 
 def test_malformed_rows_name_file_and_line_or_are_counted(tmp_path):
-    p = write_jsonl(tmp_path / "bad.jsonl", [ROW], raw_lines=["", '{"messages": [}', json.dumps({"messages": []}),
-                                                           json.dumps({"messages": [{"role": "user", "content": "x"}]})])
+    p = write_jsonl(
+        tmp_path / "bad.jsonl",
+        [ROW],
+        raw_lines=[
+            "",
+            '{"messages": [}',
+            json.dumps({"messages": []}),
+            json.dumps({"messages": [{"role": "user", "content": "x"}]}),
+        ],
+    )
     with pytest.raises(DatasetError, match=re.escape(f"{p}:3: invalid JSON")):
         get_dataset(str(p))
     ds = get_dataset(str(p), skip_malformed=True)
@@ -172,7 +194,9 @@ def test_sft_masks_cover_assistant_content_only(tok, tmp_path):
     ids, mask = tokenize_messages(tok, msgs)
     assert ids == apply_chat_template(tok, msgs)
     assert tok.decode([t for t, m in zip(ids, mask) if m]) == "7 . 3 ."
-    p = write_jsonl(tmp_path / "sft.jsonl", [{"messages": msgs}, dict(ROW, answer="9"), {"prompt": "copy 4", "completion": "4"}])
+    p = write_jsonl(
+        tmp_path / "sft.jsonl", [{"messages": msgs}, dict(ROW, answer="9"), {"prompt": "copy 4", "completion": "4"}]
+    )
     ds = get_dataset(str(p), kind="sft", tokenizer=tok)
     assert isinstance(ds, SFTDataset) and len(ds) == 3
     rl_as_sft = ds[1]

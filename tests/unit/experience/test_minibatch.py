@@ -7,7 +7,10 @@ from mlrl.types import Sample
 
 
 def _samples(groups):
-    return [Sample(tokens=[1, 2], loss_mask=[0, 1], rollout_logprobs=[0.0, -1.0], versions=[0, 0], group_id=g) for g in groups]
+    return [
+        Sample(tokens=[1, 2], loss_mask=[0, 1], rollout_logprobs=[0.0, -1.0], versions=[0, 0], group_id=g)
+        for g in groups
+    ]
 
 
 def test_whole_groups_evenly():

@@ -128,7 +128,9 @@ def test_unpack_attach_round_trip_and_errors():
 def test_packing_invariants(lengths, prompts, dp_size, pad_multiple, extra, loss_agg):
     budget = (16 // pad_multiple + extra) * pad_multiple  # >= 16 >= every length, multiple of pad_multiple
     samples = [make_sample(n, n_prompt=p, seed=i) for i, (n, p) in enumerate(zip(lengths, prompts))]
-    packed, metrics = pack_step(samples, dp_size=dp_size, token_budget=budget, loss_agg=loss_agg, pad_multiple=pad_multiple)
+    packed, metrics = pack_step(
+        samples, dp_size=dp_size, token_budget=budget, loss_agg=loss_agg, pad_multiple=pad_multiple
+    )
 
     # every DP rank has the same number of micro-batches
     assert len(packed) == dp_size

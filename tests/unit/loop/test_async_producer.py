@@ -2,12 +2,13 @@
 
 import asyncio
 
+from helpers.scripted_engine import ScriptedEngine
+
 from mlrl.config import load_config
 from mlrl.data.sampler import PromptSampler
 from mlrl.loop import RunContext, _collect, _produce
 from mlrl.workflow import EpisodeRunner, build_workflow_from_config, gconfig_from_sampling, load_hf_tokenizer
 from mlrl.workflow import runner as runner_mod
-from mlrl.workflow.testing import ScriptedEngine
 
 P, N, ETA = 2, 2, 1
 
@@ -19,8 +20,19 @@ def _ctx(sampler, version=0, resume_rows=()):
     wf = build_workflow_from_config(cfg.workflow, tokenizer=tok, gconfig=gconfig_from_sampling(cfg.rollout.sampling))
     engine = ScriptedEngine(version=version)
     runner = EpisodeRunner.from_config(cfg.workflow, wf, engine)
-    return RunContext(cfg=cfg, policy=None, engines=engine, weight_sync=None, runner=runner, sampler=sampler, logger=None,
-                      checkpoint=None, version=version, resume_rows=list(resume_rows), version_changed=asyncio.Condition())
+    return RunContext(
+        cfg=cfg,
+        policy=None,
+        engines=engine,
+        weight_sync=None,
+        runner=runner,
+        sampler=sampler,
+        logger=None,
+        checkpoint=None,
+        version=version,
+        resume_rows=list(resume_rows),
+        version_changed=asyncio.Condition(),
+    )
 
 
 async def _steps(ctx, n, started):
@@ -57,7 +69,10 @@ async def test_start_rule_bound_and_resume_reissues_in_flight_rows(monkeypatch):
         return g
 
     monkeypatch.setattr(runner_mod.EpisodeRunner, "run_group", tagged)
-    rows = [{"messages": [{"role": "user", "content": f"copy {i % 10}"}], "answer": str(i % 10), "row": i} for i in range(40)]
+    rows = [
+        {"messages": [{"role": "user", "content": f"copy {i % 10}"}], "answer": str(i % 10), "row": i}
+        for i in range(40)
+    ]
     first, dropped_a, (state, in_flight_ids, in_flight) = await _steps(_ctx(PromptSampler(rows, seed=7)), 3, started)
     started_a = list(started)
     assert in_flight_ids  # the producer had run ahead when the "checkpoint" was taken

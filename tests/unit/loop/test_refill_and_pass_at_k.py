@@ -6,6 +6,7 @@ import asyncio
 import re
 
 import pytest
+from helpers.scripted_engine import ScriptedEngine
 
 from mlrl.config import load_config
 from mlrl.data.sampler import PromptSampler
@@ -13,7 +14,6 @@ from mlrl.loop import RunContext, _collect, _produce, evaluate_if_due, rollout_s
 from mlrl.metrics import Timer
 from mlrl.metrics.pass_at_k import mean_pass_at_k, pass_at_k
 from mlrl.workflow import EpisodeRunner, build_workflow_from_config, gconfig_from_sampling, load_hf_tokenizer
-from mlrl.workflow.testing import ScriptedEngine
 
 P, N = 4, 2
 ROWS = [{"messages": [{"role": "user", "content": f"copy {d}"}], "answer": str(d), "row": i}
@@ -21,8 +21,10 @@ ROWS = [{"messages": [{"role": "user", "content": f"copy {d}"}], "answer": str(d
 
 
 def _ctx(overrides, rows=ROWS):
-    cfg = load_config(None, [f"trainer.prompts_per_step={P}", f"trainer.samples_per_prompt={N}", "workflow.reward_workers=0",
-                             *overrides])
+    cfg = load_config(
+        None,
+        [f"trainer.prompts_per_step={P}", f"trainer.samples_per_prompt={N}", "workflow.reward_workers=0", *overrides],
+    )
     tok = load_hf_tokenizer("builtin:tiny-llama")
 
     def script(input_ids, call):
@@ -65,8 +67,15 @@ async def test_without_dynamic_sampling_uniform_groups_are_kept():
 
 
 async def test_async_refill_starts_one_more_prompt_per_dropped_group():
-    ctx = _ctx(["mode=async", "rollout.staleness=1", "algorithm.rollout_is=tis", "algorithm.dynamic_sampling.enabled=true",
-                "algorithm.dynamic_sampling.max_rounds=4"])
+    ctx = _ctx(
+        [
+            "mode=async",
+            "rollout.staleness=1",
+            "algorithm.rollout_is=tis",
+            "algorithm.dynamic_sampling.enabled=true",
+            "algorithm.dynamic_sampling.max_rounds=4",
+        ]
+    )
     q: asyncio.PriorityQueue = asyncio.PriorityQueue()
     prod = asyncio.create_task(_produce(ctx, q, 1))
     try:
@@ -104,6 +113,8 @@ async def test_eval_reports_pass_at_1_and_pass_at_k():
     one.eval_rows = rows
     m1 = await evaluate_if_due(one, 1, Timer())
     assert m1["eval/episodes/total"] == 4 and m1["eval/pass@k"] == m1["eval/pass@1"]
-    strict = _ctx(["data.eval_every=1", "eval.samples_per_prompt=4", "trainer.total_steps=1", "eval.correct_threshold=2.0"])
+    strict = _ctx(
+        ["data.eval_every=1", "eval.samples_per_prompt=4", "trainer.total_steps=1", "eval.correct_threshold=2.0"]
+    )
     strict.eval_rows = rows
     assert (await evaluate_if_due(strict, 1, Timer()))["eval/pass@k"] == 0.0

@@ -12,14 +12,13 @@ import types
 
 import pytest
 import torch
+from toy_trainer import ToyCritic, ToyPolicy, make_step
 
 from mlrl.algorithms.kl import kl_estimate
 from mlrl.config import load_config, validate
 from mlrl.loop import Selection
 from mlrl.metrics import Timer
 from mlrl.update import train_on
-
-from toy_trainer import ToyCritic, ToyPolicy, clone, make_step
 
 BASE = ["trainer.prompts_per_step=4", "trainer.samples_per_prompt=4", "trainer.mini_batches_per_step=2",
         "algorithm.kl_coef=0", "rollout.sampling.max_new_tokens=6", "data.max_prompt_tokens=8"]
@@ -53,7 +52,13 @@ def kl_to_ref(r) -> float:
 
 
 def entropy(r) -> float:
-    return float(torch.softmax(r.policy.table.detach(), -1).mul(torch.log_softmax(r.policy.table.detach(), -1)).sum(-1).neg().mean())
+    return float(
+        torch.softmax(r.policy.table.detach(), -1)
+        .mul(torch.log_softmax(r.policy.table.detach(), -1))
+        .sum(-1)
+        .neg()
+        .mean()
+    )
 
 
 def differs(a, b) -> bool:
@@ -62,43 +67,109 @@ def differs(a, b) -> bool:
 
 # (knob, overrides A, overrides B, check(A, B) beyond "the weights differ")
 KNOBS = [
-    ("eps_clip", ["algorithm.eps_clip=0.02"], ["algorithm.eps_clip=0.5"],
-     lambda a, b: a.m["train/clip_fraction"] > b.m["train/clip_fraction"] and a.norm < b.norm),
-    ("eps_clip_high", ["algorithm.eps_clip_high=0.02"], ["algorithm.eps_clip_high=0.8"],
-     lambda a, b: a.m["train/clip_fraction"] > b.m["train/clip_fraction"]),
-    ("dual_clip_c", ["algorithm.policy_loss=dual_clip", "algorithm.dual_clip_c=1.05"],
-     ["algorithm.policy_loss=dual_clip", "algorithm.dual_clip_c=20"],
-     lambda a, b: a.m["train/clip_fraction_dual"] > b.m["train/clip_fraction_dual"]),
-    ("policy_loss=gspo", ["algorithm.policy_loss=ppo"], ["algorithm.policy_loss=gspo", "algorithm.loss_agg=seq-mean-token-mean"], None),
+    (
+        "eps_clip",
+        ["algorithm.eps_clip=0.02"],
+        ["algorithm.eps_clip=0.5"],
+        lambda a, b: a.m["train/clip_fraction"] > b.m["train/clip_fraction"] and a.norm < b.norm,
+    ),
+    (
+        "eps_clip_high",
+        ["algorithm.eps_clip_high=0.02"],
+        ["algorithm.eps_clip_high=0.8"],
+        lambda a, b: a.m["train/clip_fraction"] > b.m["train/clip_fraction"],
+    ),
+    (
+        "dual_clip_c",
+        ["algorithm.policy_loss=dual_clip", "algorithm.dual_clip_c=1.05"],
+        ["algorithm.policy_loss=dual_clip", "algorithm.dual_clip_c=20"],
+        lambda a, b: a.m["train/clip_fraction_dual"] > b.m["train/clip_fraction_dual"],
+    ),
+    (
+        "policy_loss=gspo",
+        ["algorithm.policy_loss=ppo"],
+        ["algorithm.policy_loss=gspo", "algorithm.loss_agg=seq-mean-token-mean"],
+        None,
+    ),
     ("kl_coef", ["algorithm.kl_coef=2.0"], ["algorithm.kl_coef=0.0"], lambda a, b: kl_to_ref(a) < kl_to_ref(b)),
-    ("kl_estimator", ["algorithm.kl_coef=1.0", "algorithm.kl_estimator=k1"], ["algorithm.kl_coef=1.0", "algorithm.kl_estimator=k3"], None),
-    ("kl_in_reward", ["algorithm.kl_coef=1.0", "algorithm.kl_in_reward=true"], ["algorithm.kl_coef=1.0", "algorithm.kl_in_reward=false"], None),
-    ("entropy_coef", ["algorithm.entropy_coef=1.0"], ["algorithm.entropy_coef=0.0"], lambda a, b: entropy(a) > entropy(b)),
-    ("rollout_is=tis cap", ["algorithm.rollout_is=tis", "algorithm.rollout_is_cap=1.0"],
-     ["algorithm.rollout_is=tis", "algorithm.rollout_is_cap=10"],
-     lambda a, b: a.m["train/mismatch/is_weight_mean"] < b.m["train/mismatch/is_weight_mean"]),
-    ("rollout_is=mis_token cap", ["algorithm.rollout_is=mis_token", "algorithm.rollout_is_cap=1.1"],
-     ["algorithm.rollout_is=mis_token", "algorithm.rollout_is_cap=10"],
-     lambda a, b: a.m["train/mismatch/masked_frac"] > b.m["train/mismatch/masked_frac"]),
-    ("rollout_is=mis_seq", ["algorithm.rollout_is=mis_seq", "algorithm.rollout_is_cap=1.5"], ["algorithm.rollout_is=none"],
-     lambda a, b: a.m["train/mismatch/seq_masked_frac"] > 0),
-    ("icepop bounds", ["algorithm.rollout_is=icepop", "algorithm.icepop_low=0.9", "algorithm.icepop_high=1.1"],
-     ["algorithm.rollout_is=icepop", "algorithm.icepop_low=0.1", "algorithm.icepop_high=10"],
-     lambda a, b: a.m["train/mismatch/masked_frac"] > b.m["train/mismatch/masked_frac"]),
+    (
+        "kl_estimator",
+        ["algorithm.kl_coef=1.0", "algorithm.kl_estimator=k1"],
+        ["algorithm.kl_coef=1.0", "algorithm.kl_estimator=k3"],
+        None,
+    ),
+    (
+        "kl_in_reward",
+        ["algorithm.kl_coef=1.0", "algorithm.kl_in_reward=true"],
+        ["algorithm.kl_coef=1.0", "algorithm.kl_in_reward=false"],
+        None,
+    ),
+    (
+        "entropy_coef",
+        ["algorithm.entropy_coef=1.0"],
+        ["algorithm.entropy_coef=0.0"],
+        lambda a, b: entropy(a) > entropy(b),
+    ),
+    (
+        "rollout_is=tis cap",
+        ["algorithm.rollout_is=tis", "algorithm.rollout_is_cap=1.0"],
+        ["algorithm.rollout_is=tis", "algorithm.rollout_is_cap=10"],
+        lambda a, b: a.m["train/mismatch/is_weight_mean"] < b.m["train/mismatch/is_weight_mean"],
+    ),
+    (
+        "rollout_is=mis_token cap",
+        ["algorithm.rollout_is=mis_token", "algorithm.rollout_is_cap=1.1"],
+        ["algorithm.rollout_is=mis_token", "algorithm.rollout_is_cap=10"],
+        lambda a, b: a.m["train/mismatch/masked_frac"] > b.m["train/mismatch/masked_frac"],
+    ),
+    (
+        "rollout_is=mis_seq",
+        ["algorithm.rollout_is=mis_seq", "algorithm.rollout_is_cap=1.5"],
+        ["algorithm.rollout_is=none"],
+        lambda a, b: a.m["train/mismatch/seq_masked_frac"] > 0,
+    ),
+    (
+        "icepop bounds",
+        ["algorithm.rollout_is=icepop", "algorithm.icepop_low=0.9", "algorithm.icepop_high=1.1"],
+        ["algorithm.rollout_is=icepop", "algorithm.icepop_low=0.1", "algorithm.icepop_high=10"],
+        lambda a, b: a.m["train/mismatch/masked_frac"] > b.m["train/mismatch/masked_frac"],
+    ),
     ("loss_agg", ["algorithm.loss_agg=token-mean"], ["algorithm.loss_agg=seq-mean-token-sum"], None),
     ("advantage grpo/rloo", ["algorithm.advantage=grpo"], ["algorithm.advantage=rloo"], None),
     ("advantage dr_grpo/reinforce_pp", ["algorithm.advantage=dr_grpo"], ["algorithm.advantage=reinforce_pp"], None),
     ("std_normalize", ["algorithm.std_normalize=true"], ["algorithm.std_normalize=false"], None),
-    ("gamma", ["algorithm.advantage=reinforce_pp", "algorithm.gamma=1.0"], ["algorithm.advantage=reinforce_pp", "algorithm.gamma=0.5"], None),
+    (
+        "gamma",
+        ["algorithm.advantage=reinforce_pp", "algorithm.gamma=1.0"],
+        ["algorithm.advantage=reinforce_pp", "algorithm.gamma=0.5"],
+        None,
+    ),
     ("lam", [*CRITIC, "algorithm.lam=1.0"], [*CRITIC, "algorithm.lam=0.3"], None),
     ("gae std_normalize", [*CRITIC, "algorithm.std_normalize=true"], [*CRITIC, "algorithm.std_normalize=false"], None),
-    ("epochs_per_step", ["trainer.epochs_per_step=3"], ["trainer.epochs_per_step=1"],
-     lambda a, b: a.m["train/updates"] == 6 and b.m["train/updates"] == 2 and a.m["train/approx_kl"] > b.m["train/approx_kl"]),
-    ("mini_batches_per_step", ["trainer.mini_batches_per_step=4"], ["trainer.mini_batches_per_step=1"],
-     lambda a, b: a.m["train/updates"] == 4 and b.m["train/updates"] == 1 and a.m["train/ratio_max"] > 1.0 == b.m["train/ratio_max"]),
-    ("use_rollout_logprobs", ["algorithm.use_rollout_logprobs=true", "trainer.mini_batches_per_step=1"],
-     ["algorithm.use_rollout_logprobs=false", "trainer.mini_batches_per_step=1"],
-     lambda a, b: a.m["train/clip_fraction"] > 0 == b.m["train/clip_fraction"]),
+    (
+        "epochs_per_step",
+        ["trainer.epochs_per_step=3"],
+        ["trainer.epochs_per_step=1"],
+        lambda a, b: (
+            a.m["train/updates"] == 6 and b.m["train/updates"] == 2 and a.m["train/approx_kl"] > b.m["train/approx_kl"]
+        ),
+    ),
+    (
+        "mini_batches_per_step",
+        ["trainer.mini_batches_per_step=4"],
+        ["trainer.mini_batches_per_step=1"],
+        lambda a, b: (
+            a.m["train/updates"] == 4
+            and b.m["train/updates"] == 1
+            and a.m["train/ratio_max"] > 1.0 == b.m["train/ratio_max"]
+        ),
+    ),
+    (
+        "use_rollout_logprobs",
+        ["algorithm.use_rollout_logprobs=true", "trainer.mini_batches_per_step=1"],
+        ["algorithm.use_rollout_logprobs=false", "trainer.mini_batches_per_step=1"],
+        lambda a, b: a.m["train/clip_fraction"] > 0 == b.m["train/clip_fraction"],
+    ),
 ]
 
 

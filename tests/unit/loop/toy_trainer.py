@@ -44,7 +44,7 @@ class ToyPolicy:
         g = torch.Generator().manual_seed(seed)
         self.table = torch.nn.Parameter(torch.randn(VOCAB, VOCAB, generator=g) * 0.5)
         self.ref_table = self.table.detach().clone()
-        self.opt = (torch.optim.SGD([self.table], lr=lr) if optimizer == "sgd" else torch.optim.Adam([self.table], lr=lr))
+        self.opt = torch.optim.SGD([self.table], lr=lr) if optimizer == "sgd" else torch.optim.Adam([self.table], lr=lr)
         self.loss_fn = make_loss_fn(cfg.algorithm)
         self.temperature = cfg.rollout.sampling.temperature or 1.0
         self.calls: list[str] = []

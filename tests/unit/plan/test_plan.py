@@ -35,7 +35,9 @@ def plan_for(recipe, *overrides):
 
 def run_cli(*args):
     """`python -m mlrl.launch ...` in a subprocess (each costs an interpreter + imports: a few seconds)."""
-    return subprocess.run([sys.executable, "-m", "mlrl.launch", *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "mlrl.launch", *args], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
 
 
 def run_main(capsys, *args):
@@ -106,7 +108,10 @@ def test_critic_that_does_not_fit_is_exit_code_3(capsys):
     assert plain.returncode == 0 and "result: fits" in plain.stdout
     out = run_main(capsys, "--config", str(QWEN8B), "--dry-run", *CRITIC)
     assert out.returncode == 3
-    assert "critic 22.47 = 89.61" in out.stdout and "critic on these GPUs: params 7.05 + grads 14.10 + optimizer 1.32" in out.stdout
+    assert (
+        "critic 22.47 = 89.61" in out.stdout
+        and "critic on these GPUs: params 7.05 + grads 14.10 + optimizer 1.32" in out.stdout
+    )
     assert "needs 89.6 GiB > cluster.gpu_memory_gb=80" in out.stderr and "the critic adds 22.5 GiB" in out.stderr
     # and a layout with tp=4 halves both models: fits again
     assert run_main(capsys, "--config", str(QWEN8B), "--dry-run", *CRITIC, "parallel.tp=4").returncode == 0
@@ -127,7 +132,9 @@ def test_rank_coordinates_match_megatron_rank_generator():
 
     from mlrl.config.validate import Layout
 
-    layout = Layout(tp=2, pp=2, cp=2, ep=2, etp=1, dp=2, vpp=None, trainer_devices=16, rollout_devices=0, total_devices=16)
+    layout = Layout(
+        tp=2, pp=2, cp=2, ep=2, etp=1, dp=2, vpp=None, trainer_devices=16, rollout_devices=0, total_devices=16
+    )
     coords = {r: trainer_rank(r, layout) for r in range(16)}
     dense = RankGenerator(tp=2, ep=1, dp=2, pp=2, cp=2, order="tp-cp-ep-dp-pp")
     expert = RankGenerator(tp=1, ep=2, dp=4, pp=2, cp=1, order="tp-cp-ep-dp-pp")
@@ -215,7 +222,16 @@ def test_cli_qwen3_8b_scaled_down(nodes, extra, trainer_gpus, engine_line):
 
 
 def test_cli_colocated_two_nodes(capsys):
-    out = run_main(capsys, "--config", str(QWEN8B), "--dry-run", "--nodes", "2", "cluster.placement=colocated", "rollout.num_engines=8")
+    out = run_main(
+        capsys,
+        "--config",
+        str(QWEN8B),
+        "--dry-run",
+        "--nodes",
+        "2",
+        "cluster.placement=colocated",
+        "rollout.num_engines=8",
+    )
     assert out.returncode == 0, out.stderr
     assert "node   1 GPU 7  trainer rank   15  tp1 cp0 dp7 pp0  +  engine   7 tp-rank 1" in out.stdout
     assert "colocated GPU, pp stage 0: training phase" in out.stdout
@@ -233,7 +249,15 @@ def test_cli_does_not_fit_reports_gpu_role_and_excess():
 
 
 def test_cli_engine_without_room_for_kv_cache(capsys):
-    out = run_main(capsys, "--config", str(QWEN30B), "--dry-run", "rollout.engine_tp=1", "rollout.num_engines=64", "cluster.gpu_memory_gb=40")
+    out = run_main(
+        capsys,
+        "--config",
+        str(QWEN30B),
+        "--dry-run",
+        "rollout.engine_tp=1",
+        "rollout.num_engines=64",
+        "cluster.gpu_memory_gb=40",
+    )
     assert out.returncode == 3
     assert "engine: weights 56.9" in out.stderr and "leave no KV cache" in out.stderr
 
@@ -248,11 +272,30 @@ def test_engines_never_span_nodes():
     from mlrl.config.validate import Layout
     from mlrl.plan.placement import place
 
-    layout = Layout(tp=1, pp=1, cp=1, ep=1, etp=1, dp=1, vpp=None, trainer_devices=1, rollout_devices=15, total_devices=16)
+    layout = Layout(
+        tp=1, pp=1, cp=1, ep=1, etp=1, dp=1, vpp=None, trainer_devices=1, rollout_devices=15, total_devices=16
+    )
     slots, problems = place(layout, nodes=2, gpus_per_node=8, num_engines=4, engine_tp=3, colocated=False)
     assert problems == []
     # GPUs 1-3 and 4-6 on node 0; GPU 7 cannot start an engine of 3, so engine 2 starts on node 1
-    assert [s.engine.engine if s.engine else None for s in slots] == [None, 0, 0, 0, 1, 1, 1, None, 2, 2, 2, 3, 3, 3, None, None]
+    assert [s.engine.engine if s.engine else None for s in slots] == [
+        None,
+        0,
+        0,
+        0,
+        1,
+        1,
+        1,
+        None,
+        2,
+        2,
+        2,
+        3,
+        3,
+        3,
+        None,
+        None,
+    ]
     _, problems = place(layout, nodes=2, gpus_per_node=8, num_engines=5, engine_tp=3, colocated=False)
     assert problems and "only 4 of rollout.num_engines=5 engines" in problems[0]
     _, problems = place(layout, nodes=2, gpus_per_node=8, num_engines=3, engine_tp=3, colocated=True)
@@ -260,7 +303,9 @@ def test_engines_never_span_nodes():
 
 
 def test_cpu_run_prints_process_layout():
-    cfg = load_config(ROOT / "launch" / "cpu_default.yaml", ["trainer.world_size=4", "parallel.tp=2", "parallel.pp=2"])
+    cfg = load_config(
+        ROOT / "launch" / "cpu_default.yaml", ["cluster.trainer_devices=4", "parallel.tp=2", "parallel.pp=2"]
+    )
     plan = make_plan(cfg, validate(cfg, dry_run=True))
     text = format_plan(plan)
     assert plan.fits and plan.slots == []

@@ -52,7 +52,15 @@ async def generate(request: Request):
     ids = body["token_ids"]
     sp = body["sampling_params"]
     if len(ids) >= MAX_LEN:
-        return JSONResponse({"error": {"message": f"The decoder prompt (length {len(ids)}) is longer than the maximum model length of {MAX_LEN}."}}, status_code=400)
+        return JSONResponse(
+            {
+                "error": {
+                    "message": f"The decoder prompt (length {len(ids)}) is longer than the maximum model length "
+                    f"of {MAX_LEN}."
+                }
+            },
+            status_code=400,
+        )
     if not 0 < sp.get("top_p", 1.0) <= 1:
         return JSONResponse({"error": {"message": f"top_p must be in (0, 1], got {sp['top_p']}."}}, status_code=400)
     rid = body["request_id"]
@@ -84,8 +92,20 @@ async def generate(request: Request):
             spans.append({"version": v, "start": i, "end": i + 1})
     start = len(ids)
     content = [{"token": str(t), "logprob": -(start + k + 1) / 100} for k, t in enumerate(tokens)]
-    return JSONResponse({"choices": [{"index": 0, "finish_reason": finish, "token_ids": tokens, "text": " ".join(map(str, tokens)),
-                                      "weight_versions": spans, "logprobs": {"content": content}}]})
+    return JSONResponse(
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "finish_reason": finish,
+                    "token_ids": tokens,
+                    "text": " ".join(map(str, tokens)),
+                    "weight_versions": spans,
+                    "logprobs": {"content": content},
+                }
+            ]
+        }
+    )
 
 
 @guarded
@@ -139,15 +159,24 @@ async def tokenize(request: Request):
 
 @guarded
 async def stats(request: Request):
-    return JSONResponse({"peak": state["peak"], "served": state["served"], "version": state["version"], "paused": state["paused"]})
+    return JSONResponse(
+        {"peak": state["peak"], "served": state["served"], "version": state["version"], "paused": state["paused"]}
+    )
 
 
-app = Starlette(routes=[
-    Route("/inference/v1/generate", generate, methods=["POST"]), Route("/health", health), Route("/pause", pause, methods=["POST"]),
-    Route("/resume", resume, methods=["POST"]), Route("/abort_requests", abort_requests, methods=["POST"]),
-    Route("/update_weight_version", update_weight_version, methods=["POST"]),
-    Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]), Route("/tokenize", tokenize, methods=["POST"]),
-    Route("/stats", stats)])
+app = Starlette(
+    routes=[
+        Route("/inference/v1/generate", generate, methods=["POST"]),
+        Route("/health", health),
+        Route("/pause", pause, methods=["POST"]),
+        Route("/resume", resume, methods=["POST"]),
+        Route("/abort_requests", abort_requests, methods=["POST"]),
+        Route("/update_weight_version", update_weight_version, methods=["POST"]),
+        Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/stats", stats),
+    ]
+)
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()

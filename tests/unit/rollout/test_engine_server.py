@@ -22,8 +22,9 @@ from mlrl.rollout.server import EngineServer, EngineStartError, ServerSpec, serv
 
 def _spec(tmp_path, **kw) -> ServerSpec:
     cfg = RolloutConfig(host="127.0.0.1", engine_tp=2, max_model_len=512, cpu_kv_cache_gb=2.0)
-    return ServerSpec.from_config(cfg, "engine-7", "/models/m", "float32", "s3cret-token", log_path=str(tmp_path / "e.log"),
-                                  omp_threads=1, **kw)
+    return ServerSpec.from_config(
+        cfg, "engine-7", "/models/m", "float32", "s3cret-token", log_path=str(tmp_path / "e.log"), omp_threads=1, **kw
+    )
 
 
 def _pids_in_group(pgid: int) -> list[int]:
@@ -60,13 +61,20 @@ def test_command_and_environment(tmp_path, monkeypatch):
     from mlrl.rollout.client import CLIENT_KEEPALIVE_S
     assert int(env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"]) > CLIENT_KEEPALIVE_S
     assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in env
-    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and env["OMP_NUM_THREADS"] == "1"
+    assert (
+        env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+        and env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+        and env["OMP_NUM_THREADS"] == "1"
+    )
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")  # an explicit user choice wins
     assert server_env(spec)["VLLM_CPU_OMP_THREADS_BIND"] == "0"
 
 
 def test_start_failure_raises_with_the_log_tail(tmp_path):
-    spec = _spec(tmp_path, command=[sys.executable, "-c", "import sys; print('ValueError: no such model /models/m'); sys.exit(3)"])
+    spec = _spec(
+        tmp_path,
+        command=[sys.executable, "-c", "import sys; print('ValueError: no such model /models/m'); sys.exit(3)"],
+    )
     srv = EngineServer(spec)
     srv.start()
     with pytest.raises(EngineStartError, match=r"(?s)engine-7.*exited with code 3.*no such model"):
@@ -93,8 +101,9 @@ def test_no_orphans_when_the_launcher_is_killed(tmp_path):
     launcher = textwrap.dedent(f"""
         import sys, time
         from mlrl.rollout.server import EngineServer, ServerSpec
-        spec = ServerSpec(name="e", model_dir="m", dtype="float32", token="t", log_path={str(tmp_path / 'l.log')!r},
-                          command=[sys.executable, "-c", "import subprocess, time; subprocess.Popen(['sleep', '300']); time.sleep(300)"])
+        spec = ServerSpec(name="e", model_dir="m", dtype="float32", token="t", log_path={str(tmp_path / "l.log")!r},
+                          command=[sys.executable, "-c",
+                                   "import subprocess, time; subprocess.Popen(['sleep', '300']); time.sleep(300)"])
         s = EngineServer(spec); s.start()
         print("started", flush=True); time.sleep(300)
     """)
@@ -117,7 +126,16 @@ def test_no_orphans_when_the_launcher_is_killed(tmp_path):
 
 
 def test_stop_terminates_the_whole_tree(tmp_path):
-    srv = EngineServer(_spec(tmp_path, command=[sys.executable, "-c", "import subprocess, time; subprocess.Popen(['sleep', '300']); time.sleep(300)"]))
+    srv = EngineServer(
+        _spec(
+            tmp_path,
+            command=[
+                sys.executable,
+                "-c",
+                "import subprocess, time; subprocess.Popen(['sleep', '300']); time.sleep(300)",
+            ],
+        )
+    )
     srv.start()
     for _ in range(100):
         if srv._server_pgid() and len(_pids_in_group(srv._server_pgid())) == 2:
@@ -134,7 +152,9 @@ async def test_token_middleware_guards_every_route():
     async def ok(request):
         return JSONResponse({"ok": True})
 
-    app = TokenMiddleware(Starlette(routes=[Route("/health", ok), Route("/collective_rpc", ok, methods=["POST"])]), token="tok")
+    app = TokenMiddleware(
+        Starlette(routes=[Route("/health", ok), Route("/collective_rpc", ok, methods=["POST"])]), token="tok"
+    )
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
         assert (await c.get("/health")).status_code == 401
         assert (await c.post("/collective_rpc", json={"method": "x"})).status_code == 401

@@ -46,9 +46,21 @@ def test_command_construction(fake_path):
         assert cmd == step + ["-w", host, "ray", "start", "--address=gpu-a01:6379", "--num-gpus=4", "--block"]
     assert wait == step + ["-w", "gpu-a01", "python", "-m", "mlrl.cluster", "wait", "--address", "gpu-a01:6379",
                            "--nodes", "3", "--gpus-per-node", "4", "--timeout", "600"]
-    assert launch == step + ["-w", "gpu-a01", "python", "-m", "mlrl.launch", "--nodes", "3", "--config",
-                             "launch/qwen3_8b_grpo.yaml", "cluster.ray_address=gpu-a01:6379", "cluster.gpus_per_node=4", "trainer.lr=2e-6",
-                             "data.train=/data/my set.jsonl"]
+    assert launch == step + [
+        "-w",
+        "gpu-a01",
+        "python",
+        "-m",
+        "mlrl.launch",
+        "--nodes",
+        "3",
+        "--config",
+        "launch/qwen3_8b_grpo.yaml",
+        "cluster.ray_address=gpu-a01:6379",
+        "cluster.gpus_per_node=4",
+        "trainer.lr=2e-6",
+        "data.train=/data/my set.jsonl",
+    ]
 
 
 def test_container_config_port_and_python(fake_path):
@@ -81,5 +93,7 @@ def _tool(name):
 
 
 def test_shellcheck_clean():
-    out = subprocess.run([_tool("shellcheck"), "--severity=style", str(SCRIPT)], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [_tool("shellcheck"), "--severity=style", str(SCRIPT)], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stdout + out.stderr

@@ -1,18 +1,30 @@
 """WeightSync without vLLM: disk transport round trip, report verification, canary with retry-once,
-failure leaves the pool paused; HFWeightSource (tied weights sent once, canary logprobs)."""
+failure leaves the pool paused, the refresh hook; HFWeightSource (tied weights sent once, canary
+logprobs); transport names resolved in one place (the registry)."""
 
-import asyncio
 import json
-from pathlib import Path
+import subprocess
+import sys
+import typing
 
 import pytest
 import torch
 
 from mlrl.config.schema import WeightSyncConfig
-from mlrl.weight_sync import HFWeightSource, SendReport, WeightSyncError, make_weight_sync, push_from_rank
-from mlrl.weight_sync.receiver import Receiver, receive_disk
-from mlrl.weight_sync.sender import PushRequest, bucketize
+from mlrl.weight_sync import (
+    TRANSPORTS,
+    HFWeightSource,
+    SendReport,
+    UnknownTransportError,
+    WeightSyncError,
+    make_weight_sync,
+    push_from_rank,
+)
+from mlrl.weight_sync.receiver import Receiver
+from mlrl.weight_sync.sender import bucketize
+from mlrl.weight_sync.source import PushRequest
 from mlrl.weight_sync.sync import _Mismatch, canary_tokens, verify_reports
+from mlrl.weight_sync.transports import receive_disk
 from mlrl.weight_sync.wire import WireError
 
 VOCAB = 24
@@ -53,8 +65,8 @@ def test_disk_round_trip_and_tampering(tmp_path):
     with pytest.raises(WireError, match="s01.done is missing"):
         receive_disk(tmp_path / "v3", 2, lambda b: None)
     # corrupt one stored checksum: the reader must refuse the file
-    from safetensors.torch import load_file, save_file
     from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
     f = tmp_path / "v3" / rep.files[0]
     with safe_open(str(f), "pt") as h:
         meta = h.metadata()
@@ -69,14 +81,30 @@ def test_verify_reports_catches_every_kind_of_mismatch():
     class E:
         name = "engine-0"
 
-    sent = [SendReport(0, "broadcast", tensors=3, bytes=100, digest="d0"), SendReport(1, "broadcast", tensors=2, bytes=50, digest="d1")]
-    good = {"worker": 0, "version": 4, "missing": [], "finalize_s": 0.5,
-            "streams": [{"sender": 0, "tensors": 3, "bytes": 100, "digest": "d0"}, {"sender": 1, "tensors": 2, "bytes": 50, "digest": "d1"}]}
+    sent = [
+        SendReport(0, "broadcast", tensors=3, bytes=100, digest="d0"),
+        SendReport(1, "broadcast", tensors=2, bytes=50, digest="d1"),
+    ]
+    good = {
+        "worker": 0,
+        "version": 4,
+        "missing": [],
+        "finalize_s": 0.5,
+        "streams": [
+            {"sender": 0, "tensors": 3, "bytes": 100, "digest": "d0"},
+            {"sender": 1, "tensors": 2, "bytes": 50, "digest": "d1"},
+        ],
+    }
     assert verify_reports(sent, [E()], [[good, dict(good, worker=1)]], 4) == (5, 150, 0.5)
     bad_digest = json.loads(json.dumps(good))
     bad_digest["streams"][1]["digest"] = "xx"
-    cases = [([bad_digest], "from sender 1"), ([dict(good, version=3)], "version 3"), ([dict(good, missing=["lm_head.weight"])], "received no tensor"),
-             ([dict(good, streams=good["streams"][:1])], "streams from senders"), ([], "no weight report")]
+    cases = [
+        ([bad_digest], "from sender 1"),
+        ([dict(good, version=3)], "version 3"),
+        ([dict(good, missing=["lm_head.weight"])], "received no tensor"),
+        ([dict(good, streams=good["streams"][:1])], "streams from senders"),
+        ([], "no weight report"),
+    ]
     for workers, msg in cases:
         with pytest.raises(_Mismatch, match=msg):
             verify_reports(sent, [E()], [workers], 4)
@@ -116,7 +144,13 @@ class FakeClient:
 
     async def update_weights(self, info, timeout=None):
         rep = self.receiver.receive(info, lambda b: self.model.update(dict(b)))
-        self._report = {"worker": 0, "version": info["version"], "missing": [], "streams": rep["streams"], "finalize_s": 0.0}
+        self._report = {
+            "worker": 0,
+            "version": info["version"],
+            "missing": [],
+            "streams": rep["streams"],
+            "finalize_s": 0.0,
+        }
 
     async def finish_weight_update(self, version, timeout=None):
         self.calls.append(("finish", version))
@@ -138,8 +172,7 @@ class FakeEngine:
 
 
 class FakePool:
-    def __init__(self, model_dir, client):
-        self.model_dir, self.run_dir = str(model_dir), Path(model_dir)
+    def __init__(self, client):
         self.engines = [FakeEngine(client)]
         self.version, self.paused, self.events = 0, False, []
         self.refresher = None
@@ -166,15 +199,18 @@ async def test_disk_sync_verifies_and_retries_the_canary_once(tmp_path):
     want = src.canary_logprobs(*canary_tokens(VOCAB))
     wrong = [v + 0.5 for v in want]
     client = FakeClient([[0.0] * 8 + wrong, [0.0] * 8 + want])  # first canary off, second right
-    pool = FakePool(tmp_path, client)
-    ws = make_weight_sync(WeightSyncConfig(transport="disk", canary_tolerance=1e-5, bucket_mb=1e-4), pool, src, run_dir=tmp_path)
+    pool = FakePool(client)
+    ws = make_weight_sync(WeightSyncConfig(transport="disk", canary_tolerance=1e-5, bucket_mb=1e-4), pool, src,
+                          model_dir=tmp_path, run_dir=tmp_path)
+    assert pool.refresher is None  # make_weight_sync leaves the pool alone; the caller wires the refresh hook
+    pool.refresher = ws.refresh
     rep = await ws.sync(1)
     assert rep.attempts == 2 and rep.version == 1 and rep.canary_max_abs_diff < 1e-6
     assert rep.tensors == 3 and dict(rep)["weight_sync/attempts"] == 2.0
     assert pool.events == ["pause", ("commit", 1), "resume"] and pool.version == 1
     assert all(torch.equal(client.model[n], t) for n, t in src.named_tensors())
     assert sorted(p.name for p in (tmp_path / "weight_sync").iterdir()) == ["v00000001"]
-    # the pool's refresher (installed by make_weight_sync for restarted engines) re-syncs the pool's
+    # the pool's refresher (ws.refresh, for restarted engines) re-syncs the pool's
     # current version in full: an engine that lost its weights gets every tensor again
     client.model.clear()
     client.canary_values.append([0.0] * 8 + want)
@@ -187,8 +223,48 @@ async def test_second_failure_raises_and_leaves_the_pool_paused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": VOCAB}))
     src = HFWeightSource(TinyLM())
     bad = [[0.0] * 24, [0.0] * 24]
-    pool = FakePool(tmp_path, FakeClient(bad))
-    ws = make_weight_sync(WeightSyncConfig(transport="disk", canary_tolerance=1e-3), pool, src, run_dir=tmp_path)
+    pool = FakePool(FakeClient(bad))
+    ws = make_weight_sync(WeightSyncConfig(transport="disk", canary_tolerance=1e-3), pool, src,
+                          model_dir=tmp_path, run_dir=tmp_path)
     with pytest.raises(WeightSyncError, match=r"failed twice.*canary logprobs differ"):
         await ws.sync(1)
     assert pool.paused and pool.version == 0 and "resume" not in pool.events
+
+
+def test_transport_names_are_resolved_in_one_place(tmp_path):
+    # every name the config accepts has its three parts, and nothing else is registered
+    hints = typing.get_type_hints(WeightSyncConfig)
+    assert set(TRANSPORTS) == set(typing.get_args(hints["transport"])) == {"broadcast", "disk", "cuda_ipc"}
+    for name, t in TRANSPORTS.items():
+        assert t.name == name and t.driver.transport == name and callable(t.send) and callable(t.receive)
+    # an unknown name fails the same way on the driver, on a trainer rank and on an engine worker
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": VOCAB}))
+    known = "known: broadcast, disk, cuda_ipc"
+    with pytest.raises(UnknownTransportError, match=known):
+        make_weight_sync(WeightSyncConfig(transport="raw"), FakePool(FakeClient([])), HFWeightSource(TinyLM()),
+                         model_dir=tmp_path)
+    for sender in (0, None):
+        with pytest.raises(UnknownTransportError, match=known):
+            push_from_rank(PushRequest("raw", 1), _buckets([]), sender)
+    with pytest.raises(UnknownTransportError, match=known):
+        Receiver().receive({"transport": "raw", "version": 1}, lambda b: None)
+    with pytest.raises(UnknownTransportError, match=r"unknown None"):
+        Receiver().receive({"mode": "disk", "version": 1}, lambda b: None)  # the old key is not read
+
+
+def test_disk_needs_a_folder(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": VOCAB}))
+    with pytest.raises(ValueError, match="disk_dir or a run dir"):
+        make_weight_sync(WeightSyncConfig(transport="disk"), FakePool(FakeClient([])), HFWeightSource(TinyLM()),
+                         model_dir=tmp_path)
+    ws = make_weight_sync(WeightSyncConfig(transport="disk", disk_dir=str(tmp_path / "d")), FakePool(FakeClient([])),
+                          HFWeightSource(TinyLM()), model_dir=tmp_path, run_dir=tmp_path / "run")
+    assert ws.root == tmp_path / "d"
+
+
+def test_weight_sync_does_not_import_the_rollout_package():
+    code = ("import sys, mlrl.weight_sync, mlrl.weight_sync.receiver; "
+            "bad = sorted(m for m in sys.modules "
+            "             if m.startswith('mlrl.rollout') or m == 'mlrl.weight_sync.bench_reference'); "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,5 +1,6 @@
 """The broadcast wire protocol over real gloo groups (threads of this process): K senders x W
-receivers, every dtype, checksums and digests, raw broadcast, and fail-fast on a broken stream."""
+receivers, every dtype, checksums and digests, fail-fast on a broken stream, and the benchmark's
+raw-broadcast reference (mlrl.weight_sync.bench_reference) over the same groups."""
 
 import threading
 import uuid
@@ -7,8 +8,11 @@ import uuid
 import pytest
 import torch
 
+from mlrl.weight_sync import bench_reference
 from mlrl.weight_sync.receiver import Receiver
-from mlrl.weight_sync.sender import PushRequest, bucketize, close_channels, push_from_rank
+from mlrl.weight_sync.sender import bucketize, push_from_rank
+from mlrl.weight_sync.source import PushRequest
+from mlrl.weight_sync.transports import close_channels
 from mlrl.weight_sync.wire import Digest, GroupSpec, WireError, checksum, join_as_receiver, join_as_sender, open_store
 
 
@@ -65,7 +69,7 @@ def test_two_senders_to_two_receivers_every_dtype():
     def receiver(r):
         rec = Receiver()
         rec.join(spec.to_json(), r)
-        rep = rec.receive({"mode": "broadcast", "session": spec.session, "version": 5},
+        rep = rec.receive({"transport": "broadcast", "session": spec.session, "version": 5},
                           lambda bucket: got[r].extend((n, t.clone()) for n, t in bucket))
         rec.close()
         return rep
@@ -74,7 +78,8 @@ def test_two_senders_to_two_receivers_every_dtype():
     assert not errors, errors
     digests = results[:2]
     for r, rep in zip((0, 1), results[2:]):
-        assert rep["version"] == 5 and [s["digest"] for s in rep["streams"]] == digests
+        assert rep["transport"] == "broadcast" and rep["version"] == 5
+        assert [s["digest"] for s in rep["streams"]] == digests
         assert [s["tensors"] for s in rep["streams"]] == [len(sent[0]), len(sent[1])]
         expect = sent[0] + sent[1]
         assert [n for n, _ in got[r]] == [n for n, _ in expect]
@@ -115,7 +120,10 @@ def test_sender_failure_tears_the_group_down_and_receivers_fail_fast():
     def receiver():
         rec = Receiver()
         rec.join(spec.to_json(), 0)
-        return rec.receive({"mode": "broadcast", "session": spec.session}, lambda b: None)
+        try:
+            return rec.receive({"transport": "broadcast", "session": spec.session}, lambda b: None)
+        finally:
+            assert rec.channels == [] and rec.session is None  # a failed stream leaves the group: the driver re-joins
 
     import time
     t0 = time.monotonic()
@@ -139,15 +147,15 @@ def test_raw_broadcast_and_non_senders():
     assert calls == [123]  # a non-sending rank still iterates (trainer-side collectives stay aligned)
 
     def sender():
-        return push_from_rank(PushRequest("raw", -1, group=spec.to_json(), raw_sizes=[1000, 10, 5000]), buckets, 0)
+        return bench_reference.send_raw(spec.to_json(), [1000, 10, 5000], 0)
 
     def receiver():
         rec = Receiver()
         rec.join(spec.to_json(), 0)
-        return rec.receive_raw([1000, 10, 5000])
+        return bench_reference.on_worker(rec, {"op": "raw", "sizes": [1000, 10, 5000]})
 
     results, errors = _run([sender, receiver])
-    assert not errors and results[0].bytes == 6010 and results[1]["bytes"] == 6010
+    assert not errors and results[0] == 6010 and results[1]["bytes"] == 6010
     close_channels()
 
 

@@ -3,11 +3,11 @@
 import openai
 import pytest
 from _wf_helpers import last_user_word
+from helpers.scripted_engine import ScriptedEngine
 
 from mlrl.types import GenerationHyperparameters
 from mlrl.workflow import EpisodeRunner, EpisodeStatus, build_workflow
-from mlrl.workflow.agent import OpenAIAgentWorkflow
-from mlrl.workflow.testing import ScriptedEngine
+from mlrl.workflow.builtin.agent import OpenAIAgentWorkflow
 
 G = GenerationHyperparameters(max_new_tokens=6)
 ROW = {"messages": [{"role": "user", "content": "copy 7"}], "answer": "7"}
@@ -23,7 +23,10 @@ class TwoTurnAgent:
                                     http_client=extra_kwargs["http_client"], max_retries=0)
         msgs = list(data["messages"])
         first = await client.chat.completions.create(model="default", messages=msgs)
-        msgs += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "copy 7"}]
+        msgs += [
+            {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "copy 7"},
+        ]
         second = await client.chat.completions.create(model="default", messages=msgs)
         return float(second.choices[0].message.content == data["answer"])
 
@@ -69,10 +72,15 @@ async def test_multi_turn_agent_becomes_discounted_samples(tok):
     assert g.count(EpisodeStatus.COMPLETED) == 2 and len(g.samples) == 4
     assert [s.reward for s in g.samples] == [0.5, 1.0, 0.5, 1.0]
     second = g.samples[1]
-    assert tok.decode(second.tokens[: second.prompt_len]) == "user : copy 7 . assistant : 7 . user : copy 7 . assistant :"
+    assert (
+        tok.decode(second.tokens[: second.prompt_len]) == "user : copy 7 . assistant : 7 . user : copy 7 . assistant :"
+    )
     for s in g.samples:
         resp = next(r for r in eng.responses if r.input_tokens + r.output_tokens == s.tokens)
-        assert s.versions[s.prompt_len:] == [4] * resp.output_len and s.rollout_logprobs[s.prompt_len:] == resp.output_logprobs
+        assert (
+            s.versions[s.prompt_len :] == [4] * resp.output_len
+            and s.rollout_logprobs[s.prompt_len :] == resp.output_logprobs
+        )
     assert len(SEEN_CLIENTS) == 2 and SEEN_CLIENTS[0] is SEEN_CLIENTS[1]
     assert m["workflow/num_model_calls"] == 2.0 and m["reward/accuracy"] == 1.0
 
@@ -88,10 +96,17 @@ async def test_dict_rewards_and_reward_function_fallback(tok):
 
 async def test_rejected_and_failed_agent_episodes(tok):
     g, _ = await run(tok, NoCallAgent, ScriptedEngine(), n=1)
-    assert g.episodes[0].status == EpisodeStatus.REJECTED and g.episodes[0].info["reason"] == "the agent made no model call"
+    assert (
+        g.episodes[0].status == EpisodeStatus.REJECTED
+        and g.episodes[0].info["reason"] == "the agent made no model call"
+    )
     g2, _ = await run(tok, CrashingAgent, ScriptedEngine(), n=1)
     err = g2.episodes[0].info["error"]
-    assert g2.episodes[0].status == EpisodeStatus.ERROR and err["error_type"] == "KeyError" and "tool not found" in err["traceback"]
+    assert (
+        g2.episodes[0].status == EpisodeStatus.ERROR
+        and err["error_type"] == "KeyError"
+        and "tool not found" in err["traceback"]
+    )
 
 
 async def test_concat_export(tok):

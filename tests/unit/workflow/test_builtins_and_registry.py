@@ -2,6 +2,7 @@
 
 import pytest
 from _wf_helpers import last_user_word
+from helpers.scripted_engine import ScriptedEngine, scripted_logprob
 
 from mlrl.config.schema import WorkflowConfig
 from mlrl.types import GenerationHyperparameters, SampleStatus, TerminationReason
@@ -15,10 +16,9 @@ from mlrl.workflow import (
     list_workflows,
     register_workflow,
 )
-from mlrl.workflow.agent import OpenAIAgentWorkflow
-from mlrl.workflow.multi_turn import MultiTurnWorkflow
-from mlrl.workflow.rlvr import RLVRWorkflow
-from mlrl.workflow.testing import ScriptedEngine, scripted_logprob
+from mlrl.workflow.builtin.agent import OpenAIAgentWorkflow
+from mlrl.workflow.builtin.multi_turn import MultiTurnWorkflow
+from mlrl.workflow.builtin.rlvr import RLVRWorkflow
 
 G = GenerationHyperparameters(max_new_tokens=6)
 ROW = {"messages": [{"role": "user", "content": "copy 7"}], "answer": "7"}
@@ -91,7 +91,9 @@ async def test_multi_turn_feedback_loop_masks_only_model_tokens(tok):
     # wrong, wrong, right: three model turns, two feedback turns.
     answers = iter(["1", "2", "7"])
     eng = ScriptedEngine.from_text(tok, lambda p: next(answers), version=2)
-    wf = MultiTurnWorkflow("exact_match", G, tok, max_turns=5, turn_discount=0.5, feedback="try again", reward_workers=1)
+    wf = MultiTurnWorkflow(
+        "exact_match", G, tok, max_turns=5, turn_discount=0.5, feedback="try again", reward_workers=1
+    )
     out = await wf.arun_episode(eng, ROW)
     assert isinstance(out, EpisodeOutput) and out.termination_reason == TerminationReason.ENV_DONE and out.is_correct
     (s,) = out.samples
@@ -101,8 +103,11 @@ async def test_multi_turn_feedback_loop_masks_only_model_tokens(tok):
     assert s.tokens == r3.input_tokens + r3.output_tokens
     trained = [t for t, m in zip(s.tokens, s.loss_mask) if m]
     assert trained == r1.output_tokens + r2.output_tokens + r3.output_tokens
-    feedback = apply_chat_template(tok, [{"role": "assistant", "content": "x"}, {"role": "user", "content": "try again"}],
-                                   add_generation_prompt=True)[len(apply_chat_template(tok, [{"role": "assistant", "content": "x"}])):]
+    feedback = apply_chat_template(
+        tok,
+        [{"role": "assistant", "content": "x"}, {"role": "user", "content": "try again"}],
+        add_generation_prompt=True,
+    )[len(apply_chat_template(tok, [{"role": "assistant", "content": "x"}])) :]
     i = len(r1.input_tokens) + len(r1.output_tokens)
     assert s.tokens[i : i + len(feedback)] == feedback and s.loss_mask[i : i + len(feedback)] == [0] * len(feedback)
     assert [v for v, m in zip(s.versions, s.loss_mask) if not m] == [-1] * (len(s.tokens) - len(trained))

@@ -6,6 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from _wf_helpers import last_user_word
+from helpers.scripted_engine import ScriptedEngine
 
 from mlrl.types import GenerationHyperparameters, TerminationReason
 from mlrl.workflow import EpisodeRunner, EpisodeStatus, build_workflow
@@ -22,7 +23,6 @@ from mlrl.workflow.compat.rllm import (
     Workflow,
     trajectory_to_samples,
 )
-from mlrl.workflow.testing import ScriptedEngine
 
 G = GenerationHyperparameters(max_new_tokens=6)
 EXEC = ThreadPoolExecutor(2)
@@ -83,7 +83,10 @@ class Shaped(Workflow):
 
     async def run(self, task, uid, **kw):
         self.reset(task, uid)
-        steps = [Step(chat_completions=[{"role": "user", "content": str(i)}], reward=r) for i, r in enumerate([1.0, 0.0, 2.0])]
+        steps = [
+            Step(chat_completions=[{"role": "user", "content": str(i)}], reward=r)
+            for i, r in enumerate([1.0, 0.0, 2.0])
+        ]
         self.commit(name="solver", trajectory=Trajectory(steps=steps + [Step()]))
         raise TerminationEvent(TerminationReason.ENV_DONE)
 
@@ -131,7 +134,11 @@ async def test_termination_paths(mode, reason):
     assert len(ep.trajectories) == 1 and ep.trajectories[0].steps[0].model_response == "1"  # partial work collected
     if mode == "raise":
         err = ep.info["error"]
-        assert err["error_type"] == "ZeroDivisionError" and err["error_message"] == "env exploded" and "Traceback" in err["traceback"]
+        assert (
+            err["error_type"] == "ZeroDivisionError"
+            and err["error_message"] == "env exploded"
+            and "Traceback" in err["traceback"]
+        )
     ep2 = await Sleepy("episode", rollout_engine=None, executor=EXEC).run_with_termination_handling({}, "u:1")
     assert ep2.metrics == {"x_acc": 1.0} and ep2.termination_reason is None  # returned episodes are taken as is
 
@@ -153,11 +160,17 @@ def test_commit_and_collect():
 
 def test_trajectory_to_samples_modes():
     s1 = Step(prompt_ids=[1, 2], response_ids=[3], logprobs=[-0.1], versions=[5], reward=0.0, chat_completions=[{}])
-    s2 = Step(prompt_ids=[1, 2, 3, 9], response_ids=[4], logprobs=[-0.2], versions=[6], reward=1.0, chat_completions=[{}])
+    s2 = Step(
+        prompt_ids=[1, 2, 3, 9], response_ids=[4], logprobs=[-0.2], versions=[6], reward=1.0, chat_completions=[{}]
+    )
     s3 = Step(prompt_ids=[7], response_ids=[8], logprobs=[-0.3], versions=[6], reward=2.0, chat_completions=[{}])
     traj = Trajectory(name="agent", steps=[s1, s2, s3], reward=3.0)
     merged, alone = trajectory_to_samples(traj, traj.steps, "trajectory")
-    assert merged.tokens == [1, 2, 3, 9, 4] and merged.loss_mask == [0, 0, 1, 0, 1] and merged.versions == [-1, -1, 5, -1, 6]
+    assert (
+        merged.tokens == [1, 2, 3, 9, 4]
+        and merged.loss_mask == [0, 0, 1, 0, 1]
+        and merged.versions == [-1, -1, 5, -1, 6]
+    )
     assert merged.rollout_logprobs == [0, 0, -0.1, 0, -0.2] and merged.reward == 3.0 and merged.prompt_len == 2
     assert alone.tokens == [7, 8] and alone.reward == 3.0 and merged.metadata["group_suffix"] == "agent"
     per_step = trajectory_to_samples(traj, traj.steps, "step")
@@ -174,8 +187,12 @@ class SolverJudge(Workflow):
             msgs = [{"role": "user", "content": task["question"]}]
             out = await self.rollout_engine.get_model_response(msgs, application_id=uid)
             r = float(out.content == task["answer"]) if name == "solver" else 0.5
-            trajs.append(Trajectory(name=name, steps=[Step(chat_completions=msgs, model_output=out, reward=r)], reward=r))
-        return Episode(id=uid, task=task, trajectories=trajs, is_correct=True, metrics={"solver_acc": 1.0, "judge_acc": 0.0})
+            trajs.append(
+                Trajectory(name=name, steps=[Step(chat_completions=msgs, model_output=out, reward=r)], reward=r)
+            )
+        return Episode(
+            id=uid, task=task, trajectories=trajs, is_correct=True, metrics={"solver_acc": 1.0, "judge_acc": 0.0}
+        )
 
 
 async def test_adapter_groups_by_trajectory_name_and_keeps_tokens(tok):
@@ -197,14 +214,21 @@ async def test_adapter_groups_by_trajectory_name_and_keeps_tokens(tok):
 async def test_agent_env_multi_turn_workflow_and_error_episodes(tok):
     answers = iter(["1", "4"] * 10)
     eng = ScriptedEngine.from_text(tok, lambda p: next(answers))
-    wf = build_workflow(MultiTurnWorkflow, kwargs={"agent_cls": EchoAgent, "env_cls": CopyEnv, "max_steps": 3, "gamma": 0.5},
-                        tokenizer=tok, gconfig=G)
+    wf = build_workflow(
+        MultiTurnWorkflow,
+        kwargs={"agent_cls": EchoAgent, "env_cls": CopyEnv, "max_steps": 3, "gamma": 0.5},
+        tokenizer=tok,
+        gconfig=G,
+    )
     runner = EpisodeRunner(wf, eng, max_concurrency=1, episode_timeout_s=20)
     e = await runner.run_episode({"question": "copy 4", "answer": "4"})
     assert e.status == EpisodeStatus.COMPLETED and e.termination_reason == TerminationReason.ENV_DONE and e.is_correct
     # step mode (gamma > 0): rewards are MC returns of [0, 1]: [0.5, 1.0]
     assert [s.reward for s in e.samples] == [0.5, 1.0]
-    assert tok.decode(e.samples[1].tokens[: e.samples[1].prompt_len]) == "user : copy 4 . assistant : 1 . user : copy 4 . assistant :"
+    assert (
+        tok.decode(e.samples[1].tokens[: e.samples[1].prompt_len])
+        == "user : copy 4 . assistant : 1 . user : copy 4 . assistant :"
+    )
 
     class Broken(Workflow):
         async def run(self, task, uid, **kw):

@@ -4,11 +4,11 @@ import threading
 
 import pytest
 from _wf_helpers import last_user_word
+from helpers.scripted_engine import ScriptedEngine
 
 from mlrl.types import GenerationHyperparameters
 from mlrl.workflow import EpisodeRunner, EpisodeStatus, build_workflow
 from mlrl.workflow.compat.trinity import WORKFLOWS, Experience, Task, TrinityWorkflowAdapter, Workflow
-from mlrl.workflow.testing import ScriptedEngine
 
 G = GenerationHyperparameters(max_new_tokens=6)
 ROWS = [{"question": "copy 7", "answer": "7"}, {"question": "copy 3", "answer": "3"}]
@@ -58,7 +58,9 @@ class ThroughOpenAI(Answer):
 
     def run(self):
         client = self.model.get_openai_client()
-        out = client.chat.completions.create(model=client.model_path, messages=[{"role": "user", "content": self.question}])
+        out = client.chat.completions.create(
+            model=client.model_path, messages=[{"role": "user", "content": self.question}]
+        )
         exps = self.model.extract_experience_from_history()
         for e in exps:
             e.reward = float(out.choices[0].message.content == self.answer)

@@ -5,12 +5,12 @@ import json
 
 import pytest
 from _wf_helpers import last_user_word
+from helpers.scripted_engine import ScriptedEngine, scripted_logprob
 
 from mlrl.data import get_dataset
 from mlrl.types import GenerationHyperparameters, Sample, TerminationReason
 from mlrl.workflow import EpisodeRunner, EpisodeStatus, apply_chat_template, build_workflow
 from mlrl.workflow.compat.rllm import MultiTurnWorkflow
-from mlrl.workflow.testing import ScriptedEngine, scripted_logprob
 
 G = GenerationHyperparameters(max_new_tokens=6)
 

@@ -6,13 +6,12 @@ import httpx
 import openai
 import pytest
 from _wf_helpers import last_user_word
+from helpers.scripted_engine import ScriptedEngine, scripted_logprob
 
-from mlrl.types import GenerationHyperparameters
+from mlrl.types import GenerationHyperparameters, ModelResponse
 from mlrl.workflow import apply_chat_template
-from mlrl.workflow.interactions import Interaction, InteractionLog
-from mlrl.workflow.proxy import OpenAIProxy, shared_http_client
-from mlrl.workflow.testing import ScriptedEngine, scripted_logprob
-from mlrl.types import ModelResponse
+from mlrl.workflow.agent_proxy.interactions import Interaction, InteractionLog
+from mlrl.workflow.agent_proxy.proxy import OpenAIProxy, shared_http_client
 
 MSGS = [{"role": "user", "content": "copy 7"}]
 
@@ -26,7 +25,9 @@ async def proxy(tok):
 
 
 def client(session):
-    return openai.AsyncOpenAI(base_url=session.base_url, api_key=session.api_key, http_client=shared_http_client(), max_retries=0)
+    return openai.AsyncOpenAI(
+        base_url=session.base_url, api_key=session.api_key, http_client=shared_http_client(), max_retries=0
+    )
 
 
 async def test_chat_completion_records_exact_tokens_logprobs_versions(proxy, tok):
@@ -40,7 +41,9 @@ async def test_chat_completion_records_exact_tokens_logprobs_versions(proxy, tok
     assert resp.input_tokens == apply_chat_template(tok, MSGS, add_generation_prompt=True)
     assert out.model_extra["prompt_token_ids"] == resp.input_tokens
     assert out.choices[0].model_extra["token_ids"] == resp.output_tokens
-    assert [c.logprob for c in out.choices[0].logprobs.content] == [scripted_logprob(t, i) for i, t in enumerate(resp.output_tokens)]
+    assert [c.logprob for c in out.choices[0].logprobs.content] == [
+        scripted_logprob(t, i) for i, t in enumerate(resp.output_tokens)
+    ]
     assert resp.output_versions == [3] * len(resp.output_tokens)
     assert inter.messages == MSGS and inter.text == "7"
     assert out.usage.prompt_tokens == len(resp.input_tokens) and out.usage.completion_tokens == len(resp.output_tokens)
@@ -63,7 +66,9 @@ async def test_concurrent_sessions_do_not_mix(proxy, tok):
 async def test_sampling_parameters_reach_the_engine(proxy, tok):
     eng = ScriptedEngine.from_text(tok, lambda p: "1 2 3 4 5 6 7 8 9")
     s = proxy.start_session(eng)
-    out = await client(s).chat.completions.create(model="m", messages=MSGS, max_tokens=3, temperature=0.0, top_p=0.5, stop=["x"])
+    out = await client(s).chat.completions.create(
+        model="m", messages=MSGS, max_tokens=3, temperature=0.0, top_p=0.5, stop=["x"]
+    )
     g = eng.requests[0].gconfig
     assert (g.max_new_tokens, g.temperature, g.greedy, g.top_p, g.stop) == (3, 0.0, True, 0.5, ["x"])
     assert out.choices[0].finish_reason == "length" and out.choices[0].message.content == "1 2 3"
@@ -81,7 +86,9 @@ async def test_n_choices_completions_endpoint_and_models(proxy, tok):
     s.log.set_reward(out.id, 0.5)
     assert [i.reward for i in s.log] == [0.5] * 3
     comp = await c.completions.create(model="m", prompt="user : copy 5 .", logprobs=1)
-    assert comp.choices[0].text == "5" and comp.choices[0].logprobs.token_logprobs[0] == scripted_logprob(eng.responses[-1].output_tokens[0], 0)
+    assert comp.choices[0].text == "5" and comp.choices[0].logprobs.token_logprobs[0] == scripted_logprob(
+        eng.responses[-1].output_tokens[0], 0
+    )
     assert s.log.last.prompt == "user : copy 5 ." and s.log.last.messages is None
     assert eng.responses[-1].input_tokens == tok("user : copy 5 .")["input_ids"]
     models = await c.models.list()
@@ -90,7 +97,9 @@ async def test_n_choices_completions_endpoint_and_models(proxy, tok):
 
 async def test_api_key_selects_the_session_on_plain_paths(proxy, tok):
     s = proxy.start_session(ScriptedEngine.from_text(tok, lambda p: "4"))
-    c = openai.AsyncOpenAI(base_url=f"{proxy.url}/v1", api_key=s.api_key, http_client=shared_http_client(), max_retries=0)
+    c = openai.AsyncOpenAI(
+        base_url=f"{proxy.url}/v1", api_key=s.api_key, http_client=shared_http_client(), max_retries=0
+    )
     out = await c.chat.completions.create(model="m", messages=MSGS)
     assert out.choices[0].message.content == "4" and len(s.log) == 1
 
@@ -127,8 +136,13 @@ async def test_shared_http_client_is_one_per_loop():
 
 
 def _inter(cid, inp, out, reward=None):
-    return Interaction(id=cid, model_response=ModelResponse(input_tokens=inp, output_tokens=out, output_logprobs=[-0.1] * len(out),
-                                                            output_versions=[1] * len(out)), reward=reward)
+    return Interaction(
+        id=cid,
+        model_response=ModelResponse(
+            input_tokens=inp, output_tokens=out, output_logprobs=[-0.1] * len(out), output_versions=[1] * len(out)
+        ),
+        reward=reward,
+    )
 
 
 def test_reward_discount_and_export_styles():

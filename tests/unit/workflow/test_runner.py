@@ -4,11 +4,18 @@ import asyncio
 
 import _runner_rewards
 import pytest
+from helpers.scripted_engine import ScriptedEngine
 
 from mlrl.reward import AsyncRewardWrapper
 from mlrl.types import GenerationHyperparameters, Sample, SampleStatus, StopReason, TerminationReason
-from mlrl.workflow import EpisodeOutput, EpisodeRunner, EpisodeStatus, ModelRequest, RolloutWorkflow, sample_from_response
-from mlrl.workflow.testing import ScriptedEngine
+from mlrl.workflow import (
+    EpisodeOutput,
+    EpisodeRunner,
+    EpisodeStatus,
+    ModelRequest,
+    RolloutWorkflow,
+    sample_from_response,
+)
 
 G = GenerationHyperparameters(max_new_tokens=4)
 
@@ -46,7 +53,9 @@ def row(kind, i=0, **kw):
 
 async def test_groups_share_ids_and_keep_row_order():
     runner = EpisodeRunner(Scripted(), ScriptedEngine(), max_concurrency=8, episode_timeout_s=10)
-    groups = await runner.run_batch([row("ok", 1, reward=1.0), row("ok", 2, reward=0.0), row("mutate", 3, reward=0.0)], n=3)
+    groups = await runner.run_batch(
+        [row("ok", 1, reward=1.0), row("ok", 2, reward=0.0), row("mutate", 3, reward=0.0)], n=3
+    )
     assert [g.data["i"] for g in groups] == [1, 2, 3]
     assert len({g.group_id for g in groups}) == 3
     for g in groups:
@@ -157,16 +166,19 @@ async def test_error_stop_reason_from_a_direct_call_is_an_episode_error():
 
 
 async def test_batch_result_evaluation_flag_and_prefix(tok):
-    from mlrl.workflow import BatchResult, is_evaluation
-    from mlrl.workflow.rlvr import RLVRWorkflow
     from _wf_helpers import last_user_word
+
+    from mlrl.workflow import BatchResult, is_evaluation
+    from mlrl.workflow.builtin.rlvr import RLVRWorkflow
 
     seen = []
 
     class Probe(RolloutWorkflow):
         async def arun_episode(self, engine, data):
             seen.append(is_evaluation())
-            return Sample(tokens=[1, 2], loss_mask=[0, 1], rollout_logprobs=[0, -1], versions=[-1, 0], reward=float(data["i"]))
+            return Sample(
+                tokens=[1, 2], loss_mask=[0, 1], rollout_logprobs=[0, -1], versions=[-1, 0], reward=float(data["i"])
+            )
 
     runner = EpisodeRunner(Probe(), ScriptedEngine(), episode_timeout_s=10)
     batch = await runner.run_batch([row("ok", 1), row("ok", 0)], n=2)
@@ -185,3 +197,39 @@ async def test_batch_result_evaluation_flag_and_prefix(tok):
     await r2.run_batch([msgs], n=1)
     await r2.run_batch([msgs], n=1, evaluation=True)
     assert [r.gconfig.greedy for r in eng.requests] == [False, True]
+
+
+class TwoCalls(RolloutWorkflow):
+    """Two requests per episode (a multi-turn shape), so per-call seeds are exercised too."""
+
+    async def arun_episode(self, engine, data):
+        a = await engine.agenerate(ModelRequest(input_ids=[10, data["i"]], gconfig=G))
+        b = await engine.agenerate(ModelRequest(input_ids=a.input_tokens + a.output_tokens, gconfig=G))
+        return Sample(
+            tokens=b.input_tokens + b.output_tokens,
+            loss_mask=[0, 0] + [1] * (len(b.input_tokens) - 2 + b.output_len),
+            rollout_logprobs=[0.0] * (len(b.input_tokens) + b.output_len),
+            versions=[-1] * (len(b.input_tokens) + b.output_len),
+            reward=1.0,
+        )
+
+
+async def _request_seeds(seed, max_concurrency, version=0):
+    eng = ScriptedEngine(version=version)
+    runner = EpisodeRunner(TwoCalls(), eng, max_concurrency=max_concurrency, episode_timeout_s=10, seed=seed)
+    await runner.run_batch([row("ok", i) for i in range(3)], n=2)
+    # key each request by (prompt, call) so that the completion order does not matter
+    return sorted((tuple(r.input_ids[:2]), len(r.input_ids) > 2, r.gconfig.seed) for r in eng.requests)
+
+
+async def test_per_request_seeds_are_a_function_of_the_run_seed_step_row_and_call():
+    a = await _request_seeds(seed=7, max_concurrency=6)
+    b = await _request_seeds(seed=7, max_concurrency=1)          # other batching and order: the same seeds
+    assert a == b
+    seeds = [s for *_, s in a]
+    assert all(isinstance(s, int) and 0 <= s < 2**63 for s in seeds) and len(set(seeds)) == len(seeds) == 12
+    other = [s for *_, s in await _request_seeds(seed=8, max_concurrency=6)]
+    assert not set(other) & set(seeds)                            # another run seed: other samples
+    later = [s for *_, s in await _request_seeds(seed=7, max_concurrency=6, version=3)]
+    assert not set(later) & set(seeds)                            # the next step re-samples the same rows afresh
+    assert {s for *_, s in await _request_seeds(seed=None, max_concurrency=6)} == {None}  # off: the engine's RNG

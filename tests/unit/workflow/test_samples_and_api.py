@@ -5,11 +5,17 @@ import torch
 
 from mlrl.types import ModelResponse, Sample, SampleStatus, StopReason
 from mlrl.workflow import ModelRequest, WorkflowResultError, apply_chat_template, sample_from_response, to_samples
-from mlrl.workflow.interactions import Interaction
+from mlrl.workflow.agent_proxy.interactions import Interaction
 
 
 def resp(p=(5, 6, 7), o=(8, 9), lps=(-0.5, -0.25), vers=(3, 4), stop=StopReason.STOP):
-    return ModelResponse(input_tokens=list(p), output_tokens=list(o), output_logprobs=list(lps), output_versions=list(vers), stop_reason=stop)
+    return ModelResponse(
+        input_tokens=list(p),
+        output_tokens=list(o),
+        output_logprobs=list(lps),
+        output_versions=list(vers),
+        stop_reason=stop,
+    )
 
 
 def test_areal_tensor_dict_with_batch_dim():

@@ -30,9 +30,10 @@ Invariants:
   loss (mlrl.algorithms.value), gradients are summed over micro-batches and DP ranks: the policy's
   contract (policy.py), so the update does not depend on the split.
 - Optimizer: critic.lr / min_lr / lr_schedule / lr_warmup_steps (in critic updates) /
-  weight_decay / grad_clip; optimizer kind, betas, eps, precision and the distributed optimizer
-  come from trainer; decay over trainer.total_steps * mini_batches_per_step * epochs_per_step.
-- Checkpoints: mlrl.trainer.checkpointing.save_checkpoint / load_checkpoint take a critic as
+  weight_decay / grad_clip; optimizer kind, betas, eps and the distributed optimizer come from
+  trainer, the precision from model.dtype; decay over trainer.total_steps * mini_batches_per_step *
+  epochs_per_step.
+- Checkpoints: mlrl.trainer.rank.checkpointing.save_checkpoint / load_checkpoint take a critic as
   they take a policy; its role is recorded, so neither loads into the other.
 """
 
@@ -47,10 +48,10 @@ from mlrl.algorithms.value import ValueLossFn
 from mlrl.config.schema import CriticConfig, ModelConfig, ParallelConfig, TrainerConfig
 from mlrl.config.validate import Layout
 from mlrl.experience.batch import MicroBatch
-from mlrl.trainer.inputs import ModelInputs
-from mlrl.trainer.model import build_model_chunks, params_dtype
-from mlrl.trainer.policy import MegatronPolicy
-from mlrl.trainer.weights import LocalParams
+from mlrl.trainer.rank.inputs import ModelInputs
+from mlrl.trainer.rank.model import build_model_chunks, params_dtype
+from mlrl.trainer.rank.policy import MegatronPolicy
+from mlrl.trainer.rank.weights import LocalParams
 
 __all__ = ["MegatronCritic", "ValueHead"]
 
@@ -99,12 +100,19 @@ class MegatronCritic(MegatronPolicy):
             if chunk.post_process:
                 # before DDP wraps the chunk: the head's gradient must live in DDP's buffers
                 chunk.output_layer = ValueHead(self.arch.hidden_size, sequence_parallel=self.config.sequence_parallel,
-                                               dtype=params_dtype(self.trainer_cfg), device=self.device)
+                                               dtype=params_dtype(self.model_cfg), device=self.device)
         return chunks
 
     def _local_params(self, chunks: list[torch.nn.Module]) -> LocalParams:
-        return LocalParams(chunks, self.spec, self.arch, self.ranks, vpp=self.config.virtual_pipeline_model_parallel_size,
-                           pp_split=self.parallel.pp_layer_split, lm_head=False)
+        return LocalParams(
+            chunks,
+            self.spec,
+            self.arch,
+            self.ranks,
+            vpp=self.config.virtual_pipeline_model_parallel_size,
+            pp_split=self.parallel.pp_layer_split,
+            lm_head=False,
+        )
 
     def _optimizer_hparams(self) -> dict[str, Any]:
         c = self.critic_cfg

@@ -1,4 +1,6 @@
 """`ScriptedEngine`: a deterministic stand-in for the rollout pool in unit tests (never a server).
+Test-only, so it lives under tests/ (it used to ship inside the mlrl package); workflow, loop
+and compat tests all drive episodes with it.
 
 It answers `agenerate(ModelRequest)` with tokens chosen by a script, logprobs that are a fixed
 function of (token, position), and the engine's current weight version on every token, so tests
@@ -73,7 +75,13 @@ class ScriptedEngine:
         try:
             planned = list(self.script(list(req.input_ids), call))
         except Exception as e:  # a failed request, as the pool reports it
-            resp = ModelResponse(input_tokens=list(req.input_ids), stop_reason=StopReason.ERROR, error=f"{type(e).__name__}: {e}", rid=req.rid, engine=self.name)
+            resp = ModelResponse(
+                input_tokens=list(req.input_ids),
+                stop_reason=StopReason.ERROR,
+                error=f"{type(e).__name__}: {e}",
+                rid=req.rid,
+                engine=self.name,
+            )
             self.responses.append(resp)
             return resp
         stops = {self.eos_token_id, *req.gconfig.stop_token_ids}

@@ -2,7 +2,7 @@
 
 The RL loop lives in one driver process (asyncio, engines, workflows); the Megatron ranks are
 separate processes started by torchrun (one machine) or by Ray (--nodes N) that run
-`mlrl.trainer.service` and connect back to the driver. Every call is sent to every rank (SPMD:
+`mlrl.trainer.rank.service` and connect back to the driver. Every call is sent to every rank (SPMD:
 Megatron's collectives need all of them), optionally with per-rank arguments (each DP rank gets
 its own micro-batches), and the driver waits for every reply: a failure on any rank raises
 `TrainerError` naming the rank with its traceback, so the loop never continues half-done.
@@ -17,7 +17,6 @@ This module imports no megatron: the driver stays light.
 from __future__ import annotations
 
 import os
-import pickle
 import secrets
 import signal
 import subprocess
@@ -25,10 +24,11 @@ import sys
 import threading
 from multiprocessing.connection import Connection, Listener
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence, TypeVar
 
-TOKEN_ENV = "MLRL_TRAINER_TOKEN"
+from mlrl.trainer.rpc import TOKEN_ENV, recv, send
 
+R = TypeVar("R")
 
 class TrainerError(RuntimeError):
     """A trainer rank failed; the message carries its rank and traceback."""
@@ -103,7 +103,7 @@ class TrainerGroup:
         self.rank_info: list[dict[str, Any]] = []
         (self.run_dir / "trainer_config.yaml").write_text(config_yaml)  # for the record
         host_, port = self._listener.address
-        service_args = ["-m", "mlrl.trainer.service", "--connect", f"{host_}:{port}"]
+        service_args = ["-m", "mlrl.trainer.rank.service", "--connect", f"{host_}:{port}"]
         full_env = dict(env or {})
         full_env[TOKEN_ENV] = self._token.hex()
         if spawn is None:
@@ -141,21 +141,30 @@ class TrainerGroup:
         if len(conns) < self.world_size or err:
             tail = self.log_tail()
             self.close()
-            why = f"{type(err[0]).__name__}: {err[0]}" if err else f"only {len(conns)}/{self.world_size} ranks connected within {timeout_s:.0f} s"
+            why = (
+                f"{type(err[0]).__name__}: {err[0]}"
+                if err
+                else f"only {len(conns)}/{self.world_size} ranks connected within {timeout_s:.0f} s"
+            )
             raise TrainerError(f"trainer ranks failed to start ({why}); log tail:\n{tail}")
         self._conns = [conns[r] for r in range(self.world_size)]
         self.rank_info.sort(key=lambda h: h["rank"])
 
-    def call(self, method: str, per_rank: Sequence[dict[str, Any]] | None = None, **common: Any) -> list[Any]:
-        """Call `method` on every rank; `per_rank[r]` adds rank-specific keyword arguments.
-
-        Returns the list of per-rank results (rank order).
+    def call(
+        self, method: Callable[..., R], per_rank: Sequence[dict[str, Any]] | None = None, **common: Any
+    ) -> list[R]:
+        """Call the rank-side method `method` (a `TrainerService` method, passed as the function
+        itself, never as a string) on every rank; `per_rank[r]` adds rank-specific keyword
+        arguments. Returns the list of per-rank results (rank order).
         """
+        owner, _, name = method.__qualname__.rpartition(".")
+        if owner != "TrainerService" or name.startswith("_"):
+            raise TypeError(f"{method.__qualname__} is not a public TrainerService method")
         for r, c in enumerate(self._conns):
             kwargs = dict(common)
             if per_rank is not None:
                 kwargs.update(per_rank[r])
-            send(c, (method, kwargs))
+            send(c, (name, kwargs))
         results, failures = [], []
         for r, c in enumerate(self._conns):
             try:
@@ -170,7 +179,7 @@ class TrainerGroup:
                 failures.append(f"rank {r}: {value}")
                 results.append(None)
         if failures:
-            raise TrainerError(f"trainer call {method!r} failed on {len(failures)} rank(s):\n" + "\n".join(failures))
+            raise TrainerError(f"trainer call {name!r} failed on {len(failures)} rank(s):\n" + "\n".join(failures))
         return results
 
     def log_tail(self, lines: int = 40) -> str:
@@ -196,16 +205,6 @@ class TrainerGroup:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def send(conn: Connection, obj: Any) -> None:
-    """Plain pickle, not Connection.send: with torch imported, multiprocessing's ForkingPickler
-    would pass tensor storages as file descriptors, which only works between related processes."""
-    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-def recv(conn: Connection) -> Any:
-    return pickle.loads(conn.recv_bytes())
 
 
 def _free_port() -> int:

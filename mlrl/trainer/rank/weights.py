@@ -26,9 +26,19 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from mlrl.bridge import ArchSpec, BridgeError, HFCheckpoint, ModelArch, ParamSpec, global_name, padded_vocab_size, shard, stage_layers, unshard
-from mlrl.trainer.parallel import Ranks
-
+from mlrl.bridge import (
+    ArchSpec,
+    BridgeError,
+    HFCheckpoint,
+    ModelArch,
+    ParamSpec,
+    global_name,
+    padded_vocab_size,
+    shard,
+    stage_layers,
+    unshard,
+)
+from mlrl.trainer.rank.parallel import Ranks
 
 _OUTPUT_LAYER = "output_layer.weight"
 
@@ -66,15 +76,23 @@ class LocalParams:
         for c, chunk in enumerate(chunks):
             model = _unwrap(chunk)
             layers = [layer.layer_number - 1 for layer in model.decoder.layers]
-            expected = stage_layers(arch.num_layers, ranks.pp_size, ranks.pp, vpp=vpp, vp_stage=c if vpp else None, split=pp_split)
+            expected = stage_layers(
+                arch.num_layers, ranks.pp_size, ranks.pp, vpp=vpp, vp_stage=c if vpp else None, split=pp_split
+            )
             if layers != expected:
-                raise RuntimeError(f"pipeline split mismatch: Megatron built layers {layers} on pp rank {ranks.pp} chunk {c}, the bridge expects {expected}")
+                raise RuntimeError(
+                    f"pipeline split mismatch: Megatron built layers {layers} on pp rank {ranks.pp} chunk {c}, the "
+                    f"bridge expects {expected}"
+                )
             for name, param in model.named_parameters():
                 gname = global_name(name, layers, expert_offset=ranks.ep * n_local_experts)
                 if not lm_head and gname == _OUTPUT_LAYER:
                     continue
                 if gname not in by_name:
-                    raise BridgeError(f"Megatron parameter {name!r} (global {gname!r}) has no HF mapping in the {arch.model_type} spec")
+                    raise BridgeError(
+                        f"Megatron parameter {name!r} (global {gname!r}) has no HF mapping in the {arch.model_type} "
+                        "spec"
+                    )
                 if gname in seen:
                     raise BridgeError(f"two Megatron parameters map to {gname!r}")
                 seen.add(gname)
@@ -85,8 +103,10 @@ class LocalParams:
                 if (p.layer in all_layers and (not p.is_expert or p.expert in experts))
                 or (p.stage == "first" and ranks.is_first_stage) or (p.stage == "last" and ranks.is_last_stage)}
         if want - seen:
-            raise BridgeError(f"{sorted(want - seen)[0]!r} of the {arch.model_type} spec has no parameter in the Megatron model "
-                              f"on pp rank {ranks.pp} / ep rank {ranks.ep}")
+            raise BridgeError(
+                f"{sorted(want - seen)[0]!r} of the {arch.model_type} spec has no parameter in the Megatron model "
+                f"on pp rank {ranks.pp} / ep rank {ranks.ep}"
+            )
         self._tp_group = ps.get_tensor_model_parallel_group()
         self._etp_group = ps.get_expert_tensor_parallel_group()
         self._ep_group = ps.get_expert_model_parallel_group()
@@ -114,8 +134,10 @@ class LocalParams:
                 full = self.spec.to_megatron(self.arch, it.spec, hf)
                 local = self.shard_of(it.spec, full)
                 if tuple(local.shape) != tuple(it.param.shape):
-                    raise BridgeError(f"{it.spec.name}: shard of shape {tuple(local.shape)} from {', '.join(it.spec.hf)}, "
-                                      f"the Megatron parameter {it.local_name!r} has shape {tuple(it.param.shape)}")
+                    raise BridgeError(
+                        f"{it.spec.name}: shard of shape {tuple(local.shape)} from {', '.join(it.spec.hf)}, "
+                        f"the Megatron parameter {it.local_name!r} has shape {tuple(it.param.shape)}"
+                    )
                 with torch.no_grad():
                     it.param.data.copy_(local.to(it.param.dtype))
 
@@ -151,8 +173,19 @@ class LocalParams:
                 for src, t in enumerate(parts):
                     e = src * n_local + j
                     name = p.name.replace(f".local_experts.{p.expert}.", f".local_experts.{e}.")
-                    yield ParamSpec(name, p.shape, tuple(h.replace(f".experts.{p.expert}.", f".experts.{e}.") for h in p.hf),
-                                    p.tp, p.convert, p.layer, e, p.stage), t
+                    yield (
+                        ParamSpec(
+                            name,
+                            p.shape,
+                            tuple(h.replace(f".experts.{p.expert}.", f".experts.{e}.") for h in p.hf),
+                            p.tp,
+                            p.convert,
+                            p.layer,
+                            e,
+                            p.stage,
+                        ),
+                        t,
+                    )
             else:
                 if r.dp != 0 or r.cp != 0:
                     continue

@@ -13,9 +13,9 @@ Format: Megatron-Core `dist_checkpointing` (torch_dist) in `path/`, plus two thi
 written by rank 0 after every rank has finished writing: `hf_files/` (config.json,
 generation_config.json, tokenizer files: enough to export an HF folder from the checkpoint
 alone) and `mlrl_checkpoint.json` (format version, the role: policy or critic, the HF config,
-the architecture the bridge parsed from it, the parallel layout, the optimizer kind / precision /
-state sharding, the optimizer step count). `mlrl_checkpoint.json` is written last: a directory
-without it was never completely written.
+the architecture the bridge parsed from it, the parallel layout, the optimizer kind / precision
+(fp32 / bf16 / fp16, derived from model.dtype) / state sharding, the optimizer step count).
+`mlrl_checkpoint.json` is written last: a directory without it was never completely written.
 
 Invariants:
 - Nothing is loaded before everything that can be checked has been: the directory is complete,
@@ -62,6 +62,7 @@ import torch.distributed as dist
 from mlrl.bridge import spec_for
 from mlrl.checkpoint.hf_export import COPY_FILES, ShardMap, ShardWriter, finalize_hf_folder, temp_dir_for
 from mlrl.checkpoint.manager import CheckpointError
+from mlrl.config.schema import PRECISION
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +91,15 @@ def _sharding_metadata(sharding_type: str) -> dict[str, Any]:
 
 
 def _optimizer_kind(policy) -> dict[str, Any]:
-    t = policy.trainer_cfg
-    return {"type": t.optimizer, "distributed": bool(t.use_distributed_optimizer), "precision": t.precision}
+    t, precision = policy.trainer_cfg, policy.model_cfg.precision  # precision: derived from model.dtype
+    return {"type": t.optimizer, "distributed": bool(t.use_distributed_optimizer), "precision": precision}
+
+
+def _shown(key: str, value: Any) -> Any:
+    """A recorded optimizer setting as the config names it (precision 'bf16' -> model.dtype 'bfloat16')."""
+    if key == "precision":
+        return next((d for d, p in PRECISION.items() if p == value), value)
+    return value
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:
@@ -142,29 +150,36 @@ def check_loadable(policy, meta: dict[str, Any], *, load_optimizer: bool) -> Non
                               f"is a {_role(policy)}: load a {_role(policy)} checkpoint into it")
     diff = _arch_differences(meta["hf_config"], policy)
     if diff:
-        raise CheckpointError(f"checkpoint architecture does not match model.hf_dir={policy.hf_dir}: " + "; ".join(diff))
+        raise CheckpointError(
+            f"checkpoint architecture does not match model.hf_dir={policy.hf_dir}: " + "; ".join(diff)
+        )
     if not load_optimizer:
         return
     saved, now = meta["optimizer"], _optimizer_kind(policy)
-    for key, field in (("type", "trainer.optimizer"), ("precision", "trainer.precision"),
+    for key, field in (("type", "trainer.optimizer"), ("precision", "model.dtype"),
                        ("distributed", "trainer.use_distributed_optimizer")):
         if saved[key] != now[key]:
-            raise CheckpointError(f"checkpoint optimizer state was saved with {field}={saved[key]!r}, this run has "
-                                  f"{now[key]!r}: use the same setting to resume (or load the weights only)")
+            raise CheckpointError(f"checkpoint optimizer state was saved with {field}={_shown(key, saved[key])!r}, "
+                                  f"this run has {_shown(key, now[key])!r}: use the same setting to resume (or load "
+                                  "the weights only)")
     sharding = saved["sharding"]["distrib_optim_sharding_type"]
     parts = len(_inner_optimizers(policy.optimizer))
     if saved.get("parts", parts) != parts and not (saved["distributed"] and sharding in _RESHARDABLE):
-        raise CheckpointError(f"checkpoint optimizer has {saved['parts']} part(s) (dense / expert-parallel), this layout "
-                              f"{parts}: only a distributed optimizer saved as {_RESHARDABLE[0]!r} reshards across that "
-                              f"change; resume with ep={meta['layout']['ep']}")
+        raise CheckpointError(
+            f"checkpoint optimizer has {saved['parts']} part(s) (dense / expert-parallel), this layout "
+            f"{parts}: only a distributed optimizer saved as {_RESHARDABLE[0]!r} reshards across that "
+            f"change; resume with ep={meta['layout']['ep']}"
+        )
     if saved["distributed"] and sharding not in _RESHARDABLE:
         old, new = meta["layout"], _layout(policy)
         keys = ("tp", "pp", "cp", "ep", "etp", "vpp", "pp_layer_split")
         changed = [f"{k} {old[k]} -> {new[k]}" for k in keys if old[k] != new[k]]
         if changed:
-            raise CheckpointError(f"checkpoint optimizer state is {sharding!r} (reshardable along DP only) and cannot be "
-                                  f"loaded after a model-parallel layout change ({', '.join(changed)}): resume with "
-                                  f"tp={old['tp']} pp={old['pp']} ep={old['ep']} cp={old['cp']}")
+            raise CheckpointError(
+                f"checkpoint optimizer state is {sharding!r} (reshardable along DP only) and cannot be "
+                f"loaded after a model-parallel layout change ({', '.join(changed)}): resume with "
+                f"tp={old['tp']} pp={old['pp']} ep={old['ep']} cp={old['cp']}"
+            )
 
 
 # ---- RNG -----------------------------------------------------------------------------------------
@@ -221,7 +236,7 @@ def _prepare_optimizer_for_load(optimizer) -> None:
         return
     for opt in _inner_optimizers(optimizer):
         if hasattr(opt, "_init_optimizer_states_with_dummy_values") and not opt.optimizer.state:
-            from mlrl.trainer import cpu_compat
+            from mlrl.trainer.rank import cpu_compat
 
             with cpu_compat.cuda_tensor_methods():
                 opt._init_optimizer_states_with_dummy_values()
@@ -328,7 +343,7 @@ def save_checkpoint(policy, path: str | Path, *, async_save: bool = False,
     trainable = policy.optimizer is not None
     with_optimizer = trainable and policy.optimizer_steps > 0
     sharding = _sharding_metadata(optim_sharding)
-    from mlrl.trainer import cpu_compat
+    from mlrl.trainer.rank import cpu_compat
 
     with cpu_compat.cuda_tensor_methods():  # the DistributedOptimizer gathers its state with .cuda() tensors
         sd = _state_dict(policy, sharding=sharding, optimizer=with_optimizer, rng=trainable, is_loading=False)
@@ -430,7 +445,7 @@ def load_checkpoint(policy, path: str | Path, *, load_optimizer: Optional[bool] 
     with_rng = load_optimizer and contents["rng"] and same_layout
     sharding = meta["optimizer"]["sharding"]
 
-    from mlrl.trainer import cpu_compat
+    from mlrl.trainer.rank import cpu_compat
 
     with cpu_compat.cuda_tensor_methods():
         sd = _state_dict(policy, sharding=sharding, optimizer=with_optimizer, rng=with_rng, is_loading=True)
@@ -463,7 +478,9 @@ def _model_keys(policy) -> list[str]:
 def _load_scheduler(scheduler, saved: dict[str, Any]) -> dict[str, Any]:
     """Position from the checkpoint, hyper-parameters from the running config."""
     now = scheduler.state_dict()
-    overrides = {k: {"checkpoint": saved[k], "config": now[k]} for k in now if k != "num_steps" and saved.get(k) != now[k]}
+    overrides = {
+        k: {"checkpoint": saved[k], "config": now[k]} for k in now if k != "num_steps" and saved.get(k) != now[k]
+    }
     previous = scheduler.override_opt_param_scheduler
     scheduler.override_opt_param_scheduler = True
     try:
@@ -539,7 +556,9 @@ def export_hf(policy, out_dir: str | Path, *, max_shard_bytes: int = 2 << 30, bu
     dist.barrier()
     error = None
     try:
-        shard_map = export_hf_shards(policy, tmp, max_shard_bytes=max_shard_bytes, bucket_bytes=bucket_bytes, dtype=dtype)
+        shard_map = export_hf_shards(
+            policy, tmp, max_shard_bytes=max_shard_bytes, bucket_bytes=bucket_bytes, dtype=dtype
+        )
     except Exception as e:  # noqa: BLE001 - reported on every rank below
         shard_map, error = None, f"rank {rank}: {type(e).__name__}: {e}"
     gathered: list[Any] = [None] * policy.ranks.world

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from mlrl.checkpoint.manager import CheckpointError
-from mlrl.trainer import checkpointing as ckpt
+from mlrl.config.schema import PRECISION
+from mlrl.trainer.rank import checkpointing as ckpt
 
 Progress = Callable[[str], None]
 
@@ -43,8 +44,9 @@ def world_size_for(tp: int, pp: int, ep: int, etp: Optional[int] = None, cp: int
     return tp * pp * cp * dp
 
 
-def conversion_config(hf_dir: str | Path, *, tp: int, pp: int, ep: int, precision: str):
-    """(Config, Layout) of a conversion job: a frozen policy, `world_size_for` ranks."""
+def conversion_config(hf_dir: str | Path, *, tp: int, pp: int, ep: int, model_dtype: str):
+    """(Config, Layout) of a conversion job: a frozen policy in `model_dtype` (float32 / bfloat16 /
+    float16), `world_size_for` ranks."""
     from mlrl.config.schema import Config
     from mlrl.config.validate import resolve_layout
 
@@ -56,10 +58,10 @@ def conversion_config(hf_dir: str | Path, *, tp: int, pp: int, ep: int, precisio
     world = int(os.environ.get("WORLD_SIZE") or world_size_for(tp, pp, ep))
     if world % (tp * pp):
         raise CheckpointError(f"conversion: tp*pp = {tp}*{pp} does not divide the job's {world} ranks")
-    cfg.parallel.dp = world // (tp * pp)
+    cfg.cluster.trainer_devices = world  # dp = world / (tp*pp)
     # megatron-core's MoE layer refuses TP without sequence parallelism
     cfg.parallel.sequence_parallel = tp > 1 and bool(hf.get("num_experts") or hf.get("num_local_experts"))
-    cfg.trainer.precision = precision
+    cfg.model.dtype = model_dtype
     return cfg, resolve_layout(cfg)
 
 
@@ -69,8 +71,8 @@ def _without_hf_weights() -> Iterator[None]:
     come from a Megatron checkpoint has only config.json. Until MegatronPolicy takes an option
     to skip its HF load, these two steps are no-ops for the duration of the build (the
     parameters are then uninitialised and MUST be loaded next)."""
-    from mlrl.trainer import policy as policy_module
-    from mlrl.trainer.weights import LocalParams
+    from mlrl.trainer.rank import policy as policy_module
+    from mlrl.trainer.rank.weights import LocalParams
 
     class _ConfigOnly:
         def __init__(self, hf_dir: str | Path):
@@ -90,7 +92,7 @@ def _without_hf_weights() -> Iterator[None]:
 
 def policy_from_checkpoint(path: str | Path, cfg, layout, *, trainable: bool = False):
     """A policy built from the checkpoint's own config files, then loaded from it (weights only)."""
-    from mlrl.trainer.policy import MegatronPolicy
+    from mlrl.trainer.rank.policy import MegatronPolicy
 
     path = Path(path)
     ckpt.read_meta(path)
@@ -113,12 +115,12 @@ def _move_into_place(tmp: Path, out: Path) -> None:
     dist.barrier()
 
 
-def hf_to_mcore(hf_dir: str | Path, out: str | Path, *, tp: int, pp: int, ep: int, precision: str, verify: bool,
+def hf_to_mcore(hf_dir: str | Path, out: str | Path, *, tp: int, pp: int, ep: int, dtype: str, verify: bool,
                 progress: Progress = _noop) -> dict[str, Any]:
-    from mlrl.trainer.policy import MegatronPolicy, init_parallel
+    from mlrl.trainer.rank.policy import MegatronPolicy, init_parallel
 
     out = Path(out)
-    cfg, layout = conversion_config(hf_dir, tp=tp, pp=pp, ep=ep, precision=precision)
+    cfg, layout = conversion_config(hf_dir, tp=tp, pp=pp, ep=ep, model_dtype=dtype)
     init_parallel(cfg.parallel, layout, seed=cfg.trainer.seed)
     t0 = time.perf_counter()
     progress("reading HF weights into the sharded model")
@@ -141,12 +143,13 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, *, tp: int, pp: int, ep: in
 
 def mcore_to_hf(path: str | Path, out: str | Path, *, tp: int, pp: int, ep: int, dtype: Optional[str],
                 max_shard_bytes: int, verify: bool, progress: Progress = _noop) -> dict[str, Any]:
-    from mlrl.trainer.policy import init_parallel
+    from mlrl.trainer.rank.policy import init_parallel
 
     path, out = Path(path), Path(out)
     meta = ckpt.read_meta(path)
+    saved = meta["optimizer"]["precision"]  # the model.dtype it was saved in, as the trainer's precision name
     cfg, layout = conversion_config(path / ckpt.HF_FILES_DIR, tp=tp, pp=pp, ep=ep,
-                                    precision=meta["optimizer"]["precision"])
+                                    model_dtype=next(d for d, p in PRECISION.items() if p == saved))
     init_parallel(cfg.parallel, layout, seed=cfg.trainer.seed)
     t0 = time.perf_counter()
     progress("loading the Megatron checkpoint")

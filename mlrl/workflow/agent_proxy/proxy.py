@@ -31,8 +31,8 @@ import httpx
 from aiohttp import web
 
 from mlrl.types import GenerationHyperparameters, ModelResponse, StopReason
+from mlrl.workflow.agent_proxy.interactions import Interaction, InteractionLog
 from mlrl.workflow.api import ModelRequest, apply_chat_template
-from mlrl.workflow.interactions import Interaction, InteractionLog
 
 logger = logging.getLogger(__name__)
 
@@ -142,8 +142,13 @@ class OpenAIProxy:
         if not self.started:
             raise RuntimeError("OpenAIProxy.start() must be awaited before sessions are opened")
         sid = uuid.uuid4().hex
-        s = ProxySession(id=sid, engine=engine, gconfig=gconfig or self.default_gconfig, base_url=f"{self.url}/s/{sid}/v1",
-                         sampling_overrides=sampling_overrides)
+        s = ProxySession(
+            id=sid,
+            engine=engine,
+            gconfig=gconfig or self.default_gconfig,
+            base_url=f"{self.url}/s/{sid}/v1",
+            sampling_overrides=sampling_overrides,
+        )
         self._sessions[sid] = s
         return s
 
@@ -159,7 +164,9 @@ class OpenAIProxy:
             auth = request.headers.get("Authorization", "")
             sid = auth[7:].strip() if auth.lower().startswith("bearer ") else None
         if not sid:
-            raise ProxyRequestError(401, "no session: use the base_url given to the episode (…/s/<session>/v1) or its api_key")
+            raise ProxyRequestError(
+                401, "no session: use the base_url given to the episode (…/s/<session>/v1) or its api_key"
+            )
         s = self._sessions.get(sid)
         if s is None:
             raise ProxyRequestError(404, f"unknown or closed session {sid!r} (the episode has ended?)")
@@ -207,7 +214,9 @@ class OpenAIProxy:
         return await self._guarded(request, impl)
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "mlrl"}]})
+        return web.json_response(
+            {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "mlrl"}]}
+        )
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "sessions": len(self._sessions)})
@@ -217,7 +226,11 @@ class OpenAIProxy:
         if body.get("stream"):
             raise ProxyRequestError(400, "streaming is not supported by the mlrl proxy (set stream=False)")
         kw: dict[str, Any] = {"n_samples": 1}
-        keys = [("max_completion_tokens", "max_new_tokens", int), ("max_tokens", "max_new_tokens", int), ("min_tokens", "min_new_tokens", int)]
+        keys = [
+            ("max_completion_tokens", "max_new_tokens", int),
+            ("max_tokens", "max_new_tokens", int),
+            ("min_tokens", "min_new_tokens", int),
+        ]
         if session.sampling_overrides:
             keys += [("temperature", "temperature", float), ("top_p", "top_p", float), ("top_k", "top_k", int)]
         for src, dst, cast in keys:
@@ -233,21 +246,32 @@ class OpenAIProxy:
             kw["stop"] = [stop] if isinstance(stop, str) else list(stop)
         return session.gconfig.new(**kw)
 
-    async def _generate(self, session: ProxySession, input_ids: list[int], gconfig: GenerationHyperparameters, n: int) -> list[ModelResponse]:
+    async def _generate(
+        self, session: ProxySession, input_ids: list[int], gconfig: GenerationHyperparameters, n: int
+    ) -> list[ModelResponse]:
         if not isinstance(n, int) or n < 1:
             raise ProxyRequestError(400, f"n must be a positive integer, got {n!r}")
-        reqs = [ModelRequest(input_ids=list(input_ids), gconfig=gconfig, session_id=session.id, tokenizer=self.tokenizer) for _ in range(n)]
+        reqs = [
+            ModelRequest(input_ids=list(input_ids), gconfig=gconfig, session_id=session.id, tokenizer=self.tokenizer)
+            for _ in range(n)
+        ]
         resps = await asyncio.gather(*(session.engine.agenerate(r) for r in reqs))
         for r in resps:
             if r.stop_reason in (StopReason.ERROR, StopReason.ABORT):
-                raise ProxyRequestError(502, f"engine request failed ({r.stop_reason.value}): {r.error}", "engine_error")
+                raise ProxyRequestError(
+                    502, f"engine request failed ({r.stop_reason.value}): {r.error}", "engine_error"
+                )
         return list(resps)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _record(self, session: ProxySession, cid: str, i: int, n: int, resp: ModelResponse, text: str, gconfig, **kw: Any) -> None:
-        session.log.add(Interaction(id=cid if n == 1 else f"{cid}:{i}", model_response=resp, text=text, gconfig=gconfig, **kw))
+    def _record(
+        self, session: ProxySession, cid: str, i: int, n: int, resp: ModelResponse, text: str, gconfig, **kw: Any
+    ) -> None:
+        session.log.add(
+            Interaction(id=cid if n == 1 else f"{cid}:{i}", model_response=resp, text=text, gconfig=gconfig, **kw)
+        )
 
     @staticmethod
     def _usage(input_len: int, resps: list[ModelResponse]) -> dict[str, int]:
@@ -281,7 +305,9 @@ class OpenAIProxy:
                 "token_ids": list(r.output_tokens),
             }
             if body.get("logprobs"):
-                choice["logprobs"] = {"content": [self._token_logprob(t, lp) for t, lp in zip(r.output_tokens, r.output_logprobs)]}
+                choice["logprobs"] = {
+                    "content": [self._token_logprob(t, lp) for t, lp in zip(r.output_tokens, r.output_logprobs)]
+                }
             choices.append(choice)
         return {
             "id": cid,
@@ -309,7 +335,9 @@ class OpenAIProxy:
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             input_ids, prompt_text = list(prompt), None
         else:
-            raise ProxyRequestError(400, "prompt must be one string or one list of token ids (batched prompts are not supported)")
+            raise ProxyRequestError(
+                400, "prompt must be one string or one list of token ids (batched prompts are not supported)"
+            )
         gconfig = self._gconfig(session, body)
         resps = await self._generate(session, input_ids, gconfig, body.get("n", 1))
         cid, choices = f"cmpl-{uuid.uuid4().hex}", []
@@ -323,8 +351,21 @@ class OpenAIProxy:
                 for s in toks:
                     offsets.append(pos)
                     pos += len(s)
-                lp = {"tokens": toks, "token_logprobs": [float(x) for x in r.output_logprobs], "top_logprobs": None, "text_offset": offsets}
-            choices.append({"index": i, "text": text, "finish_reason": _FINISH.get(r.stop_reason, "stop"), "logprobs": lp, "token_ids": list(r.output_tokens)})
+                lp = {
+                    "tokens": toks,
+                    "token_logprobs": [float(x) for x in r.output_logprobs],
+                    "top_logprobs": None,
+                    "text_offset": offsets,
+                }
+            choices.append(
+                {
+                    "index": i,
+                    "text": text,
+                    "finish_reason": _FINISH.get(r.stop_reason, "stop"),
+                    "logprobs": lp,
+                    "token_ids": list(r.output_tokens),
+                }
+            )
         return {
             "id": cid,
             "object": "text_completion",

@@ -1,6 +1,6 @@
-"""Rank side of the trainer: `python -m mlrl.trainer.service --connect HOST:PORT` under torchrun
+"""Rank side of the trainer: `python -m mlrl.trainer.rank.service --connect HOST:PORT` under torchrun
 (or started by a Ray node agent with torchrun's environment). Connects back to the driver
-(`mlrl.trainer.group.TrainerGroup`), receives the resolved config (YAML) from it, then serves
+(`mlrl.trainer.driver.group.TrainerGroup`), receives the resolved config (YAML) from it, then serves
 method calls until `shutdown` or until the driver's connection closes (the driver died: exit
 rather than linger as an orphan).
 
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from mlrl.algorithms.loss_metrics import finalize_loss_metrics
 from mlrl.algorithms.losses import make_loss_fn
 from mlrl.config import config_from_yaml, validate
-from mlrl.trainer.group import TOKEN_ENV, recv, send
+from mlrl.trainer.rpc import TOKEN_ENV, recv, send
 
 
 class TrainerService:
@@ -30,7 +30,7 @@ class TrainerService:
 
     def __init__(self, cfg):
         from mlrl.modelzoo import resolve_model_dir
-        from mlrl.trainer.policy import MegatronPolicy, init_parallel
+        from mlrl.trainer.rank.policy import MegatronPolicy, init_parallel
 
         self.cfg = cfg
         self.layout = validate(cfg)
@@ -44,10 +44,12 @@ class TrainerService:
         self.critic = None
         if cfg.uses_critic:  # the value model shares the trainer ranks and their parallel layout
             from mlrl.algorithms.value import make_value_loss_fn
-            from mlrl.trainer.critic import MegatronCritic
+            from mlrl.trainer.rank.critic import MegatronCritic
 
             critic_dir = resolve_model_dir(cfg.critic.hf_dir) if cfg.critic.hf_dir else hf_dir
-            self.critic = MegatronCritic(cfg.model, cfg.critic, cfg.parallel, cfg.trainer, self.layout, hf_dir=critic_dir)
+            self.critic = MegatronCritic(
+                cfg.model, cfg.critic, cfg.parallel, cfg.trainer, self.layout, hf_dir=critic_dir
+            )
             self.value_loss_fn = make_value_loss_fn(cfg.critic.value_clip)
 
     def info(self) -> dict[str, Any]:
@@ -84,7 +86,7 @@ class TrainerService:
         return report.to_json() if report is not None else None
 
     def save_checkpoint(self, path: str, critic_path: str | None = None) -> None:
-        from mlrl.trainer.checkpointing import save_checkpoint
+        from mlrl.trainer.rank.checkpointing import save_checkpoint
 
         save_checkpoint(self.policy, path, async_save=self.cfg.checkpoint.async_save)
         if critic_path is not None:
@@ -95,12 +97,12 @@ class TrainerService:
         `blocking`): megatron-core's metadata and our mlrl_checkpoint.json get written. Returns how
         many saves are still pending; every rank returns the same count (megatron-core agrees on
         "done" over all ranks), and 0 means every save so far is complete on every rank."""
-        from mlrl.trainer.checkpointing import finalize_async_saves
+        from mlrl.trainer.rank.checkpointing import finalize_async_saves
 
         return finalize_async_saves(blocking=blocking)
 
     def load_checkpoint(self, path: str, critic_path: str | None = None) -> dict[str, Any]:
-        from mlrl.trainer.checkpointing import load_checkpoint
+        from mlrl.trainer.rank.checkpointing import load_checkpoint
 
         out = load_checkpoint(self.policy, path)  # the reference policy stays the initial model
         if critic_path is not None:
@@ -109,7 +111,7 @@ class TrainerService:
 
     def export_hf(self, out_dir: str) -> None:
         """Stream the HF tensors of every pipeline stage into one Hugging Face folder."""
-        from mlrl.trainer.checkpointing import export_hf
+        from mlrl.trainer.rank.checkpointing import export_hf
 
         export_hf(self.policy, out_dir)
 

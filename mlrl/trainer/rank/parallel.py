@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from mlrl.config.schema import ParallelConfig
 from mlrl.config.validate import Layout
-from mlrl.trainer import cpu_compat
+from mlrl.trainer.rank import cpu_compat
 
 _STATE: Optional[tuple] = None
 
@@ -78,7 +78,9 @@ def init_parallel(parallel: ParallelConfig, layout: Layout, seed: int) -> Ranks:
     key = (layout.tp, layout.pp, vpp, layout.cp, layout.ep, layout.etp, seed)
     if _STATE is not None:
         if _STATE != key:
-            raise RuntimeError(f"init_parallel: already initialised with (tp, pp, vpp, cp, ep, etp, seed)={_STATE}, asked for {key}")
+            raise RuntimeError(
+                f"init_parallel: already initialised with (tp, pp, vpp, cp, ep, etp, seed)={_STATE}, asked for {key}"
+            )
         return ranks()
     if not dist.is_initialized():
         if torch.cuda.is_available():
@@ -86,8 +88,10 @@ def init_parallel(parallel: ParallelConfig, layout: Layout, seed: int) -> Ranks:
         dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(minutes=30))
     world = dist.get_world_size()
     if world != layout.trainer_devices:
-        raise RuntimeError(f"init_parallel: torch.distributed world size is {world}, the layout needs "
-                           f"tp*pp*cp*dp = {layout.tp}*{layout.pp}*{layout.cp}*{layout.dp} = {layout.trainer_devices} ranks")
+        raise RuntimeError(
+            f"init_parallel: torch.distributed world size is {world}, the layout needs "
+            f"tp*pp*cp*dp = {layout.tp}*{layout.pp}*{layout.cp}*{layout.dp} = {layout.trainer_devices} ranks"
+        )
     if layout.cp > 1 and cpu_compat.needed():
         raise RuntimeError(f"parallel.cp={layout.cp}: context parallel needs CUDA (Transformer Engine attention)")
     parallel_state.initialize_model_parallel(

@@ -18,12 +18,13 @@ import torch
 import torch.nn.functional as F
 
 from mlrl.bridge import ArchSpec, ModelArch, padded_vocab_size
-from mlrl.config.schema import ParallelConfig, TrainerConfig
+from mlrl.config.schema import ModelConfig, ParallelConfig, TrainerConfig
 from mlrl.config.validate import Layout
-from mlrl.trainer import cpu_compat
+from mlrl.trainer.rank import cpu_compat
 
 _ACTIVATIONS = {"silu": F.silu}
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# model.dtype -> the trainer's params dtype (bf16 / fp16 train with fp32 master weights)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # mlrl's fp8_recipe -> (TransformerConfig.fp8 format, TransformerConfig.fp8_recipe)
 _FP8 = {"tensorwise": ("hybrid", "tensorwise"), "delayed": ("hybrid", "delayed"),
         "blockwise": ("e4m3", "blockwise"), "mxfp8": ("e4m3", "mxfp8")}
@@ -39,17 +40,18 @@ def use_te() -> bool:
     return not cpu_compat.needed()
 
 
-def params_dtype(trainer: TrainerConfig) -> torch.dtype:
-    return _DTYPES[trainer.precision]
+def params_dtype(model: ModelConfig) -> torch.dtype:
+    """The trainer's parameter dtype: model.dtype (its precision, model.precision, follows it)."""
+    return _DTYPES[model.dtype]
 
 
-def build_transformer_config(spec: ArchSpec, arch: ModelArch, parallel: ParallelConfig, trainer: TrainerConfig,
-                             layout: Layout):
+def build_transformer_config(spec: ArchSpec, arch: ModelArch, model: ModelConfig, parallel: ParallelConfig,
+                             trainer: TrainerConfig, layout: Layout):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     fields: dict[str, Any] = spec.transformer_config(arch)
     fields["activation_func"] = _ACTIVATIONS[fields["activation_func"]]
-    dtype = params_dtype(trainer)
+    dtype = params_dtype(model)
     gpu = use_te()
     if not gpu and (trainer.fp8_recipe != "none" or layout.cp > 1):
         raise RuntimeError("trainer.fp8_recipe / parallel.cp > 1 need CUDA and Transformer Engine")
@@ -132,7 +134,7 @@ def build_model_chunks(spec: ArchSpec, arch: ModelArch, config, layout: Layout, 
         if use_te():
             block = _te_block_spec(config, vp_stage, pp_rank)
         else:
-            from mlrl.trainer.local_spec import local_block_spec
+            from mlrl.trainer.rank.local_spec import local_block_spec
 
             block = local_block_spec(config, vp_stage, pp_rank)
         first = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)

@@ -38,8 +38,17 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 class PackedDotProductAttention(DotProductAttention):
     """DotProductAttention that accepts THD inputs by attending within each packed sample."""
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                attn_mask_type=None, attention_bias=None, packed_seq_params=None, **kwargs):
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+        **kwargs,
+    ):
         if packed_seq_params is None:
             return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                    attention_bias=attention_bias, packed_seq_params=None, **kwargs)
@@ -64,7 +73,7 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
         if config.normalization != "RMSNorm":
             raise ValueError(f"SequenceParallelRMSNorm: normalization={config.normalization!r}")
         super().__init__(hidden_size, eps=eps)
-        setattr(self.weight, "sequence_parallel", config.sequence_parallel)
+        self.weight.sequence_parallel = config.sequence_parallel
 
 
 def _replace(obj: Any, old: type, new: type) -> Any:

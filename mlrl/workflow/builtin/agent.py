@@ -10,7 +10,7 @@ Reward, in order of precedence: the agent's return value (a float rewards the la
 dict {completion id: reward} rewards named completions), else rewards the agent posted to
 `<base_url>/../rl/set_reward`, else the configured reward function applied to the last
 completion. Then rewards are propagated backward with `turn_discount` and exported `individual`
-(one sample per completion) or `concat` (see `mlrl.workflow.interactions`).
+(one sample per completion) or `concat` (see `mlrl.workflow.agent_proxy.interactions`).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from typing import Any
 
 from mlrl.reward import AsyncRewardWrapper, reward_data
 from mlrl.types import GenerationHyperparameters
+from mlrl.workflow.agent_proxy.proxy import OpenAIProxy, shared_http_client
 from mlrl.workflow.api import EpisodeOutput, EpisodeStatus, InferenceEngine, RolloutWorkflow
-from mlrl.workflow.proxy import OpenAIProxy, shared_http_client
+from mlrl.workflow.builtin.rlvr import make_reward
 from mlrl.workflow.registry import get_workflow, register_workflow
-from mlrl.workflow.rlvr import make_reward
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,9 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
         self.agent = agent
         self.tokenizer = tokenizer
         self.gconfig = (gconfig or GenerationHyperparameters()).new(n_samples=1)
-        self.reward: AsyncRewardWrapper | None = make_reward(reward_fn, reward_timeout_s, reward_workers) if reward_fn is not None else None
+        self.reward: AsyncRewardWrapper | None = (
+            make_reward(reward_fn, reward_timeout_s, reward_workers) if reward_fn is not None else None
+        )
         self.export_style = export_style
         self.turn_discount = turn_discount
         self.sampling_overrides = sampling_overrides
@@ -75,7 +77,10 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
         session = self.proxy.start_session(engine, self.gconfig, sampling_overrides=self.sampling_overrides)
         try:
             result = await self.agent.run(
-                copy.deepcopy(data), base_url=session.base_url, api_key=session.api_key, http_client=shared_http_client()
+                copy.deepcopy(data),
+                base_url=session.base_url,
+                api_key=session.api_key,
+                http_client=shared_http_client(),
             )
         finally:
             self.proxy.end_session(session.id)
@@ -88,15 +93,25 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
             for cid, r in result.items():
                 log.set_reward(cid, float(r))
         elif result is not None:
-            raise TypeError(f"agent.run returned {type(result).__name__}; expected a float, a dict {{completion id: reward}} or None")
+            raise TypeError(
+                f"agent.run returned {type(result).__name__}; expected a float, a dict {{completion id: reward}} or "
+                "None"
+            )
         elif all(i.reward is None for i in log):
             if self.reward is None:
-                logger.warning("agent returned no reward, set none through the proxy, and no reward function is configured: 0.0")
+                logger.warning(
+                    "agent returned no reward, set none through the proxy, and no reward function is configured: 0.0"
+                )
             else:
                 last = log.last
                 prompt = self.tokenizer.decode(last.model_response.input_tokens, skip_special_tokens=True)
-                r = await self.reward(prompt, last.text, last.model_response.input_tokens, last.model_response.output_tokens,
-                                      **reward_data(data))
+                r = await self.reward(
+                    prompt,
+                    last.text,
+                    last.model_response.input_tokens,
+                    last.model_response.output_tokens,
+                    **reward_data(data),
+                )
                 log.set_last_reward(r)
         final = float(log.last.reward or 0.0)
         log.apply_reward_discount(self.turn_discount)

@@ -51,7 +51,9 @@ def check_window(mb: MicroBatch, sliding_window: Optional[int]) -> None:
     cu = mb.cu_seqlens.tolist()
     longest = max((b - a for a, b in zip(cu, cu[1:])), default=0)
     if longest > sliding_window:
-        raise ValueError(f"sample of {longest} tokens exceeds the model's sliding_window={sliding_window} (not supported)")
+        raise ValueError(
+            f"sample of {longest} tokens exceeds the model's sliding_window={sliding_window} (not supported)"
+        )
 
 
 def build_inputs(mb: MicroBatch, device: torch.device, *, tp: int = 1, sequence_parallel: bool = False,
@@ -85,7 +87,9 @@ def build_inputs(mb: MicroBatch, device: torch.device, *, tp: int = 1, sequence_
         label_mask = torch.cat([label_mask, label_mask.new_zeros(pad)])
     cu = torch.tensor(bounds, dtype=torch.int32, device=device)
     max_len = max(b - a for a, b in zip(bounds, bounds[1:]))
-    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len, max_seqlen_kv=max_len)
+    psp = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len, max_seqlen_kv=max_len
+    )
     return ModelInputs(tokens.unsqueeze(0).to(device), pos.unsqueeze(0).to(device), psp, labels.to(device),
                        label_mask.to(device), S)
 

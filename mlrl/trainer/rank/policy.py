@@ -26,7 +26,7 @@ num_steps = k (linear warm-up from 0 reaches trainer.lr at k = warmup_steps; no 
 lr 0); decay over trainer.total_steps * trainer.mini_batches_per_step * trainer.epochs_per_step
 optimizer steps (the updates of the whole run).
 
-Hooks for models built the same way (mlrl.trainer.critic): `_build_chunks`, `_local_params`,
+Hooks for models built the same way (mlrl.trainer.rank.critic): `_build_chunks`, `_local_params`,
 `_optimizer_hparams`, `_token_values` (the per-token outputs handed to the loss function and
 returned by `_forward_token_values`) and `TOKEN_VALUES` (how many per-token outputs there are).
 """
@@ -46,12 +46,12 @@ from mlrl.bridge import HFCheckpoint, check_layout, spec_for
 from mlrl.config.schema import ModelConfig, ParallelConfig, TrainerConfig
 from mlrl.config.validate import Layout
 from mlrl.experience.batch import MicroBatch
-from mlrl.trainer import cpu_compat
-from mlrl.trainer.inputs import ModelInputs, build_inputs, check_window
-from mlrl.trainer.logprobs import align_to_tokens, vocab_parallel_logprobs
-from mlrl.trainer.model import build_model_chunks, build_transformer_config, params_dtype
-from mlrl.trainer.parallel import Ranks, device, init_parallel, ranks
-from mlrl.trainer.weights import LocalParams
+from mlrl.trainer.rank import cpu_compat
+from mlrl.trainer.rank.inputs import ModelInputs, build_inputs, check_window
+from mlrl.trainer.rank.logprobs import align_to_tokens, vocab_parallel_logprobs
+from mlrl.trainer.rank.model import build_model_chunks, build_transformer_config, params_dtype
+from mlrl.trainer.rank.parallel import Ranks, device, init_parallel, ranks
+from mlrl.trainer.rank.weights import LocalParams
 from mlrl.weight_sync.sender import bucketize
 
 LossFn = Callable[[MicroBatch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
@@ -71,6 +71,7 @@ class MegatronPolicy:
         if not parallel_state.model_parallel_is_initialized():
             raise RuntimeError("MegatronPolicy: call mlrl.trainer.init_parallel(parallel, layout, seed) first")
         self.trainer_cfg, self.parallel, self.layout, self.trainable = trainer_cfg, parallel, layout, trainable
+        self.model_cfg = model_cfg  # model.dtype: the trainer's precision
         self.hf_dir = Path(hf_dir)
         cfg_path = self.hf_dir / "config.json"
         if not cfg_path.is_file():
@@ -81,8 +82,10 @@ class MegatronPolicy:
         check_layout(self.arch, tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp, cp=layout.cp,
                      vpp=layout.vpp if layout.vpp and layout.vpp > 1 else None, pp_split=parallel.pp_layer_split)
         if layout.vpp and layout.vpp > 1 and cpu_compat.needed():
-            raise ValueError(f"parallel.vpp={layout.vpp}: the interleaved pipeline schedule hangs on gloo (measured: "
-                             "PP2 x VPP2 never completes a step on CPU); use vpp on GPU, or pp_layer_split / plain pp here")
+            raise ValueError(
+                f"parallel.vpp={layout.vpp}: the interleaved pipeline schedule hangs on gloo (measured: "
+                "PP2 x VPP2 never completes a step on CPU); use vpp on GPU, or pp_layer_split / plain pp here"
+            )
         if self.arch.is_moe and layout.tp > 1 and not parallel.sequence_parallel:
             raise ValueError(f"parallel.sequence_parallel must be true for an MoE model with parallel.tp={layout.tp} "
                              "(megatron-core's MoELayer refuses to train otherwise)")
@@ -91,7 +94,7 @@ class MegatronPolicy:
 
         self.ranks: Ranks = ranks()
         self.device = device()
-        self.config = build_transformer_config(self.spec, self.arch, parallel, trainer_cfg, layout)
+        self.config = build_transformer_config(self.spec, self.arch, model_cfg, parallel, trainer_cfg, layout)
         chunks = self._build_chunks()
         self.params = self._local_params(chunks)
         self.params.load_hf(ckpt)
@@ -113,8 +116,14 @@ class MegatronPolicy:
 
     def _local_params(self, chunks: list[torch.nn.Module]) -> LocalParams:
         """The parameters that load from / export to the HF checkpoint (hook: the critic's value head is not one)."""
-        return LocalParams(chunks, self.spec, self.arch, self.ranks, vpp=self.config.virtual_pipeline_model_parallel_size,
-                           pp_split=self.parallel.pp_layer_split)
+        return LocalParams(
+            chunks,
+            self.spec,
+            self.arch,
+            self.ranks,
+            vpp=self.config.virtual_pipeline_model_parallel_size,
+            pp_split=self.parallel.pp_layer_split,
+        )
 
     def _optimizer_hparams(self) -> dict[str, Any]:
         """Learning-rate schedule and regularisation of this model's optimizer (hook: the critic has its own)."""
@@ -123,7 +132,11 @@ class MegatronPolicy:
                     weight_decay=t.weight_decay, grad_clip=t.grad_clip)
 
     def _wrap_ddp(self, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
 
         ddp_cfg = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, overlap_param_gather=False,
@@ -144,7 +157,7 @@ class MegatronPolicy:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         t, h = self.trainer_cfg, self._optimizer_hparams()
-        dtype = params_dtype(t)
+        dtype = params_dtype(self.model_cfg)
         opt_cfg = OptimizerConfig(
             optimizer=t.optimizer, lr=h["lr"], min_lr=h["min_lr"], weight_decay=h["weight_decay"],
             adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
@@ -166,17 +179,31 @@ class MegatronPolicy:
         out = []
         for mb in micro_batches:
             check_window(mb, self.arch.sliding_window)
-            out.append(build_inputs(mb, self.device, tp=self.layout.tp, sequence_parallel=self.parallel.sequence_parallel,
-                                    cp=self.layout.cp, cp_rank=self.ranks.cp))
+            out.append(
+                build_inputs(
+                    mb,
+                    self.device,
+                    tp=self.layout.tp,
+                    sequence_parallel=self.parallel.sequence_parallel,
+                    cp=self.layout.cp,
+                    cp_rank=self.ranks.cp,
+                )
+            )
         return out
 
     def _token_values(self, output: torch.Tensor, inp: ModelInputs, temperature: float) -> tuple[torch.Tensor, ...]:
         """GPTModel output (vocab-parallel logits [1, S', V/tp]) -> (logprobs [S], entropy [S])."""
         from megatron.core import parallel_state as ps
 
-        lp, ent = vocab_parallel_logprobs(output[0], inp.labels, temperature=temperature, vocab_size=self.arch.vocab_size,
-                                          tp_rank=self.ranks.tp, tp_size=self.ranks.tp_size,
-                                          tp_group=ps.get_tensor_model_parallel_group())
+        lp, ent = vocab_parallel_logprobs(
+            output[0],
+            inp.labels,
+            temperature=temperature,
+            vocab_size=self.arch.vocab_size,
+            tp_rank=self.ranks.tp,
+            tp_size=self.ranks.tp_size,
+            tp_group=ps.get_tensor_model_parallel_group(),
+        )
         return self._align_to_tokens(inp, lp, ent)
 
     def _align_to_tokens(self, inp: ModelInputs, *per_position: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -206,16 +233,25 @@ class MegatronPolicy:
 
         iters = [iter(items) for _ in self.model] if len(self.model) > 1 else iter(items)
         return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iters, model=self.model if len(self.model) > 1 else self.model[0],
-            num_microbatches=len(items), seq_length=max(i.tokens.shape[1] for i in inputs), micro_batch_size=1,
-            forward_only=forward_only)
+            forward_step_func=forward_step,
+            data_iterator=iters,
+            model=self.model if len(self.model) > 1 else self.model[0],
+            num_microbatches=len(items),
+            seq_length=max(i.tokens.shape[1] for i in inputs),
+            micro_batch_size=1,
+            forward_only=forward_only,
+        )
 
-    def compute_logprobs(self, micro_batches: list[MicroBatch], temperature: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def compute_logprobs(
+        self, micro_batches: list[MicroBatch], temperature: float
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(logprobs [S], entropy [S]) per micro-batch (token-aligned, first token of each sample
         and padding 0), on every rank of this DP rank's model-parallel group."""
         return self._forward_token_values(micro_batches, temperature)
 
-    def _forward_token_values(self, micro_batches: list[MicroBatch], temperature: float) -> list[tuple[torch.Tensor, ...]]:
+    def _forward_token_values(
+        self, micro_batches: list[MicroBatch], temperature: float
+    ) -> list[tuple[torch.Tensor, ...]]:
         """`_token_values` of each micro-batch (forward only, fp32, on CPU), on every rank of this
         DP rank's model-parallel group."""
         if not micro_batches:
@@ -225,7 +261,11 @@ class MegatronPolicy:
 
         def loss_func(mb, inp, output):
             values = self._token_values(output, inp, temperature)
-            return zero, torch.tensor(0, dtype=torch.int, device=self.device), {str(i): v.detach() for i, v in enumerate(values)}
+            return (
+                zero,
+                torch.tensor(0, dtype=torch.int, device=self.device),
+                {str(i): v.detach() for i, v in enumerate(values)},
+            )
 
         for m in self.model:
             m.eval()
@@ -260,7 +300,9 @@ class MegatronPolicy:
             if self.ranks.pp_size > 1:
                 from megatron.core import parallel_state as ps
 
-                dist.broadcast(t, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+                dist.broadcast(
+                    t, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
+                )
             out.append(t.cpu())
         return out
 
@@ -275,7 +317,9 @@ class MegatronPolicy:
         else:
             flat = torch.empty(k * sum(lengths), dtype=torch.float32, device=self.device)
         if r.pp_size > 1:
-            dist.broadcast(flat, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+            dist.broadcast(
+                flat, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
+            )
         out, off = [], 0
         for n in lengths:
             out.append(tuple(flat[off + i * n:off + (i + 1) * n].cpu() for i in range(k)))
@@ -307,7 +351,9 @@ class MegatronPolicy:
         def loss_func(mb, inp, output):
             loss, metrics = loss_fn(mb.to(self.device), *self._token_values(output, inp, temperature))
             reported = {"loss": loss.detach().float()}
-            reported.update({k: torch.as_tensor(v, dtype=torch.float32, device=self.device).detach() for k, v in metrics.items()})
+            reported.update(
+                {k: torch.as_tensor(v, dtype=torch.float32, device=self.device).detach() for k, v in metrics.items()}
+            )
             return loss, torch.tensor(int(mb.loss_mask.sum()), dtype=torch.int, device=self.device), reported
 
         store = self._run(micro_batches, inputs, loss_func, forward_only=False)
@@ -329,7 +375,9 @@ class MegatronPolicy:
         if self.ranks.pp_size > 1:
             if not self.ranks.is_last_stage:
                 sums = torch.zeros(len(keys) + 2, dtype=torch.float64, device=self.device)
-            dist.broadcast(sums, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+            dist.broadcast(
+                sums, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
+            )
         metrics = {k: float(v) for k, v in zip(keys, sums[: len(keys)].tolist())}
         metrics.update(
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
@@ -345,7 +393,9 @@ class MegatronPolicy:
         from megatron.core import parallel_state as ps
 
         obj = [keys]
-        dist.broadcast_object_list(obj, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+        dist.broadcast_object_list(
+            obj, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
+        )
         return obj[0]
 
     # ---- export / checkpoint hooks -----------------------------------------------------------------

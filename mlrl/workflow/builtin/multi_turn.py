@@ -20,9 +20,16 @@ from typing import Any
 
 from mlrl.reward import AsyncRewardWrapper, import_from_string, reward_data
 from mlrl.types import GenerationHyperparameters, Sample, SampleStatus, StopReason, TerminationReason
-from mlrl.workflow.api import EpisodeOutput, InferenceEngine, ModelRequest, RolloutWorkflow, apply_chat_template, is_evaluation
+from mlrl.workflow.api import (
+    EpisodeOutput,
+    InferenceEngine,
+    ModelRequest,
+    RolloutWorkflow,
+    apply_chat_template,
+    is_evaluation,
+)
+from mlrl.workflow.builtin.rlvr import make_reward
 from mlrl.workflow.registry import register_workflow
-from mlrl.workflow.rlvr import make_reward
 
 DEFAULT_FEEDBACK = (
     "Your answer is either wrong or not parsable to the reward function. You may misunderstand the original "

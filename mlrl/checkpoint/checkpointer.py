@@ -1,0 +1,95 @@
+"""The loop's `Checkpointer` (mlrl.interfaces.Checkpointer): training checkpoints (trainer shards +
+loop state, committed atomically by `CheckpointManager`) and Hugging Face exports.
+
+The trainer writes its own shards (megatron-core dist-checkpointing, behind
+`Policy.save_checkpoint`); this class decides where they go and when they become visible.
+
+With checkpoint.async_save (GPU) the trainer ranks return from the save while megatron-core
+still writes the shards in the background: such a save stays pending (its temporary folder,
+step and loop state) and is committed (COMPLETE, rename, `latest`) only after megatron-core has
+finalized it on every rank. `finalize` does that: the loop calls it every step without blocking
+(a collective poll) and blocking at exit, and `save` calls it, blocking, before the next save
+(at most one checkpoint is in flight). Without async_save, `save` commits at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from mlrl.checkpoint.manager import CheckpointManager
+from mlrl.config import ConfigError
+from mlrl.interfaces import Policy
+
+log = logging.getLogger(__name__)
+
+CRITIC_DIR = "critic"          # step_N/critic/: the value model's training state (PPO with GAE)
+TRAINER_DIR = "model_optim"    # step_N/model_optim/: the policy's training state
+
+
+def check_resume_has_critic(resume: Path, uses_critic: bool) -> None:
+    """A run that trains a critic can only resume from a checkpoint that holds one (a config
+    error: reported before any process starts)."""
+    if uses_critic and not (resume / CRITIC_DIR).is_dir():
+        raise ConfigError(
+            f"checkpoint.resume: {resume} holds no critic state (saved by a run without a critic) but this config "
+            "trains a critic (algorithm.advantage=gae); resume from a checkpoint of a gae run or set "
+            "checkpoint.resume=none"
+        )
+
+
+class Checkpointer:
+    """Saves (trainer shards + loop state, atomically) and exports HF folders for the loop."""
+
+    def __init__(self, manager: CheckpointManager, run_dir: Path, policy: Policy, *, with_critic: bool = False,
+                 async_save: bool = False):
+        self.manager = manager
+        self.run_dir = run_dir
+        self.policy = policy
+        self.with_critic = with_critic
+        self.async_save = async_save
+        self.last_saved: Path | None = None
+        self.last_export: Path | None = None
+        self.pending: tuple[Path, int, dict[str, Any]] | None = None  # async save written, not yet committed
+
+    def save(self, step: int, loop_state: dict[str, Any]) -> Path | None:
+        """The committed checkpoint, or None while an async save is still being written."""
+        self.finalize()  # commit the previous async save first (a no-op without one)
+        tmp = self.manager.begin(step)
+        self.policy.save_checkpoint(tmp / TRAINER_DIR, critic_path=tmp / CRITIC_DIR if self.with_critic else None)
+        if self.async_save and self.policy.finalize_checkpoints(blocking=False):
+            self.pending = (tmp, step, loop_state)  # shards still being written: not COMPLETE, never resumed from
+            log.info("checkpoint step %d: shards are being written in the background", step)
+            return None
+        self.last_saved = self.manager.commit(tmp, step, loop_state)
+        log.info("checkpoint saved: %s", self.last_saved)
+        return self.last_saved
+
+    def finalize(self, blocking: bool = True) -> Path | None:
+        """Commit the pending async save once megatron-core has finalized it on every rank
+        (`blocking`: wait for that). Returns the checkpoint committed now, else None. A collective
+        on the trainer ranks when a save is pending; nothing at all otherwise."""
+        if self.pending is None:
+            return None
+        left = self.policy.finalize_checkpoints(blocking=blocking)
+        if left and blocking:
+            raise RuntimeError(f"{left} checkpoint save(s) still pending after a blocking finalize")
+        if left:
+            return None
+        tmp, step, state = self.pending
+        self.pending = None
+        self.last_saved = self.manager.commit(tmp, step, state)
+        log.info("checkpoint saved: %s", self.last_saved)
+        return self.last_saved
+
+    def load(self, resume: Path) -> dict[str, Any]:
+        """Load the trainer state (and the critic's) of a complete checkpoint into the ranks."""
+        return self.policy.load_checkpoint(resume / TRAINER_DIR, resume / CRITIC_DIR if self.with_critic else None)
+
+    def export_hf(self, step: int) -> Path:
+        out = self.run_dir / "hf" / f"step_{step:06d}"
+        self.policy.export_hf(out)
+        self.last_export = out
+        log.info("HF export written: %s", out)
+        return out

@@ -1,0 +1,181 @@
+"""The seams between mlrl's packages, as Protocols: what each side may ask of the other.
+
+The loop (mlrl/loop.py, mlrl/update.py) holds its components through these types only, so a
+component can be replaced (a LoRA policy, a critic, another rollout backend, an in-process test
+double) without the loop branching on what it is. Each Protocol lists exactly the calls its
+consumers make; keep each small (about six members at most).
+
+    Policy       the trainer as the loop sees it (driver side: mlrl.trainer.driver.TrainerClient)
+    Critic       the value model (mlrl.trainer.driver.CriticClient), PPO with GAE only
+    RolloutPool  the engines as the runner and the weight sync see them (mlrl.rollout.EnginePool)
+    EngineHandle one engine of the pool, with the control calls a weight sync makes on it
+    WeightSync   trainer -> engines weight update (mlrl.weight_sync.WeightSync)
+    Checkpointer atomic training checkpoints and HF exports (mlrl.checkpoint.Checkpointer)
+    RewardFn     scores one completion against its dataset row (mlrl.reward)
+    Workflow     turns one dataset row into scored samples (mlrl.workflow.RolloutWorkflow)
+    InferenceEngine what a workflow may call: one generation per request
+
+This module imports only the plain data types (mlrl.types, mlrl.experience.batch) so that every
+package can depend on it and it depends on none of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from mlrl.experience.batch import MicroBatch
+from mlrl.types import ModelRequest, ModelResponse
+
+PerDP = list[list[MicroBatch]]
+"""Packed micro-batches per data-parallel rank: [dp rank][micro-batch]."""
+
+
+class Policy(Protocol):
+    """What the loop asks of the policy trainer. Every call is one collective over all trainer
+    ranks; micro-batches arrive per DP rank and results come back per DP rank."""
+
+    dp_size: int
+
+    def compute_logprobs(self, per_dp: PerDP, temperature: float, *,
+                         reference: bool = False) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """[dp][micro-batch] -> (token logprobs [S], entropy [S]); `reference`: the frozen initial model."""
+        ...
+
+    def train_step(self, per_dp: PerDP) -> dict[str, float]:
+        """One optimizer update on the micro-batches (advantages etc. attached); loss metrics."""
+        ...
+
+    def save_checkpoint(self, path: Path, critic_path: Path | None = None) -> None: ...
+
+    def load_checkpoint(self, path: Path, critic_path: Path | None = None) -> dict[str, Any]: ...
+
+    def finalize_checkpoints(self, blocking: bool = True) -> int:
+        """Finalize finished async saves; how many are still pending (0 = all done)."""
+        ...
+
+    def export_hf(self, out_dir: Path) -> None: ...
+
+
+class Critic(Protocol):
+    """What the loop asks of the value model (PPO with GAE)."""
+
+    dp_size: int
+
+    def compute_values(self, per_dp: PerDP) -> list[list[torch.Tensor]]:
+        """[dp][micro-batch] -> values [S], token-aligned like logprobs."""
+        ...
+
+    def train_step(self, per_dp: PerDP) -> dict[str, float]:
+        """One critic update on the micro-batches (old_values / returns attached)."""
+        ...
+
+
+class EngineControl(Protocol):
+    """The control calls a weight sync makes on one engine (mlrl.rollout.client.EngineClient)."""
+
+    async def pause(self, mode: str = "wait", *, timeout: float | None = None) -> None: ...
+
+    async def resume(self) -> None: ...
+
+    async def reset_prefix_cache(self) -> bool: ...
+
+    async def prompt_logprobs(self, token_ids: list[int]) -> list[float]: ...
+
+    async def init_weight_transfer(self, init_info: dict[str, Any], *, timeout: float | None = None) -> None: ...
+
+    async def shutdown_weight_transfer(self) -> None: ...
+
+    async def start_weight_update(self) -> None: ...
+
+    async def update_weights(self, update_info: dict[str, Any], *, timeout: float | None = None) -> None: ...
+
+    async def finish_weight_update(self, version: int, *, timeout: float | None = None) -> None: ...
+
+    async def collective_rpc(self, method: str, *, args: list[str] | None = None,
+                             kwargs: dict[str, str] | None = None, timeout: float | None = None) -> Any: ...
+
+
+class EngineHandle(Protocol):
+    """One engine as the weight sync sees it."""
+
+    index: int
+    incarnation: int           # +1 per (re)start: a weight-transfer group must be rebuilt when it changes
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def client(self) -> EngineControl | None: ...
+
+
+@runtime_checkable
+class InferenceEngine(Protocol):
+    """What a workflow may call: one generation per request, token ids in and out."""
+
+    async def agenerate(self, req: ModelRequest) -> ModelResponse: ...
+
+
+class RolloutPool(InferenceEngine, Protocol):
+    """The engines as the episode runner (agenerate) and the weight sync (pause / transfer /
+    commit / resume) see them."""
+
+    @property
+    def version(self) -> int:
+        """Weight version every live engine holds."""
+        ...
+
+    def live_engines(self) -> Sequence[EngineHandle]: ...
+
+    async def pause(self) -> None:
+        """Stop routing; in-flight requests finish or are interrupted (rollout.interrupt_on_update)."""
+        ...
+
+    def commit_version(self, version: int, engines: Sequence[EngineHandle]) -> None: ...
+
+    async def resume(self) -> None: ...
+
+
+class WeightSync(Protocol):
+    """Trainer -> engines: one verified weight update per call (transport chosen by config)."""
+
+    async def sync(self, version: int) -> Mapping[str, float]:
+        """Bring every live engine to the trainer's current weights, tagged `version`; metrics."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class Checkpointer(Protocol):
+    """Training checkpoints (trainer state + loop state, committed atomically) and HF exports."""
+
+    last_saved: Path | None
+    last_export: Path | None
+
+    def save(self, step: int, loop_state: dict[str, Any]) -> Path | None:
+        """The committed checkpoint, or None while an async save is still being written."""
+        ...
+
+    def finalize(self, blocking: bool = True) -> Path | None:
+        """Commit a pending async save once it is complete on every rank (`blocking`: wait)."""
+        ...
+
+    def export_hf(self, step: int) -> Path: ...
+
+
+class RewardFn(Protocol):
+    """Scores one completion: `fn(completion, row, **kwargs) -> float` (sync or async; see
+    mlrl.reward.registry for the accepted signatures)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+class Workflow(Protocol):
+    """Turns one dataset row into scored, trainable samples (mlrl.workflow.api.RolloutWorkflow)."""
+
+    async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> Any:
+        """None (rejected), Sample(s), AReaL dicts, interactions or an EpisodeOutput."""
+        ...

@@ -1,0 +1,89 @@
+"""The reference measurements of tools/bench_weight_sync.py — benchmark only, outside the sync
+path (nothing in the production modules imports this one).
+
+Both run over the group of a `BroadcastWeightSync` that has done one sync, side by side with it:
+- raw: the same tensor byte sizes broadcast with no protocol — no headers, no checksums, nothing
+  applied: the wire's speed on this machine. The sending side is THIS process as sender 0 (an
+  in-process one-sender source such as HFWeightSource, which joined the group in that sync).
+- protocol only: the full broadcast stream (headers, checksums on both ends, verification),
+  pushed through `ws.source` and received and dropped by the engines: the transfer without
+  vLLM's load.
+
+The engine workers' side (`on_worker`) is reached through the one benchmark hook of the worker
+extension, collective_rpc `mlrl_bench_reference` (rollout/worker_ext.py), which imports this
+module only when called.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any, Iterable
+
+import torch
+
+from mlrl.weight_sync.receiver import Receiver
+from mlrl.weight_sync.transports import _RPC_TIMEOUT_S, BroadcastWeightSync, sender_channel
+from mlrl.weight_sync.wire import Channel
+
+WORKER_HOOK = "mlrl_bench_reference"  # MlrlWorkerExtension method; its one argument is the JSON `call` of on_worker
+
+
+def _raw_broadcast(ch: Channel, sizes: Iterable[int], src: torch.Tensor | None = None) -> int:
+    total = 0
+    for n in sizes:
+        buf = src[:n] if src is not None else torch.empty(n, dtype=torch.uint8, device=ch.device)
+        ch._bcast(buf)
+        total += n
+    return total
+
+
+def send_raw(group: dict[str, Any], sizes: list[int], sender: int = 0) -> int:
+    """Sending side of raw: broadcast `sizes` bytes over this process's channel of `group`."""
+    ch = sender_channel(group, sender)
+    src = torch.empty(max(sizes, default=0), dtype=torch.uint8, device=ch.device)
+    return _raw_broadcast(ch, sizes, src)
+
+
+def on_worker(receiver: Receiver, call: dict[str, Any]) -> dict[str, Any]:
+    """Engine-worker side, on the worker's joined group: {"op": "raw", "sizes": [...]} or
+    {"op": "discard", "info": update_info} (a full update whose buckets are dropped; the model is untouched)."""
+    op = call.get("op")
+    if op == "raw":
+        t0 = time.perf_counter()
+        n = _raw_broadcast(receiver.channels[0], [int(s) for s in call["sizes"]]) if receiver.channels else 0
+        return {"bytes": n, "seconds": time.perf_counter() - t0}
+    if op == "discard":
+        return receiver.receive(call["info"], lambda bucket: None)
+    raise ValueError(f"bench_reference.on_worker: unknown op {op!r} (expected raw or discard)")
+
+
+async def _on_engines(ws: BroadcastWeightSync, call: dict[str, Any]) -> list[Any]:
+    return await asyncio.gather(*(e.client.collective_rpc(WORKER_HOOK, args=[json.dumps(call)], timeout=_RPC_TIMEOUT_S)
+                                  for e in ws.pool.live_engines()))
+
+
+async def raw_broadcast(ws: BroadcastWeightSync, sizes: list[int]) -> tuple[float, int]:
+    """Broadcast `sizes` bytes over `ws`'s current group with no protocol; returns (seconds until
+    every worker has them, bytes)."""
+    if ws.group is None:
+        raise RuntimeError("raw_broadcast needs a group: run one sync first")
+    if ws.source.num_senders != 1:
+        raise RuntimeError(f"raw_broadcast sends from this process as sender 0: needs a one-sender source, "
+                           f"got {ws.source.num_senders} senders")
+    t0 = time.perf_counter()
+    await asyncio.gather(asyncio.to_thread(send_raw, ws.group.to_json(), list(sizes), 0),
+                         _on_engines(ws, {"op": "raw", "sizes": list(sizes)}))
+    return time.perf_counter() - t0, sum(sizes)
+
+
+async def protocol_only(ws: BroadcastWeightSync, version: int) -> float:
+    """A full broadcast stream (headers, checksums, verification) that the engines receive and
+    drop — the transfer without vLLM's load; returns seconds."""
+    if ws.group is None:
+        raise RuntimeError("protocol_only needs a group: run one sync first")
+    req, info = ws.push_request(version), ws.update_info(version)
+    t0 = time.perf_counter()
+    await asyncio.gather(asyncio.to_thread(ws.source.push, req), _on_engines(ws, {"op": "discard", "info": info}))
+    return time.perf_counter() - t0
