@@ -160,6 +160,7 @@ def worker(args) -> int:
               f"{res['megatron_tokens_per_s']:.0f} tok/s, HF {res['hf_tokens_per_s']:.0f} tok/s, "
               f"ratio Megatron/HF = {res['ratio_megatron_over_hf']:.2f}", flush=True)
         print(json.dumps(res), flush=True)
+        print(f"ratio megatron_over_hf: {res['ratio_megatron_over_hf']:.3f}", flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(res))
     dist.barrier()

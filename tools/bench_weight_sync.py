@@ -145,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         f" sync/raw = {r['ratio_sync_vs_raw']:.2f}   (goal >= 0.8)"
         f"   canary max |diff| = {r['canary_max_abs_diff']:.2e}"
     )
+    print(f"ratio transfer_vs_raw: {r['ratio_transfer_vs_raw']:.3f}")  # the goal metric, last (>= 0.8)
     return 0
 
 
