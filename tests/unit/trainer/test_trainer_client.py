@@ -1,0 +1,116 @@
+"""The driver's typed trainer clients: every call names a real `TrainerService` method (passed as
+the function, never a string), with keyword arguments that bind to that method's signature, and
+`TrainerGroup.call` refuses anything else before sending a byte."""
+
+import inspect
+import threading
+from multiprocessing import Pipe
+from pathlib import Path
+
+import pytest
+import torch
+
+from mlrl.experience.batch import MicroBatch
+from mlrl.interfaces import Critic, Policy
+from mlrl.trainer.driver.client import CriticClient, MegatronWeightSource, TrainerClient
+from mlrl.trainer.driver.group import TrainerGroup
+from mlrl.trainer.rank.service import TrainerService
+from mlrl.trainer.rpc import recv, send
+from mlrl.weight_sync.source import PushRequest
+
+
+class RecordingGroup:
+    """Stands in for TrainerGroup: checks each call against the service method's signature."""
+
+    def __init__(self, dp_ranks=(0, 1), pp_ranks=(0, 0)):
+        self.rank_info = [{"dp_rank": d, "pp": p} for d, p in zip(dp_ranks, pp_ranks)]
+        self.calls = []
+
+    def call(self, method, per_rank=None, **common):
+        assert getattr(TrainerService, method.__name__) is method
+        for r in range(len(self.rank_info)):
+            kwargs = {**common, **(per_rank[r] if per_rank is not None else {})}
+            inspect.signature(method).bind(object(), **kwargs)  # raises TypeError on a mismatch
+        self.calls.append((method.__name__, per_rank, common))
+        if method is TrainerService.push_weights:  # only stage senders report; none here
+            return [None] * len(self.rank_info)
+        return [f"rank{r}" for r in range(len(self.rank_info))]
+
+
+def _mb(tag):
+    z = torch.zeros(2)
+    return MicroBatch(tokens=torch.tensor([tag, tag]), position_ids=z.long(), cu_seqlens=torch.tensor([0, 2]),
+                      sample_ids=z.long(), loss_mask=z, loss_weight=z, advantages=z, rollout_logprobs=z)
+
+
+def test_every_client_method_binds_to_the_service_method_it_mirrors(tmp_path):
+    g = RecordingGroup()
+    t, c = TrainerClient(g), CriticClient(TrainerClient(g))
+    per_dp = [[_mb(0)], [_mb(1)]]
+    assert t.compute_logprobs(per_dp, 1.0, reference=True) == ["rank0", "rank1"]  # one result per DP rank
+    t.train_step(per_dp)
+    t.save_checkpoint(tmp_path / "a", critic_path=tmp_path / "c")
+    t.load_checkpoint(tmp_path / "a")
+    t.finalize_checkpoints(blocking=False)
+    t.export_hf(tmp_path / "hf")
+    c.compute_values(per_dp)
+    c.train_step(per_dp)
+    assert MegatronWeightSource(t).push(PushRequest("disk", 3, disk_dir=str(tmp_path))) == []
+    names = [name for name, *_ in g.calls]
+    assert names == ["compute_logprobs", "train_step", "save_checkpoint", "load_checkpoint", "finalize_checkpoints",
+                     "export_hf", "compute_values", "train_critic", "push_weights"]
+    # each rank got its own DP rank's micro-batches
+    per_rank = g.calls[1][1]
+    assert [int(k["micro_batches"][0].tokens[0]) for k in per_rank] == [0, 1]
+    for proto, obj in ((Policy, t), (Critic, c)):
+        missing = [m for m in dir(proto) if not m.startswith("_") and not hasattr(obj, m)]
+        assert not missing, f"{type(obj).__name__} lacks {missing} of {proto.__name__}"
+
+
+def test_wrong_dp_count_is_refused():
+    t = TrainerClient(RecordingGroup())
+    with pytest.raises(ValueError, match="micro-batches for 1 DP ranks, the trainer has dp=2"):
+        t.train_step([[_mb(0)]])
+
+
+def _group_over_pipes(n):
+    """A TrainerGroup wired to in-process pipes instead of rank processes (no torchrun)."""
+    g = TrainerGroup.__new__(TrainerGroup)
+    ends = [Pipe() for _ in range(n)]
+    g._conns = [a for a, _ in ends]
+    g._procs = None
+    return g, [b for _, b in ends]
+
+
+def test_group_sends_the_method_name_and_refuses_non_service_callables():
+    g, ranks = _group_over_pipes(2)
+    seen = []
+
+    def rank(conn, r):
+        name, kwargs = recv(conn)
+        seen.append((r, name, kwargs))
+        send(conn, ("ok", r * 10))
+
+    threads = [threading.Thread(target=rank, args=(c, r)) for r, c in enumerate(ranks)]
+    for th in threads:
+        th.start()
+    assert g.call(TrainerService.finalize_checkpoints, blocking=True) == [0, 10]
+    for th in threads:
+        th.join(5)
+    assert sorted(seen) == [(r, "finalize_checkpoints", {"blocking": True}) for r in (0, 1)]
+
+    def train_step(micro_batches):  # same name, not the service's method
+        return None
+
+    for bad in (train_step, TrainerService._critic, "train_step"):
+        with pytest.raises((TypeError, AttributeError)):
+            g.call(bad)
+    assert not any(c.poll(0.05) for c in ranks)  # nothing was sent for the refused calls
+
+
+def test_rank_side_service_has_no_public_method_the_client_does_not_reach():
+    """The client mirrors the service: a public service method nobody calls is dead RPC surface."""
+    client_src = Path(inspect.getsourcefile(TrainerClient)).read_text()
+    public = [m for m, _ in inspect.getmembers(TrainerService, inspect.isfunction) if not m.startswith("_")]
+    unreached = [m for m in public if f"TrainerService.{m}" not in client_src and m != "info"]
+    assert not unreached, unreached
