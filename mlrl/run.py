@@ -185,7 +185,7 @@ async def _run(cfg: Config, layout: Layout) -> int:
             progress=_progress(cfg, start_step),
             resume_rows=list(state.get("in_flight_rows", [])) if state else [],
         )
-        await (train_async(ctx) if cfg.mode == "async" else train_sync(ctx))
+        await (train_async(ctx) if cfg.asynchronous else train_sync(ctx))
         await asyncio.to_thread(ctx.checkpoint.finalize)  # an async save still in flight is committed
         if ctx.progress is not None:
             ctx.progress.close()

@@ -39,9 +39,9 @@ def main() -> int:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     modes = {
-        "sync": ["mode=sync"],
-        "async eta=1": ["mode=async", "rollout.staleness=1", "algorithm.rollout_is=tis"],
-        "async eta=2": ["mode=async", "rollout.staleness=2", "algorithm.rollout_is=tis"],
+        "sync": ["rollout.staleness=0"],
+        "async eta=1": ["rollout.staleness=1", "algorithm.rollout_is=tis"],
+        "async eta=2": ["rollout.staleness=2", "algorithm.rollout_is=tis"],
     }
     per_step = {}
     with tempfile.TemporaryDirectory(prefix="mlrl-bench-async-") as tmp:

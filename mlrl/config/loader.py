@@ -47,6 +47,8 @@ REMOVED: dict[str, str] = {
     "parallel.dp": "the data-parallel size is derived as cluster.trainer_devices / (tp*pp*cp); "
                    "set cluster.trainer_devices=N",
     "trainer.precision": "set model.dtype (float32|bfloat16|float16), the trainer's precision follows it",
+    "mode": "asynchronous training is on exactly when rollout.staleness > 0 (set rollout.staleness=N for "
+            "async, 0 for sync)",
 }
 """Config keys that no longer exist -> what to set instead. A recipe or override that still uses one
 fails on load with `<name> was removed: <this>` (before the unknown-key error and anything else)."""

@@ -376,8 +376,11 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    mode: Literal["sync", "async"] = "sync"
-    """Synchronous on-policy, or asynchronous with rollout.staleness > 0."""
+    @property
+    def asynchronous(self) -> bool:
+        """Asynchronous training (generation overlaps training) is on exactly when
+        rollout.staleness > 0; with 0 the run is synchronous and on-policy."""
+        return self.rollout.staleness > 0
 
     @property
     def uses_critic(self) -> bool:

@@ -153,10 +153,6 @@ def _check_critic(cfg: Config) -> None:
 
 def _check_mode(cfg: Config) -> None:
     eta = cfg.rollout.staleness
-    if cfg.mode == "sync" and eta > 0:
-        raise ConfigError(f"rollout.staleness={eta} needs mode=async (sync mode is on-policy: staleness 0)")
-    if cfg.mode == "async" and eta == 0:
-        raise ConfigError("mode=async needs rollout.staleness >= 1 (the staleness bound eta)")
     if eta > 0 and cfg.algorithm.rollout_is == "none":
         raise ConfigError(
             f"rollout.staleness={eta} needs importance-sampling correction: set algorithm.rollout_is to tis, "

@@ -22,8 +22,8 @@ It owns N vLLM servers (`EngineServer`) and routes requests to them. Invariants:
   interruption keep their old version. vLLM's own `pause(mode="keep")` was not used: it would
   continue on a KV cache computed by the old weights, which matches neither weight version.
 - an engine restarted while the pool's version is newer than the model folder's holds stale
-  weights: it is not routed to until the weight sync (the `refresher` hook installed by
-  `mlrl.weight_sync`) brings it to the current version.
+  weights: it is not routed to until the weight sync (the `refresher` hook, which mlrl/run.py
+  sets to `WeightSync.refresh`) brings it to the current version.
 
 Construction: `EnginePool(cfg.rollout, model_dir, dtype=cfg.model.dtype, token=job_token,
 run_dir=run_dir)`; `command=[...]` replaces the vLLM command line (tests use a fake engine);
@@ -138,7 +138,7 @@ class EnginePool:
         self._active: dict[str, tuple[EngineHandle, str]] = {}   # rid -> (engine, attempt id) of the running call
         self._user_aborted: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
-        self.refresher: Callable[[], Awaitable[Any]] | None = None  # installed by the weight sync
+        self.refresher: Callable[[], Awaitable[Any]] | None = None  # run.py: weight_sync.refresh
         self.stats = collections.Counter()
 
     # ------------------------------------------------------------------ lifecycle

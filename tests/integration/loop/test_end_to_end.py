@@ -66,7 +66,7 @@ def _check_steps(recs: list[dict], steps: list[int], sync_steps: set[int]) -> No
 @pytest.fixture(scope="module")
 def run_a(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("e2e") / "run"
-    out = _launch(run_dir, "trainer.total_steps=3", "mode=sync", "data.eval=synthetic:copy_digit", "data.eval_every=2",
+    out = _launch(run_dir, "trainer.total_steps=3", "data.eval=synthetic:copy_digit", "data.eval_every=2",
                   "data.num_synthetic=32", "trainer.mini_batches_per_step=2", "eval.samples_per_prompt=2", *GAE)
     return run_dir, out
 
@@ -101,7 +101,7 @@ def test_resume_async(run_a):
     run_dir, _ = run_a
     state = json.loads((run_dir / "checkpoints" / "step_000003" / "trainer_state.json").read_text())
     assert state["weight_version"] == 3 and state["sampler"]["consumed"] == 3 * PROMPTS
-    _launch(run_dir, "trainer.total_steps=6", "mode=async", "rollout.staleness=1", "algorithm.rollout_is=tis", *GAE)
+    _launch(run_dir, "trainer.total_steps=6", "rollout.staleness=1", "algorithm.rollout_is=tis", *GAE)
     recs = _metrics(run_dir)
     _check_steps(recs, [1, 2, 3, 4, 5, 6], {1, 2, 3})
     for r in recs[3:]:

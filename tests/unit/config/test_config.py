@@ -104,11 +104,27 @@ def test_removed_name_points_at_the_new_one(tmp_path, section, key, value, messa
     with pytest.raises(ConfigError) as ei:
         load_config(recipe)
     assert str(ei.value) == message
-    assert set(REMOVED) == {f"{s}.{k}" for s, k, _, _ in REMOVED_NAMES}
+    assert set(REMOVED) == {f"{s}.{k}" for s, k, _, _ in REMOVED_NAMES} | {"mode"}
     # the CLI fails before anything starts, exit code 2, with the same message
     out = subprocess.run([sys.executable, "-m", "mlrl.launch", "--config", str(recipe), "--dry-run"],
                          capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 2 and out.stderr.strip() == f"config error: {message}", out.stderr
+
+
+def test_removed_top_level_mode_points_at_staleness(tmp_path):
+    message = ("mode was removed: asynchronous training is on exactly when rollout.staleness > 0 "
+               "(set rollout.staleness=N for async, 0 for sync)")
+    with pytest.raises(ConfigError) as ei:
+        load_config(DEFAULT, ["mode=async", "rollout.staleness=1"])
+    assert str(ei.value) == message
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text("mode: sync\n")
+    with pytest.raises(ConfigError) as ei:
+        load_config(recipe)
+    assert str(ei.value) == message
+    # the fact it stood for is derived: async exactly when staleness > 0
+    assert not load_config(DEFAULT).asynchronous
+    assert load_config(DEFAULT, ["rollout.staleness=2", "algorithm.rollout_is=tis"]).asynchronous
 
 
 BAD = [
@@ -147,7 +163,7 @@ BAD = [
     (["trainer.fp8_recipe=fp4"], "trainer.fp8_recipe: got 'fp4', expected one of"),
     (["parallel.cp=2", "cluster.trainer_devices=2"], "parallel.cp=2: context parallel needs GPUs"),
     (["rollout.staleness=-1"], "rollout.staleness: got -1, expected >= 0"),
-    (["mode=async", "rollout.staleness=1"], "needs importance-sampling correction"),
+    (["rollout.staleness=1"], "needs importance-sampling correction"),
     (["model.hf_dir=/nonexistent/model"], "model.hf_dir: folder '/nonexistent/model' does not exist"),
     (["model.hf_dir=builtin:nope"], "unknown builtin model 'nope'"),
     (["parallel.sequence_parallel=true"], "parallel.sequence_parallel needs parallel.tp >= 2"),

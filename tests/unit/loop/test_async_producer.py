@@ -14,7 +14,7 @@ P, N, ETA = 2, 2, 1
 
 
 def _ctx(sampler, version=0, resume_rows=()):
-    cfg = load_config(None, [f"trainer.prompts_per_step={P}", f"trainer.samples_per_prompt={N}", "mode=async",
+    cfg = load_config(None, [f"trainer.prompts_per_step={P}", f"trainer.samples_per_prompt={N}",
                              f"rollout.staleness={ETA}", "algorithm.rollout_is=tis", "workflow.reward_workers=0"])
     tok = load_hf_tokenizer("builtin:tiny-llama")
     wf = build_workflow_from_config(cfg.workflow, tokenizer=tok, gconfig=gconfig_from_sampling(cfg.rollout.sampling))

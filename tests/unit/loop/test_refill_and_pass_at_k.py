@@ -69,7 +69,6 @@ async def test_without_dynamic_sampling_uniform_groups_are_kept():
 async def test_async_refill_starts_one_more_prompt_per_dropped_group():
     ctx = _ctx(
         [
-            "mode=async",
             "rollout.staleness=1",
             "algorithm.rollout_is=tis",
             "algorithm.dynamic_sampling.enabled=true",
