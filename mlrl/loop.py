@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -29,7 +30,7 @@ from mlrl.algorithms.sampling import apply_overlong_shaping, filter_groups
 from mlrl.config import Config, dump_yaml
 from mlrl.data.sampler import PromptSampler
 from mlrl.interfaces import Checkpointer, Critic, Policy, RolloutPool, WeightSync
-from mlrl.metrics import MetricsLogger, Timer
+from mlrl.metrics import MetricsLogger, StepTimer
 from mlrl.metrics.pass_at_k import mean_pass_at_k
 from mlrl.types import Row, Sample, SampleStatus
 from mlrl.update import train_on
@@ -67,21 +68,32 @@ class RunContext:
     in_flight: dict[int, Row] = field(default_factory=dict)  # async mode: rows started, not yet trained on
     resume_rows: list[Row] = field(default_factory=list)    # rows in flight when the resumed checkpoint was saved
     extra_prompts: int = 0  # async mode: groups dropped by dynamic sampling; the producer starts as many more
+    step_end: float | None = None  # perf_counter() when the previous step ended (its metrics line written)
+    checkpoint_s: float = 0.0      # the previous step's save / export, reported in the next step's timing
+
+    def step_timer(self) -> StepTimer:
+        """The next step's timer: it starts where the previous step ended, and carries the
+        previous step's checkpoint time (saved after its metrics line) as timing/checkpoint."""
+        timer = StepTimer(start=self.step_end)
+        if self.checkpoint_s:
+            timer.add("checkpoint", self.checkpoint_s)
+            self.checkpoint_s = 0.0
+        return timer
 
 
 async def train_sync(ctx: RunContext) -> None:
     cfg = ctx.cfg
     for step in range(ctx.start_step + 1, cfg.trainer.total_steps + 1):
-        timer = Timer()
-        with timer("step"):
-            with timer("rollout"):
-                samples, rollout_metrics = await rollout_sync(ctx)
-            metrics = await asyncio.to_thread(train_step, ctx, samples, timer, step)
-            with timer("weight_sync"):
-                ctx.version = step
-                sync_metrics = await ctx.weight_sync.sync(ctx.version)
-            eval_metrics = await evaluate_if_due(ctx, step, timer)
-        finish_step(ctx, step, {**rollout_metrics, **metrics, **sync_metrics, **eval_metrics, **timer.pop()})
+        timer = ctx.step_timer()
+        with timer("rollout"):
+            samples, rollout_metrics = await rollout_sync(ctx)
+        metrics = await asyncio.to_thread(train_step, ctx, samples, timer, step)
+        with timer("sync"):
+            ctx.version = step
+            sync_metrics = await ctx.weight_sync.sync(ctx.version)
+        eval_metrics = await evaluate_if_due(ctx, step, timer)
+        timing = timer.finish(details=sync_timing(sync_metrics) | train_timing(metrics))
+        finish_step(ctx, step, {**rollout_metrics, **metrics, **sync_metrics, **eval_metrics, **timing})
         await save_if_due(ctx, step)
 
 
@@ -94,25 +106,42 @@ async def train_async(ctx: RunContext) -> None:
     producer = asyncio.create_task(_produce(ctx, groups, eta))
     try:
         for step in range(ctx.start_step + 1, cfg.trainer.total_steps + 1):
-            timer = Timer()
-            with timer("step"):
-                with timer("wait_rollout"):
-                    samples, rollout_metrics, stale = await _collect(ctx, groups, eta)
-                metrics = await asyncio.to_thread(
-                    train_step, ctx, samples, timer, step
-                )  # engines keep generating meanwhile
-                with timer("weight_sync"):
-                    ctx.version = step
-                    sync_metrics = await ctx.weight_sync.sync(ctx.version)
-                async with ctx.version_changed:
-                    ctx.version_changed.notify_all()
-                eval_metrics = await evaluate_if_due(ctx, step, timer)
+            timer = ctx.step_timer()
+            with timer("rollout"):  # the wait for samples: generation itself runs in the background
+                samples, rollout_metrics, stale = await _collect(ctx, groups, eta)
+            metrics = await asyncio.to_thread(train_step, ctx, samples, timer, step)  # engines keep generating
+            with timer("sync"):
+                ctx.version = step
+                sync_metrics = await ctx.weight_sync.sync(ctx.version)
+            async with ctx.version_changed:
+                ctx.version_changed.notify_all()
+            eval_metrics = await evaluate_if_due(ctx, step, timer)
+            timing = timer.finish(overlapped_rollout=True, details=sync_timing(sync_metrics) | train_timing(metrics))
             finish_step(ctx, step, {**rollout_metrics, **metrics, **sync_metrics, **eval_metrics,
-                                    "async/stale_dropped": float(stale), **timer.pop()})
+                                    "async/stale_dropped": float(stale), **timing})
             await save_if_due(ctx, step)
     finally:
         producer.cancel()
         await asyncio.gather(producer, return_exceptions=True)
+
+
+def sync_timing(sync_metrics: Mapping[str, float]) -> dict[str, float]:
+    """The weight sync's own phases, as sub-keys of timing/sync."""
+    return {f"sync/{name}": float(sync_metrics[f"weight_sync/{key}"]) for name, key in (
+        ("pause", "pause_s"), ("transfer", "transfer_s"), ("apply", "engine_apply_s"), ("verify", "verify_s"))
+        if f"weight_sync/{key}" in sync_metrics}
+
+
+def train_timing(metrics: Mapping[str, float]) -> dict[str, float]:
+    """timing/train split: forward + backward and optimizer as measured on the trainer ranks (summed
+    over the step's updates), the rest on the driver (packing, RPC, pickling) left to timing/train/driver
+    by `StepTimer.finish`'s caller."""
+    out = {}
+    for name in ("forward_backward", "optimizer"):
+        parts = [metrics[k] for k in (f"train/{name}_s", f"critic/{name}_s") if k in metrics]
+        if parts:
+            out[f"train/{name}"] = float(sum(parts))
+    return out
 
 
 # --------------------------------------------------------------------------- the steps' parts
@@ -178,7 +207,7 @@ class Selection:
         return m
 
 
-def train_step(ctx: RunContext, samples: list[Sample], timer: Timer, step: int) -> dict[str, float]:
+def train_step(ctx: RunContext, samples: list[Sample], timer: StepTimer, step: int) -> dict[str, float]:
     """Advantages, behaviour / reference logprobs, critic values, then the step's updates
     (mlrl/update.py). A step left with nothing to train on (every episode failed, or dynamic
     sampling kept no group within its rounds) makes no update and says so."""
@@ -189,7 +218,7 @@ def train_step(ctx: RunContext, samples: list[Sample], timer: Timer, step: int) 
     return train_on(ctx.cfg, ctx.policy, ctx.critic, samples, timer, step)
 
 
-async def evaluate_if_due(ctx: RunContext, step: int, timer: Timer) -> dict[str, float]:
+async def evaluate_if_due(ctx: RunContext, step: int, timer: StepTimer) -> dict[str, float]:
     """Held-out evaluation every data.eval_every steps and at the end: eval/* rollout metrics,
     eval/mean_reward, and eval/pass@1, eval/pass@k over eval.samples_per_prompt samples per prompt."""
     cfg = ctx.cfg
@@ -224,9 +253,11 @@ def pass_metrics(groups: Sequence[GroupResult], k: int, threshold: float) -> dic
 
 async def save_if_due(ctx: RunContext, step: int) -> None:
     """Checkpoint / HF export when due. Runs after the step's metrics are written, so a checkpoint
-    never exists for a step whose metrics line is missing. An async save still being written
-    (GPU) is committed here once every rank has finalized it (a non-blocking poll)."""
+    never exists for a step whose metrics line is missing (its time is reported in the next step's
+    line as timing/checkpoint). An async save still being written (GPU) is committed here once
+    every rank has finalized it (a non-blocking poll)."""
     cfg = ctx.cfg
+    t0 = time.perf_counter()
     await asyncio.to_thread(ctx.checkpoint.finalize, blocking=False)
     last = step == cfg.trainer.total_steps
     if (cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0) or (last and cfg.checkpoint.save_at_end):
@@ -235,6 +266,7 @@ async def save_if_due(ctx: RunContext, step: int) -> None:
         last and cfg.checkpoint.hf_export_at_end
     ):
         await asyncio.to_thread(ctx.checkpoint.export_hf, step)
+    ctx.checkpoint_s += time.perf_counter() - t0
 
 
 def loop_state(ctx: RunContext) -> dict[str, object]:
@@ -246,12 +278,16 @@ def loop_state(ctx: RunContext) -> dict[str, object]:
 
 def finish_step(ctx: RunContext, step: int, metrics: dict[str, float]) -> None:
     metrics["weight_version"] = float(ctx.version)
+    if "timing/train" in metrics:
+        rank_side = sum(metrics.get(f"timing/train/{k}", 0.0) for k in ("forward_backward", "optimizer"))
+        metrics["timing/train/driver"] = metrics["timing/train"] - rank_side
     ctx.logger.log(step, metrics)
     ctx.history.append({"step": step, **metrics})
     if ctx.progress is not None:
         ctx.progress.update(1)
         ctx.progress.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}",
                                  gap=f"{metrics.get('train/mismatch/logprob_gap', float('nan')):.1e}")
+    ctx.step_end = time.perf_counter()  # the next step's wall time starts here
 
 
 # --------------------------------------------------------------------------- async producer

@@ -22,6 +22,7 @@ from mlrl.data import dataset_from_config
 from mlrl.data.sampler import PromptSampler
 from mlrl.loop import RunContext, train_async, train_sync
 from mlrl.metrics import MetricsLogger, plot_run
+from mlrl.metrics.timer import timing_table
 from mlrl.modelzoo import resolve_model_dir
 from mlrl.rollout.pool import EnginePool
 from mlrl.rollout.server import ServerSpec
@@ -220,6 +221,11 @@ def _summary(ctx: RunContext, run_dir: Path) -> None:
     print(f"run finished: {len(ctx.history)} steps, metrics in {run_dir / 'metrics.jsonl'}")
     if rewards:
         print("mean reward per step: " + " ".join(f"{r:.2f}" for r in rewards))
+    table = timing_table(ctx.history)
+    if table:
+        print(table)
+    if ctx.checkpoint_s:
+        print(f"final checkpoint / export: {ctx.checkpoint_s:.2f} s")
     if ctx.checkpoint.last_saved:
         print(f"checkpoint: {ctx.checkpoint.last_saved}")
     if ctx.checkpoint.last_export:

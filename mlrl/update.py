@@ -33,7 +33,7 @@ from mlrl.config import Config
 from mlrl.experience.minibatch import split_groups
 from mlrl.experience.packing import attach_per_sample, pack_step, token_advantages, unpack_per_sample
 from mlrl.interfaces import Critic, PerDP, Policy
-from mlrl.metrics import Timer
+from mlrl.metrics import StepTimer
 from mlrl.types import Sample
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ def needs_old_logprobs(cfg: Config) -> bool:
     return t.mini_batches_per_step * t.epochs_per_step > 1 or (a.kl_in_reward and a.kl_coef > 0)
 
 
-def train_on(cfg: Config, policy: Policy, critic: Critic | None, samples: list[Sample], timer: Timer,
+def train_on(cfg: Config, policy: Policy, critic: Critic | None, samples: list[Sample], timer: StepTimer,
              step: int) -> dict[str, float]:
     """All updates of one RL step (blocking trainer calls). Returns the step's train/critic metrics."""
     a, t = cfg.algorithm, cfg.trainer
@@ -133,7 +133,8 @@ _CRITIC_QUIET = {"loss", "tokens", "loss_tokens", "n_tokens", "num_micro_batches
 
 # keys summed over updates; "_max" / "_min" keys reduce by max / min; "lr" is the last update's;
 # everything else is a per-update mean, averaged over updates weighted by the update's loss tokens
-_SUMMED = {"n_tokens", "n_seqs", "tokens", "loss_tokens", "num_micro_batches", "skipped", "time_s"}
+_SUMMED = {"n_tokens", "n_seqs", "tokens", "loss_tokens", "num_micro_batches", "skipped", "time_s",
+           "forward_backward_s", "optimizer_s"}
 
 
 def combine_update_metrics(updates: Sequence[dict[str, float]]) -> dict[str, float]:

@@ -4,7 +4,7 @@
 
 Runs `python -m mlrl.launch` three times (sync, async eta=1, async eta=2) one after the other and
 compares the mean wall time per step, measured from the steps' start times in metrics.jsonl
-(`time/step_s`, the first step excluded: it includes warm-up). Prints a table and the ratios
+(`timing/step`, the first step excluded: it includes warm-up). Prints a table and the ratios
 async / sync (< 1 means async is faster). Engine and trainer start-up are not counted.
 """
 
@@ -29,7 +29,7 @@ def run(config: str, steps: int, run_dir: Path, extra: list[str]) -> list[float]
     if proc.returncode != 0:
         raise SystemExit(f"run failed: {' '.join(cmd)}\n{proc.stderr[-4000:]}")
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["time/step_s"] for r in recs]
+    return [r["timing/step"] for r in recs]
 
 
 def main() -> int:

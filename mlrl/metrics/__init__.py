@@ -2,6 +2,6 @@
 
 from mlrl.metrics.plot import plot_run
 from mlrl.metrics.sinks import MetricsLogger, read_jsonl
-from mlrl.metrics.timer import Timer
+from mlrl.metrics.timer import ACTIVITY, StepTimer
 
-__all__ = ["MetricsLogger", "Timer", "plot_run", "read_jsonl"]
+__all__ = ["ACTIVITY", "MetricsLogger", "StepTimer", "plot_run", "read_jsonl"]

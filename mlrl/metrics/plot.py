@@ -1,4 +1,5 @@
-"""The end-of-run PNG: reward, KL, train/rollout logprob gap and step time against the step."""
+"""The end-of-run PNG: reward, KL, train/rollout logprob gap, and where each step's time went
+(the timing/* phases stacked, see mlrl.metrics.timer) against the step."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ PANELS = [
     ("reward/mean", "mean reward"),
     ("train/kl", "KL to reference"),
     ("train/mismatch/logprob_gap", "|train - rollout| logprob"),
-    ("time/step_s", "step time (s)"),
+    ("timing/step", "step time (s), by phase"),
 ]
+PHASE_KEYS = [f"timing/{p}" for p in ("rollout", "reward", "logprobs", "train", "sync", "eval", "checkpoint", "other")]
 
 
 def plot_run(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
@@ -24,7 +26,17 @@ def plot_run(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
     for ax, (key, title) in zip(axes.flat, PANELS):
         pts = [(r["step"], r[key]) for r in recs if isinstance(r.get(key), (int, float))]
-        if pts:
+        if key == "timing/step" and pts:
+            steps = [r for r in recs if isinstance(r.get(key), (int, float))]
+            xs = [r["step"] for r in steps]
+            bottom = [0.0] * len(steps)
+            for phase in PHASE_KEYS:
+                ys = [max(float(r.get(phase, 0.0)), 0.0) for r in steps]
+                if any(ys):
+                    ax.bar(xs, ys, bottom=bottom, label=phase.split("/", 1)[1], width=0.8)
+                    bottom = [b + y for b, y in zip(bottom, ys)]
+            ax.legend(fontsize=7, ncol=2)
+        elif pts:
             xs, ys = zip(*pts)
             ax.plot(xs, ys, marker="o", markersize=3)
         else:

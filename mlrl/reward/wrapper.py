@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from mlrl.metrics.timer import ACTIVITY
+
 logger = logging.getLogger(__name__)
 
 
@@ -186,6 +188,10 @@ class AsyncRewardWrapper:
         _count(field)
 
     async def __call__(self, *args: Any, **kwargs: Any) -> float:
+        with ACTIVITY.busy("reward"):  # timing/reward (mlrl.metrics.timer)
+            return await self._call(*args, **kwargs)
+
+    async def _call(self, *args: Any, **kwargs: Any) -> float:
         self._bump("calls")
         call = partial(self.reward_fn, *args, **kwargs)
         for attempt in range(2):

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlrl.metrics.timer import ACTIVITY
 from mlrl.reward import RewardStats, collect_reward_stats
 from mlrl.types import ModelResponse, Sample, SampleStatus, StopReason, TerminationReason
 from mlrl.workflow.api import EVALUATION, EpisodeOutput, EpisodeStatus
@@ -125,7 +126,8 @@ class _RecordingEngine:
     async def agenerate(self, req: Any) -> ModelResponse:
         if self._seed is not None:
             req = dataclasses.replace(req, gconfig=req.gconfig.new(seed=derive_seed(self._seed, len(self.responses))))
-        resp = await self._engine.agenerate(req)
+        with ACTIVITY.busy("generate"):
+            resp = await self._engine.agenerate(req)
         self.responses.append(resp)
         return resp
 

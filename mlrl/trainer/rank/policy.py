@@ -356,12 +356,15 @@ class MegatronPolicy:
             )
             return loss, torch.tensor(int(mb.loss_mask.sum()), dtype=torch.int, device=self.device), reported
 
+        t_fb = time.perf_counter()
         store = self._run(micro_batches, inputs, loss_func, forward_only=False)
+        t_opt = time.perf_counter()
         ok, grad_norm = True, None
         if step:
             with cpu_compat.cuda_tensor_methods():
                 ok, grad_norm, _ = self.optimizer.step()
             self.optimizer_steps += 1
+        t_done = time.perf_counter()
 
         keys = sorted(store[0]) if store else []
         sums = torch.zeros(len(keys) + 2, dtype=torch.float64, device=self.device)
@@ -384,7 +387,7 @@ class MegatronPolicy:
             lr=float(self.optimizer.param_groups[0]["lr"]),
             tokens=float(sums[-2]), loss_tokens=float(sums[-1]),
             num_micro_batches=float(len(micro_batches)), skipped=float(not ok),
-            time_s=time.perf_counter() - t0)
+            forward_backward_s=t_opt - t_fb, optimizer_s=t_done - t_opt, time_s=time.perf_counter() - t0)
         return metrics
 
     def _broadcast_keys(self, keys: list[str]) -> list[str]:

@@ -11,7 +11,7 @@ from helpers.scripted_engine import ScriptedEngine
 from mlrl.config import load_config
 from mlrl.data.sampler import PromptSampler
 from mlrl.loop import RunContext, _collect, _produce, evaluate_if_due, rollout_sync
-from mlrl.metrics import Timer
+from mlrl.metrics import StepTimer
 from mlrl.metrics.pass_at_k import mean_pass_at_k, pass_at_k
 from mlrl.workflow import EpisodeRunner, build_workflow_from_config, gconfig_from_sampling, load_hf_tokenizer
 
@@ -103,17 +103,17 @@ async def test_eval_reports_pass_at_1_and_pass_at_k():
     rows = ROWS[:4]  # digits 0 1 2 3: even always right, odd right every other call
     ctx = _ctx(["data.eval_every=1", "eval.samples_per_prompt=4", "trainer.total_steps=1"])
     ctx.eval_rows = rows
-    m = await evaluate_if_due(ctx, 1, Timer())
+    m = await evaluate_if_due(ctx, 1, StepTimer())
     assert m["eval/episodes/total"] == 16
     assert m["eval/pass@1"] == pytest.approx((1 + 0.5 + 1 + 0.5) / 4)
     assert m["eval/pass@k"] == m["eval/pass@4"] == 1.0
     assert m["eval/mean_reward"] == pytest.approx(0.75)
     one = _ctx(["data.eval_every=1", "eval.samples_per_prompt=1", "trainer.total_steps=1"])
     one.eval_rows = rows
-    m1 = await evaluate_if_due(one, 1, Timer())
+    m1 = await evaluate_if_due(one, 1, StepTimer())
     assert m1["eval/episodes/total"] == 4 and m1["eval/pass@k"] == m1["eval/pass@1"]
     strict = _ctx(
         ["data.eval_every=1", "eval.samples_per_prompt=4", "trainer.total_steps=1", "eval.correct_threshold=2.0"]
     )
     strict.eval_rows = rows
-    assert (await evaluate_if_due(strict, 1, Timer()))["eval/pass@k"] == 0.0
+    assert (await evaluate_if_due(strict, 1, StepTimer()))["eval/pass@k"] == 0.0

@@ -17,7 +17,7 @@ from toy_trainer import ToyCritic, ToyPolicy, make_step
 from mlrl.algorithms.kl import kl_estimate
 from mlrl.config import load_config, validate
 from mlrl.loop import Selection
-from mlrl.metrics import Timer
+from mlrl.metrics import StepTimer
 from mlrl.update import train_on
 
 BASE = ["trainer.prompts_per_step=4", "trainer.samples_per_prompt=4", "trainer.mini_batches_per_step=2",
@@ -37,7 +37,7 @@ def run(overrides, *, step=1, lr=2.0, optimizer="sgd", select=False):
         samples = sel.samples
     critic = ToyCritic(cfg) if cfg.critic is not None else None
     before = policy.table.detach().clone()
-    metrics = train_on(cfg, policy, critic, samples, Timer(), step)
+    metrics = train_on(cfg, policy, critic, samples, StepTimer(), step)
     delta = policy.table.detach() - before
     return types.SimpleNamespace(m=metrics, delta=delta, norm=float(delta.norm()), policy=policy, critic=critic,
                                  samples=samples, cfg=cfg)

@@ -3,13 +3,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from mlrl.metrics import MetricsLogger, Timer, plot_run, read_jsonl
+from mlrl.metrics import MetricsLogger, plot_run, read_jsonl
+from mlrl.metrics.timer import ActivityClock, StepTimer, timing_table
 
 
 def test_jsonl_and_tensorboard_written(tmp_path):
     log = MetricsLogger(tmp_path, tensorboard=True)
     for s in range(1, 4):
-        log.log(s, {"reward/mean": 0.1 * s, "time/step_s": 1.0})
+        log.log(s, {"reward/mean": 0.1 * s, "timing/step": 1.0})
     log.close()
     recs = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in recs] == [1, 2, 3]
@@ -21,7 +22,7 @@ def test_jsonl_and_tensorboard_written(tmp_path):
     scalars = [(e.step, e.value) for e in ev.Scalars("reward/mean")]
     assert [s for s, _ in scalars] == [1, 2, 3]
     assert [v for _, v in scalars] == [pytest.approx(0.1 * s, abs=1e-6) for s in (1, 2, 3)]  # float32 in the event file
-    assert [e.value for e in ev.Scalars("time/step_s")] == [1.0, 1.0, 1.0]
+    assert [e.value for e in ev.Scalars("timing/step")] == [1.0, 1.0, 1.0]
 
 
 def test_resume_drops_lines_after_checkpoint_and_torn_line(tmp_path):
@@ -36,25 +37,89 @@ def test_resume_drops_lines_after_checkpoint_and_torn_line(tmp_path):
 def test_plot_png(tmp_path):
     log = MetricsLogger(tmp_path, tensorboard=False)
     for s in range(1, 5):
-        log.log(s, {"reward/mean": s / 4, "time/step_s": 2.0, "mismatch/logprob_gap": 1e-4})
+        log.log(s, {"reward/mean": s / 4, "timing/step": 2.0, "timing/train": 1.5, "timing/other": 0.5,
+                    "mismatch/logprob_gap": 1e-4})
     out = plot_run(tmp_path / "metrics.jsonl", tmp_path / "run.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_timer(monkeypatch):
+class FakeClock:
+    """perf_counter() that only moves when told to."""
+
+    def __init__(self, t=0.0):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+
+@pytest.fixture
+def clock(monkeypatch):
     import mlrl.metrics.timer as timer_mod
 
-    clock = iter([10.0, 10.25, 20.0, 20.5, 30.0, 31.0])   # perf_counter() at each enter / exit
-    monkeypatch.setattr(timer_mod, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
-    t = Timer()
-    with t("a"):
-        pass
-    with t("b"):
-        pass
-    with t("a"):                                           # the same name again within a step adds up
-        pass
-    assert t.pop() == {"time/a_s": 0.25 + 1.0, "time/b_s": 0.5}
-    assert t.pop() == {}
+    c = FakeClock(100.0)
+    monkeypatch.setattr(timer_mod, "time", SimpleNamespace(perf_counter=c))
+    return c
+
+
+def test_step_phases_sum_to_the_wall_time(clock):
+
+    act = ActivityClock()
+    t = StepTimer(start=99.0, clock=act)        # the previous step ended 1 s before this one's first phase
+    t.add("checkpoint", 0.75)                    # ... spent saving the previous step's checkpoint
+    with t("rollout"):
+        with act.busy("generate"):               # two overlapping requests: 100 -> 103 busy
+            clock.t = 101.0
+            with act.busy("generate"):
+                clock.t = 103.0
+        with act.busy("reward"):                 # 103 -> 104 reward alone, 104 -> 104.5 beside generation
+            clock.t = 104.0
+            with act.busy("generate"):
+                clock.t = 104.5
+        clock.t = 105.0                          # the runner's own work
+    with t("train"):
+        clock.t = 107.0
+    with t("sync"):
+        clock.t = 107.5
+    with t("train"):                             # a phase entered twice adds up
+        clock.t = 108.0
+    clock.t = 108.25
+    m = t.finish(details={"train/forward_backward": 1.5, "sync/transfer": 0.25})
+    assert m["timing/step"] == 9.25
+    # generation busy 100-103 and 104-104.5; reward alone 103-104 (its overlap with generation is generation's)
+    assert m["timing/rollout"] == 3.5 and m["timing/reward"] == 1.0 and m["timing/rollout/phase"] == 5.0
+    assert m["timing/train"] == 2.5 and m["timing/sync"] == 0.5 and m["timing/checkpoint"] == 0.75
+    assert m["timing/train/forward_backward"] == 1.5 and m["timing/sync/transfer"] == 0.25
+    top = [k for k in m if k.count("/") == 1 and k not in ("timing/step", "timing/overlap")]
+    assert sum(m[k] for k in top) == pytest.approx(m["timing/step"])      # other = the rest, exactly
+    assert m["timing/other"] == pytest.approx(9.25 - 3.5 - 1.0 - 2.5 - 0.5 - 0.75)
+
+
+def test_async_overlap_counts_generation_during_trainer_work(clock):
+
+    act = ActivityClock()
+    t = StepTimer(clock=act)                     # starts at 100
+    with act.busy("generate"):                   # background generation 100 -> 106
+        with t("rollout"):                       # waiting for samples 100 -> 101
+            clock.t = 101.0
+        with t("train"):                         # training 101 -> 104, generation busy throughout
+            clock.t = 104.0
+        clock.t = 106.0
+    m = t.finish(overlapped_rollout=True)
+    assert m["timing/rollout"] == 1.0 and m["timing/overlap"] == 3.0 and "timing/reward" not in m
+    assert m["timing/other"] == pytest.approx(6.0 - 1.0 - 3.0)
+
+
+def test_timing_table_shows_means_and_shares():
+
+    hist = [{"timing/step": 9.0, "timing/train": 6.0, "timing/other": 3.0},
+            {"timing/step": 2.0, "timing/train": 1.5, "timing/other": 0.5},
+            {"timing/step": 4.0, "timing/train": 2.5, "timing/other": 1.5}]
+    table = timing_table(hist).splitlines()
+    row = {line.split()[0]: line.split()[1:] for line in table[1:]}
+    assert row["timing/train"] == ["6.000", "2.000", "66.7%"] and row["timing/step"] == ["9.000", "3.000"]
+    assert table[-1].startswith("timing/step")
+    assert timing_table([{"reward/mean": 1.0}]) == ""
 
 
 def test_fresh_run_in_a_used_folder_starts_a_clean_curve(tmp_path):

@@ -70,7 +70,7 @@ def test_wandb_offline_run_records_the_logged_steps(tmp_path, wandb_offline):
     log = MetricsLogger(tmp_path, tensorboard=False, wandb_project="mlrl-unit", config={"lr": 1e-3, "algo": "grpo"})
     try:
         for s in range(1, 4):
-            log.log(s, {"reward/mean": 0.25 * s, "time/step_s": 1.5})
+            log.log(s, {"reward/mean": 0.25 * s, "timing/step": 1.5})
     finally:
         log.close()
     assert wandb_offline.run is None           # close() finished the run
@@ -90,7 +90,7 @@ def test_wandb_offline_run_records_the_logged_steps(tmp_path, wandb_offline):
     history = [_items(r.history.item) for r in records if r.WhichOneof("record_type") == "history"]
     assert [h["_step"] for h in history] == [1, 2, 3]
     assert [h["reward/mean"] for h in history] == [0.25, 0.5, 0.75]
-    assert all(h["time/step_s"] == 1.5 for h in history)
+    assert all(h["timing/step"] == 1.5 for h in history)
     summary = {}
     for r in records:
         if r.WhichOneof("record_type") == "summary":
