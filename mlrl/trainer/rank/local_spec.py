@@ -16,11 +16,13 @@ applied per sample (positions restart at every cu_seqlens boundary, rope_utils'
 sample boundaries. Only TEDotProductAttention accepts that; the local `DotProductAttention`
 asserts `packed_seq_params is None`.
 
-Choice: on CPU we keep Megatron's own attention math and run
-`DotProductAttention.forward` once per sample with its causal mask, i.e. block-diagonal causal
-attention at O(sum of len^2) cost, with no cross-sample attention and no padding inside a row.
-The alternatives were one row per sample padded to the longest (wastes compute on padding) or
-a dense [t, t] block-diagonal mask (O(t^2) memory per layer). On GPU the TE spec handles THD
+Choice: on CPU we keep Megatron's own attention math and run `DotProductAttention.forward`
+once per distinct sample length, the samples of that length stacked as its batch dimension, each
+with its causal mask: block-diagonal causal attention at O(sum of len^2) cost, with no
+cross-sample attention, no padding, and one kernel call per length instead of one per sample (an
+RL step packs hundreds of short samples, most of a few lengths). The alternatives were one row
+per sample padded to the longest (wastes compute on padding) or a dense [t, t] block-diagonal
+mask (O(t^2) memory per layer). On GPU the TE spec handles THD
 natively and this class is not used.
 """
 
@@ -55,15 +57,31 @@ class PackedDotProductAttention(DotProductAttention):
         if packed_seq_params.qkv_format != "thd":
             raise ValueError(f"PackedDotProductAttention: qkv_format {packed_seq_params.qkv_format!r}, expected 'thd'")
         bounds = packed_seq_params.cu_seqlens_q.tolist()
-        outs = []
+        by_len: dict[int, list[int]] = {}  # sample length -> start offsets of the samples that long
         for lo, hi in zip(bounds[:-1], bounds[1:]):
-            if hi == lo:
-                continue
-            # [s, heads, dim] -> [s, b=1, heads, dim]; causal mask inside the sample
-            out = super().forward(query[lo:hi].unsqueeze(1), key[lo:hi].unsqueeze(1), value[lo:hi].unsqueeze(1), None,
-                                  attn_mask_type=attn_mask_type, attention_bias=attention_bias, packed_seq_params=None)
-            outs.append(out)
-        return torch.cat(outs, dim=0)  # [t, 1, heads * dim]; Attention reshapes to (t, 1, -1)
+            if hi > lo:
+                by_len.setdefault(hi - lo, []).append(lo)
+        outs, order = [], []
+        for length, starts in by_len.items():
+            # the samples of one length attend as one batch: [s, b, heads, dim], causal mask per sample
+            idx = (torch.tensor(starts).unsqueeze(1) + torch.arange(length)).reshape(-1).to(query.device)
+            b = len(starts)
+            q, k, v = (_rows(x, idx, b, length) for x in (query, key, value))
+            out = super().forward(q, k, v, None, attn_mask_type=attn_mask_type, attention_bias=attention_bias,
+                                  packed_seq_params=None)  # [s, b, heads * dim]
+            outs.append(out.transpose(0, 1).reshape(b * length, 1, -1))
+            order.append(idx)
+        if not outs:
+            return query.new_zeros(0, 1, query.shape[1] * value.shape[-1])
+        flat, pos = torch.cat(outs, dim=0), torch.cat(order)
+        inverse = torch.empty_like(pos)
+        inverse[pos] = torch.arange(pos.numel(), device=pos.device)
+        return flat.index_select(0, inverse)  # [t, 1, heads * dim] in packed order; Attention reshapes to (t, 1, -1)
+
+
+def _rows(x: torch.Tensor, idx: torch.Tensor, b: int, length: int) -> torch.Tensor:
+    """The packed rows `idx` of x [t, heads, dim] (b samples of `length` tokens) as [length, b, heads, dim]."""
+    return x.index_select(0, idx).view(b, length, *x.shape[1:]).transpose(0, 1)
 
 
 class SequenceParallelRMSNorm(torch.nn.RMSNorm):

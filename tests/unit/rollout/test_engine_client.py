@@ -1,10 +1,16 @@
 """EngineClient: request body, parsing of vLLM's /inference/v1/generate answer (token ids, logprobs,
-weight-version spans), prompt logprobs, and the mapping of failures to typed errors."""
+weight-version spans), prompt logprobs, and the mapping of failures to typed errors.
+
+The engine is a real local HTTP server (aiohttp.web) running a handler that takes the request
+(as an httpx.Request, used here only as a data type) and returns an httpx.Response."""
 
 import json
+import socket
 
 import httpx
 import pytest
+import pytest_asyncio
+from aiohttp import web
 
 from mlrl.rollout.client import (
     EngineAuthError,
@@ -17,11 +23,37 @@ from mlrl.rollout.client import (
 from mlrl.types import GenerationHyperparameters, ModelRequest, StopReason
 
 
-def _client(handler) -> EngineClient:
-    return EngineClient("http://engine", "tok", transport=httpx.MockTransport(handler), name="e0")
+@pytest_asyncio.fixture
+async def serve():
+    """serve(handler) -> an EngineClient talking to a local HTTP server that answers with handler."""
+    runners, clients = [], []
+
+    async def start(handler) -> EngineClient:
+        async def answer(request: web.Request) -> web.Response:
+            req = httpx.Request(request.method, str(request.url), headers=dict(request.headers),
+                                content=await request.read())
+            resp = handler(req)
+            return web.Response(status=resp.status_code, body=resp.content, content_type="application/json")
+
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", answer)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        runners.append(runner)
+        port = runner.addresses[0][1]
+        clients.append(EngineClient(f"http://127.0.0.1:{port}", "tok", name="e0"))
+        return clients[-1]
+
+    yield start
+    for c in clients:
+        await c.aclose()
+    for r in runners:
+        await r.cleanup()
 
 
-async def test_generate_parses_tokens_logprobs_and_versions():
+async def test_generate_parses_tokens_logprobs_and_versions(serve):
     seen = {}
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -32,7 +64,7 @@ async def test_generate_parses_tokens_logprobs_and_versions():
             "weight_versions": [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 3}],
             "logprobs": {"content": [{"logprob": -0.5}, {"logprob": -1.0}, {"logprob": -2.0}]}}]})
 
-    c = _client(handler)
+    c = await serve(handler)
     g = GenerationHyperparameters(max_new_tokens=9, temperature=0.7, top_k=5, stop_token_ids=[2], stop=["."])
     seg = await c.generate([1, 2], g, request_id="r-0", default_version=0, max_tokens=3, min_tokens=1)
     assert (seg.tokens, seg.logprobs, seg.versions, seg.finish, seg.text) == (
@@ -48,10 +80,9 @@ async def test_generate_parses_tokens_logprobs_and_versions():
     sp = body["sampling_params"]
     assert (sp["max_tokens"], sp["min_tokens"], sp["temperature"], sp["top_k"], sp["logprobs"]) == (3, 1, 0.7, 5, 0)
     assert sp["stop_token_ids"] == [2] and sp["stop"] == ["."]
-    await c.aclose()
 
 
-async def test_single_engine_agenerate():
+async def test_single_engine_agenerate(serve):
     def handler(request):
         body = json.loads(request.content)
         if len(body["token_ids"]) > 3:
@@ -70,7 +101,7 @@ async def test_single_engine_agenerate():
             },
         )
 
-    c = _client(handler)
+    c = await serve(handler)
     ok = await c.agenerate(ModelRequest(input_ids=[1, 2]), default_version=4)
     assert (ok.output_tokens, ok.output_versions, ok.stop_reason, ok.engine) == ([9, 2], [4, 4], StopReason.STOP, "e0")
     bad = await c.agenerate(ModelRequest(input_ids=[1, 2, 3, 4]))
@@ -89,8 +120,8 @@ def test_sampling_params_greedy_and_version_spans():
 
 @pytest.mark.parametrize("status,exc", [(400, EngineRequestError), (422, EngineRequestError), (401, EngineAuthError),
                                         (500, EngineUnavailableError), (503, EngineUnavailableError)])
-async def test_http_errors_are_typed(status, exc):
-    c = _client(
+async def test_http_errors_are_typed(serve, status, exc):
+    c = await serve(
         lambda r: httpx.Response(status, json={"error": {"message": "prompt is longer than the maximum model length"}})
     )
     with pytest.raises(exc, match=f"HTTP {status}"):
@@ -98,16 +129,18 @@ async def test_http_errors_are_typed(status, exc):
 
 
 async def test_transport_errors_mean_unavailable():
-    def handler(request):
-        raise httpx.ConnectError("connection refused")
-
-    c = _client(handler)
-    with pytest.raises(EngineUnavailableError, match="ConnectError"):
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    c = EngineClient(f"http://127.0.0.1:{port}", "tok", name="e0")
+    where = r"e0 \(http://127.0.0.1:\d+/inference/v1/generate\)"
+    with pytest.raises(EngineUnavailableError, match=where + r": Client\w*Error"):
         await c.generate([1], GenerationHyperparameters(), request_id="r", default_version=0)
     assert not await c.health()
+    await c.aclose()
 
 
-async def test_prompt_logprobs():
+async def test_prompt_logprobs(serve):
     def handler(request):
         return httpx.Response(
             200,
@@ -117,7 +150,7 @@ async def test_prompt_logprobs():
             },
         )
 
-    assert await _client(handler).prompt_logprobs([7, 8, 9]) == [-1.5, -0.25]
-    bad = _client(lambda r: httpx.Response(200, json={"prompt_logprobs": [None, {"3": {"logprob": -1.0}}]}))
+    assert await (await serve(handler)).prompt_logprobs([7, 8, 9]) == [-1.5, -0.25]
+    bad = await serve(lambda r: httpx.Response(200, json={"prompt_logprobs": [None, {"3": {"logprob": -1.0}}]}))
     with pytest.raises(EngineUnavailableError, match="no prompt logprob for token 8"):
         await bad.prompt_logprobs([7, 8])
