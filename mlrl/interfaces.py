@@ -13,7 +13,7 @@ consumers make; keep each small (about six members at most).
     Checkpointer atomic training checkpoints and HF exports (mlrl.checkpoint.Checkpointer)
     RewardFn     scores one completion against its dataset row (mlrl.reward)
     Workflow     turns one dataset row into scored samples (mlrl.workflow.RolloutWorkflow)
-    InferenceEngine what a workflow may call: one generation per request
+    InferenceEngine what a workflow may call: one generation per request (GroupInferenceEngine: n)
 
 This module imports only the plain data types (mlrl.types, mlrl.experience.batch) so that every
 package can depend on it and it depends on none of them.
@@ -119,9 +119,18 @@ class InferenceEngine(Protocol):
     async def agenerate(self, req: ModelRequest) -> ModelResponse: ...
 
 
-class RolloutPool(InferenceEngine, Protocol):
-    """The engines as the episode runner (agenerate) and the weight sync (pause / transfer /
-    commit / resume) see them."""
+@runtime_checkable
+class GroupInferenceEngine(InferenceEngine, Protocol):
+    """An engine that also samples a whole group of one prompt in one request."""
+
+    async def agenerate_group(self, req: ModelRequest) -> list[ModelResponse]:
+        """`req.gconfig.n_samples` responses to `req.input_ids`."""
+        ...
+
+
+class RolloutPool(GroupInferenceEngine, Protocol):
+    """The engines as the episode runner (agenerate, agenerate_group) and the weight sync (pause /
+    transfer / commit / resume) see them."""
 
     @property
     def version(self) -> int:

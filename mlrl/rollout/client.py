@@ -177,30 +177,40 @@ class EngineClient:
 
     async def generate(self, prompt_ids: list[int], gconfig: GenerationHyperparameters, *, request_id: str,
                        default_version: int, max_tokens: int | None = None, min_tokens: int | None = None) -> Segment:
-        body = {"request_id": request_id, "token_ids": list(prompt_ids), "output_mode": "text",
-                "sampling_params": sampling_params(gconfig, max_tokens=max_tokens, min_tokens=min_tokens)}
+        return (await self.generate_n(prompt_ids, gconfig, 1, request_id=request_id, default_version=default_version,
+                                      max_tokens=max_tokens, min_tokens=min_tokens))[0]
+
+    async def generate_n(self, prompt_ids: list[int], gconfig: GenerationHyperparameters, n: int, *,
+                         request_id: str, default_version: int, max_tokens: int | None = None,
+                         min_tokens: int | None = None) -> list[Segment]:
+        """n samples of one prompt in one request (vLLM's `n`: the prompt is prefilled once; with a
+        seed, sample i uses seed + i). One Segment per sample, in order."""
+        sp = sampling_params(gconfig, max_tokens=max_tokens, min_tokens=min_tokens)
+        sp["n"] = n
+        body = {"request_id": request_id, "token_ids": list(prompt_ids), "output_mode": "text", "sampling_params": sp}
         js = await self._post("/inference/v1/generate", json=body)
         try:
-            ch = js["choices"][0]
-            tokens = list(ch.get("token_ids") or [])
-            content = (ch.get("logprobs") or {}).get("content") or []
-            logprobs = [float(c["logprob"]) for c in content]
+            choices = sorted(js["choices"], key=lambda c: c.get("index", 0))
+            segs = [self._segment(ch, default_version) for ch in choices]
         except (KeyError, IndexError, TypeError) as e:
             raise EngineUnavailableError(
                 f"{self.name}: malformed /inference/v1/generate answer ({e}): {str(js)[:300]}"
             ) from e
+        if len(segs) != n:
+            raise EngineUnavailableError(f"{self.name}: asked for {n} samples, the answer has {len(segs)}")
+        return segs
+
+    def _segment(self, ch: dict[str, Any], default_version: int) -> Segment:
+        tokens = list(ch.get("token_ids") or [])
+        content = (ch.get("logprobs") or {}).get("content") or []
+        logprobs = [float(c["logprob"]) for c in content]
         if len(logprobs) != len(tokens):
             raise EngineUnavailableError(
-                f"{self.name}: {len(tokens)} tokens but {len(logprobs)} logprobs in the answer"
-            )
-        return Segment(
-            tokens=tokens,
-            logprobs=logprobs,
-            versions=_versions(ch.get("weight_versions"), len(tokens), default_version),
-            finish=ch.get("finish_reason") or "stop",
-            stop_reason=ch.get("stop_reason"),
-            text=ch.get("text") or "",
-        )
+                f"{self.name}: {len(tokens)} tokens but {len(logprobs)} logprobs in the answer")
+        return Segment(tokens=tokens, logprobs=logprobs,
+                       versions=_versions(ch.get("weight_versions"), len(tokens), default_version),
+                       finish=ch.get("finish_reason") or "stop", stop_reason=ch.get("stop_reason"),
+                       text=ch.get("text") or "")
 
     async def agenerate(self, req: ModelRequest, *, default_version: int = 0) -> ModelResponse:
         """One request on this engine alone (no failover, no resume: that is the pool's job).

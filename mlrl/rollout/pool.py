@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import enum
 import logging
 import os
@@ -284,6 +285,81 @@ class EnginePool:
                 self.stats["interrupted"] += 1
                 continue  # interrupted by a weight update: resumes after `resume()` (acquire waits)
             return _finish(resp, _FINISH.get(seg.finish, StopReason.STOP), t0)
+
+    async def agenerate_group(self, req: ModelRequest) -> list[ModelResponse]:
+        """`req.gconfig.n_samples` samples of one prompt (a GRPO group) in ONE engine request:
+        the prompt is prefilled once and the HTTP, routing and engine overhead is paid once, not n
+        times. Returns n responses (rids `<rid>:<i>`), each with the same contract as `agenerate`'s.
+        A sample interrupted by a weight update continues alone (an `agenerate` continuation);
+        the group counts as one request under rollout.max_concurrent_requests."""
+        t0 = time.monotonic()
+        n = req.gconfig.n_samples
+        resps = [ModelResponse(input_tokens=list(req.input_ids), rid=f"{req.rid}:{i}") for i in range(max(n, 1))]
+        if not self._started or self._closed:
+            raise PoolClosedError("EnginePool.agenerate_group called on a pool that is not started "
+                                  "(or already shut down)")
+        one = dataclasses.replace(req, gconfig=req.gconfig.new(n_samples=1))
+        bad = _validate(one) or (f"GenerationHyperparameters.n_samples={n}: expected >= 1" if n < 1 else None)
+        if bad:
+            return [_failed(r, bad, t0) for r in resps]
+        self.stats["requests"] += n
+        try:
+            return await asyncio.wait_for(self._run_group(one, resps, t0), timeout=self.cfg.request_timeout_s)
+        except asyncio.TimeoutError:
+            self.stats["timeouts"] += 1
+            msg = f"request {req.rid} timed out after {self.cfg.request_timeout_s:.0f} s (rollout.request_timeout_s)"
+            return [r if r.stop_reason is not None else _failed(r, msg, t0) for r in resps]
+        finally:
+            self._user_aborted.discard(req.rid)
+
+    async def _run_group(self, req: ModelRequest, resps: list[ModelResponse], t0: float) -> list[ModelResponse]:
+        g, n = req.gconfig, len(resps)
+        failovers = attempt = 0
+        while True:
+            try:
+                e = await self._acquire(req)
+            except PoolClosedError as err:
+                return [_failed(r, str(err), t0) for r in resps]
+            if e is None:  # aborted while waiting
+                return [_finish(r, StopReason.ABORT, t0) for r in resps]
+            attempt_id = f"{req.rid}-{attempt}"
+            attempt += 1
+            self._active[req.rid] = (e, attempt_id)
+            e.running[attempt_id] = req.rid
+            try:
+                segs = await e.client.generate_n(req.input_ids, g, n, request_id=attempt_id,
+                                                 default_version=self._version, max_tokens=g.max_new_tokens,
+                                                 min_tokens=g.min_new_tokens)
+            except EngineRequestError as err:
+                self.stats["bad_requests"] += 1
+                return [_failed(r, str(err), t0) for r in resps]
+            except EngineAuthError as err:
+                return [_failed(r, str(err), t0) for r in resps]
+            except EngineUnavailableError as err:
+                failovers += 1
+                self.stats["failovers"] += 1
+                log.warning("request %s: %s; re-issuing elsewhere (%d)", req.rid, err, failovers)
+                await self._check_engine(e)
+                if failovers > _MAX_FAILOVERS:
+                    return [_failed(r, f"request {req.rid} failed on {failovers} engines, last error: {err}", t0)
+                            for r in resps]
+                continue
+            finally:
+                e.running.pop(attempt_id, None)
+                self._active.pop(req.rid, None)
+                await self._release(e)
+            break
+
+        async def settle(resp: ModelResponse, seg: Segment) -> ModelResponse:
+            _append(resp, seg, e.name)
+            if seg.finish != "abort":
+                return _finish(resp, _FINISH.get(seg.finish, StopReason.STOP), t0)
+            if req.rid in self._user_aborted:
+                return _finish(resp, StopReason.ABORT, t0)
+            self.stats["interrupted"] += 1  # interrupted by a weight update: this sample continues alone
+            return await self._run(dataclasses.replace(req, rid=resp.rid), resp, t0)
+
+        return list(await asyncio.gather(*(settle(r, s) for r, s in zip(resps, segs))))
 
     async def achat(self, messages: list[dict[str, Any]], gconfig: GenerationHyperparameters | None = None, *,
                     session_id: str | None = None, rid: str | None = None, **template_kwargs: Any) -> ModelResponse:

@@ -114,22 +114,44 @@ def derive_seed(*parts: Any) -> int:
 class _RecordingEngine:
     """Passes everything through to the engine and remembers the responses of one episode.
 
-    With `seed` (rollout.sampling.seed), the k-th request of the episode is sent with the
+    With `seed` (rollout.sampling.seed), the k-th request the episode starts is sent with the
     per-request seed derive_seed(seed, k): vLLM then samples it with its own RNG, so its tokens
     do not depend on which other requests shared the batch (reproducible runs)."""
 
     def __init__(self, engine: Any, seed: int | None = None):
         self._engine = engine
         self._seed = seed
+        self._calls = 0
         self.responses: list[ModelResponse] = []
 
+    def _seeded(self, req: Any) -> Any:
+        """`req` with the next call's seed (counted when the call starts, so concurrent calls of
+        one episode get distinct seeds in the order they were made)."""
+        k, self._calls = self._calls, self._calls + 1
+        if self._seed is None:
+            return req
+        return dataclasses.replace(req, gconfig=req.gconfig.new(seed=derive_seed(self._seed, k)))
+
     async def agenerate(self, req: Any) -> ModelResponse:
-        if self._seed is not None:
-            req = dataclasses.replace(req, gconfig=req.gconfig.new(seed=derive_seed(self._seed, len(self.responses))))
+        req = self._seeded(req)
         with ACTIVITY.busy("generate"):
             resp = await self._engine.agenerate(req)
         self.responses.append(resp)
         return resp
+
+    async def agenerate_group(self, req: Any) -> list[ModelResponse]:
+        """n = req.gconfig.n_samples samples in one engine request when the engine can (the pool:
+        one seed for the group, vLLM gives sample i seed + i), else n single requests."""
+        n = req.gconfig.n_samples
+        if not hasattr(self._engine, "agenerate_group"):
+            one = req.gconfig.new(n_samples=1)
+            singles = [dataclasses.replace(req, gconfig=one, rid=f"{req.rid}:{i}") for i in range(n)]
+            return list(await asyncio.gather(*(self.agenerate(r) for r in singles)))
+        req = self._seeded(req)
+        with ACTIVITY.busy("generate"):
+            resps = await self._engine.agenerate_group(req)
+        self.responses.extend(resps)
+        return resps
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)

@@ -2,18 +2,23 @@
 
 One episode = one response: the row's `messages` go through the model's chat template, the engine
 generates, the reward function scores the decoded completion (special tokens skipped) against the
-row, and the result is one Sample whose loss mask covers exactly the generated tokens.
+row, and the result is one Sample whose loss mask covers exactly the generated tokens. The runner
+runs the n episodes of a prompt as one group call (`arun_group`): one engine request samples all
+n responses (vLLM's `n`), which costs one request's overhead instead of n.
 Evaluation episodes (`is_evaluation()`) sample with `eval_gconfig` (default: the training sampling).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
 from mlrl.reward import AsyncRewardWrapper, get_reward_fn, reward_data
-from mlrl.types import GenerationHyperparameters, Sample
+from mlrl.types import GenerationHyperparameters, ModelResponse, Sample, StopReason, TerminationReason
 from mlrl.workflow.api import (
+    EpisodeOutput,
+    EpisodeStatus,
     InferenceEngine,
     ModelRequest,
     RolloutWorkflow,
@@ -61,10 +66,32 @@ class RLVRWorkflow(RolloutWorkflow):
         kw = {"enable_thinking": self.enable_thinking} if self.enable_thinking else {}
         return apply_chat_template(self.tokenizer, data["messages"], add_generation_prompt=True, **kw)
 
+    group_native = True  # the runner calls arun_group: a GRPO group's n samples come from one engine request
+
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> Sample:
         input_ids = self.prompt_ids(data)
         gconfig = self.eval_gconfig if is_evaluation() else self.gconfig
         resp = await engine.agenerate(ModelRequest(input_ids=input_ids, gconfig=gconfig, tokenizer=self.tokenizer))
+        return await self._score(input_ids, resp, data)
+
+    async def arun_group(self, engine: InferenceEngine, data: dict[str, Any], n: int) -> list[EpisodeOutput]:
+        """The n episodes of one prompt: one request for n samples (`agenerate_group`, which the
+        runner's engine always offers), each sample scored alone. An engine failure fails its
+        episode only."""
+        input_ids = self.prompt_ids(data)
+        gconfig = (self.eval_gconfig if is_evaluation() else self.gconfig).new(n_samples=n)
+        req = ModelRequest(input_ids=input_ids, gconfig=gconfig, tokenizer=self.tokenizer)
+        resps = await engine.agenerate_group(req)  # type: ignore[attr-defined]
+        return list(await asyncio.gather(*(self._episode(input_ids, r, data) for r in resps)))
+
+    async def _episode(self, input_ids: list[int], resp: ModelResponse, data: dict[str, Any]) -> EpisodeOutput:
+        if resp.stop_reason in (StopReason.ERROR, StopReason.ABORT):
+            msg = f"engine request {resp.rid} ended with {resp.stop_reason.value}: {resp.error}"
+            return EpisodeOutput(status=EpisodeStatus.ERROR, termination_reason=TerminationReason.ERROR,
+                                 info={"error": {"error_message": msg, "error_type": "EngineError", "traceback": ""}})
+        return EpisodeOutput(samples=[await self._score(input_ids, resp, data)])
+
+    async def _score(self, input_ids: list[int], resp: ModelResponse, data: dict[str, Any]) -> Sample:
         prompt = self.tokenizer.decode(input_ids, skip_special_tokens=True)
         completion = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
         reward = await self.reward(prompt, completion, resp.input_tokens, resp.output_tokens, **reward_data(data))

@@ -5,7 +5,8 @@ token on every route; /inference/v1/generate with token-level pacing (FAKE_TOKEN
 token), finish_reason "abort" plus the partial output when aborted, and `weight_versions` spans
 labelled with the version current when each token was produced; /pause (abort | wait) holds new
 requests until /resume. Token i+1 = (token i + 1) % VOCAB, logprob of output position k is
--(k+1)/100, so a continuation of an interrupted request is checkable. /stats reports the peak
+-(k+1)/100, so a continuation of an interrupted request is checkable; `n` samples per request are
+n copies. /stats reports the peak
 number of concurrent requests and what the engine served.
 
 Run: python fake_engine.py --host 127.0.0.1 --port N   (token from $MLRL_ENGINE_TOKEN)
@@ -92,20 +93,11 @@ async def generate(request: Request):
             spans.append({"version": v, "start": i, "end": i + 1})
     start = len(ids)
     content = [{"token": str(t), "logprob": -(start + k + 1) / 100} for k, t in enumerate(tokens)]
-    return JSONResponse(
-        {
-            "choices": [
-                {
-                    "index": 0,
-                    "finish_reason": finish,
-                    "token_ids": tokens,
-                    "text": " ".join(map(str, tokens)),
-                    "weight_versions": spans,
-                    "logprobs": {"content": content},
-                }
-            ]
-        }
-    )
+    # vLLM's `n`: n samples of the prompt in one answer (here all alike: the output is a function
+    # of the prompt), listed last-first to check that the client orders them by `index`
+    choice = {"finish_reason": finish, "token_ids": tokens, "text": " ".join(map(str, tokens)),
+              "weight_versions": spans, "logprobs": {"content": content}}
+    return JSONResponse({"choices": [dict(choice, index=i) for i in reversed(range(sp.get("n", 1)))]})
 
 
 @guarded

@@ -108,6 +108,21 @@ async def test_single_engine_agenerate(serve):
     assert bad.stop_reason == StopReason.ERROR and "prompt too long" in bad.error
 
 
+async def test_generate_n_orders_samples_by_index_and_checks_the_count(serve):
+    def handler(request):
+        n = json.loads(request.content)["sampling_params"]["n"]
+        choices = [{"index": i, "finish_reason": "stop", "token_ids": [i], "text": str(i),
+                    "logprobs": {"content": [{"logprob": -float(i)}]}} for i in range(n)]
+        return httpx.Response(200, json={"choices": choices[::-1]})  # out of order: the client sorts by index
+
+    c = await serve(handler)
+    segs = await c.generate_n([1], GenerationHyperparameters(), 3, request_id="g", default_version=2)
+    assert [s.tokens for s in segs] == [[0], [1], [2]] and [s.logprobs for s in segs] == [[-0.0], [-1.0], [-2.0]]
+    short = await serve(lambda r: httpx.Response(200, json={"choices": []}))
+    with pytest.raises(EngineUnavailableError, match="asked for 2 samples, the answer has 0"):
+        await short.generate_n([1], GenerationHyperparameters(), 2, request_id="g", default_version=0)
+
+
 def test_sampling_params_greedy_and_version_spans():
     assert sampling_params(GenerationHyperparameters(greedy=True, temperature=0.9))["temperature"] == 0.0
     assert _versions([{"version": "default", "start": 0, "end": 2}, {"version": "7", "start": 2, "end": 3}], 4, 1) == [

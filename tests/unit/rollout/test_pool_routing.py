@@ -148,6 +148,44 @@ async def test_pause_abort_interrupts_and_resumes_with_versions(make_pool):
     assert pool.version == 1
 
 
+def _group(prompt, n, samples, **kw) -> ModelRequest:
+    return ModelRequest(input_ids=list(prompt), gconfig=GenerationHyperparameters(max_new_tokens=n, n_samples=samples),
+                        **kw)
+
+
+async def test_a_group_is_one_engine_request_and_interrupted_samples_continue_alone(make_pool):
+    pool = await make_pool(num_engines=1, cap=8, delay_s=0.02, interrupt=True)
+    req = _group([1, 4], 30, samples=4)
+    task = asyncio.create_task(pool.agenerate_group(req))
+    await asyncio.sleep(0.2)
+    assert (await _stats(pool.engines[0]))["peak"] == 1            # one request carries the 4 samples
+    await pool.pause()                                              # interrupt: every sample is partial
+    await pool.engines[0].client.set_weight_version(1)
+    pool.commit_version(1, pool.live_engines())
+    await pool.resume()
+    resps = await task
+    assert [r.rid for r in resps] == [f"{req.rid}:{i}" for i in range(4)]
+    for resp in resps:
+        assert resp.stop_reason == StopReason.LENGTH and resp.error is None
+        assert resp.output_tokens == _expected(req.input_ids, 30)  # each continuation picks up where it stopped
+        assert resp.output_versions == sorted(resp.output_versions) and set(resp.output_versions) == {0, 1}
+    served = (await _stats(pool.engines[0]))["served"]
+    assert len(served) == 1 + 4 and pool.stats["interrupted"] == 4  # the group, then one continuation per sample
+    assert pool.engines[0].in_flight == 0
+
+
+async def test_group_errors_and_validation(make_pool):
+    pool = await make_pool(num_engines=1, cap=8)
+    too_long = await pool.agenerate_group(_group(list(range(70)), 3, samples=2))
+    assert [r.stop_reason for r in too_long] == [StopReason.ERROR] * 2 and "maximum model length" in too_long[0].error
+    zero = await pool.agenerate_group(_group([1, 2], 3, samples=0))
+    assert len(zero) == 1 and "n_samples=0" in zero[0].error
+    ok = await pool.agenerate_group(_group([1, 2], 3, samples=3))
+    assert [r.output_tokens for r in ok] == [_expected([1, 2], 3)] * 3
+    single = await pool.agenerate(_group([1, 2], 3, samples=3))   # agenerate keeps refusing n > 1
+    assert single.stop_reason == StopReason.ERROR and "call agenerate once per sample" in single.error
+
+
 async def test_pause_wait_lets_in_flight_finish_and_holds_new_requests(make_pool):
     pool = await make_pool(cap=8, delay_s=0.01)
     tasks = [asyncio.create_task(pool.agenerate(_req([1, i], 20))) for i in range(4)]
