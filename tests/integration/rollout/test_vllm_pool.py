@@ -198,6 +198,13 @@ async def test_per_request_seeds_make_sampling_independent_of_batching(env):
     assert len({tuple(r.output_tokens) for r in batched}) > 1                               # the seeds matter
     unseeded = await asyncio.gather(*(env.pool.agenerate(req(None)) for _ in seeds))
     assert len({tuple(r.output_tokens) for r in unseeded}) > 1                              # shared RNG: samples differ
+    # a group request (one engine request, vLLM's n) samples sample i as a lone request seeded seed + i
+    group = await env.pool.agenerate_group(ModelRequest(
+        input_ids=prompt, gconfig=GenerationHyperparameters(max_new_tokens=12, seed=100, n_samples=len(seeds))))
+    assert [r.output_tokens for r in group] == [r.output_tokens for r in batched]
+    assert all(r.error is None and len(r.output_logprobs) == len(r.output_versions) == r.output_len for r in group)
+    for r, single in zip(group, batched):
+        assert r.output_logprobs == pytest.approx(single.output_logprobs, abs=TOL)
 
 
 async def test_requests_without_the_token_are_refused(env):
