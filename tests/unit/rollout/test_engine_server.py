@@ -1,6 +1,7 @@
 """Server launch: the vLLM command / environment, start-up failures with the log tail, clean stop,
 no orphans when the launcher dies; the token middleware."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -55,6 +56,10 @@ def test_command_and_environment(tmp_path, monkeypatch):
     assert args["--middleware"] == "mlrl.rollout.auth.TokenMiddleware"
     assert "--enforce-eager" in cmd and "--enable-scale-out" in cmd
     assert not any("s3cret" in a for a in cmd), "the token must not appear in argv"
+    # a CPU engine with one worker runs it in the engine-core process (no busy-polling worker process)
+    assert "--distributed-executor-backend" not in cmd  # engine_tp=2 here: vLLM's multi-process default
+    one = server_command(dataclasses.replace(spec, engine_tp=1), 8123)
+    assert one[one.index("--distributed-executor-backend") + 1] == "uni"
     env = server_env(spec)
     assert env[TOKEN_ENV] == "s3cret-token" and env["VLLM_SERVER_DEV_MODE"] == "1"
     # the client drops idle connections before the server does (no request on a closing connection)
