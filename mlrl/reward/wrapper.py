@@ -29,7 +29,7 @@ import os
 import pickle
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -137,6 +137,17 @@ POOLS = _PoolRegistry()
 atexit.register(POOLS.shutdown_all)
 
 
+def _score_all(fn: Callable[..., Any], calls: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> list[tuple[bool, Any]]:
+    """Runs in the reward worker: every call, each failure kept to itself as (False, description)."""
+    out: list[tuple[bool, Any]] = []
+    for args, kwargs in calls:
+        try:
+            out.append((True, fn(*args, **kwargs)))
+        except Exception as e:  # noqa: BLE001 - reported per call by score_many
+            out.append((False, f"raised {type(e).__name__}: {e}"))
+    return out
+
+
 class AsyncRewardWrapper:
     """Awaitable wrapper of a synchronous reward function `fn(*args, **kwargs) -> float`.
 
@@ -230,6 +241,61 @@ class AsyncRewardWrapper:
                 logger.warning("reward %s returned %r (expected a number); reward 0.0", self.name, value)
                 return 0.0
         return 0.0  # unreachable
+
+    async def score_many(self, calls: Sequence[tuple[tuple[Any, ...], dict[str, Any]]]) -> list[float]:
+        """Score several completions, `calls` = [(args, kwargs), ...], in ONE executor task: one
+        process-pool round trip instead of one per call (for a cheap reward the round trip is
+        most of the cost; a GRPO group scores its n samples this way). Each call keeps its own
+        outcome: one that raises or returns a non-number scores 0.0 and counts as a failure. The
+        batch gets len(calls) x timeout; when that runs out, every call of it scores 0.0 and
+        counts as a timeout."""
+        if not calls:
+            return []
+        with ACTIVITY.busy("reward"):
+            for _ in calls:
+                self._bump("calls")
+            job = partial(_score_all, self.reward_fn, [(tuple(a), dict(k)) for a, k in calls])
+            budget = self.timeout * len(calls)
+            outcomes = None
+            for attempt in range(2):
+                pool = None
+                try:
+                    if self.max_workers == 0:
+                        fut = asyncio.get_running_loop().run_in_executor(None, contextvars.copy_context().run, job)
+                    else:
+                        pool = POOLS.get(self._key)
+                        fut = asyncio.get_running_loop().run_in_executor(pool, job)
+                    outcomes = await asyncio.wait_for(fut, timeout=budget)
+                    break
+                except (TimeoutError, asyncio.TimeoutError):
+                    for _ in calls:
+                        self._bump("timeouts")
+                    logger.warning("reward %s: %d calls timed out after %.1fs; reward 0.0", self.name, len(calls),
+                                   budget)
+                    if pool is not None:
+                        POOLS.replace(self._key, pool)
+                    return [0.0] * len(calls)
+                except BrokenProcessPool:
+                    if pool is not None:
+                        POOLS.replace(self._key, pool)
+                    if attempt == 0:
+                        continue
+                    for _ in calls:
+                        self._bump("failures")
+                    logger.warning("reward %s: process pool broke twice; reward 0.0", self.name)
+                    return [0.0] * len(calls)
+            out = []
+            for ok, value in outcomes or []:
+                if ok:
+                    try:
+                        out.append(float(value))
+                        continue
+                    except (TypeError, ValueError):
+                        value = f"returned {value!r} (expected a number)"
+                self._bump("failures")
+                logger.warning("reward %s: %s; reward 0.0", self.name, value)
+                out.append(0.0)
+            return out
 
     @staticmethod
     def shutdown_pools() -> None:

@@ -10,7 +10,6 @@ Evaluation episodes (`is_evaluation()`) sample with `eval_gconfig` (default: the
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -82,17 +81,24 @@ class RLVRWorkflow(RolloutWorkflow):
         gconfig = (self.eval_gconfig if is_evaluation() else self.gconfig).new(n_samples=n)
         req = ModelRequest(input_ids=input_ids, gconfig=gconfig, tokenizer=self.tokenizer)
         resps = await engine.agenerate_group(req)  # type: ignore[attr-defined]
-        return list(await asyncio.gather(*(self._episode(input_ids, r, data) for r in resps)))
-
-    async def _episode(self, input_ids: list[int], resp: ModelResponse, data: dict[str, Any]) -> EpisodeOutput:
-        if resp.stop_reason in (StopReason.ERROR, StopReason.ABORT):
-            msg = f"engine request {resp.rid} ended with {resp.stop_reason.value}: {resp.error}"
-            return EpisodeOutput(status=EpisodeStatus.ERROR, termination_reason=TerminationReason.ERROR,
-                                 info={"error": {"error_message": msg, "error_type": "EngineError", "traceback": ""}})
-        return EpisodeOutput(samples=[await self._score(input_ids, resp, data)])
+        ok = [r for r in resps if r.stop_reason not in (StopReason.ERROR, StopReason.ABORT)]
+        prompt = self.tokenizer.decode(input_ids, skip_special_tokens=True)
+        completions = [self.tokenizer.decode(r.output_tokens, skip_special_tokens=True) for r in ok]
+        row = reward_data(data)
+        rewards = iter(await self.reward.score_many(  # one reward-pool round trip for the group
+            [((prompt, c, r.input_tokens, r.output_tokens), row) for c, r in zip(completions, ok)]))
+        scored = {id(r): sample_from_response(r, next(rewards), completion=c) for c, r in zip(completions, ok)}
+        return [EpisodeOutput(samples=[scored[id(r)]]) if id(r) in scored else _engine_failure(r) for r in resps]
 
     async def _score(self, input_ids: list[int], resp: ModelResponse, data: dict[str, Any]) -> Sample:
         prompt = self.tokenizer.decode(input_ids, skip_special_tokens=True)
         completion = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
         reward = await self.reward(prompt, completion, resp.input_tokens, resp.output_tokens, **reward_data(data))
         return sample_from_response(resp, reward, completion=completion)
+
+
+def _engine_failure(resp: ModelResponse) -> EpisodeOutput:
+    """The episode of a sample whose engine request failed (error or abort): an ERROR episode."""
+    msg = f"engine request {resp.rid} ended with {resp.stop_reason.value}: {resp.error}"
+    return EpisodeOutput(status=EpisodeStatus.ERROR, termination_reason=TerminationReason.ERROR,
+                         info={"error": {"error_message": msg, "error_type": "EngineError", "traceback": ""}})

@@ -27,3 +27,14 @@ def not_a_number(prompt, completions, prompt_ids, completion_ids, **data):
 
 def worker_pid(prompt, completions, prompt_ids, completion_ids, **data):
     return float(os.getpid())
+
+
+def by_completion(prompt, completions, prompt_ids, completion_ids, **data):
+    """"boom" raises, "text" returns a non-number, "sleep" hangs, anything else scores its length."""
+    if completions == "boom":
+        raise ValueError("boom in reward")
+    if completions == "text":
+        return "yes"
+    if completions == "sleep":
+        time.sleep(30)
+    return float(len(completions)) + data.get("bonus", 0.0)

@@ -91,3 +91,24 @@ def test_argument_validation():
         AsyncRewardWrapper("not a function")
     w = AsyncRewardWrapper(fns.constant, timeout_seconds=3.0, max_workers=1)
     assert w.timeout == 3.0 == w.timeout_seconds
+
+
+@pytest.mark.parametrize("workers", [1, 0])
+async def test_score_many_keeps_each_calls_outcome(workers):
+    w = AsyncRewardWrapper(fns.by_completion, timeout=5, max_workers=workers)
+    calls = [(("p", c, [1], [2]), {"bonus": 0.5}) for c in ("ab", "boom", "text", "abcd")]
+    with collect_reward_stats() as stats:
+        assert await w.score_many(calls) == [2.5, 0.0, 0.0, 4.5]
+    assert (stats.calls, stats.failures, stats.timeouts) == (4, 2, 0)
+    assert await w.score_many([]) == []
+
+
+async def test_score_many_one_pool_round_trip_and_batch_timeout():
+    w = AsyncRewardWrapper(fns.worker_pid, timeout=5, max_workers=2)
+    pids = await w.score_many([(("p", "c", [1], [2]), {}) for _ in range(8)])
+    assert len(set(pids)) == 1  # one task: every call of the batch ran in the same worker
+    slow = AsyncRewardWrapper(fns.by_completion, timeout=0.5, max_workers=1)
+    with collect_reward_stats() as stats:  # budget 2 x 0.5 s; the hung call takes the batch down
+        assert await slow.score_many([(("p", "ok", [], []), {}), (("p", "sleep", [], []), {})]) == [0.0, 0.0]
+    assert (stats.calls, stats.timeouts) == (2, 2)
+    assert await slow.score_many([(("p", "fine", [], []), {})]) == [4.0]  # the pool was replaced and works
