@@ -183,9 +183,8 @@ class EpisodeRunner:
         self.max_concurrency = max_concurrency
         self.episode_timeout_s = episode_timeout_s
         self.metric_prefix = metric_prefix
-        self.seed = (
-            seed  # per-request sampling seeds derived from (seed, weight version, row, episode index); None = off
-        )
+        self.seed = seed  # per-request seeds from (seed, weight version, group slot, episode index); None = off
+        self._slots: dict[tuple[int, bool], int] = {}
         self._sem = asyncio.Semaphore(max_concurrency)
         self._errors_logged = 0
         self._max_logged_errors = max_logged_errors
@@ -213,18 +212,32 @@ class EpisodeRunner:
         """n episodes of one prompt (the GRPO group)."""
         if n < 1:
             raise ValueError(f"run_group: n must be >= 1, got {n}")
+        slot = self._next_slot(evaluation)  # before any await: groups take slots in the order they start
         token = EVALUATION.set(evaluation)
         try:
-            return await self._run_group(data, n, group_id)
+            return await self._run_group(data, n, group_id, slot)
         finally:
             EVALUATION.reset(token)
 
-    async def _run_group(self, data: dict[str, Any], n: int, group_id: str | None) -> GroupResult:
+    def _next_slot(self, evaluation: bool) -> tuple[int, bool, int]:
+        """(weight version, evaluation, k): this is the k-th group started at that version (counted
+        apart for evaluation). Seeds derive from it, so two groups of the same prompt in one step
+        (duplicate rows) sample differently, and a resumed run, which restarts at a version
+        boundary, gets the seeds the uninterrupted run had."""
+        v = int(getattr(self.engine, "version", 0))
+        key = (v, evaluation)
+        k = self._slots.get(key, 0)
+        self._slots = {kk: kv for kk, kv in self._slots.items() if kk[0] >= v - 1}  # older versions are done
+        self._slots[key] = k + 1
+        return v, evaluation, k
+
+    async def _run_group(self, data: dict[str, Any], n: int, group_id: str | None,
+                         slot: tuple[int, bool, int]) -> GroupResult:
         gid = group_id or uuid.uuid4().hex[:16]
         if getattr(self.workflow, "group_native", False):
-            episodes = await self._run(data, gid, 0, n, group_call=True)
+            episodes = await self._run(data, gid, 0, n, group_call=True, slot=slot)
         else:
-            parts = await asyncio.gather(*(self._run(data, gid, i, 1) for i in range(n)))
+            parts = await asyncio.gather(*(self._run(data, gid, i, 1, slot=slot) for i in range(n)))
             episodes = [e for part in parts for e in part]
         for i, e in enumerate(episodes):
             e.index = i
@@ -245,13 +258,14 @@ class EpisodeRunner:
 
     # --- internals -----------------------------------------------------------------------------
     async def _run(
-        self, data: dict[str, Any], gid: str, index: int, n: int, group_call: bool = False
+        self, data: dict[str, Any], gid: str, index: int, n: int, group_call: bool = False,
+        slot: tuple[int, bool, int] = (0, False, 0),
     ) -> list[EpisodeResult]:
         """One workflow call: one episode, or the n episodes of a `group_native` workflow's arun_group."""
         async with self._sem:
             seed = None
             if self.seed is not None:
-                seed = derive_seed(self.seed, getattr(self.engine, "version", 0), data, index)
+                seed = derive_seed(self.seed, *slot, index)
             engine = _RecordingEngine(self.engine, seed)
             t0 = time.monotonic()
             row = copy.deepcopy(data)

@@ -214,15 +214,18 @@ class TwoCalls(RolloutWorkflow):
         )
 
 
-async def _request_seeds(seed, max_concurrency, version=0):
+async def _request_seeds(seed, max_concurrency, version=0, rows=(0, 1, 2), eval_first=False):
     eng = ScriptedEngine(version=version)
     runner = EpisodeRunner(TwoCalls(), eng, max_concurrency=max_concurrency, episode_timeout_s=10, seed=seed)
-    await runner.run_batch([row("ok", i) for i in range(3)], n=2)
+    if eval_first:  # an evaluation at this version before the training rollout takes its own slots
+        await runner.run_batch([row("ok", 9)], n=2, evaluation=True)
+        eng.requests.clear()
+    await runner.run_batch([row("ok", i) for i in rows], n=2)
     # key each request by (prompt, call) so that the completion order does not matter
     return sorted((tuple(r.input_ids[:2]), len(r.input_ids) > 2, r.gconfig.seed) for r in eng.requests)
 
 
-async def test_per_request_seeds_are_a_function_of_the_run_seed_step_row_and_call():
+async def test_per_request_seeds_are_a_function_of_the_run_seed_step_group_and_call():
     a = await _request_seeds(seed=7, max_concurrency=6)
     b = await _request_seeds(seed=7, max_concurrency=1)          # other batching and order: the same seeds
     assert a == b
@@ -233,3 +236,8 @@ async def test_per_request_seeds_are_a_function_of_the_run_seed_step_row_and_cal
     later = [s for *_, s in await _request_seeds(seed=7, max_concurrency=6, version=3)]
     assert not set(later) & set(seeds)                            # the next step re-samples the same rows afresh
     assert {s for *_, s in await _request_seeds(seed=None, max_concurrency=6)} == {None}  # off: the engine's RNG
+    # the same prompt twice in one step (few distinct rows): the two groups sample differently
+    dup = [s for *_, s in await _request_seeds(seed=7, max_concurrency=6, rows=(0, 0, 0))]
+    assert len(set(dup)) == 12
+    # evaluation counts its own groups: a run that evaluated first trains on the same seeds
+    assert await _request_seeds(seed=7, max_concurrency=6, eval_first=True) == a
