@@ -202,45 +202,57 @@ class AsyncRewardWrapper:
         with ACTIVITY.busy("reward"):  # timing/reward (mlrl.metrics.timer)
             return await self._call(*args, **kwargs)
 
-    async def _call(self, *args: Any, **kwargs: Any) -> float:
-        self._bump("calls")
-        call = partial(self.reward_fn, *args, **kwargs)
+    async def _run(self, job: Callable[[], Any], timeout: float) -> tuple[str, Any]:
+        """Run `job` on the executor (the shared process pool, or a thread with max_workers=0):
+        ("ok", value), ("timeout", None), ("broken", None) after the pool broke twice (it is
+        replaced and the job retried once), or ("raised", exception). A timed-out pool is
+        replaced, so the stuck worker does not block later calls."""
         for attempt in range(2):
             pool = None
             try:
                 if self.max_workers == 0:
-                    fut = asyncio.get_running_loop().run_in_executor(None, contextvars.copy_context().run, call)
+                    fut = asyncio.get_running_loop().run_in_executor(None, contextvars.copy_context().run, job)
                 else:
                     pool = POOLS.get(self._key)
-                    fut = asyncio.get_running_loop().run_in_executor(pool, call)
-                value = await asyncio.wait_for(fut, timeout=self.timeout)
+                    fut = asyncio.get_running_loop().run_in_executor(pool, job)
+                return "ok", await asyncio.wait_for(fut, timeout=timeout)
             except (TimeoutError, asyncio.TimeoutError):
-                self._bump("timeouts")
-                logger.warning("reward %s timed out after %.1fs; reward 0.0", self.name, self.timeout)
                 if pool is not None:
                     POOLS.replace(self._key, pool)
-                return 0.0
+                return "timeout", None
             except BrokenProcessPool:
                 if pool is not None:
                     POOLS.replace(self._key, pool)
                 if attempt == 0:
                     continue
-                self._bump("failures")
-                logger.warning("reward %s: process pool broke twice; reward 0.0", self.name)
-                return 0.0
+                return "broken", None
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the user's function raised (re-raised here by the pool)
-                self._bump("failures")
-                logger.warning("reward %s raised %s: %s; reward 0.0", self.name, type(e).__name__, e)
-                return 0.0
-            try:
-                return float(value)
-            except (TypeError, ValueError):
-                self._bump("failures")
-                logger.warning("reward %s returned %r (expected a number); reward 0.0", self.name, value)
-                return 0.0
-        return 0.0  # unreachable
+                return "raised", e
+        return "broken", None  # unreachable
+
+    async def _call(self, *args: Any, **kwargs: Any) -> float:
+        self._bump("calls")
+        status, value = await self._run(partial(self.reward_fn, *args, **kwargs), self.timeout)
+        if status == "timeout":
+            self._bump("timeouts")
+            logger.warning("reward %s timed out after %.1fs; reward 0.0", self.name, self.timeout)
+            return 0.0
+        if status == "broken":
+            self._bump("failures")
+            logger.warning("reward %s: process pool broke twice; reward 0.0", self.name)
+            return 0.0
+        if status == "raised":
+            self._bump("failures")
+            logger.warning("reward %s raised %s: %s; reward 0.0", self.name, type(value).__name__, value)
+            return 0.0
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            self._bump("failures")
+            logger.warning("reward %s returned %r (expected a number); reward 0.0", self.name, value)
+            return 0.0
 
     async def score_many(self, calls: Sequence[tuple[tuple[Any, ...], dict[str, Any]]]) -> list[float]:
         """Score several completions, `calls` = [(args, kwargs), ...], in ONE executor task: one
@@ -256,36 +268,15 @@ class AsyncRewardWrapper:
                 self._bump("calls")
             job = partial(_score_all, self.reward_fn, [(tuple(a), dict(k)) for a, k in calls])
             budget = self.timeout * len(calls)
-            outcomes = None
-            for attempt in range(2):
-                pool = None
-                try:
-                    if self.max_workers == 0:
-                        fut = asyncio.get_running_loop().run_in_executor(None, contextvars.copy_context().run, job)
-                    else:
-                        pool = POOLS.get(self._key)
-                        fut = asyncio.get_running_loop().run_in_executor(pool, job)
-                    outcomes = await asyncio.wait_for(fut, timeout=budget)
-                    break
-                except (TimeoutError, asyncio.TimeoutError):
-                    for _ in calls:
-                        self._bump("timeouts")
-                    logger.warning("reward %s: %d calls timed out after %.1fs; reward 0.0", self.name, len(calls),
-                                   budget)
-                    if pool is not None:
-                        POOLS.replace(self._key, pool)
-                    return [0.0] * len(calls)
-                except BrokenProcessPool:
-                    if pool is not None:
-                        POOLS.replace(self._key, pool)
-                    if attempt == 0:
-                        continue
-                    for _ in calls:
-                        self._bump("failures")
-                    logger.warning("reward %s: process pool broke twice; reward 0.0", self.name)
-                    return [0.0] * len(calls)
+            status, outcomes = await self._run(job, budget)
+            if status != "ok":
+                for _ in calls:
+                    self._bump("timeouts" if status == "timeout" else "failures")
+                logger.warning("reward %s: %d calls %s; reward 0.0", self.name, len(calls),
+                               f"timed out after {budget:.1f}s" if status == "timeout" else f"failed ({status})")
+                return [0.0] * len(calls)
             out = []
-            for ok, value in outcomes or []:
+            for ok, value in outcomes:
                 if ok:
                     try:
                         out.append(float(value))

@@ -268,11 +268,9 @@ class EnginePool:
                 return _failed(resp, str(err), t0)
             except EngineUnavailableError as err:
                 failovers += 1
-                self.stats["failovers"] += 1
-                log.warning("request %s: %s; re-issuing elsewhere (%d)", req.rid, err, failovers)
-                await self._check_engine(e)
-                if failovers > _MAX_FAILOVERS:
-                    return _failed(resp, f"request {req.rid} failed on {failovers} engines, last error: {err}", t0)
+                gave_up = await self._failover(req, e, err, failovers)
+                if gave_up:
+                    return _failed(resp, gave_up, t0)
                 continue
             finally:
                 e.running.pop(attempt_id, None)
@@ -337,12 +335,9 @@ class EnginePool:
                 return [_failed(r, str(err), t0) for r in resps]
             except EngineUnavailableError as err:
                 failovers += 1
-                self.stats["failovers"] += 1
-                log.warning("request %s: %s; re-issuing elsewhere (%d)", req.rid, err, failovers)
-                await self._check_engine(e)
-                if failovers > _MAX_FAILOVERS:
-                    return [_failed(r, f"request {req.rid} failed on {failovers} engines, last error: {err}", t0)
-                            for r in resps]
+                gave_up = await self._failover(req, e, err, failovers)
+                if gave_up:
+                    return [_failed(r, gave_up, t0) for r in resps]
                 continue
             finally:
                 e.running.pop(attempt_id, None)
@@ -435,6 +430,18 @@ class EnginePool:
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ failures
+
+    async def _failover(self, req: ModelRequest, e: EngineHandle, err: EngineUnavailableError,
+                        failovers: int) -> str | None:
+        """After `e` failed `req` (its `failovers`-th failure): check the engine (restart it if it is
+        gone); the error that ends the request when it has failed on too many engines, else None
+        (re-issue it elsewhere)."""
+        self.stats["failovers"] += 1
+        log.warning("request %s: %s; re-issuing elsewhere (%d)", req.rid, err, failovers)
+        await self._check_engine(e)
+        if failovers > _MAX_FAILOVERS:
+            return f"request {req.rid} failed on {failovers} engines, last error: {err}"
+        return None
 
     async def _check_engine(self, e: EngineHandle) -> None:
         """After a transport error: if the engine is really gone, take it out and restart it in the background."""
