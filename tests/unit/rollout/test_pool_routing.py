@@ -51,6 +51,18 @@ async def _stats(engine) -> dict:
         return (await c.get(f"{engine.server.url}/stats")).json()
 
 
+async def _wait_generating(pool, running: int, timeout_s: float = 30.0) -> None:
+    """Until `running` requests run at once on the engines (the fake's peak count), then a few
+    token delays more: every request has produced some tokens, none has finished. A fixed sleep
+    raced with connection set-up on a loaded machine."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while sum([(await _stats(e))["peak"] for e in pool.engines]) < running:
+        assert loop.time() < deadline, f"fewer than {running} requests reached the engines in {timeout_s} s"
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.1)
+
+
 def _req(prompt, n, **kw) -> ModelRequest:
     return ModelRequest(input_ids=list(prompt), gconfig=GenerationHyperparameters(max_new_tokens=n), **kw)
 
@@ -129,7 +141,7 @@ async def test_pause_abort_interrupts_and_resumes_with_versions(make_pool):
     pool = await make_pool(cap=8, delay_s=0.02, interrupt=True)
     reqs = [_req([1, i], 30) for i in range(8)]
     tasks = [asyncio.create_task(pool.agenerate(r)) for r in reqs]
-    await asyncio.sleep(0.2)
+    await _wait_generating(pool, len(reqs))
     await pool.pause()  # interrupt_on_update=True -> abort
     assert all(e.in_flight == 0 for e in pool.engines)
     assert not any(t.done() for t in tasks)  # interrupted requests wait for the resume
@@ -157,7 +169,7 @@ async def test_a_group_is_one_engine_request_and_interrupted_samples_continue_al
     pool = await make_pool(num_engines=1, cap=8, delay_s=0.02, interrupt=True)
     req = _group([1, 4], 30, samples=4)
     task = asyncio.create_task(pool.agenerate_group(req))
-    await asyncio.sleep(0.2)
+    await _wait_generating(pool, 1)
     assert (await _stats(pool.engines[0]))["peak"] == 1            # one request carries the 4 samples
     await pool.pause()                                              # interrupt: every sample is partial
     await pool.engines[0].client.set_weight_version(1)
