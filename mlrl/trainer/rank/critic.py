@@ -51,7 +51,6 @@ from mlrl.experience.batch import MicroBatch
 from mlrl.trainer.rank.inputs import ModelInputs
 from mlrl.trainer.rank.model import build_model_chunks, params_dtype
 from mlrl.trainer.rank.policy import MegatronPolicy
-from mlrl.trainer.rank.weights import LocalParams
 
 __all__ = ["MegatronCritic", "ValueHead"]
 
@@ -85,6 +84,7 @@ class ValueHead(torch.nn.Linear):
 class MegatronCritic(MegatronPolicy):
     role = "critic"
     TOKEN_VALUES = 1  # per-token outputs of `_token_values`: (value,)
+    LM_HEAD = False   # the value head is neither loaded from nor exported to the HF checkpoint
 
     def __init__(self, model_cfg: ModelConfig, critic_cfg: CriticConfig, parallel: ParallelConfig,
                  trainer_cfg: TrainerConfig, layout: Layout, *, hf_dir: Path | str):
@@ -102,17 +102,6 @@ class MegatronCritic(MegatronPolicy):
                 chunk.output_layer = ValueHead(self.arch.hidden_size, sequence_parallel=self.config.sequence_parallel,
                                                dtype=params_dtype(self.model_cfg), device=self.device)
         return chunks
-
-    def _local_params(self, chunks: list[torch.nn.Module]) -> LocalParams:
-        return LocalParams(
-            chunks,
-            self.spec,
-            self.arch,
-            self.ranks,
-            vpp=self.config.virtual_pipeline_model_parallel_size,
-            pp_split=self.parallel.pp_layer_split,
-            lm_head=False,
-        )
 
     def _optimizer_hparams(self) -> dict[str, Any]:
         c = self.critic_cfg

@@ -62,6 +62,7 @@ __all__ = ["MegatronPolicy", "init_parallel", "LossFn"]
 class MegatronPolicy:
     role = "policy"  # written into checkpoints: a policy checkpoint never loads into a critic, nor the reverse
     TOKEN_VALUES = 2  # per-token outputs of `_token_values`: (logprob, entropy)
+    LM_HEAD = True  # the output layer is the HF lm_head (loaded / exported); the critic's value head is not
 
     def __init__(self, model_cfg: ModelConfig, parallel: ParallelConfig, trainer_cfg: TrainerConfig, layout: Layout, *,
                  hf_dir: Path | str, trainable: bool = True):
@@ -115,15 +116,11 @@ class MegatronPolicy:
         return build_model_chunks(self.spec, self.arch, self.config, self.layout)
 
     def _local_params(self, chunks: list[torch.nn.Module]) -> LocalParams:
-        """The parameters that load from / export to the HF checkpoint (hook: the critic's value head is not one)."""
-        return LocalParams(
-            chunks,
-            self.spec,
-            self.arch,
-            self.ranks,
-            vpp=self.config.virtual_pipeline_model_parallel_size,
-            pp_split=self.parallel.pp_layer_split,
-        )
+        """The parameters that load from / export to the HF checkpoint (without the output layer
+        when it is not the HF lm_head: `LM_HEAD`)."""
+        return LocalParams(chunks, self.spec, self.arch, self.ranks,
+                           vpp=self.config.virtual_pipeline_model_parallel_size,
+                           pp_split=self.parallel.pp_layer_split, lm_head=self.LM_HEAD)
 
     def _optimizer_hparams(self) -> dict[str, Any]:
         """Learning-rate schedule and regularisation of this model's optimizer (hook: the critic has its own)."""

@@ -75,8 +75,8 @@ class RLVRWorkflow(RolloutWorkflow):
 
     async def arun_group(self, engine: InferenceEngine, data: dict[str, Any], n: int) -> list[EpisodeOutput]:
         """The n episodes of one prompt: one request for n samples (`agenerate_group`, which the
-        runner's engine always offers), each sample scored alone. An engine failure fails its
-        episode only."""
+        runner's engine always offers) and one reward-pool task for their scores. An engine failure
+        fails its episode only."""
         input_ids = self.prompt_ids(data)
         gconfig = (self.eval_gconfig if is_evaluation() else self.gconfig).new(n_samples=n)
         req = ModelRequest(input_ids=input_ids, gconfig=gconfig, tokenizer=self.tokenizer)
