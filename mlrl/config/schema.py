@@ -18,6 +18,40 @@ PRECISION: dict[str, Precision] = {"float32": "fp32", "bfloat16": "bf16", "float
 the name checkpoints record under optimizer.precision and the dry-run planner prints)."""
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The linear layers LoRA can adapt, in peft's vocabulary (`all-linear` = all of them)."""
+
+
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters on the policy's linear layers (peft's LoRA: W x + (alpha / rank) B A x with
+    A [rank, in], B [out, rank], B = 0 at the start). The base weights are frozen: only A and B are
+    trained, checkpointed and (weight_sync.lora_mode=adapter) synced."""
+
+    rank: int = 16
+    """LoRA rank r (> 0)."""
+    alpha: float = 32.0
+    """LoRA alpha (> 0); the update is scaled by alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input while training, in [0, 1) (0 = off)."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Adapted layers, peft names: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, or
+    `all-linear` (every one of them)."""
+    init: Literal["kaiming", "gaussian"] = "kaiming"
+    """Initialisation of A (B starts at zero): peft's default kaiming-uniform, or gaussian with std
+    1 / rank (peft's init_lora_weights="gaussian")."""
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """The adapted layers with `all-linear` expanded, in LORA_TARGETS order."""
+        wanted = set(self.target_modules)
+        return LORA_TARGETS if "all-linear" in wanted else tuple(t for t in LORA_TARGETS if t in wanted)
+
+
 @dataclass
 class ModelConfig:
     hf_dir: str = "builtin:tiny-llama"
@@ -30,6 +64,8 @@ class ModelConfig:
     arch: Optional[str] = None
     """Name of a known HF config (e.g. `Qwen/Qwen3-8B`, see mlrl.modelzoo) that --dry-run uses
     when hf_dir is not on this machine (None = read hf_dir/config.json)."""
+    lora: Optional[LoRAConfig] = None
+    """LoRA fine-tuning of the policy (None = off: full fine-tuning). `model.lora.rank=16` turns it on."""
 
     @property
     def precision(self) -> Precision:
@@ -175,6 +211,11 @@ class WeightSyncConfig:
     """Max |trainer - engine| logprob on the canary prompt after a sync (<= 0 = off)."""
     disk_dir: Optional[str] = None
     """Folder for the disk transport (None = <run dir>/weight_sync)."""
+    lora_mode: Literal["merged", "adapter"] = "merged"
+    """With model.lora: `merged` pushes the base weights with the adapters merged in (a copy; the
+    trainer's base stays frozen) through the transport, for any engine; `adapter` pushes only the
+    adapter (a PEFT folder under disk_dir) and the engines serve it through vLLM's LoRA support
+    (started with --enable-lora; requests name the newest adapter version)."""
 
 
 @dataclass

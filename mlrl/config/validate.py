@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlrl.config.loader import ConfigError
-from mlrl.config.schema import Config, OptimizerConfig
+from mlrl.config.schema import LORA_TARGETS, Config, OptimizerConfig
 from mlrl.modelzoo import ModelSpecError, hf_config_dict
 
 
@@ -149,6 +149,40 @@ def _check_critic(cfg: Config) -> None:
         )
     if c.grad_clip < 0 or c.weight_decay < 0 or c.value_clip < 0:
         raise ConfigError("critic.grad_clip / weight_decay / value_clip: expected >= 0 (0 = off)")
+
+
+def _check_lora(cfg: Config, hf: dict[str, Any] | None = None) -> None:
+    """model.lora ranges and the combinations it does not support; hf (the model's config.json)
+    for the model-dependent rules."""
+    lora, ws = cfg.model.lora, cfg.weight_sync
+    if lora is None:
+        if ws.lora_mode != "merged":
+            raise ConfigError(f"weight_sync.lora_mode={ws.lora_mode!r} needs model.lora (LoRA is off); "
+                              "remove it or set e.g. model.lora.rank=16")
+        return
+    if lora.rank <= 0:
+        raise ConfigError(f"model.lora.rank: got {lora.rank}, expected > 0")
+    if not lora.alpha > 0:
+        raise ConfigError(f"model.lora.alpha: got {lora.alpha}, expected > 0")
+    if not 0 <= lora.dropout < 1:
+        raise ConfigError(f"model.lora.dropout: got {lora.dropout}, expected in [0, 1)")
+    valid = (*LORA_TARGETS, "all-linear")
+    unknown = [t for t in lora.target_modules if t not in valid]
+    if unknown or not lora.target_modules:
+        what = f"unknown target module {unknown[0]!r}" if unknown else "an empty list"
+        raise ConfigError(f"model.lora.target_modules: {what}; valid names: {', '.join(valid)}")
+    if ws.lora_mode == "adapter" and ws.transport != "disk":
+        raise ConfigError(f"weight_sync.lora_mode=adapter hands the engines a PEFT adapter folder under "
+                          f"weight_sync.disk_dir: set weight_sync.transport=disk (got {ws.transport!r})")
+    if cfg.cluster.gpus_per_node > 0:
+        raise ConfigError("model.lora is not supported on GPU runs yet: the adapters wrap Megatron's local-spec "
+                          "linear layers, and the GPU path uses Transformer Engine's fused layernorm-linear layers "
+                          "(cluster.gpus_per_node > 0); run LoRA on CPU or turn model.lora off")
+    if hf is not None and (hf.get("num_experts") or hf.get("num_local_experts")):
+        mlp = [t for t in lora.targets if t in ("gate_proj", "up_proj", "down_proj")]
+        if mlp:
+            raise ConfigError(f"model.lora.target_modules: {', '.join(mlp)} on a MoE model (experts) is not "
+                              "supported yet; adapt the attention only (q_proj, k_proj, v_proj, o_proj)")
 
 
 def _check_mode(cfg: Config) -> None:
@@ -305,6 +339,7 @@ def validate(cfg: Config, *, has_cuda: bool | None = None, dry_run: bool = False
         has_cuda = dry_run or _cuda_available()  # a dry run never needs the local GPU (and skips importing torch)
     _check_ranges(cfg)
     _check_critic(cfg)
+    _check_lora(cfg)
     _check_mode(cfg)
     _check_devices(cfg, has_cuda=has_cuda or dry_run)
     layout = resolve_layout(cfg)
@@ -313,6 +348,7 @@ def validate(cfg: Config, *, has_cuda: bool | None = None, dry_run: bool = False
     except ModelSpecError as e:
         raise ConfigError(str(e)) from None
     _check_model(cfg, hf, layout)
+    _check_lora(cfg, hf)
     if cfg.uses_critic and cfg.critic.hf_dir:
         try:
             chf = hf_config_dict(cfg.critic.hf_dir, None)

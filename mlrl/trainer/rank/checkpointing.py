@@ -148,6 +148,13 @@ def check_loadable(policy, meta: dict[str, Any], *, load_optimizer: bool) -> Non
         raise CheckpointError(f"checkpoint holds a {saved_role} (its output layer: "
                               f"{'the LM head' if saved_role == 'policy' else 'a value head'}), the model being loaded "
                               f"is a {_role(policy)}: load a {_role(policy)} checkpoint into it")
+    saved_lora, lora = meta.get("lora"), _lora_meta(policy)
+    if saved_lora != lora:
+        def shown(m):
+            return "no LoRA (full weights)" if m is None else \
+                f"LoRA rank {m['rank']} alpha {m['alpha']} on {', '.join(m['targets'])}"
+        raise CheckpointError(f"checkpoint holds {shown(saved_lora)}, this run has {shown(lora)} (model.lora): "
+                              "resume with the same model.lora settings")
     diff = _arch_differences(meta["hf_config"], policy)
     if diff:
         raise CheckpointError(
@@ -214,10 +221,30 @@ def _unwrapped(policy) -> list[torch.nn.Module]:
 
 
 def _model_state(policy, sharding: dict[str, Any]) -> dict[str, Any]:
+    """Megatron's sharded state dict of every chunk; with LoRA only the adapters (the frozen base
+    is the model.hf_dir it was built from, and the checkpoint records that)."""
     chunks = _unwrapped(policy)
-    if len(chunks) == 1:
-        return {"model": chunks[0].sharded_state_dict(metadata=dict(sharding))}
-    return {f"model{i}": m.sharded_state_dict(metadata=dict(sharding)) for i, m in enumerate(chunks)}
+    keys = _model_keys(policy)
+    out = {k: m.sharded_state_dict(metadata=dict(sharding)) for k, m in zip(keys, chunks)}
+    if _lora(policy) is not None:
+        out = {k: {n: t for n, t in sd.items() if _is_adapter(n)} for k, sd in out.items()}
+    return out
+
+
+def _lora(policy):
+    return getattr(policy, "lora", None)
+
+
+def _is_adapter(name: str) -> bool:
+    from mlrl.trainer.rank.lora import PREFIX
+
+    return f".{PREFIX}" in name
+
+
+def _lora_meta(policy) -> Optional[dict[str, Any]]:
+    lora = _lora(policy)
+    return None if lora is None else {"rank": lora.cfg.rank, "alpha": lora.cfg.alpha,
+                                      "targets": list(lora.cfg.targets)}
 
 
 def _inner_optimizers(optimizer) -> list:
@@ -352,7 +379,7 @@ def save_checkpoint(policy, path: str | Path, *, async_save: bool = False,
     meta = {
         "format": FORMAT, "backend": "torch_dist", "megatron_core": _megatron_version(), "role": _role(policy),
         "model_type": policy.arch.model_type, "arch": asdict(policy.arch), "hf_config": policy.hf_config,
-        "layout": _layout(policy),
+        "layout": _layout(policy), "lora": _lora_meta(policy),
         "contents": {"model": True, "optimizer": with_optimizer, "scheduler": trainable, "rng": trainable},
         "optimizer": {**_optimizer_kind(policy), "sharding": sharding, "steps": int(policy.optimizer_steps),
                       "parts": len(_inner_optimizers(policy.optimizer)) if trainable else 0},
@@ -453,7 +480,13 @@ def load_checkpoint(policy, path: str | Path, *, load_optimizer: Optional[bool] 
             sd["scheduler"] = policy.scheduler.state_dict()
         state = dist_checkpointing.load(sd, str(path))
         for key, chunk in zip(_model_keys(policy), _unwrapped(policy)):
-            chunk.load_state_dict(state[key], strict=True)
+            if _lora(policy) is None:
+                chunk.load_state_dict(state[key], strict=True)
+                continue
+            missing, unexpected = chunk.load_state_dict(state[key], strict=False)  # the adapters only
+            bad = [n for n in missing if _is_adapter(n)] + list(unexpected)
+            if bad:
+                raise CheckpointError(f"checkpoint {path}: adapter tensors missing or unexpected: {bad[:3]}")
         steps = int(meta["optimizer"]["steps"])
         overrides: dict[str, Any] = {}
         if with_optimizer:

@@ -85,6 +85,7 @@ class MegatronCritic(MegatronPolicy):
     role = "critic"
     TOKEN_VALUES = 1  # per-token outputs of `_token_values`: (value,)
     LM_HEAD = False   # the value head is neither loaded from nor exported to the HF checkpoint
+    LORA = False      # model.lora adapts the policy only: the critic trains all its weights
 
     def __init__(self, model_cfg: ModelConfig, critic_cfg: CriticConfig, parallel: ParallelConfig,
                  trainer_cfg: TrainerConfig, layout: Layout, *, hf_dir: Path | str):

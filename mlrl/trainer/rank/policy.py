@@ -63,6 +63,7 @@ class MegatronPolicy:
     role = "policy"  # written into checkpoints: a policy checkpoint never loads into a critic, nor the reverse
     TOKEN_VALUES = 2  # per-token outputs of `_token_values`: (logprob, entropy)
     LM_HEAD = True  # the output layer is the HF lm_head (loaded / exported); the critic's value head is not
+    LORA = True  # model.lora adapts this model (the critic trains its full weights)
 
     def __init__(self, model_cfg: ModelConfig, parallel: ParallelConfig, trainer_cfg: TrainerConfig, layout: Layout, *,
                  hf_dir: Path | str, trainable: bool = True):
@@ -99,6 +100,12 @@ class MegatronPolicy:
         chunks = self._build_chunks()
         self.params = self._local_params(chunks)
         self.params.load_hf(ckpt)
+        self.lora = None
+        if self.LORA and model_cfg.lora is not None and trainable:
+            from mlrl.trainer.rank.lora import LoRA
+
+            self.lora = LoRA.attach(chunks, model_cfg.lora, config=self.config, tp_rank=self.ranks.tp,
+                                    tp_size=self.ranks.tp_size, seed=trainer_cfg.seed)
         self.optimizer = self.scheduler = None
         if trainable:
             self.model = self._wrap_ddp(chunks)
@@ -407,8 +414,38 @@ class MegatronPolicy:
         layers with all experts). Tensors may alias parameters until the next optimizer step.
         `grads=True` yields the accumulated gradients instead (Megatron's main_grad; complete
         after a `train_step(step=False)` without the distributed optimizer, which leaves each
-        DP rank only its own reduced shard)."""
-        yield from bucketize(self.params.iter_hf(grads=grads), bucket_bytes)
+        DP rank only its own reduced shard).
+        With LoRA the adapted weights are W + (alpha / r) B A, computed into new tensors (the
+        frozen base is untouched): the merged model, e.g. for a weight sync into plain engines."""
+        if self.lora is None:
+            yield from bucketize(self.params.iter_hf(grads=grads), bucket_bytes)
+            return
+        if grads:
+            raise ValueError("iter_hf_buckets(grads=True) with LoRA: the base has no gradients "
+                             "(iter_adapters(grads=True) gives the adapters')")
+        full = {spec.base_hf_name(): (a, b) for spec, a, b in self.lora.full_adapters(self.ranks)}
+        yield from bucketize(self.lora.merge_into(self.params.iter_hf(), full), bucket_bytes)
+
+    def iter_adapters(self, *, grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """Collective: the LoRA adapters of this rank's stage as peft-named full tensors
+        (`base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight`), on the stage sender."""
+        if self.lora is None:
+            raise ValueError("iter_adapters: this policy has no LoRA adapters (model.lora is off)")
+        for spec, a, b in self.lora.full_adapters(self.ranks, grads=grads):
+            yield spec.hf_name("A"), a
+            yield spec.hf_name("B"), b
+
+    def gather_adapters(self) -> dict[str, torch.Tensor] | None:
+        """Collective: every stage's adapters (`iter_adapters`) on global rank 0, None elsewhere.
+        Small (r * (in + out) per adapted layer), so the stage senders pickle theirs to rank 0."""
+        local = {n: t.detach().cpu().clone() for n, t in self.iter_adapters()}
+        if self.ranks.world == 1:
+            return local
+        parts: list[Any] = [None] * self.ranks.world if self.ranks.rank == 0 else None
+        dist.gather_object(local, parts, dst=0)
+        if self.ranks.rank != 0:
+            return None
+        return {n: t for part in parts for n, t in part.items()}
 
     def rank_info(self) -> dict[str, Any]:
         info = self.ranks.as_dict()

@@ -38,7 +38,7 @@ class TrainerService:
         hf_dir = resolve_model_dir(cfg.model.hf_dir)
         self.policy = MegatronPolicy(cfg.model, cfg.parallel, cfg.trainer, self.layout, hf_dir=hf_dir, trainable=True)
         self.ref = None
-        if cfg.algorithm.kl_coef > 0:
+        if cfg.algorithm.kl_coef > 0 and self.policy.lora is None:  # LoRA: the reference is the base, adapters off
             self.ref = MegatronPolicy(cfg.model, cfg.parallel, cfg.trainer, self.layout, hf_dir=hf_dir, trainable=False)
         self.loss_fn = make_loss_fn(cfg.algorithm)
         self.critic = None
@@ -56,6 +56,9 @@ class TrainerService:
         return self.policy.rank_info()
 
     def compute_logprobs(self, micro_batches, temperature: float, reference: bool = False):
+        if reference and self.policy.lora is not None:
+            with self.policy.lora.disabled():
+                return self.policy.compute_logprobs(micro_batches, temperature)
         model = self.ref if reference else self.policy
         return model.compute_logprobs(micro_batches, temperature)
 
