@@ -33,9 +33,10 @@ SGD_LR = 0.2
 
 class LoRAPhase(Phase):
     def lora_policy(self, *, optimizer: str = "adam", lr: float = ADAM_LR, trainable: bool = True, **lora):
+        from trainer_worker import build_cfg
+
         from mlrl.config.schema import LoRAConfig
         from mlrl.trainer.rank.policy import MegatronPolicy
-        from trainer_worker import build_cfg
 
         cfg, layout = build_cfg(self.args, optimizer=optimizer, lr=lr, total_steps=10, grad_clip=0.0,
                                 use_distributed_optimizer=optimizer == "adam",
