@@ -136,8 +136,10 @@ async def _run(cfg: Config, layout: Layout) -> int:
         else local_placement(cfg, layout)
     pool = group = policy = weight_sync = runner = logger = None
     try:
+        adapters = cfg.model.lora is not None and cfg.weight_sync.lora_mode == "adapter"
         pool = EnginePool(cfg.rollout, hf_dir, dtype=cfg.model.dtype, run_dir=run_dir,
-                          cuda_devices=placement.engine_devices, server_factory=placement.engine_server)
+                          cuda_devices=placement.engine_devices, server_factory=placement.engine_server,
+                          lora_rank=cfg.model.lora.rank if adapters else None)
         pool_started = asyncio.create_task(pool.start())
         try:
             group = await asyncio.to_thread(
@@ -161,7 +163,7 @@ async def _run(cfg: Config, layout: Layout) -> int:
             log.info("resumed from %s (step %d, weight version %d)", resume, state["step"], version)
         weight_sync = make_weight_sync(cfg.weight_sync, pool, MegatronWeightSource(policy), model_dir=hf_dir,
                                        engine_tp=cfg.rollout.engine_tp, host=placement.host or cfg.rollout.host,
-                                       run_dir=run_dir, backend=placement.sync_backend)
+                                       run_dir=run_dir, backend=placement.sync_backend, lora=cfg.model.lora)
         pool.refresher = weight_sync.refresh  # an engine restarted after a crash is re-synced before it serves
         # 3. verify the trainer -> engine path before the first step (and load resumed weights)
         await weight_sync.sync(version)

@@ -2,6 +2,8 @@
 
     python tools/convert_checkpoint.py hf-to-mcore --hf DIR --out DIR [--tp N --pp N --ep N] [--verify]
     python tools/convert_checkpoint.py mcore-to-hf --ckpt DIR --out DIR [--tp N --pp N --ep N] [--verify]
+    python tools/convert_checkpoint.py mcore-to-hf --ckpt LORA_DIR --out ADAPTER_DIR [--base HF_DIR]
+        [--merged-out DIR] [--tp N --pp N --ep N] [--verify]
 
 hf-to-mcore writes a weights-only Megatron checkpoint (torch_dist, the format of a training
 checkpoint's model_optim/ folder; training runs themselves start from the HF folder);
@@ -9,13 +11,20 @@ mcore-to-hf takes such a folder, a run's `step_N/` checkpoint or a run's checkpo
 latest complete checkpoint) and writes safetensors shards + config.json +
 generation_config.json + tokenizer files.
 
+A LoRA checkpoint (model.lora) holds only the adapters; its frozen base is the HF folder the
+checkpoint records (base_hf_dir), or --base. mcore-to-hf then writes a PEFT adapter folder
+(adapter_config.json + adapter_model.safetensors, for peft.PeftModel.from_pretrained(base, DIR)
+or vLLM --enable-lora) at --out, and with --merged-out also the merged model (W + alpha/r B A)
+as a full HF folder.
+
 Everything that can be checked without loading weights is checked first, in this process: the
 folder exists and is complete, config.json names a supported architecture, the safetensors
 headers match it, the layout divides the model, the output is free. Then the conversion runs
 on tp*pp*dp ranks (dp as expert parallelism needs): in this process for one rank, otherwise
 under torchrun launched here (gloo on CPU, NCCL on GPU). Already inside torchrun (WORLD_SIZE
 set, e.g. a multi-node job), it runs as that job's rank. `--verify` compares the logits of the
-sharded Megatron model with transformers on the HF side of the conversion.
+sharded Megatron model with transformers on the HF side of the conversion (LoRA: peft's adapter
+on the base, and transformers on the merged folder).
 """
 
 from __future__ import annotations
@@ -85,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--dtype", choices=["auto", *_dtypes(), "keep"], default="auto",
                    help="dtype of the written tensors (auto = config.json's dtype, keep = the checkpoint's)")
     m.add_argument("--max-shard-size", default="2GB", help="largest safetensors file (e.g. 5GB, 500MB)")
+    m.add_argument("--base", help="LoRA checkpoint: the HF folder (or builtin:<name>) of the frozen base "
+                                  "(default: the one the checkpoint records)")
+    m.add_argument("--merged-out", help="LoRA checkpoint: also write the merged model (W + alpha/r B A) as an HF "
+                                        "folder here (--out receives the PEFT adapter)")
     for p in (h, m):
         p.add_argument("--out", required=True, help="output folder (must be empty or absent, unless --force)")
         p.add_argument(
@@ -124,6 +137,55 @@ def resolve_ckpt(path: str) -> Path:
     raise ConversionError(f"--ckpt {p}: not an mlrl checkpoint (no {META_FILE}, no model_optim/, no complete step_N/)")
 
 
+def resolve_hf_dir(text: str, flag: str) -> Path:
+    """A Hugging Face model folder given as a path or builtin:<name>, with its config.json."""
+    from mlrl.modelzoo import BUILTIN_PREFIX, resolve_model_dir
+
+    if not text.startswith(BUILTIN_PREFIX) and not Path(text).exists():
+        raise ConversionError(f"{flag} {text}: does not exist")
+    if not text.startswith(BUILTIN_PREFIX) and not (Path(text) / "config.json").is_file():
+        raise ConversionError(f"{flag} {text}: no config.json (expected a Hugging Face model folder)")
+    try:
+        hf = Path(resolve_model_dir(text))
+    except Exception as e:  # noqa: BLE001 - a bad builtin name or folder
+        raise ConversionError(f"{flag} {text}: {e}") from None
+    if not (hf / "config.json").is_file():
+        raise ConversionError(f"{flag} {hf}: no config.json (expected a Hugging Face model folder)")
+    return hf
+
+
+def lora_base(meta: dict, ckpt: Path, base: Optional[str]) -> Path:
+    """The HF folder of a LoRA checkpoint's frozen base (--base, else the recorded base_hf_dir),
+    checked to hold weights of the checkpoint's architecture."""
+    from dataclasses import asdict
+
+    from mlrl.bridge import BridgeError, HFCheckpoint, spec_for
+    from mlrl.trainer.rank.checkpointing import lora_meta_base
+
+    recorded = lora_meta_base(meta)
+    if base is None:
+        if not recorded:
+            raise ConversionError(f"--ckpt {ckpt}: a LoRA checkpoint that records no base model (base_hf_dir): pass "
+                                  "--base HF_DIR, the model it was trained on")
+        if not Path(recorded).exists():
+            raise ConversionError(f"--ckpt {ckpt}: the LoRA checkpoint's base model {recorded} (base_hf_dir) does not "
+                                  "exist here: pass --base HF_DIR (or builtin:<name>), the model it was trained on")
+    flag = "--base" if base is not None else f"--ckpt {ckpt}: base_hf_dir"
+    hf = resolve_hf_dir(base if base is not None else recorded, flag)
+    try:
+        spec, arch = spec_for(json.loads((hf / "config.json").read_text()))
+        _, saved = spec_for(meta["hf_config"])
+        HFCheckpoint(hf).check(spec, arch)
+    except BridgeError as e:
+        raise ConversionError(f"{flag} {hf}: {e}") from None
+    a, b = asdict(saved), asdict(arch)
+    diff = [f"{k}: checkpoint {a[k]!r}, base {b.get(k)!r}" for k in a if a[k] != b.get(k)]
+    if diff:
+        raise ConversionError(f"{flag} {hf}: not the architecture the LoRA checkpoint was trained on "
+                              f"({'; '.join(diff)})")
+    return hf
+
+
 def check_layout(hf_config: dict, tp: int, pp: int, ep: int, what: str) -> None:
     from mlrl.bridge import BridgeError, spec_for
     from mlrl.bridge import check_layout as bridge_check
@@ -149,18 +211,7 @@ def prepare(args) -> dict[str, Any]:
         if args.precision is not None:
             raise ConversionError("--precision was removed: use --dtype float32|bfloat16|float16 (fp32|bf16|fp16), "
                                   "named as model.dtype")
-        from mlrl.modelzoo import BUILTIN_PREFIX, resolve_model_dir
-
-        if not args.hf.startswith(BUILTIN_PREFIX) and not Path(args.hf).exists():
-            raise ConversionError(f"--hf {args.hf}: does not exist")
-        if not args.hf.startswith(BUILTIN_PREFIX) and not (Path(args.hf) / "config.json").is_file():
-            raise ConversionError(f"--hf {args.hf}: no config.json (expected a Hugging Face model folder)")
-        try:
-            hf = Path(resolve_model_dir(args.hf))
-        except Exception as e:  # noqa: BLE001 - a bad builtin name or folder
-            raise ConversionError(f"--hf {args.hf}: {e}") from None
-        if not (hf / "config.json").is_file():
-            raise ConversionError(f"--hf {hf}: no config.json (expected a Hugging Face model folder)")
+        hf = resolve_hf_dir(args.hf, "--hf")
         hf_config = json.loads((hf / "config.json").read_text())
         try:
             spec, arch = spec_for(hf_config)
@@ -188,10 +239,22 @@ def prepare(args) -> dict[str, Any]:
         saved = meta["layout"]
         tp, pp, ep = args.tp or saved["tp"], args.pp or saved["pp"], args.ep or saved["ep"]
         job.update(ckpt=str(path), dtype=None if args.dtype == "keep" else args.dtype,
-                   max_shard_bytes=max_shard_bytes)
+                   max_shard_bytes=max_shard_bytes, base=None, merged_out=None)
+        if meta.get("lora"):
+            job.update(base=str(lora_base(meta, path, args.base)),
+                       merged_out=str(Path(args.merged_out).resolve()) if args.merged_out else None)
+            if job["merged_out"] == job["out"]:
+                raise ConversionError(f"--merged-out {args.merged_out}: the same folder as --out (the PEFT adapter)")
+        else:
+            for flag, value in (("--merged-out", args.merged_out), ("--base", args.base)):
+                if value is not None:
+                    raise ConversionError(f"{flag} applies to LoRA checkpoints only: {path} holds the full weights "
+                                          "(--out receives the full HF model)")
     check_layout(hf_config, tp, pp, ep, "--tp/--pp/--ep")
     try:
         check_output_dir(args.out, force=args.force)
+        if job.get("merged_out"):
+            check_output_dir(job["merged_out"], force=args.force, flag="--merged-out")
     except CheckpointError as e:
         raise ConversionError(str(e)) from None
     from mlrl.trainer.rank.conversion import world_size_for
@@ -212,7 +275,8 @@ def run_rank(job: dict[str, Any]) -> dict[str, Any]:
     if rank == 0 and job["progress"]:
         from tqdm import tqdm
 
-        bar = tqdm(total=3 if job["verify"] else 2, desc=job["command"], unit="phase", file=sys.stderr)
+        phases = 2 + int(job["verify"]) + int(bool(job.get("merged_out")))
+        bar = tqdm(total=phases, desc=job["command"], unit="phase", file=sys.stderr)
 
     started = [False]
 
@@ -230,7 +294,8 @@ def run_rank(job: dict[str, Any]) -> dict[str, Any]:
         else:
             report = conversion.mcore_to_hf(job["ckpt"], job["out"], tp=job["tp"], pp=job["pp"], ep=job["ep"],
                                             dtype=job["dtype"], max_shard_bytes=job["max_shard_bytes"],
-                                            verify=job["verify"], progress=progress)
+                                            verify=job["verify"], base=job["base"], merged_out=job["merged_out"],
+                                            progress=progress)
     finally:
         if bar is not None:
             bar.update(bar.total - bar.n)
@@ -312,16 +377,25 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"convert_checkpoint.py {args.command}: error: {e}", file=sys.stderr)
         return 2
     summary = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in report.items())
-    print(f"{args.command}: wrote {job['out']} ({summary})")
-    if job["verify"]:
-        gap = report["max_abs_logit_diff"]
-        if not gap <= job["verify_tol"]:
-            print(
-                f"verify FAILED: max |logit difference| {gap:.3g} > --verify-tol {job['verify_tol']:g}", file=sys.stderr
-            )
-            return 1
-        print(f"verify ok: max |logit difference| {gap:.3g} <= {job['verify_tol']:g}")
-    return 0
+    lora = job.get("base") is not None
+    wrote = f"{job['out']} (PEFT adapter)" if lora else job["out"]
+    if job.get("merged_out"):
+        wrote += f" and {job['merged_out']} (merged model)"
+    print(f"{args.command}: wrote {wrote} ({summary})")
+    if not job["verify"]:
+        return 0
+    checks = [("max_abs_logit_diff", " (PEFT adapter on the base)" if lora else "")]
+    if "merged_max_abs_logit_diff" in report:
+        checks.append(("merged_max_abs_logit_diff", " (merged model)"))
+    failed = False
+    for key, what in checks:
+        gap, tol = report[key], job["verify_tol"]
+        if gap <= tol:
+            print(f"verify ok{what}: max |logit difference| {gap:.3g} <= {tol:g}")
+        else:
+            print(f"verify FAILED{what}: max |logit difference| {gap:.3g} > --verify-tol {tol:g}", file=sys.stderr)
+            failed = True
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

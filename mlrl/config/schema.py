@@ -357,6 +357,9 @@ class CheckpointConfig:
     """Export a Hugging Face model every k steps (0 = off)."""
     hf_export_at_end: bool = True
     """Export a Hugging Face model after the last step."""
+    export_merged: bool = True
+    """With model.lora: an HF export writes the merged model (W + alpha/r B A) besides the PEFT
+    adapter folder (<export>/adapter); false = the adapter folder only."""
     async_save: bool = False
     """Asynchronous save (GPU only)."""
 

@@ -156,6 +156,9 @@ def _check_lora(cfg: Config, hf: dict[str, Any] | None = None) -> None:
     for the model-dependent rules."""
     lora, ws = cfg.model.lora, cfg.weight_sync
     if lora is None:
+        if not cfg.checkpoint.export_merged:
+            raise ConfigError("checkpoint.export_merged=false applies to LoRA runs only (model.lora is off: the "
+                              "export is the full model)")
         if ws.lora_mode != "merged":
             raise ConfigError(f"weight_sync.lora_mode={ws.lora_mode!r} needs model.lora (LoRA is off); "
                               "remove it or set e.g. model.lora.rank=16")
@@ -171,13 +174,12 @@ def _check_lora(cfg: Config, hf: dict[str, Any] | None = None) -> None:
     if unknown or not lora.target_modules:
         what = f"unknown target module {unknown[0]!r}" if unknown else "an empty list"
         raise ConfigError(f"model.lora.target_modules: {what}; valid names: {', '.join(valid)}")
+    if ws.lora_mode == "adapter" and lora.rank > 512:
+        raise ConfigError(f"model.lora.rank={lora.rank}: weight_sync.lora_mode=adapter serves the adapter with vLLM, "
+                          "which takes ranks up to 512; use lora_mode=merged")
     if ws.lora_mode == "adapter" and ws.transport != "disk":
         raise ConfigError(f"weight_sync.lora_mode=adapter hands the engines a PEFT adapter folder under "
                           f"weight_sync.disk_dir: set weight_sync.transport=disk (got {ws.transport!r})")
-    if cfg.cluster.gpus_per_node > 0:
-        raise ConfigError("model.lora is not supported on GPU runs yet: the adapters wrap Megatron's local-spec "
-                          "linear layers, and the GPU path uses Transformer Engine's fused layernorm-linear layers "
-                          "(cluster.gpus_per_node > 0); run LoRA on CPU or turn model.lora off")
     if hf is not None and (hf.get("num_experts") or hf.get("num_local_experts")):
         mlp = [t for t in lora.targets if t in ("gate_proj", "up_proj", "down_proj")]
         if mlp:

@@ -19,7 +19,18 @@ TP (vocab-parallel) on the first / last pipeline stage, norms and the MoE router
 experts divided by EP (experts per rank) and ETP (inside an expert).
 FP8 (trainer.fp8_recipe): Transformer Engine keeps the bf16 parameters and caches an FP8 copy of
 each linear weight: +1 byte per linear parameter (FP8 activations are not credited: conservative).
-A reference model (algorithm.kl_coef > 0) adds one more copy of the parameters.
+A reference model (algorithm.kl_coef > 0) adds one more copy of the parameters (none with LoRA).
+
+LoRA (model.lora, mlrl.trainer.rank.lora): the base is frozen (requires_grad=False before
+Megatron's DDP and optimizer are built), so a base parameter keeps only the params column: no
+main gradient, no Adam state, no fp32 master copy. The adapters, A [r, in] and B [out, r] per
+adapted linear and layer, are trained parameters in the params dtype and take the whole row of
+the table, their optimizer state sharded over dp*cp like any dense parameter. Per TP rank (t) an
+adapter holds r * (in + out / t) on a column-parallel linear (q/k/v/gate/up: B split with the
+output, A replicated) and r * (in / t + out) on a row-parallel one (o/down: A split with the
+input, B replicated); MoE layers carry attention adapters only. The reference model is free (it
+is the base with the adapters off) and the FP8 cache covers the base linears only (the adapters
+run in the params dtype).
 
 Critic (`critic:` section, PPO + GAE): a value model with the policy's architecture on the same
 trainer ranks and the same parallel layout, trained by its own optimizer of the policy's kind,
@@ -53,6 +64,11 @@ paper's Sec. 4.2.3: the first stage holds pp of them); the interleaved schedule 
 (1 + (pp - 1) / (pp * vpp)). The last stage adds the output layer: logits (B) and their fp32
 log-softmax (4) per vocabulary entry, V (B + 4) / t per token (the paper counts 4 sbv/t).
 Context parallelism divides the tokens of a micro-batch by cp.
+LoRA adds per token and layer what the adapters keep for their backward: h = A x, r elements
+per adapted module (r / t on a row-parallel linear with sequence parallelism, where h is
+reduce-scattered over the sequence). Their input is the base linear's, already counted, except
+with model.lora.dropout > 0: then each adapted linear keeps a dropped copy of its input and the
+1-byte mask, (B + 1) * in (in / t where the input is TP-sharded: row-parallel, or with SP).
 
 vLLM engines reserve gpu_memory_utilization * GPU memory and split it into weights (params /
 engine_tp in model.dtype), a profiled activation peak (estimated here from a forward pass of
@@ -60,12 +76,19 @@ max_num_batched_tokens = 8192 tokens plus fp32 logits of 256 sequences), CUDA co
 (1 GiB), CUDA graphs (0.5 GiB unless enforce_eager) and the KV cache, which gets the rest:
 2 (K and V) * layers * kv_heads/engine_tp * head_dim * B bytes per token. vLLM refuses to start
 when the KV cache cannot hold one sequence of max_model_len tokens.
+With weight_sync.lora_mode=adapter the engines run with --enable-lora --max-loras 2
+--max-lora-rank R (mlrl.rollout.server; R: the smallest rank vLLM accepts >= model.lora.rank),
+and before profiling vLLM allocates both slots at rank R on every linear it supports, whatever
+model.lora.target_modules says, each routed expert of a MoE layer included (vllm/lora/layers:
+A [R, in], B [out, R], column B / row A split over engine_tp), in model.dtype: that comes off the
+KV cache. vLLM's embedding / logits LoRA buffers, about (V + h) R each, are not counted.
 
 Colocated placement time-shares a GPU: during training the engine sleeps (vLLM sleep level 1:
 weights offloaded, KV cache freed, its CUDA context stays), during generation the trainer keeps
 only its parameters resident (gradients and optimizer state offloaded to host, as verl and slime
-do; with a critic, its parameters stay resident too and its gradients and optimizer state are
-offloaded likewise). The GPU must hold the larger of the two phases.
+do; with LoRA the frozen base and the adapters stay and only the adapters' state moves; with a
+critic, its parameters stay resident too and its gradients and optimizer state are offloaded
+likewise). The GPU must hold the larger of the two phases.
 """
 
 from __future__ import annotations
@@ -73,7 +96,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from mlrl.plan.model import ModelShape
+from mlrl.config.schema import LORA_TARGETS, LoRAConfig
+from mlrl.plan.model import LORA_LINEAR, LORA_ROW, ModelShape
 
 GIB = float(1024**3)
 
@@ -84,6 +108,7 @@ CUDA_RUNTIME_GIB = 1.0        # CUDA context, cuBLAS workspace, NCCL buffers: ty
 CUDA_GRAPHS_GIB = 0.5         # vLLM CUDA-graph pool when enforce_eager is off
 VLLM_BATCHED_TOKENS = 8192    # vLLM's default max_num_batched_tokens (chunked prefill)
 VLLM_MAX_SEQS = 256           # sequences whose logits are materialised at once in the profile run
+ENGINE_LORA_SLOTS = 2         # --max-loras of mlrl.rollout.server (the newest adapter and the one before)
 
 
 @dataclass(frozen=True)
@@ -93,10 +118,16 @@ class StageParams:
     dense: int      # everything except routed experts (sharded over dp*cp by the dist. optimizer)
     expert: int     # routed-expert weights (sharded over the expert-DP group)
     linear: int     # weights of linear layers (what FP8 caches)
+    adapter: int = 0  # LoRA A and B (0 = no LoRA); when > 0 they are the only trained parameters
 
     @property
     def total(self) -> int:
-        return self.dense + self.expert
+        return self.dense + self.expert + self.adapter
+
+    @property
+    def trained(self) -> tuple[int, int]:
+        """(dense, expert) parameters with gradients and optimizer state: the adapters under LoRA."""
+        return (self.adapter, 0) if self.adapter else (self.dense, self.expert)
 
 
 @dataclass(frozen=True)
@@ -158,6 +189,7 @@ class EngineMemory:
     kv_cache: float        # budget - the rest (negative = does not fit)
     kv_bytes_per_token: float
     max_model_len: int
+    lora: float = 0.0      # vLLM's LoRA slots (weight_sync.lora_mode=adapter; 0 = --enable-lora off)
 
     @property
     def kv_tokens(self) -> int:
@@ -181,11 +213,14 @@ def stage_layers(layers: int, pp: int, vpp: int | None, split: list[int] | None)
 
 
 def stage_params(shape: ModelShape, layers: list[int], *, first: bool, last: bool, pp: int,
-                 tp: int, ep: int, etp: int, value_head: bool = False) -> StageParams:
+                 tp: int, ep: int, etp: int, value_head: bool = False, lora: LoRAConfig | None = None) -> StageParams:
     """Parameters per rank of one pipeline stage; `value_head`: the critic's, whose last stage has
-    a scalar value head (h x 1, replicated under TP) instead of the output layer."""
-    dense = linear = expert = 0
+    a scalar value head (h x 1, replicated under TP) instead of the output layer; `lora`: the
+    adapters added to a frozen base (the policy's)."""
+    dense = linear = expert = adapter = 0
     for i in layers:
+        if lora is not None:
+            adapter += shape.lora_layer_params(i, lora.rank, lora.targets, tp=tp)
         attn = shape.attention_params() // tp
         dense += attn + shape.norm_params()
         linear += attn
@@ -209,12 +244,24 @@ def stage_params(shape: ModelShape, layers: list[int], *, first: bool, last: boo
             dense += shape.hidden
         elif not shape.tied or pp > 1:  # untied output layer, or the tied copy on the last stage
             dense += emb
-    return StageParams(dense, expert, linear)
+    return StageParams(dense, expert, linear, adapter)
+
+
+def lora_activation_bytes(shape: ModelShape, i: int, lora: LoRAConfig, *, act_bytes: int, tp: int,
+                          sp: bool) -> float:
+    """Bytes per token the adapters of layer i store for their backward (see the module docstring)."""
+    tok = tp if sp else 1
+    targets = shape.lora_layer_targets(i, lora.targets)
+    out = sum(lora.rank * act_bytes / (tok if m in LORA_ROW else 1) for m in targets)
+    if lora.dropout > 0:
+        inputs = {LORA_LINEAR[m]: shape.lora_dims(m)[0] / (tp if m in LORA_ROW else tok) for m in targets}
+        out += (act_bytes + 1) * sum(inputs.values())
+    return out
 
 
 def layer_activation_bytes(shape: ModelShape, moe: bool, *, act_bytes: int, tp: int, etp: int, sp: bool,
                            flash: bool, recompute: str, seq_len: int) -> float:
-    """Bytes stored per token for one layer's backward (no recomputation of that layer)."""
+    """Bytes stored per token for one layer's backward (no recomputation of that layer), LoRA aside."""
     b, h = act_bytes, shape.hidden
     tok = tp if sp else 1
     replicated = 4 * h * b / tok
@@ -237,9 +284,11 @@ def inflight_microbatches(stage: int, pp: int, vpp: int | None, micro_batches: i
 
 def stage_activation_bytes(shape: ModelShape, layers: list[int], *, last: bool, tokens: float, inflight: float,
                            act_bytes: int, tp: int, etp: int, sp: bool, flash: bool, recompute: str,
-                           seq_len: int) -> float:
+                           seq_len: int, lora: LoRAConfig | None = None) -> float:
     per_layer = [layer_activation_bytes(shape, shape.moe_layer[i], act_bytes=act_bytes, tp=tp, etp=etp, sp=sp,
-                                        flash=flash, recompute=recompute, seq_len=seq_len) for i in layers]
+                                        flash=flash, recompute=recompute, seq_len=seq_len)
+                 + (lora_activation_bytes(shape, i, lora, act_bytes=act_bytes, tp=tp, sp=sp) if lora else 0.0)
+                 for i in layers]
     if recompute == "full":
         kept = len(layers) * shape.hidden * act_bytes / (tp if sp else 1)
         working = max(per_layer, default=0.0)
@@ -254,13 +303,15 @@ def stage_activation_bytes(shape: ModelShape, layers: list[int], *, last: bool, 
 def model_state_memory(p: StageParams, *, precision: str, optimizer: str, distributed_optimizer: bool, dp_cp: int,
                         edp: int, fp8: bool) -> ModelStateMemory:
     """Parameters, main gradients, optimizer state and FP8 weight cache of one trained model
-    (the policy's or the critic's), per the table in the module docstring."""
+    (the policy's or the critic's), per the table in the module docstring: all parameters are
+    resident, only the trained ones (the adapters under LoRA) have gradients and optimizer state."""
     pb, gb, ob = PRECISION_BYTES[precision]
     if optimizer == "sgd":
         ob -= 4
-    opt = p.dense * ob / (dp_cp if distributed_optimizer else 1) + p.expert * ob / (edp if distributed_optimizer else 1)
+    dense, expert = p.trained
+    opt = dense * ob / (dp_cp if distributed_optimizer else 1) + expert * ob / (edp if distributed_optimizer else 1)
     return ModelStateMemory(
-        params=p.total * pb, grads=p.total * gb, optimizer=opt, fp8_weights=p.linear * 1.0 if fp8 else 0.0
+        params=p.total * pb, grads=(dense + expert) * gb, optimizer=opt, fp8_weights=p.linear * 1.0 if fp8 else 0.0
     )
 
 
@@ -268,7 +319,8 @@ def trainer_memory(p: StageParams, *, precision: str, optimizer: str, distribute
                    edp: int, fp8: bool, reference: bool, activations: float,
                    critic: StageParams | None = None) -> TrainerMemory:
     """One trainer GPU of a pipeline stage; `critic`: the critic's parameters on that rank (its
-    weights, gradients and optimizer state are added; its activations are not, see above)."""
+    weights, gradients and optimizer state are added; its activations are not, see above).
+    `reference`: KL against a reference model, a copy of the parameters unless LoRA (the base)."""
     kw = dict(precision=precision, optimizer=optimizer, distributed_optimizer=distributed_optimizer, dp_cp=dp_cp,
               edp=edp, fp8=fp8)
     w = model_state_memory(p, **kw)
@@ -277,15 +329,29 @@ def trainer_memory(p: StageParams, *, precision: str, optimizer: str, distribute
         grads=w.grads,
         optimizer=w.optimizer,
         fp8_weights=w.fp8_weights,
-        reference=w.params if reference else 0.0,
+        reference=w.params if reference and not p.adapter else 0.0,
         activations=activations,
         runtime=CUDA_RUNTIME_GIB * GIB,
         critic=model_state_memory(critic, **kw) if critic is not None else None,
     )
 
 
+def engine_lora_params(shape: ModelShape, *, rank: int, engine_tp: int) -> int:
+    """Elements of the LoRA slots one engine TP rank allocates at --max-lora-rank `rank` (above)."""
+    t = engine_tp
+
+    def gated_mlp(ffn: int) -> int:  # gate, up (column-parallel) and down (row-parallel)
+        return rank * (3 * shape.hidden + 3 * ffn // t) if ffn else 0
+
+    per_slot = sum(shape.lora_layer_params(i, rank, LORA_TARGETS, tp=t) for i in range(shape.layers))
+    per_slot += sum(shape.moe_layer) * (shape.experts * gated_mlp(shape.expert_ffn)
+                                        + gated_mlp(shape.shared_expert_ffn))
+    return ENGINE_LORA_SLOTS * per_slot
+
+
 def engine_memory(shape: ModelShape, *, engine_tp: int, dtype_bytes: int, gpu_bytes: float, utilization: float,
-                  max_model_len: int, enforce_eager: bool) -> EngineMemory:
+                  max_model_len: int, enforce_eager: bool, lora_rank: int = 0) -> EngineMemory:
+    """One engine TP rank; `lora_rank`: vLLM's --max-lora-rank (0 = --enable-lora off)."""
     t = engine_tp
     weights = shape.total_params() * dtype_bytes / t
     if shape.is_moe:
@@ -302,7 +368,9 @@ def engine_memory(shape: ModelShape, *, engine_tp: int, dtype_bytes: int, gpu_by
     budget = utilization * gpu_bytes
     kv_heads = max(1, math.ceil(shape.kv_heads / t))  # KV heads are replicated when tp > kv_heads
     kv_per_token = 2 * shape.layers * kv_heads * shape.head_dim * dtype_bytes
-    return EngineMemory(budget, weights, act, runtime, budget - weights - act - runtime, kv_per_token, max_model_len)
+    lora = engine_lora_params(shape, rank=lora_rank, engine_tp=t) * dtype_bytes if lora_rank else 0.0
+    return EngineMemory(budget, weights, act, runtime, budget - weights - lora - act - runtime, kv_per_token,
+                        max_model_len, lora)
 
 
 def colocated_phases(trainer: TrainerMemory, engine: EngineMemory) -> tuple[float, float]:

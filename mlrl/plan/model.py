@@ -10,7 +10,9 @@ Counts follow the HF module layout of the Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mi
   layer i is MoE iff i is not in `mlp_only_layers` and (i + 1) % decoder_sparse_step == 0
   (HF Qwen3-MoE's rule; Mixtral: every layer);
 - two RMSNorms per layer, one final norm, the embedding (V x h) and the output layer
-  (V x h unless `tie_word_embeddings`).
+  (V x h unless `tie_word_embeddings`);
+- LoRA adapters (model.lora, not part of the HF model): per adapted linear A [r, in] and B [out, r]
+  (peft's shapes, mlrl.trainer.rank.lora), on dense-MLP layers only for gate/up/down.
 Checked against the published totals: Qwen3-8B 8.19 B, Qwen3-30B-A3B 30.5 B (3.3 B active).
 """
 
@@ -23,6 +25,11 @@ from mlrl.config.loader import ConfigError
 
 _BIASED_QKV = {"qwen2", "qwen2_moe"}
 _QK_NORM = {"qwen3", "qwen3_moe"}
+# peft module -> the Megatron linear it adapts (q/k/v share the fused linear_qkv, gate/up linear_fc1)
+LORA_LINEAR = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv", "o_proj": "linear_proj",
+               "gate_proj": "linear_fc1", "up_proj": "linear_fc1", "down_proj": "linear_fc2"}
+LORA_ROW = frozenset({"o_proj", "down_proj"})  # on row-parallel linears: the input is split over TP
+_LORA_MLP = frozenset({"gate_proj", "up_proj", "down_proj"})
 
 
 class ModelShapeError(ConfigError):
@@ -91,6 +98,27 @@ class ModelShape:
     def embedding_params(self) -> int:
         return self.vocab * self.hidden
 
+    def lora_dims(self, module: str) -> tuple[int, int]:
+        """(in, out) features of the linear a peft module name adapts."""
+        h, q, kv, f = self.hidden, self.q_width, self.kv_width, self.ffn
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}[module]
+
+    def lora_layer_params(self, i: int, rank: int, targets: tuple[str, ...], *, tp: int = 1) -> int:
+        """LoRA A and B of layer i on one of `tp` ranks: r * (in + out) per adapted linear, of which
+        Megatron splits the parallel dimension (column-parallel q/k/v/gate/up: B's out; row-parallel
+        o/down: A's in) and replicates the other matrix. MoE layers have no dense gate/up/down to
+        adapt (validation allows attention targets only on MoE models)."""
+        n = 0
+        for m in self.lora_layer_targets(i, targets):
+            d_in, d_out = self.lora_dims(m)
+            n += rank * (d_in // tp + d_out if m in LORA_ROW else d_in + d_out // tp)
+        return n
+
+    def lora_layer_targets(self, i: int, targets: tuple[str, ...]) -> tuple[str, ...]:
+        """The targets layer i has: no gate/up/down on a MoE layer."""
+        return tuple(m for m in targets if not (self.moe_layer[i] and m in _LORA_MLP))
+
     # --- totals -----------------------------------------------------------------------
     def layer_params(self, i: int, *, active: bool = False) -> int:
         n = self.attention_params() + self.norm_params()
@@ -105,6 +133,10 @@ class ModelShape:
         body = sum(self.layer_params(i, active=active) for i in range(self.layers))
         heads = self.embedding_params() * (1 if self.tied else 2)
         return body + heads + self.hidden  # + final norm
+
+    def lora_params(self, rank: int, targets: tuple[str, ...]) -> int:
+        """Every LoRA adapter of the model (what peft reports as trainable parameters)."""
+        return sum(self.lora_layer_params(i, rank, targets) for i in range(self.layers))
 
 
 def model_shape(hf: dict[str, Any], name: str) -> ModelShape:

@@ -63,8 +63,9 @@ def make_plan(cfg: Config, layout: Layout) -> Plan:
     samples = t.prompts_per_step * t.samples_per_prompt // t.mini_batches_per_step
     micro = max(1, math.ceil(samples * seq_len / layout.dp / t.micro_batch_tokens))
     layers = mem.stage_layers(shape.layers, layout.pp, layout.vpp, p.pp_layer_split)
+    lora = cfg.model.lora  # the policy's adapters; the critic trains its full weights
     params = [mem.stage_params(shape, ls, first=k == 0, last=k == layout.pp - 1, pp=layout.pp, tp=layout.tp,
-                               ep=layout.ep, etp=layout.etp) for k, ls in enumerate(layers)]
+                               ep=layout.ep, etp=layout.etp, lora=lora) for k, ls in enumerate(layers)]
     critic = None if not cfg.uses_critic else [
         mem.stage_params(shape, ls, first=k == 0, last=k == layout.pp - 1, pp=layout.pp, tp=layout.tp, ep=layout.ep,
                          etp=layout.etp, value_head=True) for k, ls in enumerate(layers)]
@@ -77,7 +78,7 @@ def make_plan(cfg: Config, layout: Layout) -> Plan:
             shape, ls, last=k == layout.pp - 1, tokens=tokens,
             inflight=mem.inflight_microbatches(k, layout.pp, layout.vpp, micro), act_bytes=act_bytes, tp=layout.tp,
             etp=layout.etp, sp=p.sequence_parallel, flash=not cpu, recompute=t.recompute,
-            seq_len=min(seq_len, t.micro_batch_tokens))
+            seq_len=min(seq_len, t.micro_batch_tokens), lora=lora)
         tmem.append(mem.trainer_memory(
             params[k], precision=precision, optimizer=t.optimizer, distributed_optimizer=t.use_distributed_optimizer,
             dp_cp=layout.dp * layout.cp, edp=expert_dp(layout), fp8=t.fp8_recipe != "none",
@@ -93,7 +94,8 @@ def make_plan(cfg: Config, layout: Layout) -> Plan:
     max_len = r.max_model_len or shape.max_positions or seq_len
     plan.engine_memory = mem.engine_memory(
         shape, engine_tp=r.engine_tp, dtype_bytes=mem.DTYPE_BYTES[cfg.model.dtype], gpu_bytes=plan.capacity,
-        utilization=r.gpu_memory_utilization, max_model_len=max_len, enforce_eager=r.enforce_eager)
+        utilization=r.gpu_memory_utilization, max_model_len=max_len, enforce_eager=r.enforce_eager,
+        lora_rank=_engine_lora_rank(cfg))
     plan.slots, problems = place(
         layout, c.nodes, c.gpus_per_node, r.num_engines, r.engine_tp, c.placement == "colocated"
     )
@@ -101,6 +103,15 @@ def make_plan(cfg: Config, layout: Layout) -> Plan:
     plan.warnings.extend(tp_groups_spanning_nodes(layout, c.gpus_per_node))
     _check_memory(plan)
     return plan
+
+
+def _engine_lora_rank(cfg: Config) -> int:
+    """The engines' --max-lora-rank (0: they serve merged weights, no --enable-lora)."""
+    if cfg.model.lora is None or cfg.weight_sync.lora_mode != "adapter":
+        return 0
+    from mlrl.rollout.server import vllm_lora_rank  # imported only here: mlrl.rollout pulls in the HTTP clients
+
+    return vllm_lora_rank(cfg.model.lora.rank)  # validation keeps the rank within vLLM's
 
 
 def _slot_bytes(plan: Plan, slot: GpuSlot) -> float:
@@ -144,10 +155,11 @@ def _check_memory(plan: Plan) -> None:
             f"{cap / gib:g} by {(used - cap) / gib:.1f} GiB ({detail})")
     e = plan.engine_memory
     if e is not None and any(s.engine for s in plan.slots):
-        fixed = e.weights + e.activations + e.runtime
+        fixed = e.weights + e.lora + e.activations + e.runtime
         if e.kv_cache <= 0:
+            lora = f" + LoRA slots {e.lora / gib:.1f}" if e.lora else ""
             plan.reasons.append(
-                f"engine: weights {e.weights / gib:.1f} + activations {e.activations / gib:.1f} + runtime "
+                f"engine: weights {e.weights / gib:.1f}{lora} + activations {e.activations / gib:.1f} + runtime "
                 f"{e.runtime / gib:.1f} = {fixed / gib:.1f} GiB leave no KV cache within "
                 "rollout.gpu_memory_utilization="
                 f"{plan.cfg.rollout.gpu_memory_utilization} x {cap / gib:g} GiB = {e.budget / gib:.1f} GiB "

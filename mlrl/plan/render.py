@@ -56,14 +56,22 @@ def _header(plan: Plan) -> list[str]:
         f"cp={L.cp} dp={L.dp} | ep={L.ep} etp={L.etp} edp={plan.expert_dp}; sequence_parallel="
         f"{'on' if cfg.parallel.sequence_parallel else 'off'}, precision {cfg.model.precision}, fp8 {t.fp8_recipe}, "
         f"recompute {t.recompute}, distributed optimizer {'on' if t.use_distributed_optimizer else 'off'}")
+    lora = cfg.model.lora
+    if lora is not None:
+        n = s.lora_params(lora.rank, lora.targets)
+        lines.append(f"         LoRA on: rank {lora.rank}, alpha {lora.alpha:g}, targets {', '.join(lora.targets)}; "
+                     f"{_count(n)} adapter parameters ({100 * n / s.total_params():.2f}% of the model) are trained, "
+                     "the base is frozen (no gradients or optimizer state; the KL reference is the base)")
     if plan.critic_params is not None:
         lines.append("         critic: a value model of the same architecture (value head instead of the output layer) "
                      "on the same ranks and layout, with its own gradients and optimizer state")
     for k, ls in enumerate(plan.stage_layers):
         extra = (" + embedding" if k == 0 else "") + (" + output layer" if k == L.pp - 1 else "")
+        sp = plan.stage_params[k]
+        adapters = f" ({_count(sp.adapter)} of them LoRA adapters)" if sp.adapter else ""
         critic = f" (+ critic {_count(plan.critic_params[k].total)})" if plan.critic_params is not None else ""
         lines.append(f"         pp stage {k}: {len(ls)} layers ({_ranges(ls)}){extra}; "
-                     f"{_count(plan.stage_params[k].total)} parameters{critic} per {'process' if plan.cpu else 'GPU'}")
+                     f"{_count(sp.total)} parameters{adapters}{critic} per {'process' if plan.cpu else 'GPU'}")
     if s.experts:
         lines.append(f"         experts: {s.experts} per MoE layer, {plan.experts_per_rank} per EP rank")
     samples = t.prompts_per_step * t.samples_per_prompt // t.mini_batches_per_step
@@ -133,7 +141,8 @@ def _memory(plan: Plan) -> list[str]:
         seqs = e.kv_tokens // max(1, plan.seq_len)
         lines.append(
             f"  engine (engine_tp {plan.cfg.rollout.engine_tp}): budget {_g(e.budget)} = weights {_g(e.weights)} + "
-            f"activations {_g(e.activations)} + runtime {_g(e.runtime)} + KV cache {_g(e.kv_cache)} "
+            + (f"LoRA slots {_g(e.lora)} + " if e.lora else "")
+            + f"activations {_g(e.activations)} + runtime {_g(e.runtime)} + KV cache {_g(e.kv_cache)} "
             f"({e.kv_tokens} tokens at {e.kv_bytes_per_token / 1024:.0f} KiB/token = {seqs} sequences of "
             f"{plan.seq_len})"
         )

@@ -120,6 +120,9 @@ class EngineClient:
         self._max_connections = max_connections
         self._headers = {"Authorization": f"Bearer {token}"}
         self._http: aiohttp.ClientSession | None = None  # created on first use, inside the event loop
+        # the served model generation requests name: None = the base model; a LoRA adapter's name
+        # once the adapter weight sync (weight_sync.lora_mode=adapter) has loaded one
+        self.model: str | None = None
 
     def _session(self) -> aiohttp.ClientSession:
         if self._http is None or self._http.closed:
@@ -158,7 +161,10 @@ class EngineClient:
 
     def _check(self, status: int, body: bytes, path: str) -> Any:
         if status == 200:
-            return _json.loads(body) if body else None
+            try:
+                return _json.loads(body) if body else None
+            except ValueError:  # a few endpoints answer in plain text (/v1/load_lora_adapter)
+                return body.decode(errors="replace")
         try:
             parsed = _json.loads(body)
             msg = parsed.get("error", parsed) if isinstance(parsed, dict) else parsed
@@ -188,6 +194,8 @@ class EngineClient:
         sp = sampling_params(gconfig, max_tokens=max_tokens, min_tokens=min_tokens)
         sp["n"] = n
         body = {"request_id": request_id, "token_ids": list(prompt_ids), "output_mode": "text", "sampling_params": sp}
+        if self.model is not None:
+            body["model"] = self.model
         js = await self._post("/inference/v1/generate", json=body)
         try:
             choices = sorted(js["choices"], key=lambda c: c.get("index", 0))
@@ -241,6 +249,8 @@ class EngineClient:
             "token_ids": list(token_ids),
             "sampling_params": {"max_tokens": 1, "prompt_logprobs": 0, "temperature": 0.0},
         }
+        if self.model is not None:
+            body["model"] = self.model
         js = await self._post("/inference/v1/generate", json=body)
         out = []
         for tok, entry in zip(token_ids[1:], (js.get("prompt_logprobs") or [None])[1:]):
@@ -305,6 +315,14 @@ class EngineClient:
 
     async def finish_weight_update(self, version: int, *, timeout: float | None = None) -> None:
         await self._post("/finish_weight_update", json={"weight_version": str(version)}, timeout=timeout)
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """Load the PEFT folder `path` as the served model `name` (vLLM's runtime LoRA loading),
+        replacing an adapter already loaded under that name."""
+        await self._post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path, "load_inplace": True})
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        await self._post("/v1/unload_lora_adapter", json={"lora_name": name})
 
     async def collective_rpc(self, method: str, *, args: list[str] | None = None, kwargs: dict[str, str] | None = None,
                              timeout: float | None = None) -> list[Any]:

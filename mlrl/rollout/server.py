@@ -80,6 +80,7 @@ class ServerSpec:
     extra_args: list[str] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
     seed: int = 0
+    lora_rank: int | None = None  # serve LoRA adapters up to this rank, loaded at runtime (weight_sync.lora_mode=adapter)
     command: list[str] | None = (
         None  # replaces the vLLM command ("{host}", "{port}" substituted): tests, custom launchers
     )
@@ -101,6 +102,17 @@ class ServerSpec:
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             **kw,
         )
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest --max-lora-rank vLLM accepts that holds adapters of `rank`."""
+    for r in VLLM_LORA_RANKS:
+        if r >= rank:
+            return r
+    raise ValueError(f"model.lora.rank={rank}: vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}")
 
 
 def free_port(host: str) -> int:
@@ -136,6 +148,10 @@ def server_command(spec: ServerSpec, port: int) -> list[str]:
         cmd += ["--max-model-len", str(spec.max_model_len)]
     if spec.enforce_eager:
         cmd += ["--enforce-eager"]
+    if spec.lora_rank:
+        # two adapter slots: the newest version and the one before it (requests already running
+        # on it finish while the newest loads); vLLM accepts only certain max ranks
+        cmd += ["--enable-lora", "--max-lora-rank", str(vllm_lora_rank(spec.lora_rank)), "--max-loras", "2"]
     if _on_gpu():
         cmd += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
     elif spec.engine_tp == 1:
@@ -155,6 +171,8 @@ def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str
     env["VLLM_SERVER_DEV_MODE"] = "1"
     env.setdefault("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", str(SERVER_KEEPALIVE_S))  # > the client's keep-alive: see client.py
     env["PYTHONUNBUFFERED"] = "1"
+    if spec.lora_rank:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # /v1/load_lora_adapter, /v1/unload_lora_adapter
     if _on_gpu():
         if spec.cuda_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in spec.cuda_devices)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from mlrl.config.schema import WeightSyncConfig
+from mlrl.config.schema import LoRAConfig, WeightSyncConfig
 from mlrl.interfaces import RolloutPool
 from mlrl.weight_sync.source import BucketFn, PushRequest, SendReport, WeightSource
 from mlrl.weight_sync.sync import SyncSetup, WeightSync
@@ -72,9 +72,18 @@ def transport(name: Any) -> Transport:
 
 def make_weight_sync(cfg: WeightSyncConfig, pool: RolloutPool, source: WeightSource, *, model_dir: str | Path,
                      engine_tp: int = 1, host: str = "127.0.0.1", run_dir: str | Path | None = None,
-                     backend: str | None = None) -> WeightSync:
+                     backend: str | None = None, lora: LoRAConfig | None = None) -> WeightSync:
     """The configured transport's `WeightSync` over `pool`'s live engines (see `SyncSetup` for the
     keyword arguments). It does not touch the pool: to bring an engine restarted after a crash to
-    the pool's version, the caller wires `pool.refresher = weight_sync.refresh`."""
+    the pool's version, the caller wires `pool.refresher = weight_sync.refresh`.
+    `lora` (model.lora) with weight_sync.lora_mode=adapter: the adapters alone, served by vLLM's
+    LoRA support (mlrl.weight_sync.lora_adapter); with lora_mode=merged the source already yields
+    merged weights and the transport is the configured one."""
     setup = SyncSetup(model_dir=model_dir, engine_tp=engine_tp, host=host, run_dir=run_dir, backend=backend)
+    if lora is not None and cfg.lora_mode == "adapter":
+        from mlrl.weight_sync.lora_adapter import AdapterWeightSync
+
+        if cfg.transport != "disk":
+            raise ValueError(f"weight_sync.lora_mode=adapter needs weight_sync.transport=disk, got {cfg.transport!r}")
+        return AdapterWeightSync(cfg, pool, source, setup, lora=lora)
     return transport(cfg.transport).driver(cfg, pool, source, setup)

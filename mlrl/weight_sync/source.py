@@ -21,6 +21,8 @@ from typing import Any, Callable, Iterable, Literal, Protocol, runtime_checkable
 from mlrl.weight_sync.wire import NamedTensors
 
 BucketFn = Callable[[int], Iterable[NamedTensors]]
+"""bucket_bytes -> buckets of (HF name, full tensor); for PushRequest.content="adapters" the LoRA
+adapters, peft-named."""
 
 
 @dataclass
@@ -34,6 +36,7 @@ class PushRequest:
     group: dict[str, Any] | None = None   # broadcast: GroupSpec.to_json()
     disk_dir: str | None = None           # disk: folder of this version's shards
     phase: Literal["send", "release"] = "send"  # "release": free what a send kept alive (cuda_ipc, engines loaded)
+    content: Literal["weights", "adapters"] = "weights"  # adapters: only the LoRA adapters (peft names)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -149,6 +149,8 @@ def check_loadable(policy, meta: dict[str, Any], *, load_optimizer: bool) -> Non
                               f"{'the LM head' if saved_role == 'policy' else 'a value head'}), the model being loaded "
                               f"is a {_role(policy)}: load a {_role(policy)} checkpoint into it")
     saved_lora, lora = meta.get("lora"), _lora_meta(policy)
+    if saved_lora is not None:
+        saved_lora = {k: saved_lora[k] for k in ("rank", "alpha", "targets")}
     if saved_lora != lora:
         def shown(m):
             return "no LoRA (full weights)" if m is None else \
@@ -245,6 +247,11 @@ def _lora_meta(policy) -> Optional[dict[str, Any]]:
     lora = _lora(policy)
     return None if lora is None else {"rank": lora.cfg.rank, "alpha": lora.cfg.alpha,
                                       "targets": list(lora.cfg.targets)}
+
+
+def lora_meta_base(meta: dict[str, Any]) -> Optional[str]:
+    """The HF folder a LoRA checkpoint's frozen base was built from (None: not a LoRA checkpoint)."""
+    return meta.get("base_hf_dir") if meta.get("lora") else None
 
 
 def _inner_optimizers(optimizer) -> list:
@@ -379,7 +386,9 @@ def save_checkpoint(policy, path: str | Path, *, async_save: bool = False,
     meta = {
         "format": FORMAT, "backend": "torch_dist", "megatron_core": _megatron_version(), "role": _role(policy),
         "model_type": policy.arch.model_type, "arch": asdict(policy.arch), "hf_config": policy.hf_config,
-        "layout": _layout(policy), "lora": _lora_meta(policy),
+        "layout": _layout(policy),
+        # a LoRA checkpoint holds only the adapters: the base is this HF folder
+        "lora": _lora_meta(policy), "base_hf_dir": str(policy.hf_dir) if _lora(policy) is not None else None,
         "contents": {"model": True, "optimizer": with_optimizer, "scheduler": trainable, "rng": trainable},
         "optimizer": {**_optimizer_kind(policy), "sharding": sharding, "steps": int(policy.optimizer_steps),
                       "parts": len(_inner_optimizers(policy.optimizer)) if trainable else 0},
@@ -569,6 +578,20 @@ def export_hf_shards(policy, folder: str | Path, *, max_shard_bytes: int = 2 << 
         if writer is not None:
             writer.add(bucket)
     return writer.close() if writer is not None else None
+
+
+def export_peft(policy, out_dir: str | Path, *, dtype: Optional[str] = "auto") -> Optional[Path]:
+    """Collective: the policy's LoRA adapters as a PEFT folder at `out_dir` (written by rank 0,
+    atomically). Returns the path on rank 0, None elsewhere."""
+    from mlrl.checkpoint.peft_export import write_peft_adapter
+
+    adapters = policy.gather_adapters()
+    result = None
+    if policy.ranks.rank == 0:
+        result = write_peft_adapter(out_dir, adapters, policy.lora.cfg, base_model=str(policy.hf_dir),
+                                    dtype=_export_dtype(policy, dtype))
+    dist.barrier()
+    return result
 
 
 def export_hf(policy, out_dir: str | Path, *, max_shard_bytes: int = 2 << 30, bucket_bytes: int = 256 << 20,

@@ -1,5 +1,7 @@
 """Rank side of checkpoint conversion (tools/convert_checkpoint.py): HF folder <-> Megatron
-distributed checkpoint, with an optional logits check.
+distributed checkpoint, with an optional logits check. A LoRA checkpoint holds only the adapters:
+its policy is built on the frozen HF base with the adapters attached, the adapters are loaded
+from the checkpoint, and the output is a PEFT adapter folder (optionally also the merged model).
 
 Every function runs on every rank of one torchrun job (a collective, like the policy). Memory
 stays bounded by the layout: each rank reads only the HF tensors of its own shard (the bridge's
@@ -8,7 +10,8 @@ buckets into size-capped safetensors files. Only `--verify` loads the whole HF m
 process (rank 0, transformers), as any HF-side comparison must.
 
 Outputs appear atomically: the Megatron checkpoint is written under a temporary name and renamed
-by rank 0 when every rank has finished; the HF export does the same (mlrl.checkpoint.hf_export).
+by rank 0 when every rank has finished; the HF export does the same (mlrl.checkpoint.hf_export),
+and so does the PEFT adapter folder (mlrl.checkpoint.peft_export).
 """
 
 from __future__ import annotations
@@ -141,27 +144,54 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, *, tp: int, pp: int, ep: in
     return report
 
 
+def lora_policy_from_checkpoint(path: str | Path, base: str | Path, cfg, layout, lora: dict[str, Any]):
+    """A frozen policy on the HF base `base` with the LoRA checkpoint's adapters (`lora`: the
+    checkpoint's "lora" record, rank / alpha / targets) attached and loaded."""
+    from mlrl.config.schema import LoRAConfig
+    from mlrl.trainer.rank.policy import MegatronPolicy
+
+    cfg.model.lora = LoRAConfig(rank=lora["rank"], alpha=lora["alpha"], target_modules=list(lora["targets"]))
+    policy = MegatronPolicy(cfg.model, cfg.parallel, cfg.trainer, layout, hf_dir=base, trainable=False)
+    ckpt.load_checkpoint(policy, path, load_optimizer=False)
+    return policy
+
+
 def mcore_to_hf(path: str | Path, out: str | Path, *, tp: int, pp: int, ep: int, dtype: Optional[str],
-                max_shard_bytes: int, verify: bool, progress: Progress = _noop) -> dict[str, Any]:
+                max_shard_bytes: int, verify: bool, base: Optional[str | Path] = None,
+                merged_out: Optional[str | Path] = None, progress: Progress = _noop) -> dict[str, Any]:
+    """Full checkpoint: the HF model at `out`. LoRA checkpoint (built on the HF folder `base`): the
+    PEFT adapter folder at `out`, and the merged model (W + alpha/r B A) at `merged_out` if given."""
     from mlrl.trainer.rank.policy import init_parallel
 
     path, out = Path(path), Path(out)
     meta = ckpt.read_meta(path)
+    lora = meta.get("lora")
+    if lora and base is None:
+        raise CheckpointError(f"checkpoint {path}: a LoRA checkpoint (adapters only) needs its HF base")
     saved = meta["optimizer"]["precision"]  # the model.dtype it was saved in, as the trainer's precision name
-    cfg, layout = conversion_config(path / ckpt.HF_FILES_DIR, tp=tp, pp=pp, ep=ep,
+    cfg, layout = conversion_config(base if lora else path / ckpt.HF_FILES_DIR, tp=tp, pp=pp, ep=ep,
                                     model_dtype=next(d for d, p in PRECISION.items() if p == saved))
     init_parallel(cfg.parallel, layout, seed=cfg.trainer.seed)
     t0 = time.perf_counter()
     progress("loading the Megatron checkpoint")
-    policy = policy_from_checkpoint(path, cfg, layout)
+    policy = lora_policy_from_checkpoint(path, base, cfg, layout, lora) if lora else \
+        policy_from_checkpoint(path, cfg, layout)
     t1 = time.perf_counter()
-    progress("writing HF safetensors")
-    ckpt.export_hf(policy, out, max_shard_bytes=max_shard_bytes, dtype=dtype, files_from=path / ckpt.HF_FILES_DIR)
+    if lora:
+        progress("writing the PEFT adapter")
+        ckpt.export_peft(policy, out, dtype=dtype)
+    if not lora or merged_out is not None:
+        progress("writing HF safetensors")
+        ckpt.export_hf(policy, merged_out if lora else out, max_shard_bytes=max_shard_bytes, dtype=dtype,
+                       files_from=path / ckpt.HF_FILES_DIR)
     t2 = time.perf_counter()
     report: dict[str, Any] = {"load_s": t1 - t0, "export_s": t2 - t1, "world": layout.trainer_devices}
     if verify:
         progress("verifying logits against transformers")
-        report["max_abs_logit_diff"] = logits_gap(policy, out)
+        # LoRA: peft's adapter on the transformers base; the merged folder in transformers alone
+        report["max_abs_logit_diff"] = logits_gap(policy, base, adapter=out) if lora else logits_gap(policy, out)
+        if lora and merged_out is not None:
+            report["merged_max_abs_logit_diff"] = logits_gap(policy, merged_out)
     return report
 
 
@@ -179,9 +209,10 @@ def probe_micro_batch(vocab_size: int, *, n_samples: int = 2, length: int = 24, 
                       loss_weight=zeros.clone(), advantages=zeros.clone(), rollout_logprobs=zeros.clone())
 
 
-def logits_gap(policy, hf_dir: str | Path, **probe: Any) -> float:
-    """max |logit(policy) - logit(transformers on hf_dir)| over a probe batch. Collective; rank 0
-    loads the HF model, the value is broadcast to every rank."""
+def logits_gap(policy, hf_dir: str | Path, *, adapter: Optional[str | Path] = None, **probe: Any) -> float:
+    """max |logit(policy) - logit(transformers on hf_dir)| over a probe batch; with `adapter` (a
+    PEFT folder) the HF model is peft's PeftModel of it on hf_dir. Collective; rank 0 loads the HF
+    model, the value is broadcast to every rank."""
     mb = probe_micro_batch(policy.arch.vocab_size, **probe)
     logits = policy.compute_logits([mb])[0]
     gap = torch.zeros(1, dtype=torch.float64)
@@ -189,6 +220,10 @@ def logits_gap(policy, hf_dir: str | Path, **probe: Any) -> float:
         import transformers
 
         model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+        if adapter is not None:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, str(adapter)).eval()
         cu = mb.cu_seqlens.tolist()
         with torch.no_grad():
             for a, b in zip(cu[:-1], cu[1:]):
@@ -199,8 +234,8 @@ def logits_gap(policy, hf_dir: str | Path, **probe: Any) -> float:
     return float(gap)
 
 
-def check_output_dir(out: str | Path, *, force: bool) -> None:
+def check_output_dir(out: str | Path, *, force: bool, flag: str = "--out") -> None:
     """An output folder must not hold anything unless --force (it is replaced atomically then)."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise CheckpointError(f"--out {out}: exists and is not empty (pass --force to replace it)")
+        raise CheckpointError(f"{flag} {out}: exists and is not empty (pass --force to replace it)")

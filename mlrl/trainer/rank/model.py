@@ -12,6 +12,7 @@ config validation has already rejected them, and `build_transformer_config` re-c
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -110,17 +111,48 @@ def build_transformer_config(spec: ArchSpec, arch: ModelArch, model: ModelConfig
     return TransformerConfig(**fields)
 
 
-def _te_block_spec(config, vp_stage, pp_rank):
+def _te_block_spec(config, vp_stage, pp_rank, *, unfused_norms: bool = False):
+    """The TE decoder block spec. `unfused_norms` (LoRA): TE's fused layernorm + column-parallel
+    linear (linear_qkv, linear_fc1) becomes TENorm + TEColumnParallelLinear, so that the linear's
+    input is the normalised hidden state the adapter needs (the bridge maps both namings)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    return get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm",
-                                      vp_stage=vp_stage, pp_rank=pp_rank)
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm",
+                                       vp_stage=vp_stage, pp_rank=pp_rank)
+    if not unfused_norms:
+        return block
+    from megatron.core.extensions.transformer_engine import (
+        TEColumnParallelLinear,
+        TELayerNormColumnParallelLinear,
+        TENorm,
+    )
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    from mlrl.trainer.rank.local_spec import _replace
+
+    layer_specs = []
+    for spec in block.layer_specs:
+        fused = spec.submodules.self_attention.submodules.linear_qkv is TELayerNormColumnParallelLinear
+        mlp = getattr(spec.submodules.mlp, "submodules", None)
+        fused_mlp = getattr(mlp, "linear_fc1", None) is TELayerNormColumnParallelLinear
+        spec = _replace(spec, TELayerNormColumnParallelLinear, TEColumnParallelLinear)
+        changes = {}
+        if fused and spec.submodules.input_layernorm is IdentityOp:
+            changes["input_layernorm"] = TENorm
+        if fused_mlp and spec.submodules.pre_mlp_layernorm is IdentityOp:
+            changes["pre_mlp_layernorm"] = TENorm
+        if changes:
+            spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, **changes))
+        layer_specs.append(spec)
+    block.layer_specs = layer_specs
+    return block
 
 
 def build_model_chunks(spec: ArchSpec, arch: ModelArch, config, layout: Layout, *,
-                       overrides: dict[str, Any] | None = None) -> list[torch.nn.Module]:
+                       overrides: dict[str, Any] | None = None, unfused_norms: bool = False) -> list[torch.nn.Module]:
     """One GPTModel per virtual pipeline stage held by this rank (one without VPP), on device.
-    `overrides` replace GPTModel arguments of the spec (the critic: no tied output layer)."""
+    `overrides` replace GPTModel arguments of the spec (the critic: no tied output layer);
+    `unfused_norms`: LoRA on the TE spec (see `_te_block_spec`; the local spec never fuses)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_model import GPTModel
 
@@ -132,7 +164,7 @@ def build_model_chunks(spec: ArchSpec, arch: ModelArch, config, layout: Layout, 
     for vp in range(vpp or 1):
         vp_stage = vp if vpp else None
         if use_te():
-            block = _te_block_spec(config, vp_stage, pp_rank)
+            block = _te_block_spec(config, vp_stage, pp_rank, unfused_norms=unfused_norms)
         else:
             from mlrl.trainer.rank.local_spec import local_block_spec
 

@@ -101,7 +101,7 @@ class MegatronPolicy:
         self.params = self._local_params(chunks)
         self.params.load_hf(ckpt)
         self.lora = None
-        if self.LORA and model_cfg.lora is not None and trainable:
+        if self.LORA and model_cfg.lora is not None:
             from mlrl.trainer.rank.lora import LoRA
 
             self.lora = LoRA.attach(chunks, model_cfg.lora, config=self.config, tp_rank=self.ranks.tp,
@@ -120,7 +120,8 @@ class MegatronPolicy:
     # ---- construction ----------------------------------------------------------------------------
     def _build_chunks(self) -> list[torch.nn.Module]:
         """This rank's GPTModel chunks, before DDP (hook: the critic swaps in its value head)."""
-        return build_model_chunks(self.spec, self.arch, self.config, self.layout)
+        return build_model_chunks(self.spec, self.arch, self.config, self.layout,
+                                  unfused_norms=self.LORA and self.model_cfg.lora is not None)
 
     def _local_params(self, chunks: list[torch.nn.Module]) -> LocalParams:
         """The parameters that load from / export to the HF checkpoint (without the output layer

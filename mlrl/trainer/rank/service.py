@@ -24,6 +24,8 @@ from mlrl.algorithms.losses import make_loss_fn
 from mlrl.config import config_from_yaml, validate
 from mlrl.trainer.rpc import TOKEN_ENV, recv, send
 
+ADAPTER_DIR = "adapter"  # the PEFT folder inside a LoRA run's HF export
+
 
 class TrainerService:
     """What one rank can do: built once, then called step after step."""
@@ -81,11 +83,15 @@ class TrainerService:
     def push_weights(self, request: dict[str, Any]) -> dict[str, Any] | None:
         """This rank's part of a weight sync (mlrl.weight_sync.sender): the sender of each
         pipeline stage streams its stage's HF tensors; the other ranks take part in the gathers."""
-        from mlrl.weight_sync.sender import push_from_rank
+        from mlrl.weight_sync.sender import bucketize, push_from_rank
 
         info = self.policy.rank_info()
         sender = info["pp"] if info["is_stage_sender"] else None
-        report = push_from_rank(request, self.policy.iter_hf_buckets, sender)
+        buckets = self.policy.iter_hf_buckets
+        if request.get("content") == "adapters":  # weight_sync.lora_mode=adapter: the LoRA adapters only
+            def buckets(bucket_bytes):
+                return bucketize(self.policy.iter_adapters(), bucket_bytes)
+        report = push_from_rank(request, buckets, sender)
         return report.to_json() if report is not None else None
 
     def save_checkpoint(self, path: str, critic_path: str | None = None) -> None:
@@ -113,10 +119,15 @@ class TrainerService:
         return out
 
     def export_hf(self, out_dir: str) -> None:
-        """Stream the HF tensors of every pipeline stage into one Hugging Face folder."""
-        from mlrl.trainer.rank.checkpointing import export_hf
+        """Stream the HF tensors of every pipeline stage into one Hugging Face folder. With LoRA:
+        the PEFT adapter folder at `out_dir/adapter`, and the merged model (W + s B A) at `out_dir`
+        when checkpoint.export_merged."""
+        from mlrl.trainer.rank.checkpointing import export_hf, export_peft
 
-        export_hf(self.policy, out_dir)
+        if self.policy.lora is None or self.cfg.checkpoint.export_merged:
+            export_hf(self.policy, out_dir)
+        if self.policy.lora is not None:
+            export_peft(self.policy, os.path.join(out_dir, ADAPTER_DIR))
 
 
 def main(argv: list[str] | None = None) -> int:

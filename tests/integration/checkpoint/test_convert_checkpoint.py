@@ -1,6 +1,7 @@
 """tools/convert_checkpoint.py: HF -> Megatron -> HF is bit-exact (SmolLM2-135M across a PP
-change, tiny qwen3_moe at EP2), `--verify` reports the logits gap, and bad inputs fail with one
-line naming the problem before any process starts."""
+change, tiny qwen3_moe at EP2), a LoRA training checkpoint becomes a PEFT adapter folder (and a
+merged model) with the trained policy's logits, `--verify` reports the logits gap, and bad inputs
+fail with one line naming the problem before any process starts."""
 
 import importlib.util
 import json
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from mlrl.modelzoo import resolve_model_dir
@@ -164,3 +166,121 @@ def test_bad_inputs(tool, capsys, tmp_path):
     assert "incomplete" in _error(tool, capsys, "mcore-to-hf", "--ckpt", str(partial), "--out", out)
     assert "--max-shard-size" in _error(tool, capsys, "mcore-to-hf", "--ckpt", str(partial), "--out", out,
                                         "--max-shard-size", "lots")
+
+
+# ---- LoRA checkpoints: a PEFT adapter folder, optionally the merged model ------------------------
+LORA_WORKER = Path(__file__).with_name("lora_ckpt_worker.py")
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module")
+def lora_work(tmp_path_factory) -> Path:
+    """A LoRA training checkpoint (2 Adam steps, B != 0), a full one, the trained policy's logits."""
+    from trainer_harness import run_torchrun
+
+    work = tmp_path_factory.mktemp("lora-ckpt")
+    t0 = time.perf_counter()
+    (r,), _ = run_torchrun(LORA_WORKER, ["--work", str(work)], 1, timeout=300)
+    print(f"LoRA checkpoint (1 rank, 2 steps) {time.perf_counter() - t0:.1f} s")
+    assert r["moved"] > 1e-3, r  # the adapters changed the model: a lost B would show
+    return work
+
+
+@pytest.fixture(scope="module")
+def lora_converted(lora_work, tmp_path_factory) -> tuple[Path, Path, str]:
+    """(adapter folder, merged folder, stdout) of the tool on the LoRA checkpoint, its own layout."""
+    out = tmp_path_factory.mktemp("lora-out")
+    t0 = time.perf_counter()
+    r = run_tool("mcore-to-hf", "--ckpt", str(lora_work / "lora_ckpt"), "--out", str(out / "adapter"),
+                 "--merged-out", str(out / "merged"), "--verify", "--no-progress")
+    assert r.returncode == 0, r.stderr[-3000:]
+    print(f"LoRA mcore-to-hf (1 rank, PEFT + merged + verify) {time.perf_counter() - t0:.1f} s")
+    return out / "adapter", out / "merged", r.stdout
+
+
+def _gaps(stdout: str) -> dict[str, float]:
+    """'verify ok (what): max |logit difference| X <= tol' lines -> {what: X}."""
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("verify ok")]
+    return {ln.split("(")[1].split(")")[0]: float(ln.split("difference| ")[1].split(" ")[0]) for ln in lines}
+
+
+def _probe_logits(model) -> torch.Tensor:
+    """The HF model's logits [S, V] on the conversion's probe batch, one sample at a time."""
+    from mlrl.trainer.rank.conversion import probe_micro_batch
+
+    vocab = json.loads((resolve_model_dir("builtin:tiny-llama") / "config.json").read_text())["vocab_size"]
+    mb = probe_micro_batch(vocab)
+    cu = mb.cu_seqlens.tolist()
+    with torch.no_grad():
+        return torch.cat([model(mb.tokens[a:b][None]).logits[0].float() for a, b in zip(cu[:-1], cu[1:])])
+
+
+def test_lora_checkpoint_to_peft_adapter_and_merged_model(lora_work, lora_converted):
+    """The PEFT folder loads in peft on the base and gives the trained policy's logits; the merged
+    folder loads in transformers alone and gives the same."""
+    import transformers
+    from peft import PeftModel
+
+    adapter, merged, stdout = lora_converted
+    assert sorted(f.name for f in adapter.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    conf = json.loads((adapter / "adapter_config.json").read_text())
+    assert (conf["r"], conf["lora_alpha"], sorted(conf["target_modules"])) == (8, 16.0, sorted(LORA_TARGETS))
+    gaps = _gaps(stdout)
+    assert sorted(gaps) == ["PEFT adapter on the base", "merged model"], stdout
+    assert max(gaps.values()) <= 1e-5, gaps
+    assert (merged / "config.json").is_file() and list(merged.glob("*.safetensors"))
+
+    want = torch.load(lora_work / "lora_logits.pt")  # the training policy, before its checkpoint was converted
+    base = transformers.AutoModelForCausalLM.from_pretrained(resolve_model_dir("builtin:tiny-llama"),
+                                                             dtype=torch.float32)
+    peft_logits = _probe_logits(PeftModel.from_pretrained(base, str(adapter)).eval())
+    merged_logits = _probe_logits(transformers.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval())
+    assert float((peft_logits - want).abs().max()) <= 1e-5
+    assert float((merged_logits - peft_logits).abs().max()) <= 1e-5
+
+
+def _moved_base(lora_work: Path, tmp_path: Path) -> Path:
+    """A copy of the LoRA checkpoint whose recorded base folder does not exist (another machine)."""
+    ckpt = tmp_path / "lora_ckpt_elsewhere"
+    shutil.copytree(lora_work / "lora_ckpt", ckpt)
+    meta = json.loads((ckpt / "mlrl_checkpoint.json").read_text())
+    (ckpt / "mlrl_checkpoint.json").write_text(json.dumps({**meta, "base_hf_dir": str(tmp_path / "gone" / "tiny")}))
+    return ckpt
+
+
+def test_lora_checkpoint_on_tp2_with_base_override(lora_work, lora_converted, tmp_path):
+    """A TP1 LoRA checkpoint converted on 2 ranks (Megatron reshards the adapters), its base given
+    as --base builtin:<name>: the same adapter tensors."""
+    ckpt = _moved_base(lora_work, tmp_path)
+    t0 = time.perf_counter()
+    r = run_tool("mcore-to-hf", "--ckpt", str(ckpt), "--out", str(tmp_path / "adapter"), "--tp", "2",
+                 "--base", "builtin:tiny-llama", "--verify", "--no-progress")
+    assert r.returncode == 0, r.stderr[-3000:]
+    print(f"LoRA mcore-to-hf (tp2, PEFT + verify) {time.perf_counter() - t0:.1f} s")
+    assert "world=2" in r.stdout
+    assert _gaps(r.stdout)["PEFT adapter on the base"] <= 1e-5
+    got, want = _tensors(tmp_path / "adapter"), _tensors(lora_converted[0])
+    assert sorted(got) == sorted(want) and all(got[n].equal(want[n]) for n in want)
+
+
+def test_lora_bad_inputs(tool, capsys, lora_work, wide_model, tmp_path):
+    full, lora = str(lora_work / "full_ckpt"), str(lora_work / "lora_ckpt")
+    out, merged = str(tmp_path / "out"), str(tmp_path / "merged")
+    tiny = "builtin:tiny-llama"
+    msg = _error(tool, capsys, "mcore-to-hf", "--ckpt", full, "--out", out, "--merged-out", merged)
+    assert "--merged-out applies to LoRA checkpoints only" in msg, msg
+    msg = _error(tool, capsys, "mcore-to-hf", "--ckpt", full, "--out", out, "--base", tiny)
+    assert "--base applies to LoRA checkpoints only" in msg, msg
+    elsewhere = _moved_base(lora_work, tmp_path)
+    msg = _error(tool, capsys, "mcore-to-hf", "--ckpt", str(elsewhere), "--out", out)
+    assert "--base" in msg and str(tmp_path / "gone" / "tiny") in msg and "does not exist" in msg, msg
+    msg = _error(tool, capsys, "mcore-to-hf", "--ckpt", lora, "--out", out, "--base", str(tmp_path / "nope"))
+    assert msg.endswith(f"--base {tmp_path / 'nope'}: does not exist"), msg
+    msg = _error(tool, capsys, "mcore-to-hf", "--ckpt", lora, "--out", out, "--base", str(wide_model))
+    assert "--base" in msg and "not the architecture" in msg and "hidden_size" in msg, msg
+    msg = _error(tool, capsys, "mcore-to-hf", "--ckpt", lora, "--out", out, "--merged-out", out)
+    assert "--merged-out" in msg and "same folder as --out" in msg, msg
+    (tmp_path / "merged").mkdir()
+    (tmp_path / "merged" / "x").write_text("x")
+    msg = _error(tool, capsys, "mcore-to-hf", "--ckpt", lora, "--out", out, "--merged-out", merged)
+    assert msg.endswith(f"--merged-out {merged}: exists and is not empty (pass --force to replace it)"), msg

@@ -95,6 +95,7 @@ def reference_phase(ph: LoRAPhase, tmp: Path) -> tuple[dict, dict]:
     base = ph.plain()
     l0, lb = logits(p, mbs), logits(base, mbs)
     res["b0_identical"] = all(torch.equal(x, y) for x, y in zip(l0, lb))
+    res["b0_err"] = max_diff(l0, lb)  # GPU: the LoRA policy's unfused TE norms vs the fused base kernels
     res["trainable"] = sorted({n.split(".")[-1] for m in p.model for n, q in m.named_parameters() if q.requires_grad})
     res["n_frozen_with_grad"] = sum(int(q.requires_grad) for q in p.lora.base)
     before = base_tensors(p)
@@ -117,6 +118,7 @@ def reference_phase(ph: LoRAPhase, tmp: Path) -> tuple[dict, dict]:
         ref_lp = p.compute_logprobs(mbs, 1.0)
     base_lp = base.compute_logprobs(mbs, 1.0)
     res["disabled_equals_base"] = all(torch.equal(x[0], y[0]) for x, y in zip(ref_lp, base_lp))
+    res["disabled_err"] = max(float((x[0] - y[0]).abs().max()) for x, y in zip(ref_lp, base_lp))
 
     # merged export -> a plain policy: same logits as the adapters
     export_hf(p, tmp / "merged", dtype=None)

@@ -239,6 +239,74 @@ def test_bad_config_fails_with_clear_message(overrides, message):
     assert "\n" not in str(ei.value)
 
 
+LORA_VALID = "valid names: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, all-linear"
+MOE = "model.hf_dir=builtin:tiny-qwen3-moe"
+BAD_LORA = [
+    (
+        ["model.lora.target_modules=[q_proj,foo]"],
+        f"model.lora.target_modules: unknown target module 'foo'; {LORA_VALID}",
+    ),
+    (["model.lora.target_modules=[]"], f"model.lora.target_modules: an empty list; {LORA_VALID}"),
+    (["model.lora.rank=0"], "model.lora.rank: got 0, expected > 0"),
+    (["model.lora.rank=-8"], "model.lora.rank: got -8, expected > 0"),
+    (["model.lora.alpha=0"], "model.lora.alpha: got 0.0, expected > 0"),
+    (["model.lora.rank=16", "model.lora.alpha=-32"], "model.lora.alpha: got -32.0, expected > 0"),
+    (["model.lora.dropout=1"], "model.lora.dropout: got 1.0, expected in [0, 1)"),
+    (["model.lora.dropout=-0.1"], "model.lora.dropout: got -0.1, expected in [0, 1)"),
+    (["weight_sync.lora_mode=adapter"], "weight_sync.lora_mode='adapter' needs model.lora (LoRA is off)"),
+    (
+        ["model.lora.rank=16", "weight_sync.lora_mode=adapter", "weight_sync.transport=broadcast"],
+        "weight_sync.lora_mode=adapter hands the engines a PEFT adapter folder under weight_sync.disk_dir: set "
+        "weight_sync.transport=disk (got 'broadcast')",
+    ),
+    (["checkpoint.export_merged=false"], "checkpoint.export_merged=false applies to LoRA runs only"),
+    (  # all-linear on experts: every MLP target is named
+        [MOE, "model.lora.rank=8"],
+        "model.lora.target_modules: gate_proj, up_proj, down_proj on a MoE model (experts) is not supported yet",
+    ),
+    ([MOE, "model.lora.target_modules=[q_proj,down_proj]"], "model.lora.target_modules: down_proj on a MoE model"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD_LORA, ids=["-".join(b[0]) for b in BAD_LORA])
+def test_bad_lora_config_fails_naming_the_field(overrides, message):
+    with pytest.raises(ConfigError) as ei:
+        validate(load_config(DEFAULT, overrides), has_cuda=False)
+    assert message in str(ei.value)
+    assert "\n" not in str(ei.value)
+
+
+def test_lora_rank_override_turns_lora_on_with_defaults():
+    assert load_config(DEFAULT).model.lora is None                        # off unless asked for
+    cfg = load_config(DEFAULT, ["model.lora.rank=16"])
+    lora = cfg.model.lora
+    assert (lora.rank, lora.alpha, lora.dropout, lora.target_modules) == (16, 32.0, 0.0, ["all-linear"])
+    assert lora.targets == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    assert lora.scaling == 2.0
+    validate(cfg, has_cuda=False)
+    assert config_from_yaml(dump_yaml(cfg)) == cfg                         # trainer ranks receive it so
+    # the LoRA-only options are accepted once LoRA is on
+    lora_only = ["checkpoint.export_merged=false", "weight_sync.lora_mode=adapter", "weight_sync.transport=disk"]
+    validate(load_config(DEFAULT, ["model.lora.rank=16", *lora_only]), has_cuda=False)
+
+
+def test_lora_on_moe_model_adapts_attention_only():
+    cfg = load_config(DEFAULT, [MOE, "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]"])
+    validate(cfg, has_cuda=False)
+    assert cfg.model.lora.targets == ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def test_cli_unknown_lora_target_exit_code():
+    out = subprocess.run(
+        [sys.executable, "-m", "mlrl.launch", "model.lora.target_modules=[q_proj,foo]", "--print-config"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert out.returncode == 2
+    assert out.stderr.strip() == f"config error: model.lora.target_modules: unknown target module 'foo'; {LORA_VALID}"
+
+
 def test_missing_config_file_and_bad_override():
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("/nope.yaml")

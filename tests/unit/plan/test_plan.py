@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mlrl.config import load_config, validate
+from mlrl.config import load_config, resolve_layout, validate
 from mlrl.modelzoo import PRESETS
 from mlrl.plan import format_plan, make_plan, trainer_rank
 from mlrl.plan import memory as mem
@@ -31,6 +31,13 @@ NORMS_8B = 2 * 4096 + 2 * 128                                # 2 RMSNorms + Qwen
 def plan_for(recipe, *overrides):
     cfg = load_config(recipe, list(overrides))
     return make_plan(cfg, validate(cfg, dry_run=True))
+
+
+def lora_plan(recipe, *overrides):
+    """A plan built from the planner's inputs directly (load_config + resolve_layout): the LoRA rules
+    of `validate` are tested in tests/unit/config."""
+    cfg = load_config(recipe, list(overrides))
+    return make_plan(cfg, resolve_layout(cfg))
 
 
 def run_cli(*args):
@@ -115,6 +122,101 @@ def test_critic_that_does_not_fit_is_exit_code_3(capsys):
     assert "needs 89.6 GiB > cluster.gpu_memory_gb=80" in out.stderr and "the critic adds 22.5 GiB" in out.stderr
     # and a layout with tp=4 halves both models: fits again
     assert run_main(capsys, "--config", str(QWEN8B), "--dry-run", *CRITIC, "parallel.tp=4").returncode == 0
+
+
+# LoRA on Qwen3-8B, peft's A [r, in] + B [out, r] per module and layer, written out module by module
+LORA_8B = (
+    (4096 + 4096) + 2 * (4096 + 1024) + (4096 + 4096)      # q, k, v (in h, out q / kv), o (in q, out h)
+    + 2 * (4096 + 12288) + (12288 + 4096)                  # gate, up (in h, out f), down (in f, out h)
+)
+# per TP rank of tp=2: column-parallel q/k/v/gate/up split B's out, row-parallel o/down split A's in
+LORA_8B_TP2 = (
+    (4096 + 4096 // 2) + 2 * (4096 + 1024 // 2) + (4096 // 2 + 4096)
+    + 2 * (4096 + 12288 // 2) + (12288 // 2 + 4096)
+)
+
+
+def test_lora_adapter_params_closed_form():
+    from mlrl.config.schema import LORA_TARGETS
+
+    s = model_shape(PRESETS["Qwen/Qwen3-8B"], "8b")
+    assert s.lora_params(16, LORA_TARGETS) == 36 * 16 * LORA_8B == 43_646_976     # what peft prints for Qwen3-8B
+    assert s.lora_params(16, ("q_proj", "v_proj")) == 36 * 16 * ((4096 + 4096) + (4096 + 1024))
+    plan = lora_plan(QWEN8B, "model.lora.rank=16")                                 # tp=2 dp=32
+    assert plan.stage_params[0].adapter == 36 * 16 * LORA_8B_TP2 == 30_081_024
+    assert "LoRA on: rank 16, alpha 32, targets q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; " \
+        "43.65 M adapter parameters" in format_plan(plan)
+
+
+def test_lora_frozen_base_keeps_params_trains_adapters_only():
+    full = plan_for(QWEN8B)                                     # tp=2, dp=32, bf16, Adam, distributed optimizer
+    lora = lora_plan(QWEN8B, "model.lora.rank=16")
+    n = 36 * 16 * LORA_8B_TP2
+    pf, pl = full.stage_params[0], lora.stage_params[0]
+    assert (pl.dense, pl.expert, pl.linear) == (pf.dense, pf.expert, pf.linear)   # the base, whole, on every GPU
+    mf, ml = full.trainer_memory[0], lora.trainer_memory[0]
+    assert ml.params == mf.params + 2 * n                       # base resident (bf16) + the bf16 adapters
+    assert ml.grads == 4 * n                                    # fp32 main grads of the adapters only
+    assert ml.optimizer == pytest.approx(12 * n / 32)           # fp32 master + Adam m, v of the adapters, over dp
+    assert (mf.grads + mf.optimizer) / (ml.grads + ml.optimizer) >= 10     # ~140x here
+    assert ml.total < mf.total - 16 * GIB
+    # colocated: generation keeps the base and the adapters resident; training holds the smaller LoRA total
+    e = lora.engine_memory
+    (tf, gf), (tl, gl) = mem.colocated_phases(mf, e), mem.colocated_phases(ml, e)
+    assert gl - gf == 2 * n
+    assert tl == ml.total + mem.CUDA_RUNTIME_GIB * GIB and tf - tl > 16 * GIB
+    # KL against the reference: a second copy of the weights, except under LoRA (the base, adapters off)
+    assert plan_for(QWEN8B, "algorithm.kl_coef=0.01").trainer_memory[0].reference == mf.params
+    assert lora_plan(QWEN8B, "model.lora.rank=16", "algorithm.kl_coef=0.01").trainer_memory[0].reference == 0
+
+
+def test_lora_estimate_grows_with_rank():
+    small, large = (lora_plan(QWEN8B, f"model.lora.rank={r}") for r in (8, 64))
+    assert large.stage_params[0].adapter == 8 * small.stage_params[0].adapter
+    ms, ml = small.trainer_memory[0], large.trainer_memory[0]
+    for part in ("params", "grads", "optimizer", "activations"):
+        assert getattr(ml, part) > getattr(ms, part), part
+    assert ml.total > ms.total
+
+
+def test_lora_activation_terms():
+    from mlrl.config.schema import LoRAConfig
+
+    s = model_shape(PRESETS["Qwen/Qwen3-8B"], "8b")
+    kw = dict(act_bytes=2, tp=2, sp=True)
+    # h = A x per module: r on the 5 column-parallel modules, r / t on the 2 row-parallel ones with SP
+    assert mem.lora_activation_bytes(s, 0, LoRAConfig(rank=16), **kw) == 5 * 16 * 2 + 2 * 16 * 2 / 2
+    # dropout: a dropped copy (B) and mask (1 byte) of each adapted linear's input, sharded over tp with SP
+    drop = mem.lora_activation_bytes(s, 0, LoRAConfig(rank=16, dropout=0.1), **kw)
+    assert drop - 192 == (2 + 1) * (4096 + 4096 + 4096 + 12288) / 2      # qkv, proj, fc1, fc2 inputs
+    attn = LoRAConfig(rank=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    assert mem.lora_activation_bytes(s, 0, attn, **kw) == 3 * 16 * 2 + 16 * 2 / 2
+
+
+def test_lora_on_moe_model_trains_attention_adapters_only():
+    plan = lora_plan(QWEN30B, "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]")   # tp=2 pp=2 dp=16 edp=4
+    per_layer = 16 * ((2048 + 4096 // 2) + 2 * (2048 + 512 // 2) + (4096 // 2 + 2048))       # h 2048, q 4096, kv 512
+    p0, m0 = plan.stage_params[0], plan.trainer_memory[0]
+    assert p0.adapter == 24 * per_layer
+    assert m0.grads == 4 * p0.adapter and m0.optimizer == pytest.approx(12 * p0.adapter / 16)  # no expert state
+    assert m0.fp8_weights == p0.linear > 0                      # TE's FP8 cache of the frozen base linears stays
+
+
+def test_lora_adapter_mode_engines_hold_two_lora_slots():
+    adapter = ("weight_sync.lora_mode=adapter", "weight_sync.transport=disk")
+    merged = lora_plan(QWEN8B, "model.lora.rank=16").engine_memory
+    assert merged.lora == 0                                           # merged weights: vLLM runs without LoRA
+    # vLLM fills every linear it supports, whatever the targets: attention-only adapters cost all-linear slots
+    e = lora_plan(QWEN8B, "model.lora.target_modules=[q_proj,v_proj]", *adapter).engine_memory
+    assert e.lora == 2 * 36 * 16 * LORA_8B_TP2 * 2                    # 2 slots, engine_tp=2, bf16
+    assert e.kv_cache == merged.kv_cache - e.lora
+    # rank 20 is served at vLLM's next --max-lora-rank, 32
+    assert lora_plan(QWEN8B, "model.lora.rank=20", *adapter).engine_memory.lora == 2 * e.lora
+    # MoE: a slot on each of the 128 routed experts too (gate, up, down at engine_tp=2), ~2.7 GiB per GPU
+    moe = lora_plan(QWEN30B, "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]", *adapter).engine_memory
+    attn = 16 * ((2048 + 4096 // 2) + 2 * (2048 + 512 // 2) + (4096 // 2 + 2048))
+    experts = 128 * 16 * (3 * 2048 + 3 * 768 // 2)
+    assert moe.lora == 2 * 48 * (attn + experts) * 2
 
 
 def test_moe_expert_sharding_and_expert_dp():
@@ -235,6 +337,14 @@ def test_cli_colocated_two_nodes(capsys):
     assert out.returncode == 0, out.stderr
     assert "node   1 GPU 7  trainer rank   15  tp1 cp0 dp7 pp0  +  engine   7 tp-rank 1" in out.stdout
     assert "colocated GPU, pp stage 0: training phase" in out.stdout
+
+
+def test_cli_lora_dry_run(capsys):
+    out = run_main(capsys, "--config", str(QWEN8B), "--dry-run", "model.lora.rank=16")
+    assert out.returncode == 0, out.stderr
+    assert "LoRA on: rank 16, alpha 32" in out.stdout and "43.65 M adapter parameters" in out.stdout
+    assert "4.13 B parameters (30.08 M of them LoRA adapters) per GPU" in out.stdout
+    assert "params 7.68 + grads 0.11 + optimizer 0.01" in out.stdout      # vs params 7.63 + grads 15.26 + opt. 1.43
 
 
 def test_cli_does_not_fit_reports_gpu_role_and_excess():

@@ -1,0 +1,93 @@
+"""`AdapterWeightSync` (weight_sync.lora_mode=adapter): only the LoRA adapters travel; the engines
+serve them through vLLM's own LoRA support.
+
+The engines are started with `--enable-lora` (mlrl.rollout.server, `ServerSpec.lora_rank`). One
+sync of version v, inside the usual `WeightSync.sync` (pause, verify, canary, commit, resume):
+    trainer ranks   each pipeline stage's sender writes its adapters (peft names, checksummed
+                    safetensors shards + a `.done` record) under <disk_dir>/v<v>/parts: the disk
+                    transport's send, with `PushRequest.content="adapters"`
+    driver          reads every sender's shards back, checking each tensor's checksum and each
+                    sender's digest, and writes ONE PEFT folder <disk_dir>/v<v>/adapter
+                    (adapter_config.json + adapter_model.safetensors: what vLLM and peft load)
+    engines         `POST /v1/load_lora_adapter {lora_name: "mlrl-lora-v<v>", lora_path}`; the
+                    engine's weight version becomes v; its client names the new adapter in every
+                    request from then on (`EngineClient.model`); the adapter two versions back is
+                    unloaded (the one before stays: requests that ran on it may still finish)
+The worker reports that `verify_reports` compares with the senders' are the driver's read-back of
+the shards (the engines load the folder themselves: there is no worker-side stream to count);
+that the engines serve exactly the trainer's adapter is what the canary checks, with the request
+naming the new adapter.
+
+Versioned adapter names, not `load_inplace`: vLLM keys prefix-cache blocks by adapter, so a new
+name can never reuse KV computed under the previous adapter, and a request is served by exactly
+the adapter it names. Loading takes ~10 ms on CPU (measured: tiny Llama, SmolLM2-135M r16).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+from typing import Any, Sequence
+
+from mlrl.checkpoint.peft_export import write_peft_adapter
+from mlrl.config.schema import LoRAConfig, WeightSyncConfig
+from mlrl.interfaces import EngineHandle, RolloutPool
+from mlrl.weight_sync.source import PushRequest, WeightSource
+from mlrl.weight_sync.sync import SyncSetup
+from mlrl.weight_sync.transports import DiskWeightSync, _check_senders, receive_disk
+
+ADAPTER_PREFIX = "mlrl-lora"
+
+
+def adapter_name(version: int) -> str:
+    return f"{ADAPTER_PREFIX}-v{version}"
+
+
+class AdapterWeightSync(DiskWeightSync):
+    """LoRA adapters as PEFT folders loaded by vLLM (see the module docstring)."""
+
+    transport = "disk"
+
+    def __init__(self, cfg: WeightSyncConfig, pool: RolloutPool, source: WeightSource, setup: SyncSetup, *,
+                 lora: LoRAConfig) -> None:
+        super().__init__(cfg, pool, source, setup)
+        self.lora = lora
+        self.loaded: dict[tuple[str, int], list[str]] = {}  # (engine, incarnation) -> adapters it holds, oldest first
+
+    async def _transfer(self, version: int, engines: Sequence[EngineHandle]):
+        out = self.root / f"v{version:08d}"
+        if out.exists():
+            shutil.rmtree(out)  # a retry or a re-sync of the same version starts from a clean folder
+        parts = out / "parts"
+        req = PushRequest(self.transport, version, self.bucket_bytes, self.cfg.verify_checksums,
+                          disk_dir=str(parts), content="adapters")
+        senders = _check_senders(await asyncio.to_thread(self.source.push, req), self.source.num_senders)
+        folder, streams = await asyncio.to_thread(self._assemble, parts, out / "adapter")
+        name = adapter_name(version)
+
+        async def load(e: EngineHandle) -> list[dict[str, Any]]:
+            held = self.loaded.setdefault((e.name, e.incarnation), [])  # a restarted engine holds none
+            await e.client.load_lora_adapter(name, str(folder))  # in place if a retry already loaded this name
+            if name not in held:
+                held.append(name)
+            await e.client.set_weight_version(version)
+            e.client.model = name
+            while len(held) > 2:
+                await e.client.unload_lora_adapter(held.pop(0))
+            return [{"version": version, "worker": "driver", "streams": streams}]
+
+        reports = list(await asyncio.gather(*(load(e) for e in engines)))
+        for old in self.root.glob("v*"):
+            if old != out and old.is_dir() and old.name < f"v{version - 1:08d}":
+                shutil.rmtree(old, ignore_errors=True)  # the previous version's folder stays while it is loaded
+        return senders, reports
+
+    def _assemble(self, parts: Path, folder: Path) -> tuple[Path, list[dict[str, Any]]]:
+        tensors: dict[str, Any] = {}
+
+        def apply(bucket):
+            tensors.update(bucket)
+
+        streams = receive_disk(parts, self.source.num_senders, apply, verify=self.cfg.verify_checksums)
+        return write_peft_adapter(folder, tensors, self.lora, base_model=str(self.setup.model_dir)), streams
