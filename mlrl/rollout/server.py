@@ -80,7 +80,7 @@ class ServerSpec:
     extra_args: list[str] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
     seed: int = 0
-    lora_rank: int | None = None  # serve LoRA adapters up to this rank, loaded at runtime (weight_sync.lora_mode=adapter)
+    lora_rank: int | None = None  # serve LoRA adapters up to this rank, loaded at runtime (lora_mode=adapter)
     command: list[str] | None = (
         None  # replaces the vLLM command ("{host}", "{port}" substituted): tests, custom launchers
     )
