@@ -105,6 +105,7 @@ class ServerSpec:
 
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks
+MAX_LORAS = 2  # --max-loras: the newest adapter version and the one before it
 
 
 def vllm_lora_rank(rank: int) -> int:
@@ -151,7 +152,7 @@ def server_command(spec: ServerSpec, port: int) -> list[str]:
     if spec.lora_rank:
         # two adapter slots: the newest version and the one before it (requests already running
         # on it finish while the newest loads); vLLM accepts only certain max ranks
-        cmd += ["--enable-lora", "--max-lora-rank", str(vllm_lora_rank(spec.lora_rank)), "--max-loras", "2"]
+        cmd += ["--enable-lora", "--max-lora-rank", str(vllm_lora_rank(spec.lora_rank)), "--max-loras", str(MAX_LORAS)]
     if _on_gpu():
         cmd += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
     elif spec.engine_tp == 1:

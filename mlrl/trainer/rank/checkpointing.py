@@ -149,8 +149,9 @@ def check_loadable(policy, meta: dict[str, Any], *, load_optimizer: bool) -> Non
                               f"{'the LM head' if saved_role == 'policy' else 'a value head'}), the model being loaded "
                               f"is a {_role(policy)}: load a {_role(policy)} checkpoint into it")
     saved_lora, lora = meta.get("lora"), _lora_meta(policy)
-    if saved_lora is not None:
-        saved_lora = {k: saved_lora[k] for k in ("rank", "alpha", "targets")}
+    # what the adapters ARE (dropout and init only shaped their training)
+    saved_lora, lora = ({k: m[k] for k in ("rank", "alpha", "targets")} if m is not None else None
+                        for m in (saved_lora, lora))
     if saved_lora != lora:
         def shown(m):
             return "no LoRA (full weights)" if m is None else \
@@ -246,7 +247,8 @@ def _is_adapter(name: str) -> bool:
 def _lora_meta(policy) -> Optional[dict[str, Any]]:
     lora = _lora(policy)
     return None if lora is None else {"rank": lora.cfg.rank, "alpha": lora.cfg.alpha,
-                                      "targets": list(lora.cfg.targets)}
+                                      "targets": list(lora.cfg.targets), "dropout": lora.cfg.dropout,
+                                      "init": lora.cfg.init}
 
 
 def lora_meta_base(meta: dict[str, Any]) -> Optional[str]:

@@ -150,7 +150,8 @@ def lora_policy_from_checkpoint(path: str | Path, base: str | Path, cfg, layout,
     from mlrl.config.schema import LoRAConfig
     from mlrl.trainer.rank.policy import MegatronPolicy
 
-    cfg.model.lora = LoRAConfig(rank=lora["rank"], alpha=lora["alpha"], target_modules=list(lora["targets"]))
+    cfg.model.lora = LoRAConfig(rank=lora["rank"], alpha=lora["alpha"], target_modules=list(lora["targets"]),
+                                dropout=lora.get("dropout", 0.0), init=lora.get("init", "kaiming"))
     policy = MegatronPolicy(cfg.model, cfg.parallel, cfg.trainer, layout, hf_dir=base, trainable=False)
     ckpt.load_checkpoint(policy, path, load_optimizer=False)
     return policy

@@ -431,3 +431,10 @@ def test_smollm2_cpu_recipe_matches_its_task():
     assert cfg.model.hf_dir == "builtin:smollm2-135m-instruct" and cfg.cluster.gpus_per_node == 0
     task = cfg.data.train.removeprefix("synthetic:")
     assert TASKS[task].reward == cfg.workflow.reward and cfg.workflow.reward in list_rewards()
+
+
+def test_engine_lora_slots_are_the_servers():
+    from mlrl.plan.memory import ENGINE_LORA_SLOTS
+    from mlrl.rollout.server import MAX_LORAS
+
+    assert ENGINE_LORA_SLOTS == MAX_LORAS  # the planner counts the slots the engines are started with
