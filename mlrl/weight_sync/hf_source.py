@@ -2,7 +2,9 @@
 
 It implements both levels of mlrl.weight_sync.source in one process (tests, the benchmark, and
 any trainer that holds an HF-layout model): one sender, its parameters named exactly as in the
-HF checkpoint (tied weights sent once).
+HF checkpoint (tied weights sent once). A peft LoRA model also answers PushRequest.content=
+"adapters" (its adapter tensors, peft-named as in adapter_model.safetensors), and its canary
+logprobs are those of the adapted model.
 """
 
 from __future__ import annotations
@@ -45,8 +47,20 @@ class HFWeightSource:
     def iter_buckets(self, bucket_bytes: int) -> Iterator[NamedTensors]:
         return bucketize(self.named_tensors(), bucket_bytes)
 
+    def adapter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """A peft model's LoRA adapters, named as peft saves them (get_peft_model_state_dict)."""
+        from peft import get_peft_model_state_dict
+
+        yield from get_peft_model_state_dict(self.model).items()
+
     def push(self, request: PushRequest) -> list[SendReport]:
-        rep = push_from_rank(request, self.iter_buckets, 0)
+        req = PushRequest.from_json(request)
+        if req.content == "adapters":
+            def buckets(bucket_bytes: int) -> Iterator[NamedTensors]:
+                return bucketize(self.adapter_tensors(), bucket_bytes)
+        else:
+            buckets = self.iter_buckets
+        rep = push_from_rank(req, buckets, 0)
         return [rep] if rep is not None else []
 
     @torch.no_grad()

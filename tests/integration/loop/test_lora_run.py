@@ -7,7 +7,8 @@ transport into a plain engine; checkpoint (adapters + optimizer) and HF export (
 PEFT adapter folder) at the end.
 Run B: resumes A's checkpoint with weight_sync.lora_mode=adapter: the engine starts with
 --enable-lora and serves each new adapter version through vLLM's LoRA support; only the adapter
-crosses (a PEFT folder per version).
+crosses (a PEFT folder per version); its export is the adapter folder only
+(checkpoint.export_merged=false).
 Asserted in both: the canary after every sync and the train/rollout logprob gap <= 1e-3 (the
 engine serves exactly the trainer's policy), and B's sync moves < 5% of A's bytes.
 """
@@ -44,7 +45,8 @@ def runs(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("lora") / "run"
     _launch(run_dir, "trainer.total_steps=2")
     a = _metrics(run_dir)
-    _launch(run_dir, "trainer.total_steps=4", "weight_sync.lora_mode=adapter", "weight_sync.transport=disk")
+    _launch(run_dir, "trainer.total_steps=4", "weight_sync.lora_mode=adapter", "weight_sync.transport=disk",
+            "checkpoint.export_merged=false")
     return run_dir, a, _metrics(run_dir)[len(a):]
 
 
@@ -71,10 +73,14 @@ def test_the_policy_moves_away_from_the_reference(runs):
 
 def test_exports_and_checkpoints(runs):
     run_dir, _, _ = runs
+    for step in (2, 4):
+        export = run_dir / "hf" / f"step_{step:06d}"
+        assert (export / "adapter" / "adapter_config.json").is_file()
+        assert (export / "adapter" / "adapter_model.safetensors").is_file()
+    # checkpoint.export_merged: A (true) wrote the merged model beside the adapter, B (false) did not
+    assert (run_dir / "hf" / "step_000002" / "config.json").is_file()
+    assert not (run_dir / "hf" / "step_000004" / "config.json").exists()
     export = run_dir / "hf" / "step_000004"
-    assert (export / "adapter" / "adapter_config.json").is_file()
-    assert (export / "adapter" / "adapter_model.safetensors").is_file()
-    assert (export / "config.json").is_file()  # the merged model beside it (checkpoint.export_merged)
     cfg = json.loads((export / "adapter" / "adapter_config.json").read_text())
     assert cfg["r"] == 8 and cfg["lora_alpha"] == 16 and sorted(cfg["target_modules"]) == sorted(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])

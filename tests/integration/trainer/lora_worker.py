@@ -155,6 +155,27 @@ def reference_phase(ph: LoRAPhase, tmp: Path) -> tuple[dict, dict]:
     return res, sgd_run(ph, mbs)
 
 
+def knobs_phase(ph: LoRAPhase) -> dict:
+    """Every model.lora field changes what one SGD update does (same data, same seed)."""
+    mbs = make_step(ph.vocab, n_samples=6, n_micro=2, seed=7)
+
+    def one_step(**lora) -> tuple[list[torch.Tensor], list[str]]:
+        p = ph.lora_policy(optimizer="sgd", lr=SGD_LR, **lora)
+        before = logits(p, mbs)
+        p.train_step(ph.mine(mbs), pg_loss)
+        names = sorted({a.spec.module for a in p.lora.adapters()})
+        return [x - y for x, y in zip(logits(p, mbs), before)], names
+
+    base, names = one_step()
+    res = {"all_linear": names}
+    for key, value in (("alpha", 64.0), ("init", "gaussian"), ("dropout", 0.5), ("target_modules", ["q_proj"])):
+        moved, names = one_step(**{key: value})
+        res[key] = {"diff_vs_default": max_diff(moved, base), "moved": max(float(m.abs().max()) for m in moved),
+                    "names": names}
+    res["default_moved"] = max(float(m.abs().max()) for m in base)
+    return res
+
+
 def sgd_run(ph: LoRAPhase, mbs) -> dict:
     """The same initial adapters, two SGD updates: logits before / after, merged gap."""
     p = ph.lora_policy(optimizer="sgd", lr=SGD_LR)
@@ -197,6 +218,7 @@ def main() -> None:
         dist.barrier()
         results["ref"], ref = reference_phase(ph, tmp)
         results["ref"]["sgd_losses"] = ref["losses"]
+        results["knobs"] = knobs_phase(ph)
         for name in filter(None, args.layouts.split(",")):
             results[name] = layout_phase(LoRAPhase("tiny-llama", name), ref, tmp)
     except Exception:

@@ -71,3 +71,14 @@ def test_layouts_match_the_reference(ranks, layout):
         assert got["after_err"] <= 1e-4, got
         for a, b in zip(got["losses"], got["ref_losses"]):
             assert a == pytest.approx(b, rel=1e-4, abs=1e-6)
+
+
+def test_every_lora_field_changes_the_update(ranks):
+    for r in ranks:
+        k = r["knobs"]
+        assert k["all_linear"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+        for key in ("alpha", "init", "dropout", "target_modules"):
+            assert k[key]["diff_vs_default"] > 1e-4, (key, k[key])
+        # B starts at 0: the first update of B scales with alpha / r, the output with its square
+        assert k["alpha"]["moved"] > 2 * k["default_moved"]
+        assert k["target_modules"]["names"] == ["q_proj"]
