@@ -138,7 +138,7 @@ class LoRABranch(torch.nn.Module):
     def hook(self, module, args, kwargs, output):
         if not self.enabled:
             return output
-        x = args[0] if args else kwargs["input_"]
+        x = args[0] if args else next(iter(kwargs.values()))  # input_ (local linears) / x (TE linears)
         out, *rest = output
         return (out + self.delta(x).to(out.dtype), *rest)
 
