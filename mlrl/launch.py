@@ -62,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     from mlrl.run import run
 
     try:
+        if cfg.sft is not None:  # supervised fine-tuning: the trainer alone
+            from mlrl.sft import run_sft
+
+            return run_sft(cfg, layout)
         return run(cfg, layout)
     except ConfigError as e:  # found by the runner's cheap checks (data, devices), before any process starts
         print(f"config error: {e}", file=sys.stderr)

@@ -298,6 +298,23 @@ class CriticConfig(OptimizerConfig):
 
 
 @dataclass
+class SFTConfig:
+    """Supervised fine-tuning instead of RL (`python -m mlrl.launch` with an `sft:` section): the
+    same Megatron policy, trainer ranks and checkpoints; chat rows from data.train (held-out loss on
+    data.eval, every data.eval_every steps), loss on assistant tokens only (token mean over the
+    step). Uses model, parallel, trainer (optimizer and schedule fields, micro_batch_tokens,
+    total_steps = optimizer steps, seed), data, checkpoint, logging and cluster; the RL sections
+    (rollout, weight_sync, algorithm, critic, workflow, eval) and trainer.prompts_per_step /
+    samples_per_prompt / mini_batches_per_step / epochs_per_step must keep their defaults."""
+
+    batch_size: int = 32
+    """Conversations per optimizer step (split over the data-parallel ranks, packed into
+    micro-batches of trainer.micro_batch_tokens)."""
+    max_seq_tokens: int = 1024
+    """Conversations longer than this many tokens are cut (counted in sft/truncated)."""
+
+
+@dataclass
 class EvalConfig:
     samples_per_prompt: int = 1
     """Responses sampled per held-out prompt (k of pass@k)."""
@@ -414,6 +431,8 @@ class Config:
     """The value model: needed by algorithm.advantage=gae (an error without it); with the other
     estimators, which use no values, no critic is built and the section is not used (recipes may
     carry it for gae runs). None = no critic section."""
+    sft: Optional[SFTConfig] = None
+    """Supervised fine-tuning run (None = an RL run): see SFTConfig."""
     data: DataConfig = field(default_factory=DataConfig)
     workflow: WorkflowConfig = field(default_factory=WorkflowConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)

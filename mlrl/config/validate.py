@@ -187,6 +187,39 @@ def _check_lora(cfg: Config, hf: dict[str, Any] | None = None) -> None:
                               "supported yet; adapt the attention only (q_proj, k_proj, v_proj, o_proj)")
 
 
+_SFT_UNUSED = ("rollout", "weight_sync", "algorithm", "workflow", "eval")
+_SFT_UNUSED_TRAINER = ("prompts_per_step", "samples_per_prompt", "mini_batches_per_step", "epochs_per_step")
+
+
+def _check_sft(cfg: Config) -> None:
+    """An SFT run: its own ranges, and no RL setting that it would silently ignore."""
+    import dataclasses
+
+    s = cfg.sft
+    _positive("sft.batch_size", s.batch_size)
+    _positive("sft.max_seq_tokens", s.max_seq_tokens)
+    if s.max_seq_tokens > cfg.trainer.micro_batch_tokens:
+        raise ConfigError(f"sft.max_seq_tokens={s.max_seq_tokens} exceeds trainer.micro_batch_tokens="
+                          f"{cfg.trainer.micro_batch_tokens}: a conversation must fit one micro-batch")
+    if cfg.critic is not None:
+        raise ConfigError("critic: an SFT run (sft: section) trains no value model; remove the critic section")
+    if cfg.cluster.nodes > 1:
+        raise ConfigError(f"cluster.nodes={cfg.cluster.nodes}: SFT runs on one machine (its trainer ranks) for now")
+    default = Config()
+    for section in _SFT_UNUSED:
+        got, want = getattr(cfg, section), getattr(default, section)
+        for f in dataclasses.fields(got):
+            if getattr(got, f.name) != getattr(want, f.name):
+                raise ConfigError(f"{section}.{f.name}: an RL setting; an SFT run (sft: section) does not use it "
+                                  f"(remove it, or remove the sft section for an RL run)")
+    for name in _SFT_UNUSED_TRAINER:
+        if getattr(cfg.trainer, name) != getattr(default.trainer, name):
+            raise ConfigError(f"trainer.{name}: an RL setting; an SFT run takes sft.batch_size conversations per step")
+    if cfg.data.max_prompt_tokens != default.data.max_prompt_tokens:
+        raise ConfigError("data.max_prompt_tokens: an RL setting; an SFT run cuts conversations at "
+                          "sft.max_seq_tokens")
+
+
 def _check_mode(cfg: Config) -> None:
     eta = cfg.rollout.staleness
     if eta > 0 and cfg.algorithm.rollout_is == "none":
@@ -199,7 +232,8 @@ def _check_mode(cfg: Config) -> None:
 def resolve_layout(cfg: Config) -> Layout:
     p, c = cfg.parallel, cfg.cluster
     total = c.nodes * c.gpus_per_node
-    rollout_devices = cfg.rollout.num_engines * cfg.rollout.engine_tp if c.gpus_per_node else 0
+    # an SFT run starts no engines
+    rollout_devices = cfg.rollout.num_engines * cfg.rollout.engine_tp if c.gpus_per_node and cfg.sft is None else 0
     model_par = p.tp * p.pp * p.cp
     devices = c.trainer_devices
     if devices is not None:
@@ -283,6 +317,11 @@ def _check_model(cfg: Config, hf: dict[str, Any], layout: Layout) -> None:
     if cfg.rollout.engine_tp > 1 and heads % cfg.rollout.engine_tp:
         raise ConfigError(f"rollout.engine_tp={cfg.rollout.engine_tp} must divide num_attention_heads={heads}")
     max_len = hf.get("max_position_embeddings")
+    if cfg.sft is not None:
+        if max_len and cfg.sft.max_seq_tokens > max_len:
+            raise ConfigError(f"sft.max_seq_tokens={cfg.sft.max_seq_tokens} exceeds the model's "
+                              f"max_position_embeddings={max_len}")
+        return
     need = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_new_tokens
     if max_len and need > max_len:
         raise ConfigError(
@@ -340,6 +379,8 @@ def validate(cfg: Config, *, has_cuda: bool | None = None, dry_run: bool = False
     if has_cuda is None:
         has_cuda = dry_run or _cuda_available()  # a dry run never needs the local GPU (and skips importing torch)
     _check_ranges(cfg)
+    if cfg.sft is not None:
+        _check_sft(cfg)
     _check_critic(cfg)
     _check_lora(cfg)
     _check_mode(cfg)

@@ -23,7 +23,7 @@ from typing import Any
 from mlrl.data import synthetic
 from mlrl.data.files import find_split_file, read_rows
 from mlrl.data.rows import DatasetError, RLDataset, normalise_rl_row
-from mlrl.data.sft import sft_example
+from mlrl.data.sft import NoAssistantTurn, sft_example
 from mlrl.data.tokenizer import apply_chat_template
 
 Loader = Callable[..., list[dict[str, Any]]]
@@ -59,6 +59,7 @@ class SFTDataset(Sequence):
     split: str = "train"
     skipped: list[str] = field(default_factory=list)
     truncated: int = 0
+    no_assistant: list[str] = field(default_factory=list)  # rows without an assistant turn: always skipped
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -154,10 +155,13 @@ def _build_rl(raw, name, split, skipped, skip_malformed, require_answer, tokeniz
 
 
 def _build_sft(raw, name, split, skipped, skip_malformed, tokenizer, max_length) -> SFTDataset:
-    examples, truncated = [], 0
+    examples, truncated, no_assistant = [], 0, []
     for where, row in raw:
         try:
             ids, mask = sft_example(tokenizer, row, where)
+        except NoAssistantTurn as e:  # nothing to learn from: skipped whatever skip_malformed says
+            no_assistant.append(str(e))
+            continue
         except DatasetError as e:
             if not skip_malformed:
                 raise
@@ -171,8 +175,10 @@ def _build_sft(raw, name, split, skipped, skip_malformed, tokenizer, max_length)
             continue
         examples.append({"input_ids": ids, "loss_mask": mask})
     if not examples:
-        raise DatasetError(f"dataset {name!r} split {split!r}: no usable SFT examples ({len(skipped)} skipped)")
-    return SFTDataset(examples, name=name, split=split, skipped=skipped, truncated=truncated)
+        raise DatasetError(f"dataset {name!r} split {split!r}: no usable SFT examples ({len(skipped)} skipped, "
+                           f"{len(no_assistant)} without an assistant turn)")
+    return SFTDataset(examples, name=name, split=split, skipped=skipped, truncated=truncated,
+                      no_assistant=no_assistant)
 
 
 def dataset_from_config(data: Any, which: str = "train", *, tokenizer: Any = None, seed: int = 0) -> RLDataset:

@@ -17,6 +17,10 @@ from mlrl.data.rows import DatasetError, normalise_messages
 from mlrl.data.tokenizer import apply_chat_template
 
 
+class NoAssistantTurn(DatasetError):
+    """A conversation with nothing to train on (no assistant turn, no answer): skipped and counted."""
+
+
 def tokenize_messages(tokenizer: Any, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
     """(input_ids, loss_mask) of a conversation; the mask covers assistant turns."""
     ids: list[int] = []
@@ -50,7 +54,7 @@ def sft_example(tokenizer: Any, row: dict[str, Any], where: str) -> tuple[list[i
         msgs = normalise_messages(row["messages"], where)
         if not any(m["role"] == "assistant" for m in msgs):
             if row.get("answer") is None:
-                raise DatasetError(f"{where}: an SFT row needs an assistant turn (or an 'answer' to use as one)")
+                raise NoAssistantTurn(f"{where}: an SFT row needs an assistant turn (or an 'answer' to use as one)")
             msgs = msgs + [{"role": "assistant", "content": str(row["answer"])}]
         return tokenize_messages(tokenizer, msgs)
     completion = row.get("completion", row.get("response"))

@@ -43,6 +43,10 @@ class TrainerService:
         if cfg.algorithm.kl_coef > 0 and self.policy.lora is None:  # LoRA: the reference is the base, adapters off
             self.ref = MegatronPolicy(cfg.model, cfg.parallel, cfg.trainer, self.layout, hf_dir=hf_dir, trainable=False)
         self.loss_fn = make_loss_fn(cfg.algorithm)
+        if cfg.sft is not None:  # supervised fine-tuning (mlrl.sft): NLL of the assistant tokens
+            from mlrl.algorithms.sft import sft_loss
+
+            self.loss_fn = sft_loss
         self.critic = None
         if cfg.uses_critic:  # the value model shares the trainer ranks and their parallel layout
             from mlrl.algorithms.value import make_value_loss_fn

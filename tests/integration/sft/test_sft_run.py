@@ -1,0 +1,83 @@
+"""Supervised fine-tuning end to end: `python -m mlrl.launch --config launch/sft_cpu.yaml` (real
+megatron-core ranks, no engines).
+
+Run A: 4 steps straight (TP1). Run B: 2 steps with a checkpoint, then the same command with
+total_steps=4 resumes it: steps 3-4 equal A's bit for bit (weights, optimizer, data position).
+Run C: TP2 (two ranks), 2 steps. Asserted: the SFT loss falls, eval loss is logged, the HF export
+loads in transformers, a data file with a row lacking an assistant turn is trained on the other
+rows with a warning naming the row.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+COMMON = ["--config", "launch/sft_cpu.yaml", "logging.progress_bar=false", "sft.batch_size=32",
+          "data.eval_every=2", "data.num_synthetic=128", "trainer.warmup_steps=1"]
+
+
+def _launch(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "mlrl.launch", *COMMON, f"logging.run_dir={run_dir}", *overrides]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    assert out.returncode == 0, f"launch failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
+    return out
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sft")
+    _launch(root / "a", "trainer.total_steps=4")
+    _launch(root / "b", "trainer.total_steps=2")
+    _launch(root / "b", "trainer.total_steps=4")
+    return root
+
+
+def test_loss_falls_and_eval_is_logged(runs):
+    a = _metrics(runs / "a")
+    assert [r["step"] for r in a] == [1, 2, 3, 4]
+    assert a[-1]["sft/loss"] < a[0]["sft/loss"]
+    assert [r["step"] for r in a if "eval/loss" in r] == [2, 4]
+    assert all(r["sft/loss_tokens"] > 0 for r in a)
+
+
+def test_resume_continues_bit_for_bit(runs):
+    a, b = _metrics(runs / "a"), _metrics(runs / "b")
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for ra, rb in zip(a, b):
+        for k in ("sft/loss", "train/grad_norm", "train/lr", "sft/tokens"):
+            assert ra[k] == rb[k], (ra["step"], k, ra[k], rb[k])
+        if "eval/loss" in ra:
+            assert ra["eval/loss"] == rb["eval/loss"]
+
+
+def test_hf_export_loads_in_transformers(runs):
+    import torch
+    import transformers
+
+    export = runs / "a" / "hf" / "step_000004"
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(str(export))
+    assert tok.chat_template  # the model's chat template travels with the export
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[1, 5, 6]])).logits).all()
+
+
+def test_tp2_and_rows_without_assistant_turn(tmp_path):
+    rows = [{"messages": [{"role": "user", "content": "copy 3"}, {"role": "assistant", "content": "3"}]}] * 8
+    rows.insert(2, {"messages": [{"role": "user", "content": "copy 5"}]})  # nothing to learn from
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = _launch(tmp_path / "run", "trainer.total_steps=2", "parallel.tp=2", f"data.train={data}",
+                  "data.eval=null", "sft.batch_size=4")
+    assert "skipped 1 row(s) without an assistant turn" in out.stderr and "train.jsonl:3" in out.stderr
+    recs = _metrics(tmp_path / "run")
+    assert [r["step"] for r in recs] == [1, 2] and recs[1]["sft/loss"] < recs[0]["sft/loss"]
