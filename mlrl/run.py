@@ -21,7 +21,7 @@ from mlrl.config import Config, ConfigError, Layout, dump_yaml
 from mlrl.data import dataset_from_config
 from mlrl.data.sampler import PromptSampler
 from mlrl.loop import RunContext, train_async, train_sync
-from mlrl.metrics import MetricsLogger, plot_run
+from mlrl.metrics import MetricsLogger
 from mlrl.metrics.timer import timing_table
 from mlrl.modelzoo import resolve_model_dir
 from mlrl.rollout.pool import EnginePool
@@ -196,9 +196,7 @@ async def _run(cfg: Config, layout: Layout) -> int:
         return 0
     finally:
         if logger is not None:
-            logger.close()
-            if cfg.logging.plot and (run_dir / "metrics.jsonl").exists():
-                plot_run(run_dir / "metrics.jsonl", run_dir / "run.png")
+            logger.close(plot=cfg.logging.plot)
         if runner is not None:
             await runner.aclose()
         if weight_sync is not None:

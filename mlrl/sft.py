@@ -28,7 +28,7 @@ from mlrl.data.registry import SFTDataset
 from mlrl.data.rows import DatasetError
 from mlrl.data.sampler import PromptSampler
 from mlrl.experience.packing import pack_step
-from mlrl.metrics import MetricsLogger, plot_run
+from mlrl.metrics import MetricsLogger
 from mlrl.modelzoo import resolve_model_dir
 from mlrl.trainer.driver.client import TrainerClient
 from mlrl.trainer.driver.group import TrainerGroup
@@ -163,9 +163,7 @@ def run_sft(cfg: Config, layout: Layout) -> int:
         return 0
     finally:
         if logger is not None:
-            logger.close()
-            if cfg.logging.plot and (run_dir / "metrics.jsonl").exists():
-                plot_run(run_dir / "metrics.jsonl", run_dir / "run.png")
+            logger.close(plot=cfg.logging.plot)
         if group is not None:
             group.close()
         placement.close()

@@ -92,11 +92,17 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log(rec, step=step)
 
-    def close(self) -> None:
+    def close(self, *, plot: bool = False) -> None:
+        """Flush and close the sinks; `plot` (logging.plot): draw run.png from metrics.jsonl."""
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+        jsonl = Path(self.run_dir) / "metrics.jsonl"
+        if plot and jsonl.exists():
+            from mlrl.metrics.plot import plot_run
+
+            plot_run(jsonl, Path(self.run_dir) / "run.png")
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:

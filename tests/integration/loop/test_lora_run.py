@@ -14,14 +14,11 @@ engine serves exactly the trainer's policy), and B's sync moves < 5% of A's byte
 """
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers.launching import launch, metrics
 
-ROOT = Path(__file__).resolve().parents[3]
 COMMON = [
     "--config", "launch/cpu_default.yaml", "trainer.prompts_per_step=4", "trainer.samples_per_prompt=8",
     "logging.progress_bar=false", "rollout.startup_timeout_s=600", "model.lora.rank=8", "model.lora.alpha=16",
@@ -29,25 +26,18 @@ COMMON = [
 ]
 
 
-def _launch(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "mlrl.launch", *COMMON, f"logging.run_dir={run_dir}", *overrides]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=dict(os.environ))
-    assert out.returncode == 0, f"launch failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
-    return out
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def _launch(run_dir: Path, *overrides: str):
+    return launch(run_dir, *COMMON, *overrides)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("lora") / "run"
     _launch(run_dir, "trainer.total_steps=2")
-    a = _metrics(run_dir)
+    a = metrics(run_dir)
     _launch(run_dir, "trainer.total_steps=4", "weight_sync.lora_mode=adapter", "weight_sync.transport=disk",
             "checkpoint.export_merged=false")
-    return run_dir, a, _metrics(run_dir)[len(a):]
+    return run_dir, a, metrics(run_dir)[len(a):]
 
 
 def test_both_modes_serve_the_trainers_policy(runs):

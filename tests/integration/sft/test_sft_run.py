@@ -9,27 +9,17 @@ rows with a warning naming the row.
 """
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers.launching import launch, metrics
 
-ROOT = Path(__file__).resolve().parents[3]
 COMMON = ["--config", "launch/sft_cpu.yaml", "logging.progress_bar=false", "sft.batch_size=32",
           "data.eval_every=2", "data.num_synthetic=128", "trainer.warmup_steps=1"]
 
 
-def _launch(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "mlrl.launch", *COMMON, f"logging.run_dir={run_dir}", *overrides]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ))
-    assert out.returncode == 0, f"launch failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
-    return out
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def _launch(run_dir: Path, *overrides: str):
+    return launch(run_dir, *COMMON, *overrides)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +32,7 @@ def runs(tmp_path_factory):
 
 
 def test_loss_falls_and_eval_is_logged(runs):
-    a = _metrics(runs / "a")
+    a = metrics(runs / "a")
     assert [r["step"] for r in a] == [1, 2, 3, 4]
     assert a[-1]["sft/loss"] < a[0]["sft/loss"]
     assert [r["step"] for r in a if "eval/loss" in r] == [2, 4]
@@ -50,7 +40,7 @@ def test_loss_falls_and_eval_is_logged(runs):
 
 
 def test_resume_continues_bit_for_bit(runs):
-    a, b = _metrics(runs / "a"), _metrics(runs / "b")
+    a, b = metrics(runs / "a"), metrics(runs / "b")
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     for ra, rb in zip(a, b):
         for k in ("sft/loss", "train/grad_norm", "train/lr", "sft/tokens"):
@@ -79,5 +69,5 @@ def test_tp2_and_rows_without_assistant_turn(tmp_path):
     out = _launch(tmp_path / "run", "trainer.total_steps=2", "parallel.tp=2", f"data.train={data}",
                   "data.eval=null", "sft.batch_size=4")
     assert "skipped 1 row(s) without an assistant turn" in out.stderr and "train.jsonl:3" in out.stderr
-    recs = _metrics(tmp_path / "run")
+    recs = metrics(tmp_path / "run")
     assert [r["step"] for r in recs] == [1, 2] and recs[1]["sft/loss"] < recs[0]["sft/loss"]
