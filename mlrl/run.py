@@ -114,6 +114,9 @@ async def _run(cfg: Config, layout: Layout) -> int:
     ckpts = CheckpointManager(cfg.checkpoint.dir or run_dir / "checkpoints", cfg.checkpoint.keep_last)
     resume = ckpts.resolve_resume(cfg.checkpoint.resume)
     state = read_state(resume) if resume else None
+    if state is not None and state.get("kind") == "sft":
+        raise ConfigError(f"checkpoint.resume: {resume} is a supervised fine-tuning checkpoint; start RL from that "
+                          "run's HF export (model.hf_dir=<sft run>/hf/step_N) in a new run directory")
     if resume:
         check_resume_has_critic(resume, cfg.uses_critic)
     train_rows = dataset_from_config(cfg.data, "train", tokenizer=tokenizer, seed=cfg.trainer.seed)
