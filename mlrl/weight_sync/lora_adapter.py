@@ -42,6 +42,7 @@ from mlrl.weight_sync.sync import SyncSetup
 from mlrl.weight_sync.transports import DiskWeightSync, _check_senders, receive_disk
 
 ADAPTER_PREFIX = "mlrl-lora"
+KEEP_LOADED = 2  # adapters an engine holds: the engines' --max-loras (mlrl.rollout.server.MAX_LORAS)
 
 
 def adapter_name(version: int) -> str:
@@ -79,7 +80,7 @@ class AdapterWeightSync(DiskWeightSync):
             held.append(name)
             await e.client.set_weight_version(version)
             e.client.model = name
-            while len(held) > 2:
+            while len(held) > KEEP_LOADED:
                 await e.client.unload_lora_adapter(held.pop(0))
             return [{"version": version, "worker": "driver", "streams": streams}]
 

@@ -233,7 +233,7 @@ class LoRA:
         for b in self.branches:
             yield from b.adapters.values()
 
-    def full_adapters(self, ranks, *, grads: bool = False) -> Iterator[tuple[AdapterSpec, torch.Tensor, torch.Tensor]]:
+    def full_adapters(self, ranks) -> Iterator[tuple[AdapterSpec, torch.Tensor, torch.Tensor]]:
         """Collective over TP: (spec, full A, full B) of every adapter of this rank's stage, yielded
         on the stage's sender (tp 0, dp 0, cp 0) only; ranks with dp or cp != 0 take no part."""
         from megatron.core import parallel_state as ps
@@ -246,7 +246,7 @@ class LoRA:
         for ad in self.adapters():
             full = []
             for which, t in (("A", ad.lora_A), ("B", ad.lora_B)):
-                t = (t.main_grad if grads else t).detach()
+                t = t.detach()
                 rule = ad.spec.tp_rule(which)
                 if ranks.tp_size > 1 and rule != "replicated":
                     parts = [torch.empty_like(t) for _ in range(ranks.tp_size)]

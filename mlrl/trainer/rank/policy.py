@@ -422,17 +422,16 @@ class MegatronPolicy:
             yield from bucketize(self.params.iter_hf(grads=grads), bucket_bytes)
             return
         if grads:
-            raise ValueError("iter_hf_buckets(grads=True) with LoRA: the base has no gradients "
-                             "(iter_adapters(grads=True) gives the adapters')")
+            raise ValueError("iter_hf_buckets(grads=True) with LoRA: the frozen base has no gradients")
         full = {spec.base_hf_name(): (a, b) for spec, a, b in self.lora.full_adapters(self.ranks)}
         yield from bucketize(self.lora.merge_into(self.params.iter_hf(), full), bucket_bytes)
 
-    def iter_adapters(self, *, grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_adapters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Collective: the LoRA adapters of this rank's stage as peft-named full tensors
         (`base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight`), on the stage sender."""
         if self.lora is None:
             raise ValueError("iter_adapters: this policy has no LoRA adapters (model.lora is off)")
-        for spec, a, b in self.lora.full_adapters(self.ranks, grads=grads):
+        for spec, a, b in self.lora.full_adapters(self.ranks):
             yield spec.hf_name("A"), a
             yield spec.hf_name("B"), b
 

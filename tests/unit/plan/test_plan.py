@@ -436,5 +436,7 @@ def test_smollm2_cpu_recipe_matches_its_task():
 def test_engine_lora_slots_are_the_servers():
     from mlrl.plan.memory import ENGINE_LORA_SLOTS
     from mlrl.rollout.server import MAX_LORAS
+    from mlrl.weight_sync.lora_adapter import KEEP_LOADED
 
-    assert ENGINE_LORA_SLOTS == MAX_LORAS  # the planner counts the slots the engines are started with
+    # the planner counts the slots the engines are started with; the adapter sync fills exactly those
+    assert ENGINE_LORA_SLOTS == MAX_LORAS == KEEP_LOADED
