@@ -60,6 +60,18 @@ class Policy(Protocol):
     def export_hf(self, out_dir: Path) -> None: ...
 
 
+class Offloadable(Protocol):
+    """A trainer that gives its device memory back between steps (colocated placement)."""
+
+    def offload(self, kinds: list[str]) -> dict[str, float]:
+        """Release `kinds` ("params", "grads", "optimizer"); bytes per kind, bytes copied, seconds."""
+        ...
+
+    def reload(self) -> dict[str, float]:
+        """Everything offloaded back on the device, unchanged (gradients zeroed)."""
+        ...
+
+
 class Critic(Protocol):
     """What the loop asks of the value model (PPO with GAE)."""
 
@@ -97,6 +109,12 @@ class EngineControl(Protocol):
 
     async def collective_rpc(self, method: str, *, args: list[str] | None = None,
                              kwargs: dict[str, str] | None = None, timeout: float | None = None) -> Any: ...
+
+    async def sleep(self, level: int = 1, mode: str = "wait") -> None: ...
+
+    async def wake_up(self, tags: Sequence[str] | None = None) -> bool: ...
+
+    async def is_sleeping(self) -> bool: ...
 
 
 class EngineHandle(Protocol):
@@ -148,10 +166,22 @@ class RolloutPool(GroupInferenceEngine, Protocol):
     async def resume(self) -> None: ...
 
 
+class SyncHooks(Protocol):
+    """Calls a weight sync makes around each attempt's transfer (colocated placement: mlrl.colocation)."""
+
+    async def before_transfer(self) -> None:
+        """The engines' weights must be resident and the trainer's parameters on its devices."""
+        ...
+
+    async def before_verify(self) -> None:
+        """The transfer is done: the trainer's parameters may leave; the engines need their KV cache back."""
+        ...
+
+
 class WeightSync(Protocol):
     """Trainer -> engines: one verified weight update per call (transport chosen by config)."""
 
-    async def sync(self, version: int) -> Mapping[str, float]:
+    async def sync(self, version: int, hooks: SyncHooks | None = None) -> Mapping[str, float]:
         """Bring every live engine to the trainer's current weights, tagged `version`; metrics."""
         ...
 

@@ -3,7 +3,8 @@
 One step:  prompts -> episodes (engines + workflow + reward) -> trainable samples (DAPO
 filtering refills the batch) -> trainer logprobs (old, reference) / critic values -> advantages
 -> mini-batch updates (mlrl/update.py) -> weight sync to the engines (versioned, verified) ->
-checkpoint / export -> metrics.
+checkpoint / export -> metrics. With cluster.placement=colocated (sync mode only), the engines
+sleep while the trainer steps and the trainer offloads while they generate (mlrl/colocation.py).
 
 Two modes:
 - sync (`train_sync`): on-policy; generation and training alternate; every sample of step k
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from mlrl.algorithms.sampling import apply_overlong_shaping, filter_groups
+from mlrl.colocation import Colocation
 from mlrl.config import Config, dump_yaml
 from mlrl.data.sampler import PromptSampler
 from mlrl.interfaces import Checkpointer, Critic, Policy, RolloutPool, WeightSync
@@ -70,6 +72,10 @@ class RunContext:
     extra_prompts: int = 0  # async mode: groups dropped by dynamic sampling; the producer starts as many more
     step_end: float | None = None  # perf_counter() when the previous step ended (its metrics line written)
     checkpoint_s: float = 0.0      # the previous step's save / export, reported in the next step's timing
+    colocation: Colocation | None = None  # cluster.placement=colocated: engines sleep while the trainer steps
+    # colocated: a checkpoint / export due at a step, made in the next step's training phase
+    # (step, loop state, save, export)
+    deferred_save: tuple[int, dict[str, object], bool, bool] | None = None
 
     def step_timer(self) -> StepTimer:
         """The next step's timer: it starts where the previous step ended, and carries the
@@ -87,10 +93,11 @@ async def train_sync(ctx: RunContext) -> None:
         timer = ctx.step_timer()
         with timer("rollout"):
             samples, rollout_metrics = await rollout_sync(ctx)
+        if ctx.colocation is not None:  # engines sleep, the trainer's state comes back
+            await ctx.colocation.to_trainer(timer)
+            await save_deferred(ctx, timer)
         metrics = await asyncio.to_thread(train_step, ctx, samples, timer, step)
-        with timer("sync"):
-            ctx.version = step
-            sync_metrics = await ctx.weight_sync.sync(ctx.version)
+        sync_metrics = await sync_weights(ctx, step, timer)
         eval_metrics = await evaluate_if_due(ctx, step, timer)
         timing = timer.finish(details=sync_timing(sync_metrics) | train_timing(metrics))
         finish_step(ctx, step, {**rollout_metrics, **metrics, **sync_metrics, **eval_metrics, **timing})
@@ -123,6 +130,15 @@ async def train_async(ctx: RunContext) -> None:
     finally:
         producer.cancel()
         await asyncio.gather(producer, return_exceptions=True)
+
+
+async def sync_weights(ctx: RunContext, step: int, timer: StepTimer) -> Mapping[str, float]:
+    """The engines get the weights of `step` (colocated: the trainer offloads and the engines wake around it)."""
+    ctx.version = step
+    if ctx.colocation is not None:
+        return await ctx.colocation.sync(ctx.weight_sync, step, timer)
+    with timer("sync"):
+        return await ctx.weight_sync.sync(step)
 
 
 def sync_timing(sync_metrics: Mapping[str, float]) -> dict[str, float]:
@@ -260,13 +276,36 @@ async def save_if_due(ctx: RunContext, step: int) -> None:
     t0 = time.perf_counter()
     await asyncio.to_thread(ctx.checkpoint.finalize, blocking=False)
     last = step == cfg.trainer.total_steps
-    if (cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0) or (last and cfg.checkpoint.save_at_end):
+    save = bool(cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0) or (
+        last and cfg.checkpoint.save_at_end)
+    export = bool(cfg.checkpoint.hf_export_every and step % cfg.checkpoint.hf_export_every == 0) or (
+        last and cfg.checkpoint.hf_export_at_end)
+    if ctx.colocation is not None and (save or export):
+        # the trainer's state is off its devices and the engines hold them: save at the next step's
+        # training phase (engines asleep), or now, after putting the engines to sleep, at the end
+        if not last:
+            ctx.deferred_save = (step, loop_state(ctx), save, export)
+            return
+        await ctx.colocation.to_trainer(None)
+    if save:
         await asyncio.to_thread(ctx.checkpoint.save, step, loop_state(ctx))
-    if (cfg.checkpoint.hf_export_every and step % cfg.checkpoint.hf_export_every == 0) or (
-        last and cfg.checkpoint.hf_export_at_end
-    ):
+    if export:
         await asyncio.to_thread(ctx.checkpoint.export_hf, step)
     ctx.checkpoint_s += time.perf_counter() - t0
+
+
+async def save_deferred(ctx: RunContext, timer: StepTimer) -> None:
+    """Colocated: the checkpoint / export the previous step deferred, with the trainer resident (its
+    weights are still that step's: this step has not trained yet)."""
+    if ctx.deferred_save is None:
+        return
+    step, state, save, export = ctx.deferred_save
+    ctx.deferred_save = None
+    with timer("checkpoint"):
+        if save:
+            await asyncio.to_thread(ctx.checkpoint.save, step, state)
+        if export:
+            await asyncio.to_thread(ctx.checkpoint.export_hf, step)
 
 
 def loop_state(ctx: RunContext) -> dict[str, object]:

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mlrl.checkpoint import Checkpointer, CheckpointManager, check_resume_has_critic, read_state
+from mlrl.checkpoint.init_from import check_model_init_from
+from mlrl.colocation import Colocation
 from mlrl.config import Config, ConfigError, Layout, dump_yaml
 from mlrl.data import dataset_from_config
 from mlrl.data.sampler import PromptSampler
@@ -115,10 +117,12 @@ async def _run(cfg: Config, layout: Layout) -> int:
     resume = ckpts.resolve_resume(cfg.checkpoint.resume)
     state = read_state(resume) if resume else None
     if state is not None and state.get("kind") == "sft":
-        raise ConfigError(f"checkpoint.resume: {resume} is a supervised fine-tuning checkpoint; start RL from that "
-                          "run's HF export (model.hf_dir=<sft run>/hf/step_N) in a new run directory")
+        raise ConfigError(f"checkpoint.resume: {resume} is a supervised fine-tuning checkpoint; start RL from it "
+                          f"in a new run directory with model.init_from={resume} (or from its HF export: "
+                          "model.hf_dir=<sft run>/hf/step_N)")
     if resume:
         check_resume_has_critic(resume, cfg.uses_critic)
+    check_model_init_from(cfg.model, hf_dir, resume=resume)
     train_rows = dataset_from_config(cfg.data, "train", tokenizer=tokenizer, seed=cfg.trainer.seed)
     eval_rows = (
         list(dataset_from_config(cfg.data, "eval", tokenizer=tokenizer, seed=cfg.trainer.seed))
@@ -142,7 +146,8 @@ async def _run(cfg: Config, layout: Layout) -> int:
         adapters = cfg.model.lora is not None and cfg.weight_sync.lora_mode == "adapter"
         pool = EnginePool(cfg.rollout, hf_dir, dtype=cfg.model.dtype, run_dir=run_dir,
                           cuda_devices=placement.engine_devices, server_factory=placement.engine_server,
-                          lora_rank=cfg.model.lora.rank if adapters else None)
+                          lora_rank=cfg.model.lora.rank if adapters else None,
+                          sleep_mode=cfg.cluster.placement == "colocated")
         pool_started = asyncio.create_task(pool.start())
         try:
             group = await asyncio.to_thread(
@@ -170,6 +175,11 @@ async def _run(cfg: Config, layout: Layout) -> int:
         pool.refresher = weight_sync.refresh  # an engine restarted after a crash is re-synced before it serves
         # 3. verify the trainer -> engine path before the first step (and load resumed weights)
         await weight_sync.sync(version)
+        colocation = None
+        if cfg.cluster.placement == "colocated":  # the trainer leaves the devices to the engines until it trains
+            colocation = Colocation(cfg.cluster.colocate, policy, pool,
+                                    engine_memory_released=cfg.cluster.gpus_per_node > 0 and _cuda_available())
+            await colocation.start()
         runner = EpisodeRunner.from_config(cfg.workflow, workflow, pool, seed=cfg.rollout.sampling.seed)
         start_step = int(state["step"]) if state else 0
         logger = MetricsLogger(run_dir, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard,
@@ -190,6 +200,7 @@ async def _run(cfg: Config, layout: Layout) -> int:
             version=version,
             progress=_progress(cfg, start_step),
             resume_rows=list(state.get("in_flight_rows", [])) if state else [],
+            colocation=colocation,
         )
         await (train_async(ctx) if cfg.asynchronous else train_sync(ctx))
         await asyncio.to_thread(ctx.checkpoint.finalize)  # an async save still in flight is committed
@@ -209,6 +220,12 @@ async def _run(cfg: Config, layout: Layout) -> int:
         if group is not None:
             await asyncio.to_thread(group.close)
         await asyncio.to_thread(placement.close)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _progress(cfg: Config, start_step: int) -> Any:

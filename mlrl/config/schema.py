@@ -66,6 +66,15 @@ class ModelConfig:
     when hf_dir is not on this machine (None = read hf_dir/config.json)."""
     lora: Optional[LoRAConfig] = None
     """LoRA fine-tuning of the policy (None = off: full fine-tuning). `model.lora.rank=16` turns it on."""
+    init_from: Optional[str] = None
+    """Start the trainer's weights from another run instead of hf_dir's: an mlrl checkpoint folder
+    (`<run>/checkpoints/step_N`, e.g. of an SFT run: model weights only, no optimizer or loop
+    state) or a Hugging Face folder (e.g. `<run>/hf/step_N`). hf_dir still names the architecture
+    and tokenizer; the engines receive the weights at the initial sync. The KL reference starts from
+    it too, and with model.lora it is the frozen base (the adapters start fresh; a LoRA run's
+    checkpoint is refused: use its merged HF export). checkpoint.resume takes precedence for the
+    policy: a resumed run takes its weights from its own checkpoint, and init_from then only gives
+    the KL reference / LoRA base (so it must stay readable). None = hf_dir's weights."""
 
     @property
     def precision(self) -> Precision:
@@ -209,6 +218,10 @@ class WeightSyncConfig:
     """Compare checksums of what each engine received with what was sent."""
     canary_tolerance: float = 1e-3
     """Max |trainer - engine| logprob on the canary prompt after a sync (<= 0 = off)."""
+    canary_every: int = 1
+    """Run the canary on every Nth weight version (1 = every sync, the safe default). The first sync
+    of a run, every refresh of a restarted engine and every retried attempt always run it; the
+    checksums are verified on every sync regardless."""
     disk_dir: Optional[str] = None
     """Folder for the disk transport (None = <run dir>/weight_sync)."""
     lora_mode: Literal["merged", "adapter"] = "merged"
@@ -399,13 +412,31 @@ class LoggingConfig:
 
 
 @dataclass
+class ColocateConfig:
+    """How trainer and engines time-share devices under cluster.placement=colocated."""
+
+    sleep_level: int = 1
+    """vLLM sleep level while the trainer steps: 1 keeps the engines' weights in host memory and
+    discards the KV cache; 2 discards both (the weight sync overwrites the weights anyway; not with
+    weight_sync.lora_mode=adapter, whose syncs send only the adapters). GPU only: vLLM's CPU worker
+    keeps its memory whatever the level, so a CPU run accepts only 1."""
+    offload_params: bool = False
+    """Also move the trainer's parameters to host memory while the engines generate (optimizer
+    state and gradients always move out). Costs a host<->device copy of the weights per step."""
+
+
+@dataclass
 class ClusterConfig:
     nodes: int = 1
     """Machines (1 = local; > 1 = a Ray cluster)."""
     gpus_per_node: int = 0
     """GPUs per node (0 = CPU: trainer processes and engines share the cores)."""
     placement: Literal["disaggregated", "colocated"] = "disaggregated"
-    """Trainer and engines on separate GPUs, or time-sharing the same GPUs."""
+    """Trainer and engines on separate GPUs, or time-sharing the same GPUs: colocated, the engines
+    sleep (vLLM sleep mode) while the trainer steps and the trainer offloads its optimizer state and
+    gradients to host memory while the engines generate (cluster.colocate)."""
+    colocate: ColocateConfig = field(default_factory=ColocateConfig)
+    """Sleep level and offload set of placement=colocated."""
     trainer_devices: Optional[int] = None
     """Trainer ranks, the one place their number is set (None = all GPUs when colocated, the GPUs
     left after the engines when disaggregated; on CPU, tp*pp*cp, i.e. dp = 1). The data-parallel

@@ -47,6 +47,10 @@ def _check_lr(section: str, o: OptimizerConfig) -> None:
 
 def _check_ranges(cfg: Config) -> None:
     p, t, r, a, s = cfg.parallel, cfg.trainer, cfg.rollout, cfg.algorithm, cfg.rollout.sampling
+    _positive("weight_sync.canary_every", cfg.weight_sync.canary_every)
+    if cfg.weight_sync.canary_every != 1 and cfg.weight_sync.canary_tolerance <= 0:
+        raise ConfigError(f"weight_sync.canary_every={cfg.weight_sync.canary_every} with the canary off "
+                          "(weight_sync.canary_tolerance <= 0): set a tolerance or leave canary_every at 1")
     for name in ("tp", "pp", "ep", "cp"):
         _positive(f"parallel.{name}", getattr(p, name))
     _positive("parallel.etp", p.etp)
@@ -220,6 +224,35 @@ def _check_sft(cfg: Config) -> None:
                           "sft.max_seq_tokens")
 
 
+def _check_colocate(cfg: Config) -> None:
+    """cluster.placement=colocated (mlrl.colocation). On CPU it runs the whole state machine (the
+    engines get vLLM's sleep / wake calls, which pause their scheduling and clear their prefix cache,
+    and the trainer really offloads its optimizer state, gradients and, optionally, parameters) but the
+    engines keep their memory: vLLM's CPU build has no sleep mode (metric colocate/engine_memory_released=0)."""
+    c, co = cfg.cluster, cfg.cluster.colocate
+    if c.placement != "colocated":
+        if co != type(co)():
+            raise ConfigError(f"cluster.colocate ({co}) applies only to cluster.placement=colocated, "
+                              f"got placement={c.placement}")
+        return
+    if co.sleep_level not in (1, 2):
+        raise ConfigError(f"cluster.colocate.sleep_level={co.sleep_level}: vLLM's sleep levels are 1 (weights to "
+                          "host memory, KV cache discarded) and 2 (both discarded)")
+    if cfg.sft is not None:
+        raise ConfigError("cluster.placement=colocated: an SFT run starts no engines; use the default placement")
+    if cfg.rollout.staleness > 0:
+        raise ConfigError(f"cluster.placement=colocated with rollout.staleness={cfg.rollout.staleness}: colocated "
+                          "engines sleep while the trainer steps, so generation cannot overlap training; use "
+                          "staleness 0, or disaggregated placement for asynchronous training")
+    if co.sleep_level == 2 and c.gpus_per_node == 0:
+        raise ConfigError("cluster.colocate.sleep_level=2 on CPU: vLLM's CPU worker ignores sleep (its memory stays "
+                          "allocated at any level), so level 2 would behave as level 1; use sleep_level=1 on CPU")
+    if co.sleep_level == 2 and cfg.model.lora is not None and cfg.weight_sync.lora_mode == "adapter":
+        raise ConfigError("cluster.colocate.sleep_level=2 discards the engines' weights, but weight_sync.lora_mode="
+                          "adapter syncs only the adapters, so the base would be lost; use sleep_level=1 or "
+                          "lora_mode=merged")
+
+
 def _check_mode(cfg: Config) -> None:
     eta = cfg.rollout.staleness
     if eta > 0 and cfg.algorithm.rollout_is == "none":
@@ -384,6 +417,7 @@ def validate(cfg: Config, *, has_cuda: bool | None = None, dry_run: bool = False
     _check_critic(cfg)
     _check_lora(cfg)
     _check_mode(cfg)
+    _check_colocate(cfg)
     _check_devices(cfg, has_cuda=has_cuda or dry_run)
     layout = resolve_layout(cfg)
     try:

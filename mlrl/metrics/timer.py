@@ -19,6 +19,8 @@ Two clocks:
     timing/sync        weight sync (sub-keys /pause, /transfer, /apply, /verify)
     timing/eval        held-out evaluation
     timing/checkpoint  the previous step's checkpoint save / HF export
+    timing/sleep, /wake      colocated placement (mlrl.colocation): engines put to sleep / woken
+    timing/offload, /reload  colocated: trainer state moved off / back onto its devices
     timing/other       wall - the sum of the above (the runner's own work in the rollout phase,
                        the loop, logging)
     timing/step        the step's wall time; timing/overlap (async): generation busy while the
@@ -35,7 +37,7 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
-PHASES = ("rollout", "reward", "logprobs", "train", "sync", "eval", "checkpoint")
+PHASES = ("rollout", "reward", "logprobs", "train", "sync", "eval", "checkpoint", "sleep", "reload", "offload", "wake")
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:

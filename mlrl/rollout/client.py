@@ -21,7 +21,7 @@ import asyncio
 import json as _json
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Sequence
 
 import aiohttp
 
@@ -139,7 +139,7 @@ class EngineClient:
         if self._http is not None:
             await self._http.close()
 
-    async def _request(self, method: str, path: str, *, json: Any = None, params: dict | None = None,
+    async def _request(self, method: str, path: str, *, json: Any = None, params: Any = None,
                        timeout: float | None = None) -> Any:
         kw: dict[str, Any] = {"json": json, "params": params}
         if timeout is not None:
@@ -152,7 +152,7 @@ class EngineClient:
         return self._check(status, body, path)
 
     async def _post(
-        self, path: str, *, json: Any = None, params: dict | None = None, timeout: float | None = None
+        self, path: str, *, json: Any = None, params: Any = None, timeout: float | None = None
     ) -> Any:
         return await self._request("POST", path, json=json, params=params, timeout=timeout)
 
@@ -291,6 +291,23 @@ class EngineClient:
 
     async def is_paused(self) -> bool:
         return bool((await self._get("/is_paused"))["is_paused"])
+
+    async def sleep(self, level: int = 1, mode: Literal["abort", "wait", "keep"] = "wait") -> None:
+        """vLLM sleep mode (`/sleep`): scheduling paused, prefix cache cleared; on GPU level 1 moves
+        the weights to host memory and discards the KV cache, level 2 discards both. The CPU build
+        accepts the call but its worker keeps all memory (vllm/v1/worker/cpu_worker.py: sleep is
+        "not supported on CPU, ignore it")."""
+        await self._post("/sleep", params={"level": str(level), "mode": mode})
+
+    async def wake_up(self, tags: Sequence[str] | None = None) -> bool:
+        """`/wake_up` (all memory, or only `tags`: "weights", "kv_cache"); True once fully awake
+        (vLLM resumes scheduling then)."""
+        params = [("tags", t) for t in tags] if tags else None
+        js = await self._post("/wake_up", params=params)
+        return (js or {}).get("status") == "awake"
+
+    async def is_sleeping(self) -> bool:
+        return bool((await self._get("/is_sleeping"))["is_sleeping"])
 
     async def set_weight_version(self, version: int) -> None:
         await self._post("/update_weight_version", json={"new_version": str(version)})

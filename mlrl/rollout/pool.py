@@ -103,7 +103,7 @@ class EnginePool:
     def __init__(self, cfg: RolloutConfig, model_dir: str | Path, *, dtype: str = "float32", token: str | None = None,
                  run_dir: str | Path | None = None, initial_version: int = 0,
                  cuda_devices: Sequence[Sequence[int]] | None = None, max_restarts: int = 3,
-                 command: list[str] | None = None, lora_rank: int | None = None,
+                 command: list[str] | None = None, lora_rank: int | None = None, sleep_mode: bool = False,
                  server_factory: Callable[[int, ServerSpec], EngineServer] | None = None) -> None:
         if cfg.num_engines < 1:
             raise ValueError(f"rollout.num_engines must be >= 1, got {cfg.num_engines}")
@@ -128,7 +128,7 @@ class EnginePool:
             spec = ServerSpec.from_config(cfg, f"engine-{i}", self.model_dir, dtype, self.token, omp_threads=omp,
                                           log_path=str(self.run_dir / "engines" / f"engine-{i}.log"),
                                           cuda_devices=None if cuda_devices is None else list(cuda_devices[i]),
-                                          command=command, lora_rank=lora_rank)
+                                          command=command, lora_rank=lora_rank, sleep_mode=sleep_mode)
             self.engines.append(EngineHandle(i, server_factory(i, spec) if server_factory else EngineServer(spec)))
         self._version = initial_version
         self._cond = asyncio.Condition()

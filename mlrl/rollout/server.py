@@ -81,6 +81,7 @@ class ServerSpec:
     extra_env: dict[str, str] = field(default_factory=dict)
     seed: int = 0
     lora_rank: int | None = None  # serve LoRA adapters up to this rank, loaded at runtime (lora_mode=adapter)
+    sleep_mode: bool = False      # colocated placement: --enable-sleep-mode on GPU (vLLM's CPU build refuses it)
     command: list[str] | None = (
         None  # replaces the vLLM command ("{host}", "{port}" substituted): tests, custom launchers
     )
@@ -155,6 +156,8 @@ def server_command(spec: ServerSpec, port: int) -> list[str]:
         cmd += ["--enable-lora", "--max-lora-rank", str(vllm_lora_rank(spec.lora_rank)), "--max-loras", str(MAX_LORAS)]
     if _on_gpu():
         cmd += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
+        if spec.sleep_mode:
+            cmd += ["--enable-sleep-mode"]
     elif spec.engine_tp == 1:
         # the worker runs inside the engine-core process: vLLM's CPU default ("mp") puts it in a
         # process of its own that busy-polls its shared-memory queue for 1 s after every step,

@@ -9,12 +9,15 @@ are seen only through the Protocols of mlrl.interfaces (`RolloutPool`, `EngineHa
 Order of one sync (the same for every transport):
     pool.pause()            in-flight requests finish first or are interrupted (rollout.interrupt_on_update);
                             the engines are idle and paused (vLLM /pause) — updates never race generation
+    [hooks.before_transfer] colocated placement (mlrl.colocation): engine weights awake, trainer params resident
+    canary reference        the trainer's logprobs of a fixed token sequence (`source.canary_logprobs`)
     transfer                start -> receive + load -> finish(version) on every engine (transport-specific)
+    [hooks.before_verify]   colocated: trainer params may be offloaded, engines get their KV cache back
     verify checksums        each worker's per-sender (tensor count, bytes, digest) == the sender's report,
                             and no model parameter was left without a tensor
     reset prefix caches     KV computed with the old weights must never be reused
-    canary                  engines resumed (pool still closed): the engines' logprobs of a fixed token
-                            sequence vs the trainer's (`source.canary_logprobs`), max |diff| <= canary_tolerance
+    canary                  engines resumed (pool still closed): the engines' logprobs of the canary
+                            sequence vs the trainer's, max |diff| <= canary_tolerance
     commit + pool.resume()  the pool's version becomes `version`; interrupted requests continue
 A failed transfer, checksum or canary check is retried once (a broadcast group is rebuilt);
 a second failure raises `WeightSyncError` and leaves the pool paused: training must not go on
@@ -34,7 +37,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from mlrl.config.schema import WeightSyncConfig
-from mlrl.interfaces import EngineHandle, RolloutPool
+from mlrl.interfaces import EngineHandle, RolloutPool, SyncHooks
 from mlrl.weight_sync.source import SendReport, WeightSource
 
 log = logging.getLogger(__name__)
@@ -65,16 +68,20 @@ class SyncReport(Mapping):
     verify_s: float = 0.0          # checksum comparison, prefix-cache reset, canary
     engine_apply_s: float = 0.0    # max over workers of vLLM's finalize (layer-wise processing + LM-head refresh)
     canary_max_abs_diff: float = 0.0
+    canary_checked: bool = False   # weight_sync.canary_every: whether this sync ran the canary
     sender_reports: list[SendReport] = field(default_factory=list, repr=False)
     engine_reports: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
     def metrics(self) -> dict[str, float]:
         rate = self.bytes / self.transfer_s if self.transfer_s > 0 else 0.0
-        return {f"weight_sync/{k}": float(v) for k, v in (
+        out = {f"weight_sync/{k}": float(v) for k, v in (
             ("version", self.version), ("seconds", self.seconds), ("pause_s", self.pause_s),
             ("transfer_s", self.transfer_s), ("verify_s", self.verify_s), ("engine_apply_s", self.engine_apply_s),
             ("bytes", self.bytes), ("bytes_per_s", rate), ("tensors", self.tensors), ("engines", self.engines),
-            ("attempts", self.attempts), ("canary_max_abs_diff", self.canary_max_abs_diff))}
+            ("attempts", self.attempts), ("canary_checked", self.canary_checked))}
+        if self.canary_checked:  # a sync that skipped the canary (weight_sync.canary_every) measured no gap
+            out["weight_sync/canary_max_abs_diff"] = float(self.canary_max_abs_diff)
+        return out
 
     def __getitem__(self, key: str) -> float:
         return self.metrics()[key]
@@ -186,19 +193,25 @@ class WeightSync(abc.ABC):
         e.g. mlrl.run), so that an engine restarted after a crash serves the current weights again."""
         await self.sync(self.pool.version)
 
-    async def sync(self, version: int) -> SyncReport:
+    async def sync(self, version: int, hooks: SyncHooks | None = None) -> SyncReport:
+        """`hooks` (colocated placement, mlrl.colocation): `before_transfer` runs before each attempt's
+        transfer (engine weights awake, trainer parameters on the device), `before_verify` after it
+        (trainer parameters may leave, the engines' KV cache comes back for the canary)."""
         async with self._lock:
             t0 = time.perf_counter()
             await self.pool.pause()
             rep = SyncReport(version=version, transport=self.transport, pause_s=time.perf_counter() - t0)
             last: BaseException | None = None
+            # the canary on every canary_every-th version, the first sync and every refresh / retry
+            canary = self.cfg.canary_tolerance > 0 and (
+                not self.history or version % max(1, self.cfg.canary_every) == 0 or version == self.pool.version)
             for attempt in (1, 2):
                 rep.attempts = attempt
                 engines = self.pool.live_engines()
                 if not engines:
                     raise WeightSyncError("weight sync: no live engine to update")
                 try:
-                    await self._attempt(version, engines, rep)
+                    await self._attempt(version, engines, rep, hooks, canary=canary or attempt > 1)
                     break
                 except Exception as err:  # noqa: BLE001 - retried once, then raised with the first cause
                     last = err
@@ -218,10 +231,21 @@ class WeightSync(abc.ABC):
             self.history.append(rep)
             return rep
 
-    async def _attempt(self, version: int, engines: Sequence[EngineHandle], rep: SyncReport) -> None:
+    async def _attempt(self, version: int, engines: Sequence[EngineHandle], rep: SyncReport,
+                       hooks: SyncHooks | None = None, *, canary: bool = True) -> None:
+        # the trainer's canary logprobs first: with hooks the trainer's parameters may be offloaded
+        # before the engines are checked
+        if hooks is not None:
+            await hooks.before_transfer()
+        t = time.perf_counter()
+        want = await self._canary_reference() if canary else None
+        rep.canary_checked = want is not None
+        reference_s = time.perf_counter() - t
         t = time.perf_counter()
         senders, reports = await self._transfer(version, engines)
         rep.transfer_s = time.perf_counter() - t
+        if hooks is not None:
+            await hooks.before_verify()
         t = time.perf_counter()
         # with verify_checksums off the digests cover names only; counts, bytes and completeness are still checked
         rep.tensors, rep.bytes, rep.engine_apply_s = verify_reports(senders, engines, reports, version)
@@ -232,20 +256,24 @@ class WeightSync(abc.ABC):
                 "hold blocks)"
             )
         await asyncio.gather(*(e.client.resume() for e in engines))  # the pool stays closed: only the canary runs
-        if self.cfg.canary_tolerance > 0:
-            rep.canary_max_abs_diff = await self._canary(engines)
+        if want is not None:
+            rep.canary_max_abs_diff = await self._canary(engines, want)
             if rep.canary_max_abs_diff > self.cfg.canary_tolerance:
                 raise _Mismatch(f"canary logprobs differ from the trainer's by {rep.canary_max_abs_diff:.3g} "
                                 f"> weight_sync.canary_tolerance={self.cfg.canary_tolerance:g}")
         rep.engines = len(engines)
         rep.sender_reports, rep.engine_reports = senders, [w for ws in reports for w in ws]
-        rep.verify_s = time.perf_counter() - t
+        rep.verify_s = time.perf_counter() - t + reference_s
 
-    async def _canary(self, engines: Sequence[EngineHandle]) -> float:
+    async def _canary_reference(self) -> list[float]:
         prompt, completion = self.canary
         want = await asyncio.to_thread(self.source.canary_logprobs, prompt, completion)
         if len(want) != len(completion):
             raise _Mismatch(f"source.canary_logprobs returned {len(want)} values for {len(completion)} tokens")
+        return want
+
+    async def _canary(self, engines: Sequence[EngineHandle], want: list[float]) -> float:
+        prompt, completion = self.canary
         got = await asyncio.gather(*(e.client.prompt_logprobs(prompt + completion) for e in engines))
         return max(abs(a - b) for g in got for a, b in zip(g[-len(completion):], want))
 

@@ -137,7 +137,7 @@ def checksum(t: torch.Tensor, algo: str = "bsum64") -> str:
     if algo == "bsum64":
         return _bsum64(b)
     if algo == "crc32":
-        return f"crc32:{zlib.crc32(b.cpu().numpy()):08x}"
+        return f"crc32:{zlib.crc32(b.cpu().clone().numpy()):08x}"  # a copy: .numpy() would pin a parameter's storage
     raise WireError(f"unknown checksum algorithm {algo!r}")
 
 

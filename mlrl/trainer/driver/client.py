@@ -75,8 +75,27 @@ class TrainerClient:
     def export_hf(self, out_dir: Path) -> None:
         self.group.call(TrainerService.export_hf, out_dir=str(out_dir))
 
+    def offload(self, kinds: list[str]) -> dict[str, float]:
+        """Colocated placement: release the trainer's device memory of `kinds` ("params", "grads",
+        "optimizer"). Returns bytes released per kind and bytes copied (summed over ranks), seconds (slowest rank)."""
+        return _offload_totals(self.group.call(TrainerService.offload, kinds=list(kinds)))
+
+    def reload(self) -> dict[str, float]:
+        """Everything `offload` released, back on the device (bytes unchanged; gradients zeroed)."""
+        return _offload_totals(self.group.call(TrainerService.reload))
+
     def close(self) -> None:
         self.group.close()
+
+
+def _offload_totals(per_rank: list[dict[str, Any]]) -> dict[str, float]:
+    out: dict[str, float] = {"copied": 0.0, "seconds": 0.0}
+    for r in per_rank:
+        for kind, n in r["bytes"].items():
+            out[kind] = out.get(kind, 0.0) + n
+        out["copied"] += r["copied"]
+        out["seconds"] = max(out["seconds"], r["seconds"])
+    return out
 
 
 class CriticClient:

@@ -5,6 +5,8 @@ Rank side (every function is a collective over all trainer ranks, like the polic
 
     save_checkpoint(policy, path, *, async_save=False)    model + optimizer + scheduler + RNG
     load_checkpoint(policy, path) -> dict                 checks first, then loads in place
+    load_model_weights(policy, path)                      the weights only (model.init_from), any saved layout
+    init_weights_from(policy, spec) -> InitSource         model.init_from: a checkpoint or an HF folder
     finalize_async_saves(blocking=True) -> int            completes pending async saves (GPU)
     export_hf(policy, out_dir) -> Path | None             a complete HF folder (rank 0 finalizes)
     export_hf_shards(policy, folder) -> ShardMap | None   only this stage's safetensors files
@@ -141,13 +143,25 @@ def _role(policy) -> str:
     return getattr(policy, "role", "policy")
 
 
-def check_loadable(policy, meta: dict[str, Any], *, load_optimizer: bool) -> None:
-    """Everything that would make the load fail or be wrong, checked before any tensor moves."""
+def _check_role(policy, meta: dict[str, Any]) -> None:
     saved_role = meta.get("role", "policy")  # checkpoints written before roles were recorded are policies
     if saved_role != _role(policy):
         raise CheckpointError(f"checkpoint holds a {saved_role} (its output layer: "
                               f"{'the LM head' if saved_role == 'policy' else 'a value head'}), the model being loaded "
                               f"is a {_role(policy)}: load a {_role(policy)} checkpoint into it")
+
+
+def _check_arch(policy, meta: dict[str, Any]) -> None:
+    diff = _arch_differences(meta["hf_config"], policy)
+    if diff:
+        raise CheckpointError(
+            f"checkpoint architecture does not match model.hf_dir={policy.hf_dir}: " + "; ".join(diff)
+        )
+
+
+def check_loadable(policy, meta: dict[str, Any], *, load_optimizer: bool) -> None:
+    """Everything that would make the load fail or be wrong, checked before any tensor moves."""
+    _check_role(policy, meta)
     saved_lora, lora = meta.get("lora"), _lora_meta(policy)
     # what the adapters ARE (dropout and init only shaped their training)
     saved_lora, lora = ({k: m[k] for k in ("rank", "alpha", "targets")} if m is not None else None
@@ -158,11 +172,7 @@ def check_loadable(policy, meta: dict[str, Any], *, load_optimizer: bool) -> Non
                 f"LoRA rank {m['rank']} alpha {m['alpha']} on {', '.join(m['targets'])}"
         raise CheckpointError(f"checkpoint holds {shown(saved_lora)}, this run has {shown(lora)} (model.lora): "
                               "resume with the same model.lora settings")
-    diff = _arch_differences(meta["hf_config"], policy)
-    if diff:
-        raise CheckpointError(
-            f"checkpoint architecture does not match model.hf_dir={policy.hf_dir}: " + "; ".join(diff)
-        )
+    _check_arch(policy, meta)
     if not load_optimizer:
         return
     saved, now = meta["optimizer"], _optimizer_kind(policy)
@@ -249,6 +259,15 @@ def _lora_meta(policy) -> Optional[dict[str, Any]]:
     return None if lora is None else {"rank": lora.cfg.rank, "alpha": lora.cfg.alpha,
                                       "targets": list(lora.cfg.targets), "dropout": lora.cfg.dropout,
                                       "init": lora.cfg.init}
+
+
+def _base_hf_dir(policy) -> Optional[str]:
+    """The HF folder of a LoRA policy's frozen base: model.hf_dir, or model.init_from when that is
+    an HF folder (None when the base came from an mlrl checkpoint: no HF folder holds it)."""
+    source = getattr(policy, "init_from", None)
+    if source is None:
+        return str(policy.hf_dir)
+    return str(source.weights) if source.kind == "hf" else None
 
 
 def lora_meta_base(meta: dict[str, Any]) -> Optional[str]:
@@ -390,7 +409,8 @@ def save_checkpoint(policy, path: str | Path, *, async_save: bool = False,
         "model_type": policy.arch.model_type, "arch": asdict(policy.arch), "hf_config": policy.hf_config,
         "layout": _layout(policy),
         # a LoRA checkpoint holds only the adapters: the base is this HF folder
-        "lora": _lora_meta(policy), "base_hf_dir": str(policy.hf_dir) if _lora(policy) is not None else None,
+        "lora": _lora_meta(policy), "base_hf_dir": _base_hf_dir(policy) if _lora(policy) is not None else None,
+        "init_from": str(policy.init_from.path) if getattr(policy, "init_from", None) else None,
         "contents": {"model": True, "optimizer": with_optimizer, "scheduler": trainable, "rng": trainable},
         "optimizer": {**_optimizer_kind(policy), "sharding": sharding, "steps": int(policy.optimizer_steps),
                       "parts": len(_inner_optimizers(policy.optimizer)) if trainable else 0},
@@ -472,13 +492,7 @@ def load_checkpoint(policy, path: str | Path, *, load_optimizer: Optional[bool] 
         check_loadable(policy, meta, load_optimizer=with_optimizer)
     except CheckpointError as e:
         error = e
-    # every rank raises, or none loads (a rank that alone failed would leave the others in a collective)
-    failed = torch.tensor([int(error is not None)], dtype=torch.int32, device=policy.device)
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-    if error is not None:
-        raise error
-    if int(failed):
-        raise CheckpointError(f"checkpoint {path}: rejected on another rank (see that rank's error)")
+    _agree(policy, path, error)
     same_layout = meta["layout"] == _layout(policy)
     with_rng = load_optimizer and contents["rng"] and same_layout
     sharding = meta["optimizer"]["sharding"]
@@ -513,6 +527,105 @@ def load_checkpoint(policy, path: str | Path, *, load_optimizer: Optional[bool] 
         _set_rng_state(state["rng_state"])
     return {"optimizer_steps": policy.optimizer_steps, "optimizer_loaded": with_optimizer, "rng_restored": with_rng,
             "saved_layout": meta["layout"], "scheduler_overrides": overrides}
+
+
+def _agree(policy, path: Path, error: Optional[CheckpointError]) -> None:
+    """Every rank raises, or none loads (a rank that alone failed would leave the others in a collective)."""
+    failed = torch.tensor([int(error is not None)], dtype=torch.int32, device=policy.device)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if error is not None:
+        raise error
+    if int(failed):
+        raise CheckpointError(f"checkpoint {path}: rejected on another rank (see that rank's error)")
+
+
+def init_weights_from(policy, spec: str):
+    """model.init_from: replace the built policy's weights (model.hf_dir's) by those of an mlrl
+    checkpoint or a Hugging Face folder (`check_init_from` tells which; the driver ran the same
+    check before any process started). Collective. With LoRA they become the frozen base (the
+    adapters stay fresh). Returns the `InitSource`; a later checkpoint of this policy records it."""
+    from mlrl.bridge import HFCheckpoint
+    from mlrl.checkpoint.init_from import check_init_from
+
+    source = check_init_from(spec, policy.hf_config)
+    if source.kind == "checkpoint":
+        load_model_weights(policy, source.weights)
+    else:
+        ckpt = HFCheckpoint(source.weights)
+        ckpt.check(policy.spec, policy.arch)
+        policy.params.load_hf(ckpt)  # the base parameters (LocalParams never holds adapters)
+        if policy.optimizer is not None:
+            policy.optimizer.reload_model_params()  # its fp32 main copies (bf16 / distributed)
+    policy.init_from = source
+    return source
+
+
+# TE's fused layernorm + linear names the norm after the linear; LoRA builds the TE spec with the
+# norm unfused (mlrl.trainer.rank.model._te_block_spec), which names it after the norm. Megatron's
+# local spec saves the fused names too (its sharded_state_dict_keys_map).
+_NORM_KEY_ALIASES = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
+                     ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"))
+
+
+def _to_saved_keys(sd: dict[str, Any], saved: set[str]) -> list[str]:
+    """Point the entries of one chunk's sharded state dict that the checkpoint names differently
+    at the saved names (`_NORM_KEY_ALIASES`), in place; drop TE `_extra_state` entries the
+    checkpoint lacks (FP8 metadata, no weights). Returns the state-dict names dropped."""
+    dropped = []
+    for name, item in list(sd.items()):
+        key = getattr(item, "key", None)
+        if key is None or key in saved:
+            continue
+        alias = next((key.replace(a, b) for a, b in _NORM_KEY_ALIASES if a in key and key.replace(a, b) in saved), None)
+        if alias is not None:
+            item.key = alias
+        elif name.endswith("_extra_state"):
+            dropped.append(name)
+            del sd[name]
+    return dropped
+
+
+def load_model_weights(policy, path: str | Path) -> None:
+    """Collective: only the model weights of a checkpoint written by `save_checkpoint` (any
+    layout Megatron can reshard from) into a built policy, in place; its optimizer state,
+    scheduler and RNG stay as they are (model.init_from: a fresh run from another run's weights).
+    The checkpoint must hold full weights (not a LoRA run's adapters); with LoRA on this policy
+    they load into the frozen base and the adapters are untouched."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    error: Optional[CheckpointError] = None
+    try:
+        meta = read_meta(path)
+        _check_role(policy, meta)
+        if meta.get("lora"):
+            raise CheckpointError(f"checkpoint {path}: holds LoRA adapters only (base {meta.get('base_hf_dir')}), not "
+                                  "full weights: load the LoRA run's merged HF export instead")
+        _check_arch(policy, meta)
+    except CheckpointError as e:
+        error = e
+    _agree(policy, path, error)
+    sharding = meta["optimizer"]["sharding"]
+    sd = {k: {n: t for n, t in m.sharded_state_dict(metadata=dict(sharding)).items() if not _is_adapter(n)}
+          for k, m in zip(_model_keys(policy), _unwrapped(policy))}
+    dropped: set[str] = set()
+    if _lora(policy) is not None:  # the only model here whose names can differ from a full checkpoint's
+        from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+        saved = set(load_sharded_metadata(str(path)))
+        for chunk_sd in sd.values():
+            dropped.update(_to_saved_keys(chunk_sd, saved))
+    from mlrl.trainer.rank import cpu_compat
+
+    with cpu_compat.cuda_tensor_methods():
+        state = dist_checkpointing.load(sd, str(path))
+        for key, chunk in zip(_model_keys(policy), _unwrapped(policy)):
+            missing, unexpected = chunk.load_state_dict(state[key], strict=False)
+            bad = [n for n in missing if not _is_adapter(n) and n not in dropped] + list(unexpected)
+            if bad:
+                raise CheckpointError(f"checkpoint {path}: model tensors missing or unexpected: {bad[:3]}")
+        if policy.optimizer is not None:
+            policy.optimizer.reload_model_params()  # weights changed under the optimizer: its fp32 main copies
 
 
 def _model_keys(policy) -> list[str]:

@@ -42,6 +42,12 @@ class TrainerService:
         self.ref = None
         if cfg.algorithm.kl_coef > 0 and self.policy.lora is None:  # LoRA: the reference is the base, adapters off
             self.ref = MegatronPolicy(cfg.model, cfg.parallel, cfg.trainer, self.layout, hf_dir=hf_dir, trainable=False)
+        if cfg.model.init_from:  # the run starts from another run's weights: the policy AND the KL reference
+            from mlrl.trainer.rank.checkpointing import init_weights_from
+
+            for model in (self.policy, self.ref):  # (on resume the checkpoint then replaces the policy's)
+                if model is not None:
+                    init_weights_from(model, cfg.model.init_from)
         self.loss_fn = make_loss_fn(cfg.algorithm)
         if cfg.sft is not None:  # supervised fine-tuning (mlrl.sft): NLL of the assistant tokens
             from mlrl.algorithms.sft import sft_loss
@@ -97,6 +103,23 @@ class TrainerService:
                 return bucketize(self.policy.iter_adapters(), bucket_bytes)
         report = push_from_rank(request, buckets, sender)
         return report.to_json() if report is not None else None
+
+    def offload(self, kinds: list[str]) -> dict[str, Any]:
+        """Colocated placement: release the device memory of `kinds` ("params", "grads",
+        "optimizer") of every model on this rank (policy, KL reference, critic) into host buffers
+        (mlrl.trainer.rank.offload). Kinds already offloaded are skipped."""
+        return self._offloader().offload(kinds).to_json()
+
+    def reload(self) -> dict[str, Any]:
+        """Bring everything `offload` moved back to the device, bytes unchanged (gradients zeroed)."""
+        return self._offloader().reload().to_json()
+
+    def _offloader(self):
+        if getattr(self, "_offload", None) is None:
+            from mlrl.trainer.rank.offload import Offloader
+
+            self._offload = Offloader([self.policy, self.ref, self.critic])
+        return self._offload
 
     def save_checkpoint(self, path: str, critic_path: str | None = None) -> None:
         from mlrl.trainer.rank.checkpointing import save_checkpoint

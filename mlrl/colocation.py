@@ -1,0 +1,164 @@
+"""Colocated placement (cluster.placement=colocated): trainer ranks and vLLM engines time-share devices.
+
+One synchronous step, as mlrl/loop.py drives it:
+
+    rollout                       engines awake; the trainer holds only its parameters (or nothing:
+                                  cluster.colocate.offload_params)
+    to_trainer:  engines sleep    vLLM sleep mode, level cluster.colocate.sleep_level (1: weights to host
+                                  memory, KV cache discarded; 2: both discarded, the sync rewrites them)
+                 trainer reload   parameters (if offloaded), gradient buffers, optimizer state
+    logprobs + train
+    sync:        trainer offload  optimizer state + gradient buffers
+                 wake "weights"   the engines' weights only (WeightSync hook: before each transfer)
+                 transfer         trainer -> engines (CUDA IPC on GPU; any transport on CPU)
+                 offload params   with offload_params (hook: after the transfer)
+                 wake "kv_cache"  the engines resume scheduling; then the canary checks the weights
+    eval, metrics; a checkpoint / HF export due at this step is deferred to the next step's
+                 to_trainer (engines asleep, trainer resident), or done at once after the last step
+
+Every sleep / wake goes through vLLM's own API (`/sleep`, `/wake_up?tags=`, `/is_sleeping`); an
+engine is never restarted to free memory. Offload / reload are mlrl.trainer.rank.offload.
+
+On CPU vLLM refuses sleep mode (`--enable-sleep-mode`: "Sleep mode is not supported on current
+platform.") and its CPU worker ignores `/sleep` ("sleep mode is not supported on CPU, ignore it"):
+the calls still pause scheduling and clear the prefix cache, the state machine and the trainer's
+offload run as on GPU, and `colocate/engine_memory_released` = 0 says the engines kept their memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from mlrl.config.schema import ColocateConfig
+from mlrl.interfaces import Offloadable, RolloutPool, WeightSync
+from mlrl.metrics import StepTimer
+
+log = logging.getLogger(__name__)
+TRAIN_STATE = ["optimizer", "grads"]  # always offloaded while the engines run
+
+
+class Colocation:
+    """The colocated state machine between a trainer (`Offloadable`) and the engine pool."""
+
+    def __init__(self, cfg: ColocateConfig, trainer: Offloadable, pool: RolloutPool, *,
+                 engine_memory_released: bool) -> None:
+        self.cfg = cfg
+        self.trainer = trainer
+        self.pool = pool
+        self.engine_memory_released = engine_memory_released
+        self.timer: StepTimer | None = None
+        self.engines_asleep = False
+        self.kv_asleep = False
+        self.params_out = False
+        self.trainer_out = False
+        self.metrics: dict[str, float] = {}
+        if not engine_memory_released:
+            log.warning("cluster.placement=colocated without CUDA: the engines get vLLM's sleep / wake calls "
+                        "(scheduling pauses, prefix cache cleared) but keep their memory (vLLM's CPU build has no "
+                        "sleep mode); the trainer's offload / reload runs for real")
+
+    # ---- timing ------------------------------------------------------------------------------------
+    def _time(self, name: str, seconds: float) -> None:
+        if self.timer is not None:
+            self.timer.add(name, seconds)
+        self.metrics[f"colocate/{name}_s"] = self.metrics.get(f"colocate/{name}_s", 0.0) + seconds
+
+    def _bytes(self, prefix: str, report: dict[str, float]) -> None:
+        for kind in ("params", "grads", "optimizer"):
+            if kind in report:
+                key = f"colocate/{prefix}_bytes/{kind}"
+                self.metrics[key] = self.metrics.get(key, 0.0) + report[kind]
+        key = f"colocate/{prefix}_copied_bytes"
+        self.metrics[key] = self.metrics.get(key, 0.0) + report.get("copied", 0.0)
+
+    # ---- engines -----------------------------------------------------------------------------------
+    async def _engines(self, what: str, call) -> None:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(call(e.client) for e in self.pool.live_engines() if e.client is not None))
+        self._time(what, time.perf_counter() - t0)
+
+    async def sleep_engines(self) -> None:
+        if self.engines_asleep:
+            return
+        await self._engines("sleep", lambda c: c.sleep(self.cfg.sleep_level, "wait"))
+        self.engines_asleep = self.kv_asleep = True
+
+    async def wake_engines(self, tags: Sequence[str] | None) -> None:
+        if tags == ["weights"] and not self.engines_asleep:
+            return
+        if tags is None and not (self.engines_asleep or self.kv_asleep):
+            return
+        await self._engines("wake", lambda c: c.wake_up(tags))
+        if tags is None or "kv_cache" in tags:
+            self.kv_asleep = False
+        self.engines_asleep = False
+
+    # ---- trainer -----------------------------------------------------------------------------------
+    async def offload(self, kinds: list[str]) -> None:
+        t0 = time.perf_counter()
+        rep = await asyncio.to_thread(self.trainer.offload, kinds)
+        self._time("offload", time.perf_counter() - t0)
+        self._bytes("offload", rep)
+        self.trainer_out = True
+        self.params_out = self.params_out or "params" in kinds
+
+    async def reload(self) -> None:
+        if not self.trainer_out:
+            return
+        t0 = time.perf_counter()
+        rep = await asyncio.to_thread(self.trainer.reload)
+        self._time("reload", time.perf_counter() - t0)
+        self._bytes("reload", rep)
+        self.trainer_out = self.params_out = False
+
+    # ---- the step's transitions --------------------------------------------------------------------
+    async def start(self) -> None:
+        """After the initial weight sync: the trainer leaves the devices to the engines."""
+        await self.offload(TRAIN_STATE + (["params"] if self.cfg.offload_params else []))
+        self.metrics.clear()
+
+    async def to_trainer(self, timer: StepTimer | None) -> None:
+        """Rollout done: engines sleep, the trainer's state comes back."""
+        self.timer = timer
+        await self.sleep_engines()
+        await self.reload()
+
+    async def sync(self, weight_sync: WeightSync, version: int, timer: StepTimer) -> dict[str, Any]:
+        """Training done: the trainer's optimizer / gradients leave, the engines wake and receive the
+        new weights (`before_transfer` / `before_verify` run inside the sync). Returns the sync's
+        metrics and the step's colocate/* metrics."""
+        self.timer = timer
+        await self.offload(TRAIN_STATE)
+        hooks_before = sum(v for k, v in self.metrics.items() if k.endswith("_s"))
+        t0 = time.perf_counter()
+        report = await weight_sync.sync(version, hooks=self)
+        hooks_s = sum(v for k, v in self.metrics.items() if k.endswith("_s")) - hooks_before
+        timer.add("sync", time.perf_counter() - t0 - hooks_s)
+        out = {**report, **self.step_metrics()}
+        self.metrics.clear()
+        return out
+
+    async def before_transfer(self) -> None:
+        if self.params_out:  # a retried attempt after the parameters left: bring them back
+            await self.reload()
+            await self.offload(TRAIN_STATE)
+        await self.wake_engines(["weights"])
+
+    async def before_verify(self) -> None:
+        if self.cfg.offload_params:
+            await self.offload(["params"])
+        await self.wake_engines(["kv_cache"])
+
+    async def finish(self) -> None:
+        """End of run: nothing left to generate; the engines need no wake-up."""
+        self.timer = None
+
+    def step_metrics(self) -> dict[str, float]:
+        # the seconds are the step's timing/sleep, /wake, /offload, /reload
+        out = {k: v for k, v in self.metrics.items() if not k.endswith("_s")}
+        return {**out, "colocate/sleep_level": float(self.cfg.sleep_level),
+                "colocate/engine_memory_released": float(self.engine_memory_released)}

@@ -1,0 +1,139 @@
+"""The colocated state machine (mlrl.colocation) with recording doubles of its neighbours: the
+trainer (offload / reload), the engines' sleep API and a weight sync that calls the hooks the way
+mlrl.weight_sync.WeightSync does. The real engines, trainer and sync run in
+tests/integration/loop/test_colocated_run.py and tests/integration/trainer/test_offload.py."""
+
+import asyncio
+from dataclasses import dataclass
+
+import pytest
+
+from mlrl.colocation import Colocation
+from mlrl.config.schema import ColocateConfig
+from mlrl.metrics import StepTimer
+
+WAKE_S = 0.02
+BYTES = {"params": 100.0, "grads": 50.0, "optimizer": 200.0}
+
+
+class Trainer:
+    def __init__(self, calls):
+        self.calls, self.out = calls, set()
+
+    def offload(self, kinds):
+        new = [k for k in kinds if k not in self.out]
+        self.out |= set(new)
+        self.calls.append(("offload", tuple(kinds)))
+        rep = {k: BYTES[k] for k in new}
+        return {**rep, "copied": sum(v for k, v in rep.items() if k != "grads"), "seconds": 0.0}
+
+    def reload(self):
+        rep = {k: BYTES[k] for k in self.out}
+        self.out.clear()
+        self.calls.append(("reload",))
+        return {**rep, "copied": sum(v for k, v in rep.items() if k != "grads"), "seconds": 0.0}
+
+
+class Client:
+    def __init__(self, calls, name):
+        self.calls, self.name = calls, name
+
+    async def sleep(self, level=1, mode="wait"):
+        self.calls.append((self.name, "sleep", level))
+
+    async def wake_up(self, tags=None):
+        self.calls.append((self.name, "wake", tuple(tags or ())))
+        await asyncio.sleep(WAKE_S)
+        return tags is None or "kv_cache" in tags
+
+
+@dataclass
+class Handle:
+    client: Client
+
+
+class Pool:
+    def __init__(self, calls, n=2):
+        self.engines = [Handle(Client(calls, f"e{i}")) for i in range(n)]
+
+    def live_engines(self):
+        return self.engines
+
+
+class Sync:
+    """Calls the hooks around a transfer, `attempts` times (a failed first attempt is retried)."""
+
+    def __init__(self, calls, attempts=1):
+        self.calls, self.attempts = calls, attempts
+
+    async def sync(self, version, hooks=None):
+        for _ in range(self.attempts):
+            await hooks.before_transfer()
+            self.calls.append(("transfer", version))
+            await hooks.before_verify()
+        self.calls.append(("canary", version))
+        return {"weight_sync/version": float(version)}
+
+
+def _machine(offload_params=False, level=1, attempts=1):
+    calls = []
+    colo = Colocation(ColocateConfig(sleep_level=level, offload_params=offload_params), Trainer(calls), Pool(calls),
+                      engine_memory_released=False)
+    return colo, calls, Sync(calls, attempts)
+
+
+async def _step(colo, sync, version=1):
+    timer = StepTimer()
+    await colo.to_trainer(timer)
+    return timer, await colo.sync(sync, version, timer)
+
+
+@pytest.mark.parametrize("offload_params", [False, True])
+async def test_one_step_in_order(offload_params):
+    colo, calls, sync = _machine(offload_params=offload_params)
+    await colo.start()
+    assert calls == [("offload", ("optimizer", "grads", "params") if offload_params else ("optimizer", "grads"))]
+    calls.clear()
+    timer, metrics = await _step(colo, sync)
+    want = [("e0", "sleep", 1), ("e1", "sleep", 1), ("reload",),        # rollout done: engines sleep, trainer back
+            ("offload", ("optimizer", "grads")),                         # trained: optimizer state + grads leave
+            ("e0", "wake", ("weights",)), ("e1", "wake", ("weights",)),  # weights first
+            ("transfer", 1)]
+    want += [("offload", ("params",))] if offload_params else []          # params leave after the transfer
+    want += [("e0", "wake", ("kv_cache",)), ("e1", "wake", ("kv_cache",)), ("canary", 1)]
+    assert calls == want
+    assert metrics["weight_sync/version"] == 1.0
+    assert metrics["colocate/offload_bytes/optimizer"] == 200.0 and metrics["colocate/offload_bytes/grads"] == 50.0
+    # the knob: parameters move (both ways) only with offload_params
+    assert ("colocate/offload_bytes/params" in metrics) == offload_params
+    assert ("colocate/reload_bytes/params" in metrics) == offload_params
+    assert metrics["colocate/engine_memory_released"] == 0.0 and metrics["colocate/sleep_level"] == 1.0
+    assert {"sleep", "reload", "offload", "wake", "sync"} <= set(timer.totals)
+
+
+async def test_sleep_level_reaches_the_engines():
+    colo, calls, sync = _machine(level=2)
+    await colo.start()
+    await _step(colo, sync)
+    assert [c for c in calls if "sleep" in c] == [("e0", "sleep", 2), ("e1", "sleep", 2)]
+
+
+async def test_a_retried_transfer_gets_the_parameters_back_first():
+    colo, calls, sync = _machine(offload_params=True, attempts=2)
+    await colo.start()
+    calls.clear()
+    await _step(colo, sync)
+    second = calls[calls.index(("transfer", 1)) + 1:]
+    # attempt 1 offloaded the params and woke the KV cache; attempt 2 reloads them before transferring
+    assert second[:4] == [("offload", ("params",)), ("e0", "wake", ("kv_cache",)), ("e1", "wake", ("kv_cache",)),
+                          ("reload",)]
+    assert second[4] == ("offload", ("optimizer", "grads")) and second[5] == ("transfer", 1)
+
+
+async def test_sync_time_excludes_the_hooks():
+    """The wakes run inside the weight sync; they are timing/wake, not timing/sync (the phases add up)."""
+    colo, calls, sync = _machine()
+    await colo.start()
+    timer, _ = await _step(colo, sync)
+    assert timer.totals["wake"] >= 2 * WAKE_S  # weights, then KV cache
+    assert timer.totals["sync"] < WAKE_S
