@@ -9,8 +9,9 @@
     checkpoints (exact resume: weights, optimizer, data position) and the HF export at the end.
 
 No engines start: an SFT run is the trainer alone. Everything that can fail cheaply (model folder,
-chat template, data) fails before any process starts. The result starts an RL run as
-`model.hf_dir=<run>/hf/step_N` (its HF export).
+chat template, data, model.init_from) fails before any process starts. The result starts an RL run
+as `model.init_from=<run>/checkpoints/step_N` (or `model.init_from=<run>/hf/step_N`, its HF export;
+or `model.hf_dir=<run>/hf/step_N`). An SFT run can itself start from another run with model.init_from.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from mlrl.checkpoint import Checkpointer, CheckpointManager, read_state
+from mlrl.checkpoint.init_from import check_model_init_from
 from mlrl.config import Config, ConfigError, Layout, dump_yaml
 from mlrl.data import get_dataset
 from mlrl.data.registry import SFTDataset
@@ -104,7 +106,8 @@ def run_sft(cfg: Config, layout: Layout) -> int:
     state = read_state(resume) if resume else None
     if state is not None and state.get("kind") != KIND:
         raise ConfigError(f"checkpoint.resume: {resume} is an RL checkpoint; an SFT run resumes SFT checkpoints "
-                          "(start RL from an SFT run's HF export with model.hf_dir)")
+                          f"(to fine-tune from its weights: model.init_from={resume} in a new run directory)")
+    check_model_init_from(cfg.model, hf_dir, resume=resume)
     sampler = PromptSampler(train.examples, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
     if state:
         sampler = PromptSampler.from_state(train.examples, state["sampler"], seed=cfg.trainer.seed,
@@ -157,7 +160,7 @@ def run_sft(cfg: Config, layout: Layout) -> int:
         checkpointer.finalize()
         print(f"SFT finished: {total - start} steps, metrics in {run_dir / 'metrics.jsonl'}")
         if checkpointer.last_saved:
-            print(f"checkpoint: {checkpointer.last_saved}")
+            print(f"checkpoint: {checkpointer.last_saved}  (start RL from it: model.init_from=<this folder>)")
         if checkpointer.last_export:
             print(f"Hugging Face export: {checkpointer.last_export}  (start RL from it: model.hf_dir=<this folder>)")
         return 0

@@ -224,6 +224,9 @@ BAD = [
         "cluster.join_timeout_s: got 0.0, expected > 0 (seconds)",
     ),
     (["cluster.nodes=2"], "cluster.nodes=2 needs cluster.gpus_per_node >= 1"),
+    (["weight_sync.canary_every=0"], "weight_sync.canary_every"),
+    (["weight_sync.canary_every=5", "weight_sync.canary_tolerance=0"],
+     "weight_sync.canary_every=5 with the canary off (weight_sync.canary_tolerance <= 0)"),
     (
         ["cluster.nodes=2", "cluster.gpus_per_node=8", "cluster.placement=colocated", "weight_sync.transport=cuda_ipc"],
         "cluster.nodes=2 puts engines on other nodes: use weight_sync.transport=broadcast",

@@ -268,3 +268,20 @@ def test_weight_sync_does_not_import_the_rollout_package():
             "             if m.startswith('mlrl.rollout') or m == 'mlrl.weight_sync.bench_reference'); "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("every,checked", [(1, [1, 2, 3, 4]), (2, [1, 2, 4])])
+async def test_canary_every_n_versions(tmp_path, every, checked):
+    """weight_sync.canary_every: the canary runs on every Nth version and always on the run's first sync
+    (version 1 here); a sync without it reports no gap. Checksums are verified on every sync either way."""
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": VOCAB}))
+    src = HFWeightSource(TinyLM())
+    want = src.canary_logprobs(*canary_tokens(VOCAB))
+    client = FakeClient([[0.0] * 8 + want for _ in range(4)])
+    ws = make_weight_sync(WeightSyncConfig(transport="disk", canary_every=every), FakePool(client), src,
+                          model_dir=tmp_path, run_dir=tmp_path)
+    reps = [await ws.sync(v) for v in (1, 2, 3, 4)]
+    assert [r.version for r in reps if r.canary_checked] == checked
+    assert all(("weight_sync/canary_max_abs_diff" in dict(r)) == r.canary_checked for r in reps)
+    assert all(r.tensors == 3 for r in reps)  # every sync still verified what arrived
+    assert len(client.canary_values) == 4 - len(checked)  # the engines were asked exactly that often
