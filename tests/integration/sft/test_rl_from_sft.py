@@ -157,7 +157,7 @@ def _worker(sft: Path) -> dict:
     return out
 
 
-if __name__ == "__main__":  # torchrun: python -m torch.distributed.run --nproc-per-node 2 test_init_from.py
+if __name__ == "__main__":  # torchrun: python -m torch.distributed.run --nproc-per-node 2 test_rl_from_sft.py
     import torch.distributed as dist
 
     ap = argparse.ArgumentParser()
