@@ -83,18 +83,44 @@ model.lora.target_modules says, each routed expert of a MoE layer included (vllm
 A [R, in], B [out, R], column B / row A split over engine_tp), in model.dtype: that comes off the
 KV cache. vLLM's embedding / logits LoRA buffers, about (V + h) R each, are not counted.
 
-Colocated placement time-shares a GPU: during training the engine sleeps (vLLM sleep level 1:
-weights offloaded, KV cache freed, its CUDA context stays), during generation the trainer keeps
-only its parameters resident (gradients and optimizer state offloaded to host, as verl and slime
-do; with LoRA the frozen base and the adapters stay and only the adapters' state moves; with a
-critic, its parameters stay resident too and its gradients and optimizer state are offloaded
-likewise). The GPU must hold the larger of the two phases.
+Colocated placement (cluster.colocate) time-shares a GPU between a trainer rank and an engine rank.
+One RL step goes through three phases, and the GPU must hold the largest (`colocated_phases`):
+    rollout  the engine is awake: its whole budget (weights, LoRA slots, activations, runtime, KV
+             cache). The trainer keeps its CUDA context and, unless offload_params, its weights:
+             the policy's, the KL reference's and the critic's parameters. Gradients are released
+             (not copied: every step zeroes them) and the optimizer state (Adam moments and fp32
+             master copies) sits in host memory (mlrl.trainer.rank.offload); with offload_params
+             the parameters go to host memory too.
+    train    the engine sleeps and keeps only its runtime (CUDA context, NCCL, the CUDA-graph pool:
+             vLLM's sleep frees the weights and the KV cache only, vllm-project/vllm#56373); the
+             trainer holds its whole footprint (`TrainerMemory.total`: activations, reference and
+             critic included).
+    sync     optimizer state and gradients are offloaded again, the engine wakes its weights only
+             (no KV cache, no activations), both copies of the weights are resident, plus the
+             transport's buffers (`sync_buffers`).
+TE's FP8 weight cache is not a parameter (the offloader moves parameter, gradient and optimizer
+storages only): it stays resident in every phase. vLLM's sleep level changes host memory, not GPU
+memory: level 1 copies the engine's weights (and LoRA slots) to host memory for the train phase,
+level 2 discards them (the sync rewrites them). Host memory is reported per node, not checked:
+the config has no host capacity.
+
+Transport buffers in the sync phase, L = the largest full HF tensor (the embedding, V h, in
+model.dtype) and b = weight_sync.bucket_mb: a stage's sender (tp 0, dp 0, cp 0) fills one bucket
+while the next tensor is all-gathered over TP (its pieces plus the concatenation), b + 2L; the
+other ranks hold their share of that gather, 2L (charged to every one of them, dp > 0 included,
+which gather nothing). cuda_ipc senders keep every exported tensor of their stage alive until
+the engines have loaded them: the stage's full (TP- and EP-gathered) weights instead of b, and
+the engines map them without a copy. broadcast receivers hold up to 4 buckets (receive_all's
+queue of 2, one being received, one being loaded), and a tensor larger than b (the embedding,
+the untied output layer) is a bucket of its own: 4 b + n (L - b)+. disk receivers read into host
+memory, and the adapter sync (weight_sync.lora_mode=adapter) moves only the adapters (MiBs): 0.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Iterator
 
 from mlrl.config.schema import LORA_TARGETS, LoRAConfig
 from mlrl.plan.model import LORA_LINEAR, LORA_ROW, ModelShape
@@ -176,6 +202,24 @@ class TrainerMemory:
         if self.critic is not None:
             out["critic"] = self.critic.total
         return out
+
+    def weights(self) -> dict[str, float]:
+        """The parameters of every model on the rank (policy, KL reference, critic): what
+        cluster.colocate.offload_params moves to host memory while the engines generate."""
+        out = {"trainer params": self.params, "reference": self.reference}
+        if self.critic is not None:
+            out["critic params"] = self.critic.params
+        return out
+
+    @property
+    def fp8_cache(self) -> float:
+        """TE's FP8 weight copies, the policy's and the critic's (resident in every phase)."""
+        return self.fp8_weights + (self.critic.fp8_weights if self.critic is not None else 0.0)
+
+    @property
+    def optimizer_state(self) -> float:
+        """Optimizer state of the policy and the critic: in host memory outside the train phase."""
+        return self.optimizer + (self.critic.optimizer if self.critic is not None else 0.0)
 
 
 @dataclass(frozen=True)
@@ -373,9 +417,92 @@ def engine_memory(shape: ModelShape, *, engine_tp: int, dtype_bytes: int, gpu_by
                         max_model_len, lora)
 
 
-def colocated_phases(trainer: TrainerMemory, engine: EngineMemory) -> tuple[float, float]:
-    """(training phase, generation phase) bytes on a GPU shared by a trainer rank and an engine rank."""
-    train = trainer.total + CUDA_RUNTIME_GIB * GIB   # the sleeping engine keeps its CUDA context
-    resident = trainer.params + (trainer.critic.params if trainer.critic is not None else 0.0)
-    generate = engine.budget + resident + trainer.runtime
-    return train, generate
+def largest_tensor_params(shape: ModelShape) -> int:
+    """Elements of the largest full tensor a weight sync gathers: the embedding, unless a fused
+    Megatron linear (fc1 = gate + up, or QKV) is larger."""
+    fused = max(2 * shape.ffn, 2 * shape.expert_ffn, shape.q_width + 2 * shape.kv_width)  # fc1 = gate + up; QKV
+    return max(shape.embedding_params(), shape.hidden * fused)
+
+
+@dataclass(frozen=True)
+class SyncBuffers:
+    """GPU bytes the weight-sync transport holds during the sync phase (see the module docstring)."""
+
+    sender: float = 0.0   # on a stage's sending trainer rank (tp 0, dp 0, cp 0)
+    other: float = 0.0    # on the stage's other trainer ranks
+    engine: float = 0.0   # on every engine rank
+
+
+def sync_buffers(transport: str, *, bucket_bytes: float, largest: float, big_tensors: int,
+                 stage_weights: float = 0.0, adapters_only: bool = False) -> SyncBuffers:
+    """One pipeline stage's transport buffers. `largest`: bytes of the largest full tensor;
+    `big_tensors`: how many tensors that large the engines receive (embedding, untied output
+    layer); `stage_weights`: bytes of the stage's full weights (what cuda_ipc keeps exported)."""
+    if adapters_only:
+        return SyncBuffers()
+    b, gather = bucket_bytes, 2 * largest
+    sender = (stage_weights if transport == "cuda_ipc" else b) + gather
+    engine = 4 * b + big_tensors * max(0.0, largest - b) if transport == "broadcast" else 0.0
+    return SyncBuffers(sender, gather, engine)
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One phase of a colocated step on one GPU: bytes resident on the GPU and in host memory, by part."""
+
+    name: str
+    gpu: dict[str, float]
+    host: dict[str, float]
+
+    @property
+    def total(self) -> float:
+        return sum(self.gpu.values())
+
+    @property
+    def host_total(self) -> float:
+        return sum(self.host.values())
+
+
+@dataclass(frozen=True)
+class ColocatedPhases:
+    """The phases of one step on a GPU shared by a trainer rank and an engine rank, in step order."""
+
+    rollout: Phase
+    train: Phase
+    sync: Phase
+
+    def __iter__(self) -> Iterator[Phase]:
+        return iter((self.rollout, self.train, self.sync))
+
+    @property
+    def peak(self) -> Phase:
+        return max(self, key=lambda ph: ph.total)
+
+
+def colocated_phases(trainer: TrainerMemory, engine: EngineMemory, *, offload_params: bool = False,
+                     sleep_level: int = 1, sync: SyncBuffers | None = None, sender: bool = True) -> ColocatedPhases:
+    """Bytes per phase on a GPU shared by a trainer rank and an engine rank (the module docstring's
+    phase model); `sender`: this GPU's trainer rank is its stage's weight-sync sender."""
+    e, t, buffers = engine, trainer, sync or SyncBuffers()
+    engine_weights = {"engine weights": e.weights, "LoRA slots": e.lora}
+    weights = t.weights()
+    resident = {} if offload_params else weights
+    optimizer = {"optimizer state": t.optimizer_state}
+    rollout = Phase(
+        "rollout",
+        {**engine_weights, "engine activations": e.activations, "engine runtime": e.runtime, "KV": e.kv_cache,
+         **resident, "fp8 cache": t.fp8_cache, "trainer runtime": t.runtime},
+        {**optimizer, **(weights if offload_params else {})})
+    train = Phase(
+        "train",
+        {"trainer params": t.params, "grads": t.grads, "optimizer": t.optimizer, "fp8 cache": t.fp8_weights,
+         "reference": t.reference, "activations": t.activations, "critic": t.critic_bytes,
+         "trainer runtime": t.runtime, "engine runtime": e.runtime},
+        dict(engine_weights) if sleep_level == 1 else {})
+    sync = Phase(
+        "sync",
+        {**engine_weights, "engine runtime": e.runtime, **weights, "fp8 cache": t.fp8_cache,
+         "trainer runtime": t.runtime,
+         "transport buffers": (buffers.sender if sender else buffers.other) + buffers.engine},
+        optimizer)
+    return ColocatedPhases(rollout, train, sync)

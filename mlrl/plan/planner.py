@@ -37,6 +37,7 @@ class Plan:
     reasons: list[str] = field(default_factory=list)   # why it does not fit (empty = fits)
     warnings: list[str] = field(default_factory=list)
     critic_params: list[mem.StageParams] | None = None  # per pipeline rank, the critic's (None = no critic)
+    sync_buffers: list[mem.SyncBuffers] = field(default_factory=list)  # per pipeline rank (colocated GPU runs)
 
     @property
     def fits(self) -> bool:
@@ -52,6 +53,31 @@ class Plan:
 
     def trainer_ranks(self) -> list[TrainerRank]:
         return [trainer_rank(r, self.layout) for r in range(self.layout.trainer_devices)]
+
+    @property
+    def colocated(self) -> bool:
+        return self.cfg.cluster.placement == "colocated" and self.engine_memory is not None
+
+    def colocated_phases(self, pp: int, sender: bool = True) -> mem.ColocatedPhases:
+        """The step's phases on a GPU shared by an engine rank and a trainer rank of pipeline
+        stage `pp` (`sender`: the stage's weight-sync sender, tp 0, dp 0, cp 0)."""
+        co = self.cfg.cluster.colocate
+        return mem.colocated_phases(self.trainer_memory[pp], self.engine_memory, offload_params=co.offload_params,
+                                    sleep_level=co.sleep_level, sync=self.sync_buffers[pp], sender=sender)
+
+    def slot_phases(self, slot: GpuSlot) -> mem.ColocatedPhases | None:
+        """The phases of a GPU holding both a trainer rank and an engine rank (None otherwise)."""
+        if not (self.colocated and slot.trainer and slot.engine):
+            return None
+        return self.colocated_phases(slot.trainer.pp, _is_sender(slot.trainer))
+
+    def host_bytes_per_node(self) -> list[dict[str, float]]:
+        """Per node, per phase name: host memory holding what its colocated GPUs offloaded."""
+        out = [{} for _ in range(self.cfg.cluster.nodes)]
+        for slot in self.slots:
+            for ph in self.slot_phases(slot) or ():
+                out[slot.node][ph.name] = out[slot.node].get(ph.name, 0.0) + ph.host_total
+        return out
 
 
 def make_plan(cfg: Config, layout: Layout) -> Plan:
@@ -96,6 +122,7 @@ def make_plan(cfg: Config, layout: Layout) -> Plan:
         shape, engine_tp=r.engine_tp, dtype_bytes=mem.DTYPE_BYTES[cfg.model.dtype], gpu_bytes=plan.capacity,
         utilization=r.gpu_memory_utilization, max_model_len=max_len, enforce_eager=r.enforce_eager,
         lora_rank=_engine_lora_rank(cfg))
+    plan.sync_buffers = _sync_buffers(cfg, shape, layers)
     plan.slots, problems = place(
         layout, c.nodes, c.gpus_per_node, r.num_engines, r.engine_tp, c.placement == "colocated"
     )
@@ -114,10 +141,33 @@ def _engine_lora_rank(cfg: Config) -> int:
     return vllm_lora_rank(cfg.model.lora.rank)  # validation keeps the rank within vLLM's
 
 
+def _sync_buffers(cfg: Config, shape: ModelShape, layers: list[list[int]]) -> list[mem.SyncBuffers]:
+    """Per pipeline stage, the weight-sync transport's buffers (what the sync phase of a colocated
+    GPU adds; mlrl.plan.memory's docstring has the terms)."""
+    ws, wire = cfg.weight_sync, mem.DTYPE_BYTES[cfg.model.dtype]
+    pp = len(layers)
+    out = []
+    for k, ls in enumerate(layers):
+        full = 0.0
+        if ws.transport == "cuda_ipc":  # the stage's whole weights, gathered over TP and EP
+            full = mem.stage_params(shape, ls, first=k == 0, last=k == pp - 1, pp=pp, tp=1, ep=1, etp=1).total * wire
+        out.append(mem.sync_buffers(
+            ws.transport, bucket_bytes=ws.bucket_mb * 2**20, largest=mem.largest_tensor_params(shape) * wire,
+            big_tensors=1 if shape.tied else 2, stage_weights=full,
+            adapters_only=cfg.model.lora is not None and ws.lora_mode == "adapter"))
+    return out
+
+
+def _is_sender(r: TrainerRank) -> bool:
+    """The rank of a pipeline stage that sends its weights to the engines (mlrl.trainer.rank.parallel)."""
+    return r.tp == 0 and r.dp == 0 and r.cp == 0
+
+
 def _slot_bytes(plan: Plan, slot: GpuSlot) -> float:
     e = plan.engine_memory
-    if slot.trainer and slot.engine and e is not None:
-        return max(mem.colocated_phases(plan.trainer_memory[slot.trainer.pp], e))
+    phases = plan.slot_phases(slot)
+    if phases is not None:
+        return phases.peak.total
     if slot.trainer:
         return plan.trainer_memory[slot.trainer.pp].total
     if slot.engine and e is not None:
@@ -141,8 +191,12 @@ def _check_memory(plan: Plan) -> None:
             detail = f"largest part: {big} {parts[big] / gib:.1f} GiB"
             if m.critic is not None:
                 detail += f"; the critic adds {m.critic.total / gib:.1f} GiB"
-            if slot.engine is not None:
+            phases = plan.slot_phases(slot)
+            if phases is not None:
                 role += f" + engine {slot.engine.engine} (colocated)"
+                peak = phases.peak
+                big = max(peak.gpu, key=peak.gpu.get)
+                detail = f"peak in phase {peak.name}, largest part: {big} {peak.gpu[big] / gib:.1f} GiB"
         else:
             key = ("engine",)
             role = f"engine {slot.engine.engine}" if slot.engine else "idle"

@@ -6,7 +6,7 @@ verdict (`fits` or `DOES NOT FIT`), so scripts can read the tail.
 
 from __future__ import annotations
 
-from mlrl.plan.memory import GIB, colocated_phases
+from mlrl.plan.memory import GIB, Phase
 from mlrl.plan.planner import Plan
 
 
@@ -146,12 +146,43 @@ def _memory(plan: Plan) -> list[str]:
             f"({e.kv_tokens} tokens at {e.kv_bytes_per_token / 1024:.0f} KiB/token = {seqs} sequences of "
             f"{plan.seq_len})"
         )
-        if plan.cfg.cluster.placement == "colocated":
-            for k, m in enumerate(plan.trainer_memory):
-                train, gen = colocated_phases(m, e)
-                lines.append(f"  colocated GPU, pp stage {k}: training phase {_g(train)} (engine asleep), "
-                             f"generation phase {_g(gen)} (trainer keeps parameters only"
-                             f"{', policy and critic' if m.critic is not None else ''})")
+        if plan.colocated:
+            lines += _colocated(plan)
+    return lines
+
+
+def _parts(parts: dict[str, float]) -> str:
+    return " + ".join(f"{name} {_g(v)}" for name, v in parts.items() if v) or "nothing"
+
+
+def _phase(ph: Phase) -> str:
+    return f"phase {ph.name}: {_g(ph.total)} GiB ({_parts(ph.gpu)})"
+
+
+def _colocated(plan: Plan) -> list[str]:
+    """One line per phase of the step on a shared GPU (the peak decides the fit), and the host
+    memory the offloaded state takes per node."""
+    co = plan.cfg.cluster.colocate
+    lines = [f"  colocated GPU, one step (sleep level {co.sleep_level}, offload_params "
+             f"{'on' if co.offload_params else 'off'}): rollout -> train -> sync, the GPU holds the largest"]
+    for k in range(plan.layout.pp):
+        sender, other = plan.colocated_phases(k, sender=True), plan.colocated_phases(k, sender=False)
+        peak = sender.peak
+        lines.append(f"  colocated GPU, pp stage {k} (its weight-sync sender; peak {_g(peak.total)} in phase "
+                     f"{peak.name}):")
+        lines += [f"    {_phase(ph)}" for ph in sender]
+        if plan.layout.tp * plan.layout.dp * plan.layout.cp > 1 and other.sync.total != sender.sync.total:
+            lines.append(f"    phase sync on the stage's other GPUs: {_g(other.sync.total)} GiB (transport buffers "
+                         f"{_g(other.sync.gpu['transport buffers'])})")
+    host = plan.host_bytes_per_node()
+    if host and host[0]:
+        node = max(range(len(host)), key=lambda n: max(host[n].values(), default=0.0))
+        h = plan.colocated_phases(0)
+        held = {"rollout": "optimizer state" + (" + parameters" if co.offload_params else ""),
+                "train": "engine weights" if co.sleep_level == 1 else "nothing: sleep level 2 discards the weights",
+                "sync": "optimizer state"}
+        lines.append(f"  host memory, node {node} (offloaded state, not checked: no host capacity in the config): "
+                     + ", ".join(f"{ph.name} {_g(host[node].get(ph.name, 0.0))} ({held[ph.name]})" for ph in h))
     return lines
 
 
@@ -168,8 +199,10 @@ def _verdict(plan: Plan) -> list[str]:
     else:
         lines.append("result: DOES NOT FIT")
         lines += [f"  - {why}" for why in plan.reasons]
+        colocated = ("; colocated: lower rollout.gpu_memory_utilization or cluster.colocate.offload_params=true "
+                     "for the rollout phase") if plan.colocated else ""
         lines.append("  (options: larger parallel.tp / pp / ep, trainer.use_distributed_optimizer=true, "
-                     "trainer.recompute=full, smaller trainer.micro_batch_tokens, more nodes)")
+                     f"trainer.recompute=full, smaller trainer.micro_batch_tokens, more nodes{colocated})")
     return lines
 
 

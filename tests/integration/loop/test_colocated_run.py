@@ -9,6 +9,7 @@ of step 2, deferred to step 3's training phase, must be that of step 2.
 """
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from helpers.launching import launch, metrics
@@ -25,9 +26,12 @@ PHASES = ("rollout", "reward", "logprobs", "train", "sync", "eval", "checkpoint"
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("colocated")
     colo, plain = root / "colocated", root / "disaggregated"
-    out = launch(colo, *COMMON, "cluster.placement=colocated", "cluster.colocate.offload_params=true")
-    launch(plain, *COMMON)
-    return colo, plain, out
+    # concurrently: most of a launch is its vLLM engine and trainer starting (the runs are deterministic)
+    with ThreadPoolExecutor(2) as pool:
+        out = pool.submit(launch, colo, *COMMON, "cluster.placement=colocated", "cluster.colocate.offload_params=true")
+        base = pool.submit(launch, plain, *COMMON)
+        base.result()
+        return colo, plain, out.result()
 
 
 def test_colocated_learns_exactly_like_disaggregated(runs):

@@ -104,9 +104,9 @@ def test_critic_adds_its_params_grads_and_optimizer_per_gpu():
     assert m1.total - m0.total == pytest.approx(critic * (2 + 4 + 12 / 32))  # ~22.5 GiB more per GPU
     # the policy's own terms, and the activation peak, do not change
     assert {k: v for k, v in m1.parts().items() if k != "critic"} == m0.parts()
-    # colocated generation phase: the critic's parameters stay resident, grads and Adam state are offloaded
+    # colocated rollout phase: the critic's parameters stay resident, grads and Adam state are offloaded
     e = with_critic.engine_memory
-    assert mem.colocated_phases(m1, e)[1] - mem.colocated_phases(m0, e)[1] == 2 * critic
+    assert mem.colocated_phases(m1, e).rollout.total - mem.colocated_phases(m0, e).rollout.total == 2 * critic
 
 
 def test_critic_that_does_not_fit_is_exit_code_3(capsys):
@@ -160,11 +160,12 @@ def test_lora_frozen_base_keeps_params_trains_adapters_only():
     assert ml.optimizer == pytest.approx(12 * n / 32)           # fp32 master + Adam m, v of the adapters, over dp
     assert (mf.grads + mf.optimizer) / (ml.grads + ml.optimizer) >= 10     # ~140x here
     assert ml.total < mf.total - 16 * GIB
-    # colocated: generation keeps the base and the adapters resident; training holds the smaller LoRA total
+    # colocated: rollout keeps the base and the adapters resident; training holds the smaller LoRA total
+    # (beside the sleeping engine's runtime: CUDA context and CUDA-graph pool)
     e = lora.engine_memory
-    (tf, gf), (tl, gl) = mem.colocated_phases(mf, e), mem.colocated_phases(ml, e)
-    assert gl - gf == 2 * n
-    assert tl == ml.total + mem.CUDA_RUNTIME_GIB * GIB and tf - tl > 16 * GIB
+    cf, cl = mem.colocated_phases(mf, e), mem.colocated_phases(ml, e)
+    assert cl.rollout.total - cf.rollout.total == 2 * n
+    assert cl.train.total == ml.total + e.runtime and cf.train.total - cl.train.total > 16 * GIB
     # KL against the reference: a second copy of the weights, except under LoRA (the base, adapters off)
     assert plan_for(QWEN8B, "algorithm.kl_coef=0.01").trainer_memory[0].reference == mf.params
     assert lora_plan(QWEN8B, "model.lora.rank=16", "algorithm.kl_coef=0.01").trainer_memory[0].reference == 0
@@ -336,7 +337,8 @@ def test_cli_colocated_two_nodes(capsys):
     )
     assert out.returncode == 0, out.stderr
     assert "node   1 GPU 7  trainer rank   15  tp1 cp0 dp7 pp0  +  engine   7 tp-rank 1" in out.stdout
-    assert "colocated GPU, pp stage 0: training phase" in out.stdout
+    assert "colocated GPU, pp stage 0 (its weight-sync sender; peak " in out.stdout
+    assert all(f"    phase {name}: " in out.stdout for name in ("rollout", "train", "sync"))
 
 
 def test_cli_lora_dry_run(capsys):
