@@ -5,6 +5,9 @@ Run A: 3 synchronous steps on the tiny recipe, PPO with a Megatron critic (algor
 and 2 mini-batches per step (2 policy and 2 critic updates, behaviour logprobs once per step),
 pass@k evaluation, checkpoint (policy + critic) + HF export at the end.
 Run B: resumes A's checkpoint (policy and critic) and runs 3 asynchronous steps (staleness eta = 1, TIS).
+Run A colocated (cluster.placement=colocated, launched alongside A): the same numbers step for step,
+per-phase sleep / wake / offload / reload timings, vLLM's sleep API in the engine's log, and step 2's
+checkpoint (deferred to step 3's training phase) equal to A's.
 (The default GRPO path runs end to end in tests/integration/cluster.)
 Asserted: train/rollout logprob gap after every sync <= 1e-3, rewards in [0, 1], every prompt's
 samples accounted for, metrics / TensorBoard / plot / checkpoint / HF export written, and the
@@ -15,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -63,12 +67,26 @@ def _check_steps(recs: list[dict], steps: list[int], sync_steps: set[int]) -> No
         assert r["samples/trainable"] <= r["episodes/completed"]
 
 
+RUN_A = ["trainer.total_steps=3", "data.eval=synthetic:copy_digit", "data.eval_every=2", "data.num_synthetic=32",
+         "trainer.mini_batches_per_step=2", "eval.samples_per_prompt=2", "checkpoint.save_every=2",
+         "checkpoint.hf_export_every=2", *GAE]
+COLOCATED = ["cluster.placement=colocated", "cluster.colocate.offload_params=true"]
+
+
 @pytest.fixture(scope="module")
-def run_a(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("e2e") / "run"
-    out = _launch(run_dir, "trainer.total_steps=3", "data.eval=synthetic:copy_digit", "data.eval_every=2",
-                  "data.num_synthetic=32", "trainer.mini_batches_per_step=2", "eval.samples_per_prompt=2", *GAE)
-    return run_dir, out
+def runs(tmp_path_factory):
+    """Run A, and the same run colocated (tests/integration/loop/test_colocated_run.py), launched
+    concurrently: most of a launch is its vLLM engine and trainer ranks starting; both are deterministic."""
+    root = tmp_path_factory.mktemp("e2e")
+    with ThreadPoolExecutor(2) as pool:
+        a = pool.submit(_launch, root / "run", *RUN_A)
+        colo = pool.submit(_launch, root / "colocated", *RUN_A, *COLOCATED)
+        return {"a": (root / "run", a.result()), "colocated": (root / "colocated", colo.result())}
+
+
+@pytest.fixture(scope="module")
+def run_a(runs):
+    return runs["a"]
 
 
 def test_sync_run(run_a):
@@ -95,6 +113,69 @@ def test_sync_run(run_a):
     hf = run_dir / "hf" / "step_000003"
     assert (hf / "config.json").is_file() and list(hf.glob("*.safetensors"))
     assert "run finished: 3 steps" in out.stdout
+
+
+# ---- the same run colocated: engines sleep through vLLM's API while the trainer steps; the trainer
+# offloads its optimizer state, gradients and parameters (policy, reference, critic) while they generate
+
+PHASES = ("rollout", "reward", "logprobs", "train", "sync", "eval", "checkpoint", "sleep", "reload", "offload", "wake",
+          "other")
+
+
+def test_colocated_learns_exactly_like_disaggregated(runs):
+    """Offload / reload is bit-exact and sleep / wake changes nothing the engines compute: rewards,
+    losses, critic values and logprob gaps equal run A's step for step."""
+    (a_dir, _), (colo, _) = runs["a"], runs["colocated"]
+    a, b = _metrics(colo), _metrics(a_dir)[:3]  # (run A's file grows when test_resume_async continues it)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3]
+    for x, y in zip(a, b):
+        for key in ("reward/mean", "train/loss", "train/grad_norm", "train/mismatch/logprob_gap", "critic/value_loss",
+                    "critic/values_mean", "weight_sync/canary_max_abs_diff"):
+            assert x[key] == y[key], (x["step"], key, x[key], y[key])
+        assert x.get("eval/reward/mean") == y.get("eval/reward/mean")
+    _check_steps(a, [1, 2, 3], {1, 2, 3})
+
+
+def test_colocated_per_phase_offload_and_sleep_timings(runs):
+    colo, _ = runs["colocated"]
+    for r in _metrics(colo):
+        for phase in ("sleep", "wake", "offload", "reload"):
+            assert r[f"timing/{phase}"] > 0.0, (phase, r)
+        total = sum(r.get(f"timing/{p}", 0.0) for p in PHASES)
+        assert abs(total - r["timing/step"]) <= 0.05 * r["timing/step"]
+        assert r["colocate/engine_memory_released"] == 0.0  # vLLM's CPU build keeps its memory
+        assert r["colocate/sleep_level"] == 1.0
+        for kind in ("params", "grads", "optimizer"):
+            assert r[f"colocate/offload_bytes/{kind}"] > 0, kind
+            # Megatron's optimizers create their state at their first step: step 1 reloads none
+            if kind != "optimizer" or r["step"] > 1:
+                assert r[f"colocate/reload_bytes/{kind}"] == r[f"colocate/offload_bytes/{kind}"], kind
+        # gradients are released, not copied; parameters and optimizer state are copied both ways
+        assert r["colocate/offload_copied_bytes"] == r["colocate/offload_bytes/params"] + \
+            r["colocate/offload_bytes/optimizer"]
+
+
+def test_colocated_engines_went_through_vllm_sleep_and_wake(runs):
+    colo, _ = runs["colocated"]
+    log = (colo / "engines" / "engine-0.log").read_text()
+    # one sleep and a two-stage wake (weights, then KV cache) per step through vLLM's own endpoints,
+    # and a last sleep for the end-of-run checkpoint (the trainer reloads; the engines are not woken again)
+    assert log.count("seconds to fall asleep") == 4
+    assert log.count("wake up the engine with tags: ['weights']") == 3
+    assert log.count("wake up the engine with tags: ['kv_cache']") == 3
+
+
+def test_colocated_deferred_checkpoint_is_the_step_it_names(runs):
+    """Step 2's checkpoint / export is written in step 3's training phase: it holds step 2's state."""
+    (a_dir, _), (colo, _) = runs["a"], runs["colocated"]
+    state = json.loads((colo / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
+    assert state["weight_version"] == 2 and state["sampler"]["consumed"] == 2 * PROMPTS
+    for step in ("step_000002", "step_000003"):
+        got = sorted((colo / "hf" / step).glob("*.safetensors"))
+        want = sorted((a_dir / "hf" / step).glob("*.safetensors"))
+        assert got and [p.name for p in got] == [p.name for p in want]
+        assert all(g.read_bytes() == w.read_bytes() for g, w in zip(got, want)), step
+    assert (colo / "checkpoints" / "step_000002" / "critic" / "mlrl_checkpoint.json").is_file()
 
 
 def test_resume_async(run_a):
