@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
 from typing import Any
 
 from mlrl.config.schema import ColocateConfig
@@ -87,15 +86,14 @@ class Colocation:
         await self._engines("sleep", lambda c: c.sleep(self.cfg.sleep_level, "wait"))
         self.engines_asleep = self.kv_asleep = True
 
-    async def wake_engines(self, tags: Sequence[str] | None) -> None:
-        if tags == ["weights"] and not self.engines_asleep:
+    async def wake_engines(self, tag: str) -> None:
+        """Wake "weights" (then the sync writes them) or "kv_cache" (then the engines schedule again)."""
+        if not (self.engines_asleep if tag == "weights" else self.kv_asleep):
             return
-        if tags is None and not (self.engines_asleep or self.kv_asleep):
-            return
-        await self._engines("wake", lambda c: c.wake_up(tags))
-        if tags is None or "kv_cache" in tags:
-            self.kv_asleep = False
+        await self._engines("wake", lambda c: c.wake_up([tag]))
         self.engines_asleep = False
+        if tag == "kv_cache":
+            self.kv_asleep = False
 
     # ---- trainer -----------------------------------------------------------------------------------
     async def offload(self, kinds: list[str]) -> None:
@@ -146,16 +144,12 @@ class Colocation:
         if self.params_out:  # a retried attempt after the parameters left: bring them back
             await self.reload()
             await self.offload(TRAIN_STATE)
-        await self.wake_engines(["weights"])
+        await self.wake_engines("weights")
 
     async def before_verify(self) -> None:
         if self.cfg.offload_params:
             await self.offload(["params"])
-        await self.wake_engines(["kv_cache"])
-
-    async def finish(self) -> None:
-        """End of run: nothing left to generate; the engines need no wake-up."""
-        self.timer = None
+        await self.wake_engines("kv_cache")
 
     def step_metrics(self) -> dict[str, float]:
         # the seconds are the step's timing/sleep, /wake, /offload, /reload
