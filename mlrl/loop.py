@@ -175,6 +175,7 @@ async def rollout_sync(ctx: RunContext) -> tuple[list[Sample], dict[str, float]]
         rounds += 1
         groups += batch
         for g in batch:
+            sel.routing_missing += await attach_routing(ctx, g.samples)
             sel.add(g.samples)
         if not ds.enabled or sel.groups_kept >= want or rounds >= ds.max_rounds:
             break
@@ -190,6 +191,7 @@ class Selection:
         self.ctx = ctx
         self.samples: list[Sample] = []
         self.total = self.groups_seen = self.groups_kept = self.dropped = self.overlong = self.sub_dropped = 0
+        self.routing_missing = 0
 
     def add(self, group_samples: list[Sample]) -> bool:
         """Take one group's samples; False when the group adds nothing to train on."""
@@ -216,11 +218,40 @@ class Selection:
             m["samples/staleness_max"] = float(self.ctx.version - min(versions))
         if self.ctx.cfg.algorithm.overlong_buffer:
             m["samples/overlong_penalised"] = float(self.overlong)
+        if self.ctx.cfg.algorithm.router_replay:
+            m["samples/routing_missing"] = float(self.routing_missing)
         if self.ctx.cfg.algorithm.dynamic_sampling.enabled:
             m["samples/groups_dropped_equal_reward"] = float(self.sub_dropped)
             m["rollout/filtered_fraction"] = self.dropped / max(1, self.groups_seen)
             m["rollout/sampling_rounds"] = float(rounds)
         return m
+
+
+async def attach_routing(ctx: RunContext, samples: list[Sample]) -> int:
+    """MoE router replay: each trainable sample gets the experts its engine routed it through
+    (Sample.routed_experts). A sample whose rows are gone (its engine died, or the rows were
+    evicted) cannot be replayed faithfully: it is marked failed, with the reason, and left out of
+    training. Returns how many."""
+    if not ctx.cfg.algorithm.router_replay:
+        return 0
+    todo = [s for s in samples if s.num_loss_tokens > 0 and s.status != SampleStatus.FAILED]
+    if not todo:
+        return 0
+    rows = await ctx.engines.fetch_routing([s.tokens for s in todo])
+    missing = 0
+    for s, r in zip(todo, rows):
+        # the prediction of token t is made at position t-1: rows are needed up to the last policy token - 1
+        need = max(i for i, m in enumerate(s.loss_mask) if m)
+        if r is None or len(r) < need:
+            s.status = SampleStatus.FAILED
+            s.metadata["error"] = (f"router replay: the engine's routed experts for this sample are unavailable "
+                                   f"({'none' if r is None else f'{len(r)} of {need} positions'})")
+            missing += 1
+        else:
+            s.routed_experts = r
+    if missing:
+        log.warning("router replay: %d of %d samples have no routed experts; left out of training", missing, len(todo))
+    return missing
 
 
 def train_step(ctx: RunContext, samples: list[Sample], timer: StepTimer, step: int) -> dict[str, float]:
@@ -384,6 +415,7 @@ async def _collect(ctx: RunContext, groups: asyncio.Queue, eta: int) -> tuple[li
                 stale += 1
             else:
                 fresh.append(s)
+        sel.routing_missing += await attach_routing(ctx, fresh)
         if not sel.add(fresh) and ds.enabled:
             async with ctx.version_changed:
                 ctx.extra_prompts += 1

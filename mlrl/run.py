@@ -147,7 +147,8 @@ async def _run(cfg: Config, layout: Layout) -> int:
         pool = EnginePool(cfg.rollout, hf_dir, dtype=cfg.model.dtype, run_dir=run_dir,
                           cuda_devices=placement.engine_devices, server_factory=placement.engine_server,
                           lora_rank=cfg.model.lora.rank if adapters else None,
-                          sleep_mode=cfg.cluster.placement == "colocated")
+                          sleep_mode=cfg.cluster.placement == "colocated",
+                          capture_routing=cfg.algorithm.router_replay)
         pool_started = asyncio.create_task(pool.start())
         try:
             group = await asyncio.to_thread(

@@ -187,6 +187,8 @@ class Sample:
     advantage: float = 0.0             # filled by the algorithm (sequence-level; token-level variants broadcast it)
     status: SampleStatus = SampleStatus.COMPLETED
     metadata: dict[str, Any] = field(default_factory=dict)
+    routed_experts: Any = None  # MoE router replay: numpy [m, layers, top_k] uint8/uint16, the experts the
+    #                             engine routed positions 0..m-1 to (m = len(tokens) - 1: the last token is never fed)
 
     def __post_init__(self) -> None:
         n = len(self.tokens)

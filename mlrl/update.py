@@ -59,6 +59,8 @@ def train_on(cfg: Config, policy: Policy, critic: Critic | None, samples: list[S
     whole, pack_metrics = _pack(cfg, policy, samples)
     old = ref = values = None
     with timer("logprobs"):
+        if a.router_replay:
+            pack_metrics.update(router_metrics(policy, whole, samples, temperature))
         if needs_old_logprobs(cfg):
             old = _per_sample(whole, policy.compute_logprobs(whole, temperature), len(samples))
         if a.kl_coef > 0:
@@ -115,6 +117,22 @@ def train_on(cfg: Config, policy: Policy, critic: Critic | None, samples: list[S
         metrics["advantages/mean"] = sum(adv) / len(adv)
         metrics["advantages/abs_mean"] = sum(abs(x) for x in adv) / len(adv)
     return metrics
+
+
+def router_metrics(policy: Policy, whole: PerDP, samples: Sequence[Sample], temperature: float) -> dict[str, float]:
+    """MoE router replay, before any update: how often the trainer's own routing picks the
+    engine's experts (token x MoE layer top-k sets), and the train/rollout logprob gap over the
+    policy tokens with the engine's routes replayed and with the trainer's own routing."""
+    d = policy.router_diagnostics(whole, temperature)
+    out = {"mismatch/router_agreement": d["matches"] / d["compared"] if d["compared"] else float("nan")}
+    for key, name in (("replay", "logprob_gap_replay"), ("own", "logprob_gap_no_replay")):
+        lps = _per_sample(whole, [[(lp, None) for lp in r] for r in d[key]], len(samples))
+        gaps = [(lp - torch.tensor(s.rollout_logprobs)).abs()[torch.tensor(s.loss_mask, dtype=torch.bool)]
+                for lp, s in zip(lps, samples)]
+        flat = torch.cat(gaps) if gaps else torch.zeros(0)
+        out[f"mismatch/{name}"] = float(flat.mean()) if flat.numel() else float("nan")
+        out[f"mismatch/{name}_max"] = float(flat.max()) if flat.numel() else float("nan")
+    return out
 
 
 def _pack(cfg: Config, policy: Policy, samples: Sequence[Sample]) -> tuple[PerDP, dict[str, float]]:

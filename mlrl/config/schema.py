@@ -290,6 +290,12 @@ class AlgorithmConfig:
     """Discount (GAE / REINFORCE++)."""
     lam: float = 1.0
     """GAE lambda."""
+    router_replay: bool = False
+    """MoE router replay (R3): the engines record the experts every token was routed to, and the
+    trainer's routers use exactly those (gates recomputed from the trainer's own router logits, so
+    the router still learns) in every training forward and in the old / reference logprob passes.
+    Per step, a diagnostic forward without replay reports `mismatch/router_agreement` and the
+    train/rollout logprob gap with and without replay. MoE models only."""
 
 
 @dataclass

@@ -403,6 +403,29 @@ def _check_devices(cfg: Config, has_cuda: bool) -> None:
         )
 
 
+def _check_router_replay(cfg: Config, hf: dict[str, Any], *, has_cuda: bool) -> None:
+    if not cfg.algorithm.router_replay:
+        return
+    from mlrl.rollout.routing import capture_problem
+
+    experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
+    if not experts:
+        raise ConfigError(f"algorithm.router_replay=true needs an MoE model; model.hf_dir ({cfg.model.hf_dir}, "
+                          f"model_type={hf.get('model_type')!r}) has no experts")
+    if cfg.sft is not None:
+        raise ConfigError("algorithm.router_replay=true: an SFT run has no rollout engines to replay")
+    if cfg.parallel.cp > 1:
+        raise ConfigError(f"algorithm.router_replay=true with parallel.cp={cfg.parallel.cp}: replaying routes "
+                          "into context-parallel slices is not implemented (use cp=1)")
+    if cfg.trainer.recompute == "full" and cfg.parallel.pp > 1:
+        raise ConfigError("algorithm.router_replay=true with trainer.recompute=full and parallel.pp > 1: the "
+                          "recomputed forward of a pipelined micro-batch would replay another micro-batch's routes")
+    problem = capture_problem(gpu=has_cuda, lora_adapter=cfg.model.lora is not None
+                              and cfg.weight_sync.lora_mode == "adapter")
+    if problem:
+        raise ConfigError(f"algorithm.router_replay=true: {problem}")
+
+
 def validate(cfg: Config, *, has_cuda: bool | None = None, dry_run: bool = False) -> Layout:
     """Check everything that can be checked before start; return the resolved layout.
 
@@ -426,6 +449,7 @@ def validate(cfg: Config, *, has_cuda: bool | None = None, dry_run: bool = False
         raise ConfigError(str(e)) from None
     _check_model(cfg, hf, layout)
     _check_lora(cfg, hf)
+    _check_router_replay(cfg, hf, has_cuda=cfg.cluster.gpus_per_node > 0)
     if cfg.uses_critic and cfg.critic.hf_dir:
         try:
             chf = hf_config_dict(cfg.critic.hf_dir, None)

@@ -39,6 +39,9 @@ class MicroBatch:
     ref_logprobs: Optional[torch.Tensor] = None  # [S] reference-policy logprobs (KL), None = no KL
     old_values: Optional[torch.Tensor] = None
     returns: Optional[torch.Tensor] = None  # [S] float32 GAE returns: the critic's regression target, None = no critic
+    # [S, layers, top_k] int16: MoE router replay, the experts the engine routed each position to
+    # (algorithm.router_replay; -1 on positions the engine never computed: last tokens, padding)
+    routed_experts: Optional[torch.Tensor] = None
 
     @property
     def num_tokens(self) -> int:

@@ -100,7 +100,9 @@ def _build(
     length = max(pad_multiple, math.ceil(cu[-1] / pad_multiple) * pad_multiple)
     pad = length - cu[-1]
     f32 = torch.float32
+    routed = _routed_rows([samples[i] for i in ids], length)
     return MicroBatch(
+        routed_experts=routed,
         tokens=torch.tensor(tokens + [pad_token_id] * pad, dtype=torch.int64),
         position_ids=torch.tensor(pos + [0] * pad, dtype=torch.int64),
         cu_seqlens=torch.tensor(cu, dtype=torch.int32),
@@ -110,6 +112,30 @@ def _build(
         advantages=torch.tensor(adv + [0.0] * pad, dtype=f32),
         rollout_logprobs=torch.tensor(rollout + [0.0] * pad, dtype=f32),
     )
+
+
+def _routed_rows(samples: Sequence[Sample], length: int) -> Optional[torch.Tensor]:
+    """MoE router replay: the samples' routed-expert rows back to back ([length, layers, top_k]
+    int16). Positions the engine never computed (each sample's last token, padding) hold -1: the
+    trainer routes them to experts 0..top_k-1, harmlessly, since their outputs feed no loss (the
+    last position predicts nothing, padding is masked).
+    None when no sample carries rows; all or none must (a step is replayed or it is not)."""
+    have = [s.routed_experts is not None for s in samples]
+    if not any(have):
+        return None
+    if not all(have):
+        raise ValueError("router replay: some samples of the micro-batch carry routed experts and some do not")
+    shape = samples[0].routed_experts.shape[1:]
+    out = torch.full((length, *shape), -1, dtype=torch.int16)
+    off = 0
+    for s in samples:
+        r = s.routed_experts
+        if r.shape[1:] != shape:
+            raise ValueError(f"router replay: routed experts of shape {tuple(r.shape)}, expected [*, {shape}]")
+        m = min(len(r), len(s.tokens))
+        out[off:off + m] = torch.from_numpy(r[:m].astype("int16"))
+        off += len(s.tokens)
+    return out
 
 
 def pack_step(

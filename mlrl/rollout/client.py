@@ -56,6 +56,15 @@ class Segment:
     finish: str = "stop"                                 # vLLM finish_reason
     stop_reason: Any = None                              # stop string / token id that ended it
     text: str = ""
+    routed_experts: Any = None  # GPU router replay: vLLM's rows for prompt + tokens[:-1] ([n, layers, top_k])
+
+
+def _routed(text: str | None) -> Any:
+    if not text:
+        return None
+    from mlrl.rollout.routing import decode
+
+    return decode(text)
 
 
 def sampling_params(
@@ -218,7 +227,7 @@ class EngineClient:
         return Segment(tokens=tokens, logprobs=logprobs,
                        versions=_versions(ch.get("weight_versions"), len(tokens), default_version),
                        finish=ch.get("finish_reason") or "stop", stop_reason=ch.get("stop_reason"),
-                       text=ch.get("text") or "")
+                       text=ch.get("text") or "", routed_experts=_routed(ch.get("routed_experts")))
 
     async def agenerate(self, req: ModelRequest, *, default_version: int = 0) -> ModelResponse:
         """One request on this engine alone (no failover, no resume: that is the pool's job).
@@ -343,6 +352,18 @@ class EngineClient:
 
     async def unload_lora_adapter(self, name: str) -> None:
         await self._post("/v1/unload_lora_adapter", json={"lora_name": name})
+
+    async def routing_enable(self, max_bytes: int = 256 << 20) -> dict[str, Any]:
+        """Start capturing routed experts in this engine's workers (CPU path, mlrl.rollout.routing)."""
+        return (await self.collective_rpc("mlrl_routing_enable", args=[str(max_bytes)]))[0]
+
+    async def routing_take(self, queries: Sequence[Sequence[int]]) -> list[Any]:
+        """Routed-expert rows ([m, layers, top_k] numpy) of each token sequence, None where this
+        engine has none. Every worker of a TP engine routes identically: the first one answers."""
+        from mlrl.rollout.routing import decode
+
+        res = (await self.collective_rpc("mlrl_routing_take", args=[_json.dumps([list(q) for q in queries])]))[0]
+        return [None if r is None else decode(r) for r in res["rows"]]
 
     async def collective_rpc(self, method: str, *, args: list[str] | None = None, kwargs: dict[str, str] | None = None,
                              timeout: float | None = None) -> list[Any]:

@@ -45,7 +45,14 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Literal, Sequence
 
 from mlrl.config.schema import RolloutConfig
-from mlrl.rollout.client import EngineAuthError, EngineClient, EngineRequestError, EngineUnavailableError, Segment
+from mlrl.rollout.client import (
+    EngineAuthError,
+    EngineClient,
+    EngineError,
+    EngineRequestError,
+    EngineUnavailableError,
+    Segment,
+)
 from mlrl.rollout.server import EngineServer, EngineStartError, ServerSpec
 from mlrl.types import GenerationHyperparameters, ModelRequest, ModelResponse, StopReason
 
@@ -104,6 +111,7 @@ class EnginePool:
                  run_dir: str | Path | None = None, initial_version: int = 0,
                  cuda_devices: Sequence[Sequence[int]] | None = None, max_restarts: int = 3,
                  command: list[str] | None = None, lora_rank: int | None = None, sleep_mode: bool = False,
+                 capture_routing: bool = False,
                  server_factory: Callable[[int, ServerSpec], EngineServer] | None = None) -> None:
         if cfg.num_engines < 1:
             raise ValueError(f"rollout.num_engines must be >= 1, got {cfg.num_engines}")
@@ -122,10 +130,14 @@ class EnginePool:
         self.run_dir = Path(run_dir) if run_dir else Path(f"/tmp/mlrl-engines-{os.getpid()}")
         self.initial_version = initial_version
         self.max_restarts = max_restarts
+        self.capture_routing = capture_routing  # MoE router replay: engines record routed experts
+        # GPU: rows that came back with the answers (vLLM's own capture), by computed token sequence
+        self._routing_rows: collections.OrderedDict[tuple[int, ...], Any] = collections.OrderedDict()
         omp = max(1, ((os.cpu_count() or 2) - 1) // (cfg.num_engines * cfg.engine_tp))
         self.engines: list[EngineHandle] = []
         for i in range(cfg.num_engines):
             spec = ServerSpec.from_config(cfg, f"engine-{i}", self.model_dir, dtype, self.token, omp_threads=omp,
+                                          routed_experts=capture_routing,
                                           log_path=str(self.run_dir / "engines" / f"engine-{i}.log"),
                                           cuda_devices=None if cuda_devices is None else list(cuda_devices[i]),
                                           command=command, lora_rank=lora_rank, sleep_mode=sleep_mode)
@@ -171,6 +183,8 @@ class EnginePool:
         e.client = EngineClient(e.server.url, self.token, timeout_s=self.cfg.request_timeout_s,
                                 max_connections=self.cfg.max_concurrent_requests + 16, name=e.name)
         await e.client.set_weight_version(self.initial_version)  # the model folder's weights
+        if self.capture_routing and not _gpu_engines():
+            await e.client.routing_enable()  # CPU: the worker extension captures (GPU: vLLM itself)
         e.incarnation += 1
         e.state = EngineState.READY if self._version == self.initial_version else EngineState.STALE
 
@@ -277,6 +291,7 @@ class EnginePool:
                 self._active.pop(req.rid, None)
                 await self._release(e)
             _append(resp, seg, e.name)
+            self._keep_routing(resp, seg)
             if seg.finish == "abort":
                 if req.rid in self._user_aborted:
                     return _finish(resp, StopReason.ABORT, t0)
@@ -347,6 +362,7 @@ class EnginePool:
 
         async def settle(resp: ModelResponse, seg: Segment) -> ModelResponse:
             _append(resp, seg, e.name)
+            self._keep_routing(resp, seg)
             if seg.finish != "abort":
                 return _finish(resp, _FINISH.get(seg.finish, StopReason.STOP), t0)
             if req.rid in self._user_aborted:
@@ -485,6 +501,35 @@ class EnginePool:
             async with self._cond:
                 self._cond.notify_all()
 
+    def _keep_routing(self, resp: ModelResponse, seg: Segment) -> None:
+        """GPU: the rows vLLM returned with a finished segment, kept (bounded) until fetch_routing."""
+        if seg.routed_experts is None:
+            return
+        self._routing_rows[tuple(resp.input_tokens + resp.output_tokens)[:-1]] = seg.routed_experts
+        while len(self._routing_rows) > _MAX_KEPT_ROUTING:
+            self._routing_rows.popitem(last=False)
+
+    async def fetch_routing(self, sequences: Sequence[Sequence[int]]) -> list[Any]:
+        """Routed-expert rows ([m, layers, top_k], m = computed positions, normally len - 1) of
+        each token sequence from whichever live engine generated it; None where no engine has it
+        (an engine that died since, or rows evicted). Needs `capture_routing`."""
+        if not self.capture_routing:
+            raise RuntimeError("EnginePool.fetch_routing: the pool was started without capture_routing")
+        out: list[Any] = [self._routing_rows.pop(tuple(q[:-1]), None) for q in sequences]
+        for e in ([] if _gpu_engines() else self.live_engines()):
+            todo = [i for i, r in enumerate(out) if r is None]
+            if not todo:
+                break
+            try:
+                rows = await e.client.routing_take([sequences[i] for i in todo])
+            except EngineError as err:
+                log.warning("%s: routed experts unavailable: %s", e.name, err)
+                continue
+            for i, r in zip(todo, rows):
+                if r is not None:
+                    out[i] = r
+        return out
+
     # ------------------------------------------------------------------ weight updates
 
     async def pause(self, mode: PauseMode | None = None) -> None:
@@ -542,6 +587,15 @@ def _validate(req: ModelRequest) -> str | None:
     if g.max_new_tokens < 1:
         return f"GenerationHyperparameters.max_new_tokens={g.max_new_tokens}: expected >= 1"
     return None
+
+
+_MAX_KEPT_ROUTING = 65536  # GPU router replay: answers' rows kept until the loop fetches them
+
+
+def _gpu_engines() -> bool:
+    from mlrl.rollout.server import _on_gpu
+
+    return _on_gpu()
 
 
 def _append(resp: ModelResponse, seg: Segment, engine: str) -> None:

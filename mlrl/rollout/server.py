@@ -82,6 +82,8 @@ class ServerSpec:
     seed: int = 0
     lora_rank: int | None = None  # serve LoRA adapters up to this rank, loaded at runtime (lora_mode=adapter)
     sleep_mode: bool = False      # colocated placement: --enable-sleep-mode on GPU (vLLM's CPU build refuses it)
+    routed_experts: bool = False  # router replay: on GPU vLLM's own capture (--enable-return-routed-experts,
+    #                               Model Runner V2); on CPU the worker extension captures (mlrl.rollout.routing)
     command: list[str] | None = (
         None  # replaces the vLLM command ("{host}", "{port}" substituted): tests, custom launchers
     )
@@ -158,6 +160,8 @@ def server_command(spec: ServerSpec, port: int) -> list[str]:
         cmd += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
         if spec.sleep_mode:
             cmd += ["--enable-sleep-mode"]
+        if spec.routed_experts:
+            cmd += ["--enable-return-routed-experts"]
     elif spec.engine_tp == 1:
         # the worker runs inside the engine-core process: vLLM's CPU default ("mp") puts it in a
         # process of its own that busy-polls its shared-memory queue for 1 s after every step,
@@ -180,6 +184,8 @@ def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str
     if _on_gpu():
         if spec.cuda_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in spec.cuda_devices)
+        if spec.routed_experts:
+            env["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # vLLM: "AuxOutput Connector requires Model Runner V2"
     else:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(spec.kv_cache_gb))))
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")

@@ -11,9 +11,10 @@ Two pieces, both loaded by every mlrl engine (see mlrl.rollout.server):
   torch-only code (mlrl.weight_sync.wire / .receiver): gloo on CPU, NCCL on GPU, safetensors
   on disk, and JSON-encoded CUDA IPC handles.
 - `MlrlWorkerExtension` (`--worker-extension-cls`): small `collective_rpc` methods the
-  framework has no endpoint for: the last update's report (checksums), and one hook for
+  framework has no endpoint for: the last update's report (checksums), one hook for
   tools/bench_weight_sync.py's reference measurements (mlrl.weight_sync.bench_reference,
-  imported only when the benchmark calls it).
+  imported only when the benchmark calls it), and the CPU capture of routed experts for MoE
+  router replay (`mlrl_routing_enable` / `mlrl_routing_take`, see mlrl.rollout.routing).
 
 Applying the weights (the CPU reload problem, ../shared/DESIGN.md): `start_weight_update` opens
 vLLM's layer-wise reload (`initialize_layerwise_reload`), every received bucket goes through
@@ -72,6 +73,26 @@ def refresh_embedding_kernels(model: torch.nn.Module) -> list[str]:
         qm = getattr(m, "quant_method", None)
         if isinstance(qm, UnquantizedEmbeddingMethod):
             qm.process_weights_after_loading(m)
+            names.append(name)
+    return names
+
+
+def refresh_moe_kernels(model: torch.nn.Module) -> list[str]:
+    """CPU: re-prepack every MoE layer's expert weights after a weight update.
+
+    vLLM's CPU experts (vllm/model_executor/layers/fused_moe/experts/cpu_moe.py) repack w13 / w2
+    into their grouped-GEMM layout in `process_weights_after_loading`, which the unquantized MoE
+    method runs on the first load only (`if not is_weight_update`,
+    unquantized_fused_moe_method.py): after a reload the layer holds the new weights in the plain
+    layout while the kernel reads them as packed (measured: canary gap 0.08 on a tiny Qwen3-MoE
+    for an update with unchanged weights). Running the experts' own step again packs the new
+    weights; afterwards the engine equals a fresh one (tests/integration/rollout)."""
+    names = []
+    for name, m in model.named_modules():
+        kernel = getattr(getattr(m, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and type(experts).__name__.startswith("CPU"):
+            experts.process_weights_after_loading(m)
             names.append(name)
     return names
 
@@ -147,6 +168,11 @@ class MlrlWeightTransferEngine(WeightTransferEngine[MlrlInitInfo, MlrlUpdateInfo
         t1 = time.perf_counter()
         finalize_layerwise_reload(self.model, self.model_config)
         refreshed = refresh_embedding_kernels(self.model)
+        if not torch.cuda.is_available():
+            refreshed += refresh_moe_kernels(self.model)
+        if _ROUTING.get("store") is not None:
+            _ROUTING["store"].reset_blocks()  # the prefix cache is reset after an update: so are its rows
+            _ROUTING["layers"] = _bind_capturer(self.model, _ROUTING["capturer"])  # the reload rebuilt the routers
         now = time.perf_counter()
         self.last_report = {
             "worker": self._worker_index(), "transport": u.get("transport"), "version": u.get("version"),
@@ -163,6 +189,9 @@ try:
     WeightTransferEngineFactory.register_engine(BACKEND, MlrlWeightTransferEngine)
 except ValueError:  # already registered in this process
     pass
+
+
+_ROUTING: dict[str, Any] = {}  # this worker's routed-experts capture (one per process)
 
 
 class MlrlWorkerExtension:
@@ -184,3 +213,94 @@ class MlrlWorkerExtension:
         from mlrl.weight_sync import bench_reference
 
         return bench_reference.on_worker(self._mlrl_engine().receiver, json.loads(call_json))
+
+    # ------------------------------------------------------------------ routed experts (router replay)
+    def mlrl_routing_enable(self, max_bytes: str = str(256 << 20)) -> dict[str, Any]:
+        """Capture the experts every MoE router of this worker's model picks (idempotent).
+
+        vLLM's own layer-level capture (`bind_routed_experts_capturer`: each router calls
+        `capturer.capture(layer_id, topk_ids)` with logical expert ids) fills one step's buffer;
+        a wrapper around `model_runner.execute_model` then hands the step's rows to the
+        `RoutingStore`, split by request in the batch's order, at the positions the scheduler
+        output gives (prefix-cache hits: see mlrl.rollout.routing)."""
+        from vllm.model_executor.layers.fused_moe.routed_experts_capturer import RoutedExpertsCapturer
+
+        from mlrl.rollout.routing import RoutingStore
+
+        runner = self.model_runner
+        if _ROUTING.get("runner") is runner:
+            return _ROUTING["info"]
+        mc = self.vllm_config.model_config
+        layers, experts, topk = mc.get_total_num_hidden_layers(), mc.get_num_experts(), mc.get_num_experts_per_tok()
+        if experts <= 0:
+            raise ValueError(f"router replay: the served model ({mc.hf_config.model_type}) has no MoE layers")
+        max_tokens = self.vllm_config.scheduler_config.max_num_batched_tokens
+        capturer = RoutedExpertsCapturer(max_tokens, self.vllm_config)
+        store = RoutingStore(layers, topk, experts, self.vllm_config.cache_config.block_size, int(max_bytes))
+        _ROUTING.update(capturer=capturer, layers=_bind_capturer(runner.model, capturer))
+        original = runner.execute_model
+
+        def execute_model(scheduler_output, *args, **kwargs):
+            n = scheduler_output.total_num_scheduled_tokens
+            capturer.device_buffer[:n].fill_(-1)  # rows no router wrote stay -1: detected, never replayed
+            out = original(scheduler_output, *args, **kwargs)
+            _record_step(runner, scheduler_output, capturer, store, _ROUTING["layers"])
+            return out
+
+        runner.execute_model = execute_model
+        info = {"layers": layers, "experts": experts, "top_k": topk, "block_size": store.block_size,
+                "dtype": str(store.dtype)}
+        _ROUTING.update(runner=runner, store=store, info=info)
+        return info
+
+    def mlrl_routing_take(self, queries_json: str) -> dict[str, Any]:
+        """Rows of each queried token sequence (JSON list of token-id lists) -> {"rows": [base64
+        .npy or None per query], "stats": ...}."""
+        from mlrl.rollout.routing import encode
+
+        store = _ROUTING.get("store")
+        if store is None:
+            raise RuntimeError("mlrl_routing_take: routed-experts capture is not enabled on this worker")
+        rows = [store.lookup(q) for q in json.loads(queries_json)]
+        return {"rows": [None if r is None else encode(r) for r in rows], "stats": dict(store.stats),
+                "bytes": store.nbytes()}
+
+
+def _bind_capturer(model, capturer) -> list[int]:
+    """vLLM's own binding of the capture callback to every MoE router; the MoE layer ids."""
+    from vllm.model_executor.layers.fused_moe.routed_experts_capturer import bind_routed_experts_capturer
+
+    bind_routed_experts_capturer(model, capturer)
+    return sorted({int(m.layer_id) for m in model.modules() if hasattr(m, "layer_id") and (
+        getattr(m, "capture_fn", None) is not None
+        or getattr(getattr(m, "router", None), "capture_fn", None) is not None)})
+
+
+def _record_step(runner, scheduler_output, capturer, store, moe_layers: list[int]) -> None:
+    """One model step's captured rows -> the store, per request (tokens laid out in the input
+    batch's request order, `num_scheduled_tokens` each; vllm/v1/worker/gpu_model_runner.py).
+    A request whose rows a MoE router did not write this step (-1) is marked incomplete."""
+    for nr in scheduler_output.scheduled_new_reqs:
+        store.new_request(nr.req_id, nr.prompt_token_ids or [], nr.num_computed_tokens)
+    n = scheduler_output.total_num_scheduled_tokens
+    if n:
+        cached = scheduler_output.scheduled_cached_reqs
+        starts = {nr.req_id: nr.num_computed_tokens for nr in scheduler_output.scheduled_new_reqs}
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens))
+        raw = capturer.device_buffer[:n].to(torch.int32).cpu()
+        written = (raw[:, moe_layers] >= 0).all(dim=-1).all(dim=-1).numpy() if moe_layers else raw.new_zeros(n).numpy()
+        rows = raw.clamp(min=0).numpy().astype(store.dtype)
+        off = 0
+        for req_id in runner.input_batch.req_ids:
+            count = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            if not count:
+                continue
+            start = starts[req_id]
+            state = runner.requests[req_id]
+            tokens = list(state.prompt_token_ids or []) + list(state.output_token_ids)
+            if written[off:off + count].all():
+                store.record_step(req_id, start, tokens[start:start + count], rows[off:off + count])
+            else:
+                store.invalidate(req_id)
+            off += count
+    store.finish(scheduler_output.finished_req_ids)

@@ -56,6 +56,14 @@ class TrainerClient:
                               reference=reference)
         return self.first_per_dp(res)
 
+    def router_diagnostics(self, per_dp: PerDP, temperature: float) -> dict[str, Any]:
+        """MoE router replay: {"replay": [dp][mb] logprobs [S], "own": same without replay,
+        "matches" / "compared": token-layer top-k sets equal to the engine's, over all ranks}."""
+        res = self.group.call(TrainerService.router_diagnostics, self.per_rank(per_dp), temperature=temperature)
+        first = self.first_per_dp(res)
+        return {"replay": [r["replay"] for r in first], "own": [r["own"] for r in first],
+                "matches": res[0]["matches"], "compared": res[0]["compared"]}
+
     def train_step(self, per_dp: PerDP) -> dict[str, float]:
         return self.group.call(TrainerService.train_step, self.per_rank(per_dp))[0]
 

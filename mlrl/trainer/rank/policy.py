@@ -33,6 +33,7 @@ returned by `_forward_token_values`) and `TOKEN_VALUES` (how many per-token outp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from functools import partial
@@ -97,6 +98,13 @@ class MegatronPolicy:
         self.ranks: Ranks = ranks()
         self.device = device()
         self.config = build_transformer_config(self.spec, self.arch, model_cfg, parallel, trainer_cfg, layout)
+        self.routing = None
+        if self.arch.is_moe:  # router replay (R3): every router gets megatron's RouterReplay (inactive by default)
+            from mlrl.trainer.rank.router_replay import RouterControl
+
+            self.config.moe_enable_routing_replay = True
+            self.routing = RouterControl()
+        self.router_mode = None  # "replay": forwards use MicroBatch.routed_experts (algorithm.router_replay)
         chunks = self._build_chunks()
         self.params = self._local_params(chunks)
         self.params.load_hf(ckpt)
@@ -231,9 +239,17 @@ class MegatronPolicy:
             raise ValueError(f"parallel.vpp={len(self.model)}: the interleaved pipeline schedule needs at least "
                              f"pp={self.layout.pp} micro-batches per DP rank, got {len(items)}")
 
+        routing = self.routing if self.routing is not None and self.routing.mode else None
+        sp = self.parallel.sequence_parallel and self.layout.tp > 1
+
         def forward_step(data_iterator, model):
             mb, inp = next(data_iterator)
+            if routing is not None:
+                routing.before_forward(model, mb.routed_experts, padded_len=int(inp.tokens.shape[1]),
+                                       sp_rank=self.ranks.tp if sp else 0, sp_size=self.layout.tp if sp else 1)
             out = model(inp.tokens, inp.position_ids, attention_mask=None, packed_seq_params=inp.packed_seq_params)
+            if routing is not None:
+                routing.after_forward(model)
             return out, partial(loss_func, mb, inp)
 
         iters = [iter(items) for _ in self.model] if len(self.model) > 1 else iter(items)
@@ -248,11 +264,32 @@ class MegatronPolicy:
         )
 
     def compute_logprobs(
-        self, micro_batches: list[MicroBatch], temperature: float
+        self, micro_batches: list[MicroBatch], temperature: float, *, router: Optional[str] = "default"
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(logprobs [S], entropy [S]) per micro-batch (token-aligned, first token of each sample
-        and padding 0), on every rank of this DP rank's model-parallel group."""
-        return self._forward_token_values(micro_batches, temperature)
+        and padding 0), on every rank of this DP rank's model-parallel group. `router` (MoE):
+        "default" = `self.router_mode`; "replay" / None; "record" = the trainer's own routing,
+        compared with the engine's (`router_agreement_counts`)."""
+        with self._routing(router):
+            return self._forward_token_values(micro_batches, temperature)
+
+    def _routing(self, router: Optional[str]):
+        mode = self.router_mode if router == "default" else router
+        if self.routing is None:
+            if mode is not None:
+                raise ValueError(f"router mode {mode!r} on a model without MoE layers")
+            return contextlib.nullcontext()
+        return self.routing.active(mode)
+
+    def router_agreement_counts(self) -> tuple[int, int]:
+        """(matching, compared) token-layer top-k sets of the last "record" pass, summed over every
+        rank (DP ranks hold other micro-batches, TP ranks other sequence-parallel slices, PP stages
+        other layers)."""
+        if self.routing is None:
+            return 0, 0
+        t = torch.tensor([self.routing.matches, self.routing.compared], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return int(t[0]), int(t[1])
 
     def _forward_token_values(
         self, micro_batches: list[MicroBatch], temperature: float
@@ -362,7 +399,8 @@ class MegatronPolicy:
             return loss, torch.tensor(int(mb.loss_mask.sum()), dtype=torch.int, device=self.device), reported
 
         t_fb = time.perf_counter()
-        store = self._run(micro_batches, inputs, loss_func, forward_only=False)
+        with self._routing("default"):
+            store = self._run(micro_batches, inputs, loss_func, forward_only=False)
         t_opt = time.perf_counter()
         ok, grad_norm = True, None
         if step:

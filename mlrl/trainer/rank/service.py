@@ -48,6 +48,10 @@ class TrainerService:
             for model in (self.policy, self.ref):  # (on resume the checkpoint then replaces the policy's)
                 if model is not None:
                     init_weights_from(model, cfg.model.init_from)
+        if cfg.algorithm.router_replay:  # MoE R3: every forward routes like the engines did
+            for model in (self.policy, self.ref):
+                if model is not None:
+                    model.router_mode = "replay"
         self.loss_fn = make_loss_fn(cfg.algorithm)
         if cfg.sft is not None:  # supervised fine-tuning (mlrl.sft): NLL of the assistant tokens
             from mlrl.algorithms.sft import sft_loss
@@ -73,6 +77,16 @@ class TrainerService:
                 return self.policy.compute_logprobs(micro_batches, temperature)
         model = self.ref if reference else self.policy
         return model.compute_logprobs(micro_batches, temperature)
+
+    def router_diagnostics(self, micro_batches, temperature: float) -> dict[str, Any]:
+        """MoE router replay, on the current weights: logprobs with the engine's routes replayed
+        and with the trainer's own routing, and how often the trainer's own top-k sets equal the
+        engine's (token x MoE layer)."""
+        replay = self.policy.compute_logprobs(micro_batches, temperature, router="replay")
+        own = self.policy.compute_logprobs(micro_batches, temperature, router="record")
+        matches, compared = self.policy.router_agreement_counts()
+        return {"replay": [lp for lp, _ in replay], "own": [lp for lp, _ in own],
+                "matches": matches, "compared": compared}
 
     def train_step(self, micro_batches):
         temperature = self.cfg.rollout.sampling.temperature or 1.0
