@@ -79,16 +79,28 @@ class RoutingStore:
         self.records: collections.OrderedDict[str, _Record] = collections.OrderedDict()
         self.blocks: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
         self.row_bytes = int(np.prod(self.shape)) * self.dtype.itemsize
+        self._pending: list[tuple[_Record, int]] = []  # new requests whose cached prefix is filled at end_step
         self.stats = collections.Counter()
 
     # ------------------------------------------------------------------ capture side
     def new_request(self, req_id: str, prompt: Sequence[int], num_computed: int) -> None:
-        """A request scheduled for the first time, `num_computed` tokens already in the prefix cache."""
+        """A request scheduled for the first time, `num_computed` tokens already in the prefix cache.
+        Its cached prefix is filled at `end_step`: vLLM registers a block in the prefix cache when
+        it is scheduled, so another request of the same step (a sibling sample of an n > 1
+        request) may hit blocks whose rows this very step produces."""
         rec = _Record(tokens=list(prompt), rows=np.zeros((max(len(prompt), 1) + 16, *self.shape), self.dtype))
+        rec.filled = num_computed
         self.records[req_id] = rec
         if num_computed > 0:
             self.stats["prefix_hits"] += 1
+            self._pending.append((rec, num_computed))
+
+    def end_step(self) -> None:
+        """After a step's rows are recorded: fill the cached prefixes of the step's new requests."""
+        pending, self._pending = self._pending, []
+        for rec, num_computed in pending:
             self._fill_prefix(rec, num_computed)
+            self._store_blocks(rec)
 
     def record_step(self, req_id: str, start: int, tokens: Sequence[int], rows: np.ndarray) -> None:
         """Rows of positions [start, start + len(rows)) of one request, computed in this step."""
@@ -113,7 +125,8 @@ class RoutingStore:
             rec.tokens.extend([0] * (end - len(rec.tokens)))
         rec.tokens[start:end] = list(tokens)
         rec.filled = max(rec.filled, end) if start <= rec.filled else rec.filled
-        self._store_blocks(rec)
+        if not any(rec is p for p, _ in self._pending):
+            self._store_blocks(rec)
 
     def invalidate(self, req_id: str) -> None:
         """This step's rows of the request were not captured: it can never be replayed."""
@@ -189,9 +202,9 @@ class RoutingStore:
                 rec.complete = False
                 self.stats["prefix_missing"] += 1
                 return
-            rec.rows[b * B:(b + 1) * B] = rows
+            end = min((b + 1) * B, num_computed)  # positions from num_computed on were computed by this request
+            rec.rows[b * B:end] = rows[:end - b * B]
             rec.hashes.append(h)
-        rec.filled = num_computed
 
     def _evict(self) -> None:
         """Oldest first: finished records, then block rows, then anything, until under max_bytes."""

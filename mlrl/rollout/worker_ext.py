@@ -303,4 +303,5 @@ def _record_step(runner, scheduler_output, capturer, store, moe_layers: list[int
             else:
                 store.invalidate(req_id)
             off += count
+    store.end_step()
     store.finish(scheduler_output.finished_req_ids)

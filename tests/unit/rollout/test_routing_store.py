@@ -61,10 +61,28 @@ def test_prefix_cache_hit_filled_from_block_rows():
     s.new_request("second", prompt, 8)
     tail = rows(4, 4)
     run(s, "second", prompt + [5, 6], 8, tail)
+    s.end_step()
     got = s.lookup(prompt + [5, 6, 1])
     np.testing.assert_array_equal(got[:8], first[:8])
     np.testing.assert_array_equal(got[8:], tail)
     assert s.stats["prefix_hits"] == 1
+
+
+def test_sibling_hitting_blocks_computed_in_the_same_step():
+    """vLLM registers blocks when scheduled: a sibling of the same step hits the first one's prompt."""
+    s = RoutingStore(L, K, E, B)
+    prompt = list(range(10, 22))                  # 3 full blocks
+    first = rows(12, 5)
+    s.new_request("a", prompt, 0)
+    s.new_request("b", prompt, 11)                # whole prompt cached but the last token (vLLM recomputes it)
+    run(s, "a", prompt, 0, first)
+    last = rows(1, 6)
+    run(s, "b", prompt, 11, last)
+    s.end_step()
+    got = s.lookup(prompt + [3])
+    np.testing.assert_array_equal(got[:11], first[:11])
+    np.testing.assert_array_equal(got[11:], last)  # the recomputed position keeps its own rows
+    np.testing.assert_array_equal(s.lookup(prompt + [3]), first)
 
 
 def test_evicted_or_reset_prefix_blocks_make_the_sample_unavailable():
@@ -75,6 +93,7 @@ def test_evicted_or_reset_prefix_blocks_make_the_sample_unavailable():
     s.reset_blocks()                              # a weight update reset the prefix cache
     s.new_request("second", prompt, 8)
     run(s, "second", prompt + [5], 8, rows(3, 4))
+    s.end_step()
     got = s.lookup(prompt + [5, 6])
     # only the first request (the bare prompt) is complete: its 10 rows cannot cover the sample's
     # 11 computed positions, which the loop then records as a failed sample
