@@ -1,6 +1,6 @@
 """MoE router replay (R3) end to end on CPU: `python -m mlrl.launch` on the tiny Qwen3-MoE with a
-real vLLM server capturing routed experts and real megatron-core ranks replaying them, at EP2 and
-at TP2 (sequence parallel), launched concurrently.
+real vLLM server capturing routed experts and real megatron-core ranks replaying them, at EP2, at
+TP2 (sequence parallel) and at PP2 (one MoE layer per stage), launched concurrently.
 
 Asynchronous with staleness 1, so from step 2 on the trainer is one optimizer step ahead of the
 engine that generated the samples (a perturbed trainer): its own routing then differs from the
@@ -24,7 +24,8 @@ COMMON = ["--config", "launch/cpu_default.yaml", "model.hf_dir=builtin:tiny-qwen
           "algorithm.entropy_coef=0.01",  # a gradient every step, whatever the (sparse) rewards
           "rollout.staleness=1", "algorithm.rollout_is=tis", "cluster.trainer_devices=2",
           "logging.progress_bar=false", "rollout.startup_timeout_s=600", "checkpoint.save_every=0"]
-LAYOUTS = {"ep2": ["parallel.ep=2"], "tp2": ["parallel.tp=2", "parallel.sequence_parallel=true"]}
+LAYOUTS = {"ep2": ["parallel.ep=2"], "tp2": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+           "pp2": ["parallel.pp=2"]}
 
 pytestmark = pytest.mark.timeout(1200)
 
@@ -38,7 +39,7 @@ def _launch(run_dir: Path, *overrides: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    with ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(len(LAYOUTS)) as pool:
         futs = {k: pool.submit(_launch, tmp_path_factory.mktemp(k), *v) for k, v in LAYOUTS.items()}
         return {k: f.result() for k, f in futs.items()}
 
