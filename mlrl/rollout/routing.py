@@ -39,6 +39,10 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 
 
+def _key(tokens: Sequence[int]) -> int:
+    return hash(tuple(tokens))
+
+
 def routing_dtype(num_experts: int) -> np.dtype:
     """vLLM's choice: the narrowest unsigned type that holds every logical expert id."""
     return np.dtype(np.uint8 if num_experts <= 256 else np.uint16)
@@ -80,6 +84,7 @@ class RoutingStore:
         self.blocks: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
         self.row_bytes = int(np.prod(self.shape)) * self.dtype.itemsize
         self._pending: list[tuple[_Record, int]] = []  # new requests whose cached prefix is filled at end_step
+        self._index: dict[int, list[str]] = {}  # finished complete records by hash of their computed tokens
         self.stats = collections.Counter()
 
     # ------------------------------------------------------------------ capture side
@@ -136,10 +141,14 @@ class RoutingStore:
             rec.complete = False
 
     def finish(self, req_ids: Iterable[str]) -> None:
+        """The scheduler reports these requests finished: their records are final and indexed by
+        their computed tokens (so a lookup need not scan them)."""
         for r in req_ids:
             rec = self.records.get(r)
-            if rec is not None:
+            if rec is not None and not rec.finished:
                 rec.finished = True
+                if rec.complete:
+                    self._index.setdefault(_key(rec.tokens[:rec.filled]), []).append(r)
         self._evict()
 
     def reset_blocks(self) -> None:
@@ -152,23 +161,51 @@ class RoutingStore:
         `query` (m = its number of computed positions, normally len(query) - 1), else None.
         Newest first: a sequence generated again after a weight update (the same tokens) must get
         the routes of its own generation. `take` removes the record, so two samples with the same
-        tokens each get the record of their own request."""
+        tokens each get the record of their own request.
+
+        The usual case, a finished request whose computed tokens are exactly query[:-1], is one
+        dict lookup; requests still running (finish arrives with the engine's next step) are
+        scanned; only when neither matches are all records scanned for the longest prefix (e.g. a
+        sample that ends in tokens no engine fed)."""
         q = list(query)
-        best_id, best = None, None
-        for rid in reversed(self.records):
-            rec = self.records[rid]
-            n = rec.filled
-            if not rec.complete or n == 0 or n > len(q) or (best is not None and n <= best.filled):
-                continue
-            if rec.tokens[:n] == q[:n]:
-                best_id, best = rid, rec
-        if best is None:
+        best_id = None
+        for rid in reversed(self._index.get(_key(q[:-1]), [])):
+            rec = self.records.get(rid)
+            if rec is not None and rec.complete and rec.filled == len(q) - 1 and rec.tokens[:rec.filled] == q[:-1]:
+                best_id = rid
+                break
+        if best_id is None:
+            best_id = self._scan(q, [r for r in reversed(self.records) if not self.records[r].finished])
+        if best_id is None:
+            best_id = self._scan(q, list(reversed(self.records)))
+        if best_id is None:
             self.stats["misses"] += 1
             return None
         self.stats["hits"] += 1
+        best = self.records[best_id]
         if take:
-            del self.records[best_id]
+            self._drop(best_id)
         return best.rows[: min(best.filled, len(q) - 1 if len(q) > 1 else best.filled)].copy()
+
+    def _scan(self, q: list[int], order: list[str]) -> Optional[str]:
+        best_id, best_n = None, 0
+        for rid in order:
+            rec = self.records[rid]
+            n = rec.filled
+            if not rec.complete or n == 0 or n > len(q) or n <= best_n:
+                continue
+            if rec.tokens[:n] == q[:n]:
+                best_id, best_n = rid, n
+        return best_id
+
+    def _drop(self, rid: str) -> None:
+        rec = self.records.pop(rid)
+        if rec.finished and rec.complete:
+            ids = self._index.get(_key(rec.tokens[:rec.filled]), [])
+            if rid in ids:
+                ids.remove(rid)
+            if not ids:
+                self._index.pop(_key(rec.tokens[:rec.filled]), None)
 
     def nbytes(self) -> int:
         return sum(r.rows.nbytes for r in self.records.values()) + sum(b.nbytes for b in self.blocks.values())
@@ -212,12 +249,15 @@ class RoutingStore:
         if total <= self.max_bytes:
             return
         for rid in [r for r, rec in self.records.items() if rec.finished]:
-            total -= self.records.pop(rid).rows.nbytes
+            total -= self.records[rid].rows.nbytes
+            self._drop(rid)
             self.stats["evicted"] += 1
             if total <= self.max_bytes:
                 return
         while self.blocks and total > self.max_bytes:
             total -= self.blocks.popitem(last=False)[1].nbytes
         while self.records and total > self.max_bytes:
-            total -= self.records.popitem(last=False)[1].rows.nbytes
+            rid = next(iter(self.records))
+            total -= self.records[rid].rows.nbytes
+            self._drop(rid)
             self.stats["evicted"] += 1

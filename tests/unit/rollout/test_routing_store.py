@@ -50,6 +50,23 @@ def test_newest_record_wins_and_identical_samples_each_get_their_own():
     np.testing.assert_array_equal(s.lookup(seq), old)
 
 
+def test_finished_records_are_found_by_their_tokens_newest_first():
+    s = RoutingStore(L, K, E, B)
+    seq = [1, 2, 3]
+    want = {}
+    for i in range(50):  # many finished requests, three of them with the sample's tokens
+        toks = seq if i in (7, 20, 41) else [100 + i, 2, 3]
+        s.new_request(f"r{i}", toks[:2], 0)
+        want[i] = rows(2, i)
+        run(s, f"r{i}", toks, 0, want[i])
+        s.finish([f"r{i}"])
+    for i in (41, 20, 7):
+        np.testing.assert_array_equal(s.lookup(seq), want[i])
+    assert s.lookup(seq) is None
+    np.testing.assert_array_equal(s.lookup([133, 2, 3]), want[33])  # found, then dropped from the index
+    assert s.lookup([133, 2, 3]) is None
+
+
 def test_prefix_cache_hit_filled_from_block_rows():
     s = RoutingStore(L, K, E, B)
     prompt = list(range(10, 20))                 # 10 tokens: blocks [0,4) and [4,8) complete
