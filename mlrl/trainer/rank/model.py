@@ -83,7 +83,8 @@ def build_transformer_config(spec: ArchSpec, arch: ModelArch, model: ModelConfig
         masked_softmax_fusion=False,
         bias_activation_fusion=gpu,
         bias_dropout_fusion=gpu,
-        apply_rope_fusion=gpu,
+        # TE's fused RoPE ignores YaRN's attention factor on packed (THD) inputs: unfused for yarn
+        apply_rope_fusion=gpu and not (arch.rope_scaling is not None and arch.rope_scaling.type == "yarn"),
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True,
@@ -108,7 +109,26 @@ def build_transformer_config(spec: ArchSpec, arch: ModelArch, model: ModelConfig
         for r, n in enumerate(parallel.pp_layer_split):
             stages.append(("E" if r == 0 else "") + "t" * n + ("L" if r == layout.pp - 1 else ""))
         fields["pipeline_model_parallel_layout"] = "|".join(stages)
-    return TransformerConfig(**fields)
+    config = TransformerConfig(**fields)
+    for key, value in spec.config_attributes(arch).items():  # yarn_*: read by GPTModel / Attention via getattr
+        setattr(config, key, value)
+    return config
+
+
+def _apply_llama3_scaling(model: torch.nn.Module, spec: ArchSpec, arch: ModelArch) -> None:
+    """A llama3 RoPE scaling whose low/high_freq_factor or original max positions differ from the
+    values GPTModel(rope_scaling=True) hard-codes: re-derive inv_freq with Megatron's own
+    `RotaryEmbedding._apply_scaling`, from the unscaled frequencies of a plain RotaryEmbedding."""
+    args = spec.llama3_inv_freq_args(arch)
+    if args is None:
+        return
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    rot = model.rotary_pos_emb
+    plain = RotaryEmbedding(kv_channels=arch.head_dim, rotary_percent=1.0, rotary_base=arch.rope_theta,
+                            use_cpu_initialization=True).inv_freq
+    rot.inv_freq = rot._apply_scaling(plain.to(rot.inv_freq.device), **args)
+    rot.forward.cache_clear()  # forward is lru_cached on the sequence length
 
 
 def _te_block_spec(config, vp_stage, pp_rank, *, unfused_norms: bool = False):
@@ -174,6 +194,7 @@ def build_model_chunks(spec: ArchSpec, arch: ModelArch, config, layout: Layout, 
         with cpu_compat.cuda_tensor_methods():  # tied embeddings with PP call weight.data.cuda()
             model = GPTModel(config=config, transformer_layer_spec=block, pre_process=first, post_process=last,
                              parallel_output=True, vp_stage=vp_stage, **kwargs)
+        _apply_llama3_scaling(model, spec, arch)
         if use_te():
             model.cuda(torch.cuda.current_device())
         chunks.append(model)

@@ -3,17 +3,20 @@ EP2 (qwen3_moe). Each layout is one torchrun launch running several checks; ever
 compares against HF transformers computed on each rank."""
 
 import pytest
-from trainer_harness import assert_adam, assert_export, assert_grads, assert_parity, run_worker
+from trainer_harness import assert_adam, assert_export, assert_grads, assert_parity, assert_rope, run_worker
 
-TP_MODELS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe+sp", "tiny-llama+sp"]
-PP_MODELS = ["tiny-llama", "tiny-qwen2"]  # tied (embedding grads all-reduced across stages) and untied with biases
+TP_ROPE = ["tiny-qwen3-yarn", "tiny-llama3-ctx64"]
+TP_MODELS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe+sp", "tiny-llama+sp", *TP_ROPE]
+# tied (embedding grads all-reduced across stages), untied with biases, llama3 RoPE re-derived on both stages
+PP_MODELS = ["tiny-llama", "tiny-qwen2", "tiny-llama3-ctx64"]
 DP_MODELS = ["tiny-llama", "tiny-qwen3"]
 
 
 @pytest.fixture(scope="module")
 def tp2():
     return run_worker(
-        2, tp=2, checks=["parity", "export", "grads", "adam@tiny-qwen3", "adam@tiny-qwen3-moe+sp"], models=TP_MODELS
+        2, tp=2, checks=["parity", "export", "grads", "adam@tiny-qwen3", "adam@tiny-qwen3-moe+sp",
+                         "rope@" + "|".join(TP_ROPE)], models=TP_MODELS
     )
 
 
@@ -24,7 +27,7 @@ def dp2():
 
 @pytest.fixture(scope="module")
 def pp2():
-    return run_worker(2, pp=2, checks=["parity", "export", "grads", "adam"], models=PP_MODELS)
+    return run_worker(2, pp=2, checks=["parity", "export", "grads", "adam", "rope@tiny-llama3-ctx64"], models=PP_MODELS)
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +41,15 @@ def test_tp2(tp2, model):
     assert_parity(tp2, model)
     assert_export(tp2, model)
     assert_grads(tp2, model)
+
+
+@pytest.mark.parametrize("model", TP_ROPE)
+def test_tp2_rope_scaling_at_long_positions(tp2, model):
+    assert_rope(tp2, model)
+
+
+def test_pp2_rope_scaling_at_long_positions(pp2):
+    assert_rope(pp2, "tiny-llama3-ctx64")
 
 
 @pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-qwen3-moe+sp"])

@@ -1,18 +1,26 @@
-"""One rank (TP1/PP1/DP1), the four tiny architectures: logits / logprob parity with HF,
+"""One rank (TP1/PP1/DP1), the four tiny architectures and three RoPE scalings (llama3 with
+Llama-3.1's parameters and over 64 original positions, YaRN): logits / logprob parity with HF,
 HF -> Megatron -> HF export bit-exact, loss and gradients vs HF for 1 and 4 micro-batches,
 three DistributedOptimizer steps vs torch AdamW, and bad input rejected before the build."""
 
 import pytest
-from trainer_harness import assert_adam, assert_export, assert_grads, assert_parity, run_worker
+from trainer_harness import assert_adam, assert_export, assert_grads, assert_parity, assert_rope, run_worker
 
-MODELS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe"]
+ROPE_MODELS = ["tiny-llama3", "tiny-llama3-ctx64", "tiny-qwen3-yarn"]
+MODELS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", *ROPE_MODELS]
 
 
 @pytest.fixture(scope="module")
 def ranks():
     return run_worker(
-        1, checks=["parity", "export", "grads", "adam", "bad_input@tiny-llama", "state@tiny-qwen3-moe"], models=MODELS
+        1, checks=["parity", "export", "grads", "adam", "bad_input@tiny-llama", "state@tiny-qwen3-moe",
+                   "rope@" + "|".join(ROPE_MODELS)], models=MODELS
     )
+
+
+@pytest.mark.parametrize("model", ROPE_MODELS)
+def test_rope_scaling_matches_hf_at_long_positions(ranks, model):
+    assert_rope(ranks, model)
 
 
 @pytest.mark.parametrize("model", MODELS)

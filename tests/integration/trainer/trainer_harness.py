@@ -101,6 +101,15 @@ def assert_parity(ranks: list[dict], model: str, tol: float = 1e-5) -> None:
         assert p["first_token_zero"], p
 
 
+def assert_rope(ranks: list[dict], model: str, tol: float = 1e-5) -> None:
+    """RoPE scaling at long positions: Megatron equals HF, and HF without the scaling is far off
+    (so the parity is a test of the scaling, not of positions where it changes nothing)."""
+    for r in ranks:
+        p = r[f"{model}/rope"]
+        assert p["positions"] > 150 and p["logits"] <= tol, p
+        assert p["unscaled_gap"] > 100 * max(p["logits"], 1e-7), p
+
+
 def assert_export(ranks: list[dict], model: str) -> None:
     """Bit-exact, every HF tensor exactly once over the stage senders, nothing from the others."""
     names: list[str] = []

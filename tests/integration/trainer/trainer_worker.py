@@ -274,8 +274,36 @@ def check_state(ctx: Ctx) -> dict:
             "scheduler_steps": sd["scheduler"]["num_steps"], "has_ref": ctx.policy(trainable=False).optimizer is None}
 
 
+def check_rope(ctx: Ctx) -> dict:
+    """RoPE scaling over long positions: Megatron logits vs HF on samples of 100-250 tokens, and
+    the gap of HF's own logits without the scaling (how far a bridge that ignored it would be)."""
+    import transformers
+
+    from hf_reference import make_samples, pack
+
+    samples = make_samples(ctx.vocab, 3, seed=11, min_len=100, max_len=250)
+    total = sum(len(s) - len(s) // 2 for s in samples)
+    mbs = ctx.my_micro_batches([pack(samples, list(range(3)), total, seed=11)] * ctx.ranks.dp_size)
+    pol = ctx.policy(trainable=False)
+    logits = pol.compute_logits(mbs)
+    cfg = {k: v for k, v in ctx.hf_config.items() if k not in ("rope_scaling", "rope_parameters")}
+    cfg["rope_theta"] = ctx.hf_config.get("rope_parameters", {}).get("rope_theta", ctx.hf_config.get("rope_theta"))
+    plain = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg),
+                                                          dtype=torch.float32).eval()
+    plain.load_state_dict(ctx.hf_model().state_dict())
+    res = {"logits": 0.0, "unscaled_gap": 0.0, "positions": max(len(s) for s in samples)}
+    for mb, lg in zip(mbs, logits):
+        cu = mb.cu_seqlens.tolist()
+        with torch.no_grad():
+            for a, b in zip(cu[:-1], cu[1:]):
+                ref = ctx.hf_model()(mb.tokens[a:b][None]).logits[0].float()
+                res["logits"] = max(res["logits"], _max_abs(lg[a:b], ref))
+                res["unscaled_gap"] = max(res["unscaled_gap"], _max_abs(plain(mb.tokens[a:b][None]).logits[0], ref))
+    return res
+
+
 CHECKS = {"parity": check_parity, "export": check_export, "grads": check_grads, "adam": check_adam,
-          "bad_input": check_bad_input, "state": check_state}
+          "bad_input": check_bad_input, "state": check_state, "rope": check_rope}
 
 
 def main() -> None:
@@ -308,7 +336,7 @@ def main() -> None:
             ctx = Ctx(args) if ctx is None else _retarget(ctx, args)
             for check in args.checks.split(","):
                 name, _, only = check.partition("@")
-                if only and only != model:
+                if only and model not in only.split("|"):  # check@m1|m2: only for those models
                     continue
                 torch.manual_seed(0)
                 results[f"{model}/{name}"] = CHECKS[name](ctx)

@@ -23,7 +23,7 @@ from mlrl.bridge import (
 )
 from mlrl.modelzoo import PRESETS, hf_config_dict
 
-TINY = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe"]
+TINY = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-llama3", "tiny-qwen3-yarn"]
 
 
 def _hf(name):
@@ -108,8 +108,8 @@ def test_transformer_config_fields():
 def test_unsupported_config_fields_are_named():
     with pytest.raises(BridgeError, match="hidden_act='gelu'"):
         spec_for(dict(_hf("tiny-llama"), hidden_act="gelu"))
-    with pytest.raises(BridgeError, match="rope type 'yarn'"):
-        spec_for(dict(_hf("tiny-qwen3"), rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+    with pytest.raises(BridgeError, match="rope type 'dynamic'.*supported rope types: default, linear, llama3, yarn"):
+        spec_for(dict(_hf("tiny-qwen3"), rope_scaling={"rope_type": "dynamic", "factor": 4.0}))
     with pytest.raises(BridgeError, match="missing field 'num_hidden_layers'"):
         spec_for({k: v for k, v in _hf("tiny-llama").items() if k != "num_hidden_layers"})
     with pytest.raises(BridgeError, match="attention_bias"):
