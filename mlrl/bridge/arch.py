@@ -19,8 +19,8 @@ Megatron-Core GPT implementation and are rejected by name.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import math
+from dataclasses import dataclass
 from typing import Any, Optional
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")

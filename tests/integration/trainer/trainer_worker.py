@@ -278,7 +278,6 @@ def check_rope(ctx: Ctx) -> dict:
     """RoPE scaling over long positions: Megatron logits vs HF on samples of 100-250 tokens, and
     the gap of HF's own logits without the scaling (how far a bridge that ignored it would be)."""
     import transformers
-
     from hf_reference import make_samples, pack
 
     samples = make_samples(ctx.vocab, 3, seed=11, min_len=100, max_len=250)

@@ -89,7 +89,8 @@ def test_yarn_mscale_pair_and_attention_factor():
 
 @pytest.mark.parametrize("rope_type", ["dynamic", "longrope", "su"])
 def test_unsupported_rope_types_name_the_supported_ones(rope_type):
-    with pytest.raises(BridgeError, match=f"rope type '{rope_type}'.*supported rope types: default, linear, llama3, yarn"):
+    expected = f"rope type '{rope_type}'.*supported rope types: default, linear, llama3, yarn"
+    with pytest.raises(BridgeError, match=expected):
         spec_for(_hf("tiny-llama", rope_scaling={"rope_type": rope_type, "factor": 2.0}))
     assert ROPE_TYPES == ("default", "linear", "llama3", "yarn")
 
