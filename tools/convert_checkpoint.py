@@ -4,6 +4,7 @@
     python tools/convert_checkpoint.py mcore-to-hf --ckpt DIR --out DIR [--tp N --pp N --ep N] [--verify]
     python tools/convert_checkpoint.py mcore-to-hf --ckpt LORA_DIR --out ADAPTER_DIR [--base HF_DIR]
         [--merged-out DIR] [--tp N --pp N --ep N] [--verify]
+    python tools/convert_checkpoint.py --list     # supported architectures and RoPE types
 
 hf-to-mcore writes a weights-only Megatron checkpoint (torch_dist, the format of a training
 checkpoint's model_optim/ folder; training runs themselves start from the HF folder);
@@ -80,7 +81,9 @@ def _dtypes() -> tuple[str, ...]:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="convert_checkpoint.py", description=__doc__.split("\n\n")[0])
-    sub = ap.add_subparsers(dest="command", required=True)
+    ap.add_argument("--list", action="store_true",
+                    help="print the supported architectures and RoPE types (built-in bridge, megatron-bridge) and exit")
+    sub = ap.add_subparsers(dest="command")
     h = sub.add_parser("hf-to-mcore", help="HF folder -> Megatron distributed checkpoint (weights)")
     h.add_argument(
         "--hf", required=True, help="Hugging Face model folder (config.json + safetensors) or builtin:<name>"
@@ -359,8 +362,36 @@ def _rank_main(job_file: Path) -> dict[str, Any]:
     return report
 
 
+def list_supported() -> str:
+    """The text of --list: what the built-in bridge converts, and megatron-bridge's status."""
+    from mlrl.bridge import get_spec
+    from mlrl.bridge.select import builtin_support, megatron_bridge_version
+
+    sup = builtin_support()
+    lines = ["built-in bridge (model.bridge=builtin; CPU and GPU):"]
+    for mt in sup["model_types"]:
+        lines.append(f"  {mt:<12} {get_spec(mt).hf_architectures[mt]}")
+    lines.append(f"  rope types: {', '.join(sup['rope_types'])}")
+    version = megatron_bridge_version()
+    if version is None:
+        lines.append("megatron-bridge (model.bridge=megatron-bridge; GPU environment, `bridge` extra): not installed")
+    else:
+        from mlrl.trainer.rank.mbridge import supported_architectures
+
+        archs = supported_architectures()
+        lines.append(f"megatron-bridge {version} (model.bridge=megatron-bridge; GPU): {len(archs)} architectures")
+        lines.extend(f"  {a}" for a in archs)
+    return "\n".join(lines)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.list:
+        print(list_supported())
+        return 0
+    if args.command is None:
+        parser.error("a command is required (hf-to-mcore, mcore-to-hf) or --list")
     if args.command == "_rank":
         _rank_main(Path(args.job))
         return 0

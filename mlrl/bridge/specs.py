@@ -47,6 +47,7 @@ class ArchSpec:
     SwiGLU). Subclasses only change how the HF config is read."""
 
     model_types: tuple[str, ...] = ()
+    hf_architectures: dict[str, str] = {}  # model_type -> transformers class (tools/convert_checkpoint.py --list)
 
     def parse(self, hf: dict[str, Any]) -> ModelArch:
         raise NotImplementedError
@@ -378,6 +379,8 @@ def spec_for(hf: dict[str, Any]) -> tuple[ArchSpec, ModelArch]:
 
 @register("llama", "mistral")
 class LlamaSpec(ArchSpec):
+    hf_architectures = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+
     def parse(self, hf: dict[str, Any]) -> ModelArch:
         if hf.get("attention_bias") or hf.get("mlp_bias"):
             raise BridgeError(
@@ -392,6 +395,8 @@ class LlamaSpec(ArchSpec):
 
 @register("qwen2")
 class Qwen2Spec(ArchSpec):
+    hf_architectures = {"qwen2": "Qwen2ForCausalLM"}
+
     def parse(self, hf: dict[str, Any]) -> ModelArch:
         if hf.get("use_sliding_window"):
             raise BridgeError("config.json: use_sliding_window=True is not supported for model_type='qwen2'")
@@ -400,6 +405,8 @@ class Qwen2Spec(ArchSpec):
 
 @register("qwen3")
 class Qwen3Spec(ArchSpec):
+    hf_architectures = {"qwen3": "Qwen3ForCausalLM"}
+
     def parse(self, hf: dict[str, Any]) -> ModelArch:
         if hf.get("attention_bias"):
             raise BridgeError("config.json: attention_bias=True is not supported for model_type='qwen3'")
@@ -410,6 +417,8 @@ class Qwen3Spec(ArchSpec):
 
 @register("qwen3_moe")
 class Qwen3MoeSpec(ArchSpec):
+    hf_architectures = {"qwen3_moe": "Qwen3MoeForCausalLM (MoE)"}
+
     def parse(self, hf: dict[str, Any]) -> ModelArch:
         if hf.get("attention_bias"):
             raise BridgeError("config.json: attention_bias=True is not supported for model_type='qwen3_moe'")

@@ -76,6 +76,13 @@ class ModelConfig:
     policy: a resumed run takes its weights from its own checkpoint, and init_from then only gives
     the KL reference / LoRA base (so it must stay readable). None = hf_dir's weights."""
 
+    bridge: Literal["auto", "builtin", "megatron-bridge"] = "auto"
+    """HF <-> Megatron bridge (mlrl.bridge.select): `builtin` = mlrl's own (llama / mistral / qwen2 /
+    qwen3 / qwen3_moe, RoPE default / linear / llama3 / yarn; `tools/convert_checkpoint.py --list`);
+    `megatron-bridge` = NVIDIA megatron-bridge's AutoBridge for other architectures (GPU environment
+    only: the `bridge` extra; not with model.lora, a critic or router replay); `auto` = builtin when
+    it supports the model, else megatron-bridge when installed."""
+
     @property
     def precision(self) -> Precision:
         """The trainer's precision, derived from dtype (Megatron params dtype and bf16 / fp16 flags,

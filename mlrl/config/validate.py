@@ -455,6 +455,29 @@ def _check_router_replay(cfg: Config, hf: dict[str, Any], *, has_cuda: bool) -> 
         raise ConfigError(f"algorithm.router_replay=true: {problem}")
 
 
+def _check_bridge(cfg: Config, hf: dict[str, Any], *, has_cuda: bool, dry_run: bool) -> str:
+    """model.bridge resolves for this model (mlrl.bridge.select); the megatron-bridge path is GPU
+    only and carries none of mlrl's own layouts (LoRA, the critic's value head, router replay)."""
+    from mlrl.bridge import BridgeError
+    from mlrl.bridge.select import resolve_bridge
+
+    try:
+        which = resolve_bridge(cfg.model.bridge, hf, assume_installed=dry_run)
+    except BridgeError as e:
+        raise ConfigError(str(e)) from None
+    if which == "megatron-bridge":
+        why = f"model.bridge={cfg.model.bridge} resolves to megatron-bridge for model_type={hf.get('model_type')!r}"
+        if not has_cuda:
+            raise ConfigError(f"{why}, which needs CUDA and Transformer Engine (its model providers use the TE "
+                              "layer spec); this machine has no GPU")
+        for field, on in (("model.lora", cfg.model.lora is not None), ("critic", cfg.uses_critic),
+                          ("algorithm.router_replay", cfg.algorithm.router_replay)):
+            if on:
+                raise ConfigError(f"{field} is not supported with megatron-bridge ({why}); it needs the built-in "
+                                  "bridge (model.bridge=builtin, a supported model_type)")
+    return which
+
+
 def validate(cfg: Config, *, has_cuda: bool | None = None, dry_run: bool = False) -> Layout:
     """Check everything that can be checked before start; return the resolved layout.
 
@@ -476,6 +499,7 @@ def validate(cfg: Config, *, has_cuda: bool | None = None, dry_run: bool = False
         hf = hf_config_dict(cfg.model.hf_dir, cfg.model.arch if dry_run else None)
     except ModelSpecError as e:
         raise ConfigError(str(e)) from None
+    _check_bridge(cfg, hf, has_cuda=has_cuda, dry_run=dry_run)
     _check_model(cfg, hf, layout)
     _check_lora(cfg, hf)
     _check_router_replay(cfg, hf, has_cuda=cfg.cluster.gpus_per_node > 0)
