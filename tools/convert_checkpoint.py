@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype of the stored weights, as model.dtype (auto = config.json's dtype, float32 if it has "
                         "none or another)")
     h.add_argument("--precision", help=argparse.SUPPRESS)  # removed: a clear error pointing at --dtype
+    h.add_argument("--bridge", choices=["auto", "builtin", "megatron-bridge"], default="auto",
+                   help="HF <-> Megatron converter, as model.bridge (auto = built-in when it supports the model, "
+                        "else megatron-bridge when installed); mcore-to-hf uses the one the checkpoint records")
     m = sub.add_parser("mcore-to-hf", help="Megatron distributed checkpoint -> HF folder")
     m.add_argument("--ckpt", required=True, help="checkpoint folder (model_optim/, step_N/ or a run's checkpoint root)")
     m.add_argument("--dtype", choices=["auto", *_dtypes(), "keep"], default="auto",
@@ -189,12 +192,14 @@ def lora_base(meta: dict, ckpt: Path, base: Optional[str]) -> Path:
     return hf
 
 
-def check_layout(hf_config: dict, tp: int, pp: int, ep: int, what: str) -> None:
+def check_layout(hf_config: dict, tp: int, pp: int, ep: int, what: str, bridge: str = "builtin") -> None:
     from mlrl.bridge import BridgeError, spec_for
     from mlrl.bridge import check_layout as bridge_check
 
     if min(tp, pp, ep) < 1:
         raise ConversionError(f"--tp/--pp/--ep must be >= 1, got {tp}/{pp}/{ep}")
+    if bridge == "megatron-bridge":
+        return  # megatron-bridge checks its own model against the layout when it builds it
     try:
         _, arch = spec_for(hf_config)
         bridge_check(arch, tp=tp, pp=pp, ep=ep, etp=tp, cp=1, vpp=None, pp_split=None)
@@ -205,6 +210,7 @@ def check_layout(hf_config: dict, tp: int, pp: int, ep: int, what: str) -> None:
 def prepare(args) -> dict[str, Any]:
     """Validate the inputs; returns the job description the ranks run."""
     from mlrl.bridge import BridgeError, HFCheckpoint, spec_for
+    from mlrl.bridge.select import resolve_bridge
     from mlrl.checkpoint import CheckpointError
     from mlrl.trainer.rank.conversion import check_output_dir
 
@@ -217,8 +223,10 @@ def prepare(args) -> dict[str, Any]:
         hf = resolve_hf_dir(args.hf, "--hf")
         hf_config = json.loads((hf / "config.json").read_text())
         try:
-            spec, arch = spec_for(hf_config)
-            HFCheckpoint(hf).check(spec, arch)
+            bridge = resolve_bridge(args.bridge, hf_config, field="--bridge")
+            if bridge == "builtin":
+                spec, arch = spec_for(hf_config)
+                HFCheckpoint(hf).check(spec, arch)
         except BridgeError as e:
             raise ConversionError(f"--hf {hf}: {e}") from None
         tp, pp, ep = args.tp or 1, args.pp or 1, args.ep or 1
@@ -226,7 +234,7 @@ def prepare(args) -> dict[str, Any]:
         if dtype == "auto":
             dtype = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
             dtype = dtype if dtype in _dtypes() else "float32"
-        job.update(hf=str(hf), dtype=dtype)
+        job.update(hf=str(hf), dtype=dtype, bridge=bridge)
     else:
         from mlrl.trainer.rank.checkpointing import HF_FILES_DIR, read_meta
 
@@ -239,9 +247,15 @@ def prepare(args) -> dict[str, Any]:
         if not (path / HF_FILES_DIR / "config.json").is_file():
             raise ConversionError(f"--ckpt {path}: {HF_FILES_DIR}/config.json is missing")
         hf_config = meta["hf_config"]
+        bridge = meta.get("bridge", "builtin")  # written before bridges were recorded: the built-in one
+        if bridge == "megatron-bridge":
+            try:
+                resolve_bridge(bridge, hf_config, field=f"--ckpt {path} (written through megatron-bridge)")
+            except BridgeError as e:
+                raise ConversionError(str(e)) from None
         saved = meta["layout"]
         tp, pp, ep = args.tp or saved["tp"], args.pp or saved["pp"], args.ep or saved["ep"]
-        job.update(ckpt=str(path), dtype=None if args.dtype == "keep" else args.dtype,
+        job.update(ckpt=str(path), bridge=bridge, dtype=None if args.dtype == "keep" else args.dtype,
                    max_shard_bytes=max_shard_bytes, base=None, merged_out=None)
         if meta.get("lora"):
             job.update(base=str(lora_base(meta, path, args.base)),
@@ -253,7 +267,7 @@ def prepare(args) -> dict[str, Any]:
                 if value is not None:
                     raise ConversionError(f"{flag} applies to LoRA checkpoints only: {path} holds the full weights "
                                           "(--out receives the full HF model)")
-    check_layout(hf_config, tp, pp, ep, "--tp/--pp/--ep")
+    check_layout(hf_config, tp, pp, ep, "--tp/--pp/--ep", bridge=job["bridge"])
     try:
         check_output_dir(args.out, force=args.force)
         if job.get("merged_out"):
@@ -293,12 +307,13 @@ def run_rank(job: dict[str, Any]) -> dict[str, Any]:
     try:
         if job["command"] == "hf-to-mcore":
             report = conversion.hf_to_mcore(job["hf"], job["out"], tp=job["tp"], pp=job["pp"], ep=job["ep"],
-                                            dtype=job["dtype"], verify=job["verify"], progress=progress)
+                                            dtype=job["dtype"], verify=job["verify"], bridge=job["bridge"],
+                                            progress=progress)
         else:
             report = conversion.mcore_to_hf(job["ckpt"], job["out"], tp=job["tp"], pp=job["pp"], ep=job["ep"],
                                             dtype=job["dtype"], max_shard_bytes=job["max_shard_bytes"],
                                             verify=job["verify"], base=job["base"], merged_out=job["merged_out"],
-                                            progress=progress)
+                                            bridge=job["bridge"], progress=progress)
     finally:
         if bar is not None:
             bar.update(bar.total - bar.n)

@@ -131,12 +131,26 @@ def read_meta(path: str | Path) -> dict[str, Any]:
 
 
 def _arch_differences(saved_hf_config: dict, policy) -> list[str]:
+    if _via_mbridge(policy):  # megatron-bridge's model: the HF configs themselves are compared
+        mine = policy.hf_config
+        return [f"{k}: checkpoint {saved_hf_config.get(k)!r}, model {mine.get(k)!r}"
+                for k in sorted(set(saved_hf_config) | set(mine))
+                if k not in _HF_BOOKKEEPING and saved_hf_config.get(k) != mine.get(k)]
     try:
         _, saved = spec_for(saved_hf_config)
     except Exception as e:  # noqa: BLE001 - any parse failure is a mismatch worth naming
         return [f"the checkpoint's config.json cannot be parsed ({e})"]
     a, b = asdict(saved), asdict(policy.arch)
     return [f"{k}: checkpoint {a[k]!r}, model {b.get(k)!r}" for k in a if a[k] != b.get(k)]
+
+
+def _via_mbridge(policy) -> bool:
+    """The policy was built by megatron-bridge (model.bridge; mlrl.trainer.rank.mbridge)."""
+    return getattr(policy, "mbridge", None) is not None
+
+
+# config.json keys that say nothing about the architecture (who wrote it, its dtype on disk)
+_HF_BOOKKEEPING = frozenset({"transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures"})
 
 
 def _role(policy) -> str:
@@ -407,6 +421,9 @@ def save_checkpoint(policy, path: str | Path, *, async_save: bool = False,
     meta = {
         "format": FORMAT, "backend": "torch_dist", "megatron_core": _megatron_version(), "role": _role(policy),
         "model_type": policy.arch.model_type, "arch": asdict(policy.arch), "hf_config": policy.hf_config,
+        # which converter built the model: its parameter names (the TE spec of megatron-bridge's
+        # provider vs mlrl's) are what the shards are keyed by, so a reader must build the same
+        "bridge": "megatron-bridge" if _via_mbridge(policy) else "builtin",
         "layout": _layout(policy),
         # a LoRA checkpoint holds only the adapters: the base is this HF folder
         "lora": _lora_meta(policy), "base_hf_dir": _base_hf_dir(policy) if _lora(policy) is not None else None,
@@ -552,7 +569,8 @@ def init_weights_from(policy, spec: str):
         load_model_weights(policy, source.weights)
     else:
         ckpt = HFCheckpoint(source.weights)
-        ckpt.check(policy.spec, policy.arch)
+        if not _via_mbridge(policy):  # megatron-bridge checks the tensors as it loads them
+            ckpt.check(policy.spec, policy.arch)
         policy.params.load_hf(ckpt)  # the base parameters (LocalParams never holds adapters)
         if policy.optimizer is not None:
             policy.optimizer.reload_model_params()  # its fp32 main copies (bf16 / distributed)
@@ -742,7 +760,8 @@ def export_hf(policy, out_dir: str | Path, *, max_shard_bytes: int = 2 << 30, bu
         out_dtype = _export_dtype(policy, dtype)
         result = finalize_hf_folder(
             tmp, out, [m for m, _ in gathered if m], files_from or policy.hf_dir,
-            expected_names=policy.spec.hf_shapes(policy.arch).keys(),
+            # megatron-bridge's model: its own mapping decides the names
+            expected_names=None if _via_mbridge(policy) else policy.spec.hf_shapes(policy.arch).keys(),
             dtype=str(out_dtype).removeprefix("torch.") if out_dtype is not None else None)
     dist.barrier()
     return result

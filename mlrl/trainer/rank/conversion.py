@@ -47,9 +47,9 @@ def world_size_for(tp: int, pp: int, ep: int, etp: Optional[int] = None, cp: int
     return tp * pp * cp * dp
 
 
-def conversion_config(hf_dir: str | Path, *, tp: int, pp: int, ep: int, model_dtype: str):
+def conversion_config(hf_dir: str | Path, *, tp: int, pp: int, ep: int, model_dtype: str, bridge: str = "auto"):
     """(Config, Layout) of a conversion job: a frozen policy in `model_dtype` (float32 / bfloat16 /
-    float16), `world_size_for` ranks."""
+    float16), `world_size_for` ranks, through `bridge` (model.bridge)."""
     from mlrl.config.schema import Config
     from mlrl.config.validate import resolve_layout
 
@@ -65,6 +65,7 @@ def conversion_config(hf_dir: str | Path, *, tp: int, pp: int, ep: int, model_dt
     # megatron-core's MoE layer refuses TP without sequence parallelism
     cfg.parallel.sequence_parallel = tp > 1 and bool(hf.get("num_experts") or hf.get("num_local_experts"))
     cfg.model.dtype = model_dtype
+    cfg.model.bridge = bridge
     return cfg, resolve_layout(cfg)
 
 
@@ -84,13 +85,16 @@ def _without_hf_weights() -> Iterator[None]:
         def check(self, spec, arch) -> None:
             pass
 
-    saved = policy_module.HFCheckpoint, LocalParams.load_hf
+    from mlrl.trainer.rank.mbridge import MBridgeParams
+
+    saved = policy_module.HFCheckpoint, LocalParams.load_hf, MBridgeParams.load_initial
     policy_module.HFCheckpoint = _ConfigOnly
     LocalParams.load_hf = lambda self, hf_ckpt: None
+    MBridgeParams.load_initial = lambda self: None
     try:
         yield
     finally:
-        policy_module.HFCheckpoint, LocalParams.load_hf = saved
+        policy_module.HFCheckpoint, LocalParams.load_hf, MBridgeParams.load_initial = saved
 
 
 def policy_from_checkpoint(path: str | Path, cfg, layout, *, trainable: bool = False):
@@ -119,11 +123,11 @@ def _move_into_place(tmp: Path, out: Path) -> None:
 
 
 def hf_to_mcore(hf_dir: str | Path, out: str | Path, *, tp: int, pp: int, ep: int, dtype: str, verify: bool,
-                progress: Progress = _noop) -> dict[str, Any]:
+                bridge: str = "auto", progress: Progress = _noop) -> dict[str, Any]:
     from mlrl.trainer.rank.policy import MegatronPolicy, init_parallel
 
     out = Path(out)
-    cfg, layout = conversion_config(hf_dir, tp=tp, pp=pp, ep=ep, model_dtype=dtype)
+    cfg, layout = conversion_config(hf_dir, tp=tp, pp=pp, ep=ep, model_dtype=dtype, bridge=bridge)
     init_parallel(cfg.parallel, layout, seed=cfg.trainer.seed)
     t0 = time.perf_counter()
     progress("reading HF weights into the sharded model")
@@ -159,7 +163,8 @@ def lora_policy_from_checkpoint(path: str | Path, base: str | Path, cfg, layout,
 
 def mcore_to_hf(path: str | Path, out: str | Path, *, tp: int, pp: int, ep: int, dtype: Optional[str],
                 max_shard_bytes: int, verify: bool, base: Optional[str | Path] = None,
-                merged_out: Optional[str | Path] = None, progress: Progress = _noop) -> dict[str, Any]:
+                merged_out: Optional[str | Path] = None, bridge: str = "builtin",
+                progress: Progress = _noop) -> dict[str, Any]:
     """Full checkpoint: the HF model at `out`. LoRA checkpoint (built on the HF folder `base`): the
     PEFT adapter folder at `out`, and the merged model (W + alpha/r B A) at `merged_out` if given."""
     from mlrl.trainer.rank.policy import init_parallel
@@ -171,7 +176,7 @@ def mcore_to_hf(path: str | Path, out: str | Path, *, tp: int, pp: int, ep: int,
         raise CheckpointError(f"checkpoint {path}: a LoRA checkpoint (adapters only) needs its HF base")
     saved = meta["optimizer"]["precision"]  # the model.dtype it was saved in, as the trainer's precision name
     cfg, layout = conversion_config(base if lora else path / ckpt.HF_FILES_DIR, tp=tp, pp=pp, ep=ep,
-                                    model_dtype=next(d for d, p in PRECISION.items() if p == saved))
+                                    model_dtype=next(d for d, p in PRECISION.items() if p == saved), bridge=bridge)
     init_parallel(cfg.parallel, layout, seed=cfg.trainer.seed)
     t0 = time.perf_counter()
     progress("loading the Megatron checkpoint")

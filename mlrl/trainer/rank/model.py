@@ -46,17 +46,17 @@ def params_dtype(model: ModelConfig) -> torch.dtype:
     return _DTYPES[model.dtype]
 
 
-def build_transformer_config(spec: ArchSpec, arch: ModelArch, model: ModelConfig, parallel: ParallelConfig,
-                             trainer: TrainerConfig, layout: Layout):
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    fields: dict[str, Any] = spec.transformer_config(arch)
-    fields["activation_func"] = _ACTIVATIONS[fields["activation_func"]]
+def layout_fields(arch: ModelArch, model: ModelConfig, parallel: ParallelConfig, trainer: TrainerConfig,
+                  layout: Layout) -> dict[str, Any]:
+    """The TransformerConfig fields mlrl sets about layout, precision, fusions and loss
+    accounting (not about the architecture): the built-in path adds the bridge spec's
+    architecture fields, the megatron-bridge path (mlrl.trainer.rank.mbridge) sets these on its
+    provider, so the schedules, DDP and the loss contract see the same settings on both."""
     dtype = params_dtype(model)
     gpu = use_te()
     if not gpu and (trainer.fp8_recipe != "none" or layout.cp > 1):
         raise RuntimeError("trainer.fp8_recipe / parallel.cp > 1 need CUDA and Transformer Engine")
-    fields.update(
+    fields: dict[str, Any] = dict(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp and layout.vpp > 1 else None,
@@ -73,13 +73,6 @@ def build_transformer_config(spec: ArchSpec, arch: ModelArch, model: ModelConfig
         calculate_per_token_loss=True,
         variable_seq_lengths=layout.pp > 1,  # pipeline p2p sends shapes first (micro-batches differ in length)
         use_cpu_initialization=not gpu,
-        # Initialisation must "run": with perform_initialization=False megatron-core also skips
-        # set_tensor_model_parallel_attributes (tensor_parallel/layers.py), so TP-sharded weights
-        # look like TP duplicates to the grad-norm / clipping code. The init methods are no-ops
-        # instead, since every parameter is then loaded from the HF checkpoint.
-        perform_initialization=True,
-        init_method=_no_init,
-        output_layer_init_method=_no_init,
         masked_softmax_fusion=False,
         bias_activation_fusion=gpu,
         bias_dropout_fusion=gpu,
@@ -109,6 +102,25 @@ def build_transformer_config(spec: ArchSpec, arch: ModelArch, model: ModelConfig
         for r, n in enumerate(parallel.pp_layer_split):
             stages.append(("E" if r == 0 else "") + "t" * n + ("L" if r == layout.pp - 1 else ""))
         fields["pipeline_model_parallel_layout"] = "|".join(stages)
+    return fields
+
+
+def build_transformer_config(spec: ArchSpec, arch: ModelArch, model: ModelConfig, parallel: ParallelConfig,
+                             trainer: TrainerConfig, layout: Layout):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    fields: dict[str, Any] = spec.transformer_config(arch)
+    fields["activation_func"] = _ACTIVATIONS[fields["activation_func"]]
+    fields.update(layout_fields(arch, model, parallel, trainer, layout))
+    fields.update(
+        # Initialisation must "run": with perform_initialization=False megatron-core also skips
+        # set_tensor_model_parallel_attributes (tensor_parallel/layers.py), so TP-sharded weights
+        # look like TP duplicates to the grad-norm / clipping code. The init methods are no-ops
+        # instead, since every parameter is then loaded from the HF checkpoint.
+        perform_initialization=True,
+        init_method=_no_init,
+        output_layer_init_method=_no_init,
+    )
     config = TransformerConfig(**fields)
     for key, value in spec.config_attributes(arch).items():  # yarn_*: read by GPTModel / Attention via getattr
         setattr(config, key, value)

@@ -44,13 +44,14 @@ import torch
 import torch.distributed as dist
 
 from mlrl.bridge import HFCheckpoint, check_layout, spec_for
+from mlrl.bridge.select import resolve_bridge
 from mlrl.config.schema import ModelConfig, ParallelConfig, TrainerConfig
 from mlrl.config.validate import Layout
 from mlrl.experience.batch import MicroBatch
 from mlrl.trainer.rank import cpu_compat
 from mlrl.trainer.rank.inputs import ModelInputs, build_inputs, check_window
 from mlrl.trainer.rank.logprobs import align_to_tokens, vocab_parallel_logprobs
-from mlrl.trainer.rank.model import build_model_chunks, build_transformer_config, params_dtype
+from mlrl.trainer.rank.model import build_model_chunks, build_transformer_config, layout_fields, params_dtype
 from mlrl.trainer.rank.parallel import Ranks, device, init_parallel, ranks
 from mlrl.trainer.rank.weights import LocalParams
 from mlrl.weight_sync.sender import bucketize
@@ -80,6 +81,12 @@ class MegatronPolicy:
         if not cfg_path.is_file():
             raise FileNotFoundError(f"model.hf_dir: {self.hf_dir} has no config.json")
         self.hf_config = json.loads(cfg_path.read_text())
+        # model.bridge: mlrl's own bridge, or megatron-bridge for an architecture it lacks (GPU
+        # only; the driver's validation resolved the same choice before any process started)
+        self.mbridge = None
+        if resolve_bridge(model_cfg.bridge, self.hf_config) == "megatron-bridge":
+            self._init_mbridge(model_cfg, parallel, trainer_cfg, layout)
+            return
         # everything that can be wrong with the input fails here, before any model is built
         self.spec, self.arch = spec_for(self.hf_config)
         check_layout(self.arch, tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp, cp=layout.cp,
@@ -114,8 +121,32 @@ class MegatronPolicy:
 
             self.lora = LoRA.attach(chunks, model_cfg.lora, config=self.config, tp_rank=self.ranks.tp,
                                     tp_size=self.ranks.tp_size, seed=trainer_cfg.seed)
+        self._finish(chunks)
+
+    def _init_mbridge(self, model_cfg: ModelConfig, parallel: ParallelConfig, trainer_cfg: TrainerConfig,
+                      layout: Layout) -> None:
+        """The megatron-bridge path (mlrl.trainer.rank.mbridge): megatron-bridge builds the chunks
+        and maps the weights; DDP, the optimizer and everything after are this class's own.
+        `spec` is None on this path (nothing reads mlrl's per-parameter specs)."""
+        from mlrl.trainer.rank.mbridge import MBridge, MBridgeParams, generic_arch
+
+        if cpu_compat.needed():
+            raise RuntimeError("model.bridge=megatron-bridge needs CUDA and Transformer Engine")
+        self.spec, self.arch = None, generic_arch(self.hf_config)
+        self.ranks: Ranks = ranks()
+        self.device = device()
+        self.mbridge = MBridge(self.hf_dir, layout_fields(self.arch, model_cfg, parallel, trainer_cfg, layout))
+        self.config = self.mbridge.config
+        self.routing, self.router_mode, self.lora = None, None, None
+        chunks = self.mbridge.build_chunks()
+        self.params = MBridgeParams(self.mbridge, chunks, self.ranks)
+        self.params.load_initial()
+        self._finish(chunks)
+
+    def _finish(self, chunks: list[torch.nn.Module]) -> None:
+        """DDP + optimizer (trainable) or a frozen eval model: the same on both bridge paths."""
         self.optimizer = self.scheduler = None
-        if trainable:
+        if self.trainable:
             self.model = self._wrap_ddp(chunks)
             self._build_optimizer()
         else:
