@@ -199,19 +199,32 @@ class WeightSync(abc.ABC):
         (trainer parameters may leave, the engines' KV cache comes back for the canary)."""
         async with self._lock:
             t0 = time.perf_counter()
-            await self.pool.pause()
-            rep = SyncReport(version=version, transport=self.transport, pause_s=time.perf_counter() - t0)
-            last: BaseException | None = None
             # the canary on every canary_every-th version, the first sync and every refresh / retry
             canary = self.cfg.canary_tolerance > 0 and (
                 not self.history or version % max(1, self.cfg.canary_every) == 0 or version == self.pool.version)
+            # the trainer's canary logprobs need only the trainer: they are computed while the engines
+            # drain and pause (vLLM's pause alone sleeps 20 ms). Not with hooks: the colocated trainer's
+            # parameters come back in `before_transfer`.
+            reference = asyncio.create_task(self._canary_reference()) if canary and hooks is None else None
+            try:
+                await self.pool.pause()
+            except BaseException:
+                if reference is not None:
+                    reference.cancel()
+                    await asyncio.gather(reference, return_exceptions=True)
+                raise
+            rep = SyncReport(version=version, transport=self.transport, pause_s=time.perf_counter() - t0)
+            last: BaseException | None = None
             for attempt in (1, 2):
                 rep.attempts = attempt
                 engines = self.pool.live_engines()
                 if not engines:
+                    if reference is not None:
+                        reference.cancel()
                     raise WeightSyncError("weight sync: no live engine to update")
                 try:
-                    await self._attempt(version, engines, rep, hooks, canary=canary or attempt > 1)
+                    await self._attempt(version, engines, rep, hooks, canary=canary or attempt > 1,
+                                        reference=reference if attempt == 1 else None)
                     break
                 except Exception as err:  # noqa: BLE001 - retried once, then raised with the first cause
                     last = err
@@ -232,13 +245,18 @@ class WeightSync(abc.ABC):
             return rep
 
     async def _attempt(self, version: int, engines: Sequence[EngineHandle], rep: SyncReport,
-                       hooks: SyncHooks | None = None, *, canary: bool = True) -> None:
+                       hooks: SyncHooks | None = None, *, canary: bool = True,
+                       reference: asyncio.Task | None = None) -> None:
+        """`reference`: the trainer's canary logprobs, already started by `sync` (None: computed here)."""
         # the trainer's canary logprobs first: with hooks the trainer's parameters may be offloaded
         # before the engines are checked
         if hooks is not None:
             await hooks.before_transfer()
         t = time.perf_counter()
-        want = await self._canary_reference() if canary else None
+        if reference is not None:
+            want = await reference
+        else:
+            want = await self._canary_reference() if canary else None
         rep.canary_checked = want is not None
         reference_s = time.perf_counter() - t
         t = time.perf_counter()

@@ -231,6 +231,56 @@ async def test_second_failure_raises_and_leaves_the_pool_paused(tmp_path):
     assert pool.paused and pool.version == 0 and "resume" not in pool.events
 
 
+async def test_the_trainers_canary_reference_runs_while_the_engines_pause(tmp_path):
+    """The canary reference needs only the trainer: it starts before the pool's pause returns (vLLM's
+    pause alone sleeps 20 ms), and still precedes the transfer. Colocated hooks keep it after them."""
+    import asyncio
+    import threading
+
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": VOCAB}))
+    src = HFWeightSource(TinyLM())
+    want = src.canary_logprobs(*canary_tokens(VOCAB))
+    order, started = [], threading.Event()
+
+    class Source:
+        num_senders = 1
+
+        def canary_logprobs(self, prompt, completion):
+            order.append("reference")
+            started.set()
+            return src.canary_logprobs(prompt, completion)
+
+        def push(self, request):
+            order.append("push")
+            return src.push(request)
+
+    class SlowPool(FakePool):
+        async def pause(self, mode=None):
+            order.append("pause start")
+            await asyncio.to_thread(started.wait, 5)  # returns only once the reference has started
+            order.append("pause end")
+            await super().pause(mode)
+
+    pool = SlowPool(FakeClient([[0.0] * 8 + want] * 2))
+    ws = make_weight_sync(WeightSyncConfig(transport="disk", canary_tolerance=1e-5), pool, Source(),
+                          model_dir=tmp_path, run_dir=tmp_path)
+    rep = await ws.sync(1)
+    assert rep.canary_checked and rep.canary_max_abs_diff < 1e-6
+    assert order.index("reference") < order.index("pause end") < order.index("push")
+
+    class Hooks:
+        async def before_transfer(self):
+            order.append("hook")
+
+        async def before_verify(self):
+            pass
+
+    order.clear()
+    started.set()
+    await ws.sync(2, hooks=Hooks())
+    assert order.index("pause end") < order.index("hook") < order.index("reference") < order.index("push")
+
+
 def test_transport_names_are_resolved_in_one_place(tmp_path):
     # every name the config accepts has its three parts, and nothing else is registered
     hints = typing.get_type_hints(WeightSyncConfig)
