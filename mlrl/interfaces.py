@@ -202,6 +202,7 @@ class Checkpointer(Protocol):
 
     last_saved: Path | None
     last_export: Path | None
+    pending: Any  # an async save written but not yet committed (None: `finalize` has nothing to do)
 
     def save(self, step: int, loop_state: dict[str, Any]) -> Path | None:
         """The committed checkpoint, or None while an async save is still being written."""

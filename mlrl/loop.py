@@ -96,7 +96,10 @@ async def train_sync(ctx: RunContext) -> None:
         if ctx.colocation is not None:  # engines sleep, the trainer's state comes back
             await ctx.colocation.to_trainer(timer)
             await save_deferred(ctx, timer)
-        metrics = await asyncio.to_thread(train_step, ctx, samples, timer, step)
+            metrics = await asyncio.to_thread(train_step, ctx, samples, timer, step)
+        else:  # the idle engines pause while the trainer trains: the weight sync finds them paused
+            metrics, _ = await asyncio.gather(asyncio.to_thread(train_step, ctx, samples, timer, step),
+                                              ctx.engines.pause())
         sync_metrics = await sync_weights(ctx, step, timer)
         eval_metrics = await evaluate_if_due(ctx, step, timer)
         timing = timer.finish(details=sync_timing(sync_metrics) | train_timing(metrics))
@@ -305,7 +308,8 @@ async def save_if_due(ctx: RunContext, step: int) -> None:
     every rank has finalized it (a non-blocking poll)."""
     cfg = ctx.cfg
     t0 = time.perf_counter()
-    await asyncio.to_thread(ctx.checkpoint.finalize, blocking=False)
+    if ctx.checkpoint.pending is not None:  # (a thread hop costs ~10 ms while the async producer runs)
+        await asyncio.to_thread(ctx.checkpoint.finalize, blocking=False)
     last = step == cfg.trainer.total_steps
     save = bool(cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0) or (
         last and cfg.checkpoint.save_at_end)

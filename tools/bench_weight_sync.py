@@ -14,7 +14,9 @@ gloo group), then `--repeats` times, side by side over the SAME group:
              layer-wise finalize + LM-head refresh (`start` -> `finish` on the engines);
   sync       `WeightSync.sync(version)` end to end: pause, transfer, checksum comparison,
              prefix-cache reset, canary logprobs, resume.
-Prints bytes/s of each and the ratios to raw (goal: transfer/raw >= 0.8).
+Prints bytes/s of each and the ratios to raw (#16's goals: transfer/raw >= 0.9, end to end
+(sync)/raw >= 0.5); the last lines are `ratio wire_vs_raw`, `ratio end_to_end_vs_raw` and
+`ratio transfer_vs_raw`.
 Median over repeats. With `--lora`: a full sync of the model (broadcast, plain engine) and then an
 adapter sync (weight_sync.lora_mode=adapter: a PEFT folder of a rank-r all-linear adapter loaded by
 an engine started with --enable-lora) of the same model, bytes and seconds of each; the last line
@@ -219,10 +221,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"  ratio protocol/raw = {r['ratio_protocol_vs_raw']:.2f}   transfer/raw = {r['ratio_transfer_vs_raw']:.2f}  "
-        f" sync/raw = {r['ratio_sync_vs_raw']:.2f}   (goal >= 0.8)"
+        f" sync/raw = {r['ratio_sync_vs_raw']:.2f}   (#16's goals: transfer/raw >= 0.9, end to end >= 0.5)"
         f"   canary max |diff| = {r['canary_max_abs_diff']:.2e}"
     )
-    print(f"ratio transfer_vs_raw: {r['ratio_transfer_vs_raw']:.3f}")  # the goal metric, last (>= 0.8)
+    print(f"ratio wire_vs_raw: {r['ratio_protocol_vs_raw']:.3f}")  # the bytes moving, checksummed, not loaded
+    print(f"ratio end_to_end_vs_raw: {r['ratio_sync_vs_raw']:.3f}")  # WeightSync.sync: pause .. resume
+    print(f"ratio transfer_vs_raw: {r['ratio_transfer_vs_raw']:.3f}")  # moved AND loaded into vLLM: last
     return 0
 
 

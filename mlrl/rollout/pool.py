@@ -145,6 +145,7 @@ class EnginePool:
         self._version = initial_version
         self._cond = asyncio.Condition()
         self._paused = False
+        self._engines_paused: set[tuple[int, int]] = set()  # (index, incarnation) paused at the engine by `pause`
         self._started = False
         self._closed = False
         self._sticky: collections.OrderedDict[str, int] = collections.OrderedDict()
@@ -539,14 +540,23 @@ class EnginePool:
         if mode not in ("wait", "abort"):
             raise ValueError(f"pause mode must be 'wait' or 'abort', got {mode!r}")
         async with self._cond:
+            # already paused (e.g. by the sync loop while the trainer trained) with nothing in flight
+            # and the same live engines: nothing to do (each vLLM /pause sleeps 20 ms)
+            done = (self._paused and all(e.in_flight == 0 for e in self.engines)
+                    and self._engines_paused == {(e.index, e.incarnation) for e in self.live_engines()})
             self._paused = True
+        if done:
+            return
         if mode == "abort":
             await asyncio.gather(*(e.client.pause("abort") for e in self.live_engines()), return_exceptions=True)
         while not await self._drained(timeout_s=1.0):
             if mode == "abort":  # a request that reached its engine after the engine-level abort waits there: abort it
                 await asyncio.gather(*(e.client.abort(list(e.running)) for e in self.live_engines() if e.running),
                                      return_exceptions=True)
-        await asyncio.gather(*(e.client.pause("wait") for e in self.live_engines()), return_exceptions=True)
+        live = self.live_engines()
+        results = await asyncio.gather(*(e.client.pause("wait") for e in live), return_exceptions=True)
+        self._engines_paused = {(e.index, e.incarnation) for e, r in zip(live, results)
+                                if not isinstance(r, BaseException)}
 
     async def _drained(self, timeout_s: float) -> bool:
         async with self._cond:
@@ -568,6 +578,7 @@ class EnginePool:
 
     async def resume(self) -> None:
         """Resume the engines and dispatching; interrupted requests continue."""
+        self._engines_paused = set()
         await asyncio.gather(*(e.client.resume() for e in self.live_engines()), return_exceptions=True)
         async with self._cond:
             self._paused = False

@@ -27,7 +27,7 @@ MAX_LEN = 64
 TOKEN = os.environ["MLRL_ENGINE_TOKEN"]
 DELAY = float(os.environ.get("FAKE_TOKEN_DELAY_S", "0.01"))
 
-state = {"version": "default", "paused": False, "running": {}, "peak": 0, "served": [], "resume": None}
+state = {"version": "default", "paused": False, "running": {}, "peak": 0, "served": [], "resume": None, "pauses": 0}
 
 
 def _auth(request: Request) -> bool:
@@ -108,6 +108,7 @@ async def health(request: Request):
 @guarded
 async def pause(request: Request):
     state["paused"] = True
+    state["pauses"] += 1
     if request.query_params.get("mode", "abort") == "abort":
         for f in state["running"].values():
             f["abort"] = True
@@ -152,7 +153,8 @@ async def tokenize(request: Request):
 @guarded
 async def stats(request: Request):
     return JSONResponse(
-        {"peak": state["peak"], "served": state["served"], "version": state["version"], "paused": state["paused"]}
+        {"peak": state["peak"], "served": state["served"], "version": state["version"], "paused": state["paused"],
+         "pauses": state["pauses"]}
     )
 
 

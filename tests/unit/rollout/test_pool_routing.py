@@ -212,6 +212,21 @@ async def test_pause_wait_lets_in_flight_finish_and_holds_new_requests(make_pool
     assert (await late).output_tokens == _expected([1, 2], 3)
 
 
+async def test_a_second_pause_of_paused_idle_engines_costs_nothing(make_pool):
+    """The sync loop pauses the idle engines while the trainer trains; the weight sync's own pause
+    then finds them paused and sends nothing (vLLM's /pause sleeps 20 ms). After a resume, or with a
+    request in flight, pausing goes to the engines again."""
+    pool = await make_pool(num_engines=2, delay_s=0.01)
+    await pool.pause("wait")
+    counts = [(await _stats(e))["pauses"] for e in pool.engines]
+    await pool.pause("wait")
+    assert [(await _stats(e))["pauses"] for e in pool.engines] == counts
+    await pool.resume()
+    await pool.pause("wait")
+    assert [(await _stats(e))["pauses"] for e in pool.engines] == [c + 1 for c in counts]
+    await pool.resume()
+
+
 async def test_abort_returns_the_partial_output(make_pool):
     pool = await make_pool(delay_s=0.02)
     req = _req([1, 3], 50)
