@@ -87,7 +87,7 @@ class MBridge:
 
     def build_chunks(self) -> list[torch.nn.Module]:
         """This rank's model chunks (one per virtual pipeline stage), on the GPU, not wrapped:
-        the policy wraps DDP and builds the optimizer itself. Weights are loaded next (`load`)."""
+        the policy wraps DDP and builds the optimizer itself. Weights are loaded next (`MBridgeParams.load_initial`)."""
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         return self.config.provide_distributed_model(
@@ -121,7 +121,6 @@ class MBridgeParams:
         for name, tensor in self.bridge.auto.export_hf_weights(self.chunks, cpu=False, show_progress=False):
             if emit:
                 yield name, tensor
-
 
 
 def supported_architectures() -> list[str]:

@@ -34,11 +34,10 @@ def apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, rotary_interleaved: bool = Fa
     if cp_group is None or cp_group.size() != 1 or int(cu_seqlens[-1]) != t.size(0):
         return _ORIGINAL(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
                          multi_latent_attention=multi_latent_attention, mscale=mscale, cp_group=cp_group)
-    pos = _positions(cu_seqlens, t.size(0))
     if freqs.size(0) == t.size(0):  # megatron's "exact mapping": freqs already per packed token
         packed = freqs
     else:
-        packed = freqs[pos]
+        packed = freqs[_positions(cu_seqlens, t.size(0))]
     return rope_utils._apply_rotary_pos_emb_bshd(t.unsqueeze(1), packed, rotary_interleaved=rotary_interleaved,
                                                  multi_latent_attention=multi_latent_attention,
                                                  mscale=mscale).squeeze(1)

@@ -10,7 +10,6 @@ AutoBridge by tools/convert_checkpoint.py --bridge megatron-bridge.
   megatron-bridge's export is what the weight sync would push.
 """
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 pytest.importorskip("megatron.bridge", reason="megatron-bridge (the GPU environment's `bridge` extra) is not installed")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "integration" / "checkpoint"))
+from helpers.tools import load_tool  # noqa: E402
 from test_convert_checkpoint import _gap, _tensors, run_tool  # noqa: E402
 
 from mlrl.modelzoo import resolve_model_dir  # noqa: E402
@@ -64,8 +64,5 @@ def test_megatron_bridge_and_builtin_export_the_same_tensors(tmp_path):
 
 
 def test_convert_tool_lists_megatron_bridge_when_installed():
-    tool = Path(__file__).resolve().parents[3] / "tools" / "convert_checkpoint.py"
-    spec = importlib.util.spec_from_file_location("convert_checkpoint", tool)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_tool("convert_checkpoint")
     assert "megatron-bridge" in mod.list_supported() and "not installed" not in mod.list_supported()

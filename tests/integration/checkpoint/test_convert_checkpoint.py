@@ -3,7 +3,6 @@ change, tiny qwen3_moe at EP2), a LoRA training checkpoint becomes a PEFT adapte
 merged model) with the trained policy's logits, `--verify` reports the logits gap, and bad inputs
 fail with one line naming the problem before any process starts."""
 
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.tools import load_tool
 from safetensors.torch import load_file
 
 from mlrl.modelzoo import resolve_model_dir
@@ -22,10 +22,7 @@ TOOL = REPO / "tools" / "convert_checkpoint.py"
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("convert_checkpoint", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("convert_checkpoint")
 
 
 def run_tool(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:

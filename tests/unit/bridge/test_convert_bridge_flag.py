@@ -3,24 +3,18 @@
 written through megatron-bridge is refused on a machine without it, and the generic architecture
 record the megatron-bridge path keeps for mlrl's own bookkeeping reads common HF keys."""
 
-import importlib.util
 import json
 import shutil
-from pathlib import Path
 
 import pytest
+from helpers.tools import load_tool
 
 from mlrl.bridge import BridgeError
 from mlrl.modelzoo import hf_config_dict, resolve_model_dir
 
-REPO = Path(__file__).resolve().parents[3]
-
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("convert_checkpoint_bridge", REPO / "tools" / "convert_checkpoint.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("convert_checkpoint")
 
 
 def test_hf_to_mcore_with_megatron_bridge_names_the_missing_package(tmp_path, capsys):

@@ -1,9 +1,10 @@
 """`tools/convert_checkpoint.py --list`: the supported architectures and RoPE types, from the
 registry itself, and the README's copy of that list is the tool's output verbatim."""
 
-import importlib.util
 import re
 from pathlib import Path
+
+from helpers.tools import load_tool
 
 from mlrl.bridge import supported_model_types
 from mlrl.bridge.arch import ROPE_TYPES
@@ -12,10 +13,7 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("convert_checkpoint_list", REPO / "tools" / "convert_checkpoint.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("convert_checkpoint")
 
 
 def test_list_prints_every_registered_architecture_and_rope_type(capsys):
