@@ -161,6 +161,11 @@ class RolloutPool(GroupInferenceEngine, Protocol):
 
     def live_engines(self) -> Sequence[EngineHandle]: ...
 
+    @property
+    def paused(self) -> bool:
+        """Routing is stopped (`pause` returned and `resume` has not been called since)."""
+        ...
+
     async def pause(self) -> None:
         """Stop routing; in-flight requests finish or are interrupted (rollout.interrupt_on_update)."""
         ...

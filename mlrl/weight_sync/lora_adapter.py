@@ -67,7 +67,7 @@ class AdapterWeightSync(DiskWeightSync):
         parts = out / "parts"
         req = PushRequest(self.transport, version, self.bucket_bytes, self.cfg.verify_checksums,
                           disk_dir=str(parts), content="adapters")
-        senders = _check_senders(await asyncio.to_thread(self.source.push, req), self.source.num_senders)
+        senders = _check_senders(await self._push(req), self.source.num_senders)
         folder, streams = await asyncio.to_thread(self._assemble, parts, out / "adapter")
         name = adapter_name(version)
 

@@ -10,7 +10,11 @@ Order of one sync (the same for every transport):
     pool.pause()            in-flight requests finish first or are interrupted (rollout.interrupt_on_update);
                             the engines are idle and paused (vLLM /pause) — updates never race generation
     [hooks.before_transfer] colocated placement (mlrl.colocation): engine weights awake, trainer params resident
-    canary reference        the trainer's logprobs of a fixed token sequence (`source.canary_logprobs`)
+    canary reference        the trainer's logprobs of a fixed token sequence (`source.canary_logprobs`);
+                            it needs only the trainer, so it runs off the critical path: during the pause,
+                            or, when the pool was already paused (the sync loop pauses the idle engines
+                            while the trainer trains), as soon as the trainer's part of the transfer
+                            returned, while the engines still load and finish. With hooks: here.
     transfer                start -> receive + load -> finish(version) on every engine (transport-specific)
     [hooks.before_verify]   colocated: trainer params may be offloaded, engines get their KV cache back
     verify checksums        each worker's per-sender (tensor count, bytes, digest) == the sender's report,
@@ -38,7 +42,7 @@ from typing import Any, Iterator, Sequence
 
 from mlrl.config.schema import WeightSyncConfig
 from mlrl.interfaces import EngineHandle, RolloutPool, SyncHooks
-from mlrl.weight_sync.source import SendReport, WeightSource
+from mlrl.weight_sync.source import PushRequest, SendReport, WeightSource
 
 log = logging.getLogger(__name__)
 CANARY_PROMPT, CANARY_COMPLETION = 8, 16
@@ -174,6 +178,9 @@ class WeightSync(abc.ABC):
             raise ValueError(f"{setup.model_dir}/config.json has no vocab_size (needed for the canary prompt)")
         self.canary = canary_tokens(vocab)
         self.history: list[SyncReport] = []
+        # the canary reference of the current attempt, when it waits for the trainer's push (`_push`)
+        self._after_push: asyncio.Task | None = None
+        self._reference_after_push = False
 
     @abc.abstractmethod
     async def _transfer(
@@ -181,6 +188,15 @@ class WeightSync(abc.ABC):
     ) -> tuple[list[SendReport], list[list[dict[str, Any]]]]:
         """Move the weights into `engines` and finish the update with `version` (paused engines);
         return the senders' reports and each engine's per-worker reports."""
+
+    async def _push(self, request: PushRequest) -> list[SendReport]:
+        """The trainer's part of a transfer (`source.push`, in a worker thread, never holding the
+        event loop). Transports call this rather than `source.push`: once the trainer returns, a
+        deferred canary reference starts while the engines are still loading and finishing."""
+        reports = await asyncio.to_thread(self.source.push, request)
+        if self._reference_after_push and self._after_push is None:
+            self._after_push = asyncio.create_task(self._canary_reference())
+        return reports
 
     async def _after_failure(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Reset transport state after a failed attempt (e.g. tear down a broadcast group)."""
@@ -203,9 +219,12 @@ class WeightSync(abc.ABC):
             canary = self.cfg.canary_tolerance > 0 and (
                 not self.history or version % max(1, self.cfg.canary_every) == 0 or version == self.pool.version)
             # the trainer's canary logprobs need only the trainer: they are computed while the engines
-            # drain and pause (vLLM's pause alone sleeps 20 ms). Not with hooks: the colocated trainer's
-            # parameters come back in `before_transfer`.
-            reference = asyncio.create_task(self._canary_reference()) if canary and hooks is None else None
+            # drain and pause (vLLM's pause alone sleeps 20 ms), or, when the pool is already paused
+            # (nothing to overlap), right after the trainer's push (`_push`). Not with hooks: the
+            # colocated trainer's parameters come back in `before_transfer`.
+            after_push = canary and hooks is None and self.pool.paused
+            early = canary and hooks is None and not after_push
+            reference = asyncio.create_task(self._canary_reference()) if early else None
             try:
                 await self.pool.pause()
             except BaseException:
@@ -224,7 +243,8 @@ class WeightSync(abc.ABC):
                     raise WeightSyncError("weight sync: no live engine to update")
                 try:
                     await self._attempt(version, engines, rep, hooks, canary=canary or attempt > 1,
-                                        reference=reference if attempt == 1 else None)
+                                        reference=reference if attempt == 1 else None,
+                                        after_push=after_push and attempt == 1)
                     break
                 except Exception as err:  # noqa: BLE001 - retried once, then raised with the first cause
                     last = err
@@ -246,22 +266,36 @@ class WeightSync(abc.ABC):
 
     async def _attempt(self, version: int, engines: Sequence[EngineHandle], rep: SyncReport,
                        hooks: SyncHooks | None = None, *, canary: bool = True,
-                       reference: asyncio.Task | None = None) -> None:
-        """`reference`: the trainer's canary logprobs, already started by `sync` (None: computed here)."""
-        # the trainer's canary logprobs first: with hooks the trainer's parameters may be offloaded
-        # before the engines are checked
+                       reference: asyncio.Task | None = None, after_push: bool = False) -> None:
+        """`reference`: the trainer's canary logprobs, already started by `sync`; `after_push`: they
+        start once the trainer's push returned (`_push`); else they are computed here, first."""
+        # the trainer's canary logprobs before the transfer unless started elsewhere: with hooks the
+        # trainer's parameters may be offloaded before the engines are checked
         if hooks is not None:
             await hooks.before_transfer()
         t = time.perf_counter()
+        want = None
         if reference is not None:
             want = await reference
-        else:
-            want = await self._canary_reference() if canary else None
-        rep.canary_checked = want is not None
+        elif canary and not after_push:
+            want = await self._canary_reference()
         reference_s = time.perf_counter() - t
         t = time.perf_counter()
-        senders, reports = await self._transfer(version, engines)
+        self._after_push, self._reference_after_push = None, after_push
+        try:
+            senders, reports = await self._transfer(version, engines)
+        except BaseException:
+            await self._drop_after_push()  # never leave a trainer call running into the retry
+            raise
+        finally:
+            self._reference_after_push = False
         rep.transfer_s = time.perf_counter() - t
+        if after_push:
+            t = time.perf_counter()
+            task, self._after_push = self._after_push, None  # None: the transport did not go through `_push`
+            want = await (task if task is not None else self._canary_reference())
+            reference_s += time.perf_counter() - t
+        rep.canary_checked = want is not None
         if hooks is not None:
             await hooks.before_verify()
         t = time.perf_counter()
@@ -282,6 +316,11 @@ class WeightSync(abc.ABC):
         rep.engines = len(engines)
         rep.sender_reports, rep.engine_reports = senders, [w for ws in reports for w in ws]
         rep.verify_s = time.perf_counter() - t + reference_s
+
+    async def _drop_after_push(self) -> None:
+        task, self._after_push = self._after_push, None
+        if task is not None:
+            await asyncio.gather(task, return_exceptions=True)
 
     async def _canary_reference(self) -> list[float]:
         prompt, completion = self.canary

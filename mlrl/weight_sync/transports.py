@@ -151,7 +151,7 @@ class BroadcastWeightSync(WeightSync):
             await e.client.update_weights(info, timeout=_RPC_TIMEOUT_S)
 
         tp = self.engine_tp
-        results = await asyncio.gather(asyncio.to_thread(self.source.push, req),
+        results = await asyncio.gather(self._push(req),
                                        *(drive(e, i * tp) for i, e in enumerate(engines)), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
@@ -236,7 +236,7 @@ class DiskWeightSync(WeightSync):
         if out.exists():
             shutil.rmtree(out)  # a retry or a re-sync of the same version starts from a clean folder
         req = PushRequest(self.transport, version, self.bucket_bytes, self.cfg.verify_checksums, disk_dir=str(out))
-        senders = _check_senders(await asyncio.to_thread(self.source.push, req), self.source.num_senders)
+        senders = _check_senders(await self._push(req), self.source.num_senders)
         info = {
             "transport": self.transport,
             "version": version,
@@ -337,6 +337,8 @@ class CudaIpcWeightSync(WeightSync):  # pragma: no cover - GPU only (tests/gpu)
 
     async def _transfer(self, version: int, engines: Sequence[EngineHandle]):
         req = PushRequest(self.transport, version, self.bucket_bytes, self.cfg.verify_checksums)
+        # not `self._push`: the trainer is called again (release) once the engines loaded, and a
+        # deferred canary reference must not run into that call
         senders = _check_senders(await asyncio.to_thread(self.source.push, req), self.source.num_senders)
         info = {"transport": self.transport, "version": version, "verify": self.cfg.verify_checksums,
                 "senders": [r.ipc for r in senders]}

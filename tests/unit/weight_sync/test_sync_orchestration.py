@@ -281,6 +281,53 @@ async def test_the_trainers_canary_reference_runs_while_the_engines_pause(tmp_pa
     assert order.index("pause end") < order.index("hook") < order.index("reference") < order.index("push")
 
 
+async def test_with_the_pool_already_paused_the_canary_reference_overlaps_the_engines_load(tmp_path):
+    """Paused engines (the sync loop pauses them while the trainer trains): nothing to overlap at
+    the pause, so the reference starts once the trainer's push returned, while the engines still
+    load and finish; and it is awaited before the canary compares."""
+    import asyncio
+    import threading
+
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": VOCAB}))
+    src = HFWeightSource(TinyLM())
+    want = src.canary_logprobs(*canary_tokens(VOCAB))
+    order, started = [], threading.Event()
+
+    class Source:
+        num_senders = 1
+
+        def canary_logprobs(self, prompt, completion):
+            order.append("reference")
+            started.set()
+            return src.canary_logprobs(prompt, completion)
+
+        def push(self, request):
+            order.append("push")
+            return src.push(request)
+
+    class SlowClient(FakeClient):
+        async def update_weights(self, info, timeout=None):
+            await asyncio.to_thread(started.wait, 5)  # the engine loads only once the reference has started
+            order.append("engine load")
+            await super().update_weights(info, timeout=timeout)
+
+    pool = FakePool(SlowClient([[0.0] * 8 + want] * 2))
+    pool.paused = True
+    ws = make_weight_sync(WeightSyncConfig(transport="disk", canary_tolerance=1e-5), pool, Source(),
+                          model_dir=tmp_path, run_dir=tmp_path)
+    rep = await ws.sync(1)
+    assert rep.canary_checked and rep.canary_max_abs_diff < 1e-6
+    assert order == ["push", "reference", "engine load"]
+
+    # a canary off by more than the tolerance is still caught (and retried once) on this path
+    order.clear()
+    pool.paused = True
+    pool.engines[0].client.canary_values[:] = [[0.0] * 8 + [v + 0.5 for v in want], [0.0] * 8 + want]
+    rep = await ws.sync(2)
+    assert rep.attempts == 2 and rep.canary_max_abs_diff < 1e-6
+    assert order[:2] == ["push", "reference"] and order.count("reference") == 2  # the retry: reference first
+
+
 def test_transport_names_are_resolved_in_one_place(tmp_path):
     # every name the config accepts has its three parts, and nothing else is registered
     hints = typing.get_type_hints(WeightSyncConfig)
