@@ -218,10 +218,19 @@ TOKEN_ESTIMATORS: dict[str, TokenEstimator] = {
 
 
 def _pad(rows: Sequence[Sequence[float]] | Sequence[torch.Tensor], length: int) -> torch.Tensor:
+    """[N, length] float64, row i = rows[i] then zeros. One copy of the concatenated rows (a step
+    has hundreds of samples), not one per row."""
     out = torch.zeros(len(rows), length, dtype=torch.float64)
-    for i, row in enumerate(rows):
-        t = torch.as_tensor(row, dtype=torch.float64).reshape(-1)
-        out[i, : t.numel()] = t
+    if not rows:
+        return out
+    if isinstance(rows[0], torch.Tensor):
+        parts = [r.reshape(-1).to(torch.float64) for r in rows]
+        flat = torch.cat(parts)
+        lens = torch.tensor([p.numel() for p in parts])
+    else:
+        flat = torch.tensor([float(x) for r in rows for x in r], dtype=torch.float64)
+        lens = torch.tensor([len(r) for r in rows])
+    out[torch.arange(length) < lens[:, None]] = flat  # row-major: the rows' values in order
     return out
 
 

@@ -208,8 +208,8 @@ def pack_step(
 def _segments(mb: MicroBatch) -> Iterable[tuple[int, int, int]]:
     """(sample index, start, end) of each packed sample."""
     cu = mb.cu_seqlens.tolist()
-    for k in range(len(cu) - 1):
-        yield int(mb.sample_ids[cu[k]]), cu[k], cu[k + 1]
+    ids = mb.sample_ids[mb.cu_seqlens[:-1].long()].tolist() if len(cu) > 1 else []  # one gather, not one per sample
+    return zip(ids, cu[:-1], cu[1:])
 
 
 def gather_per_sample(mb: MicroBatch, per_sample: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -191,3 +191,13 @@ def test_compute_advantages_rejects_unknown_estimator():
     cfg.advantage = "nope"  # type: ignore[assignment]
     with pytest.raises(ValueError, match="algorithm.advantage='nope'"):
         compute_advantages([_sample(1.0, "a")], cfg)
+
+
+def test_pad_puts_each_ragged_row_first_then_zeros():
+    from mlrl.algorithms.advantages import _pad
+
+    rows = [[1, 2, 3], [], [4.5]]
+    want = torch.tensor([[1, 2, 3, 0], [0, 0, 0, 0], [4.5, 0, 0, 0]], dtype=torch.float64)
+    assert torch.equal(_pad(rows, 4), want)
+    assert torch.equal(_pad([torch.tensor(r, dtype=torch.float32) for r in rows], 4), want)
+    assert _pad([], 3).shape == (0, 3)

@@ -1,0 +1,114 @@
+"""PackedDotProductAttention (the CPU core attention of packed THD micro-batches): its contiguous-run
+path equals its gather-by-length path bit for bit (outputs and gradients), and both equal plain
+causal attention computed one sample at a time."""
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core.transformer.dot_product_attention")
+
+from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
+from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
+from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+from mlrl.trainer.rank.local_spec import PackedDotProductAttention  # noqa: E402
+
+HEADS, GROUPS, DIM = 4, 2, 8
+
+
+@pytest.fixture(autouse=True)
+def megatron_state():
+    """What a trainer rank has set up before attention runs: the CPU compat layer (without CUDA),
+    the seeded RNG tracker DotProductAttention forks, and the global memory buffer its scores use."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    from mlrl.trainer.rank import cpu_compat
+
+    if cpu_compat.needed():
+        cpu_compat.apply()
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    seeded = "model-parallel-rng" in tracker.get_states()
+    if not seeded:
+        tracker.add("model-parallel-rng", 0)
+    fresh = parallel_state._GLOBAL_MEMORY_BUFFER is None
+    if fresh:
+        parallel_state._set_global_memory_buffer()
+    yield
+    if fresh:
+        parallel_state.destroy_global_memory_buffer()
+    if not seeded:
+        tracker.reset()
+
+
+class _Group:
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+
+
+def _attention() -> PackedDotProductAttention:
+    cfg = TransformerConfig(num_layers=1, hidden_size=HEADS * DIM, num_attention_heads=HEADS,
+                            num_query_groups=GROUPS, attention_dropout=0.0, use_cpu_initialization=True)
+    return PackedDotProductAttention(cfg, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                     attention_type="self", pg_collection=ProcessGroupCollection(tp=_Group()))
+
+
+def _inputs(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = sum(lengths)
+    q = torch.randn(t, HEADS, DIM, generator=g, requires_grad=True)
+    k = torch.randn(t, GROUPS, DIM, generator=g, requires_grad=True)
+    v = torch.randn(t, GROUPS, DIM, generator=g, requires_grad=True)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths),
+                          max_seqlen_kv=max(lengths))
+    return q, k, v, psp
+
+
+def _by_length(attn, q, k, v, psp):
+    bounds = psp.cu_seqlens_q.tolist()
+    by_len: dict[int, list[int]] = {}
+    for lo, hi in zip(bounds, bounds[1:]):
+        if hi > lo:
+            by_len.setdefault(hi - lo, []).append(lo)
+    return attn._forward_by_length(q, k, v, by_len, AttnMaskType.causal, None)
+
+
+def _reference(q, k, v, lengths):
+    """Causal softmax attention of each sample alone (grouped-query: each kv head serves HEADS/GROUPS)."""
+    outs, lo = [], 0
+    for n in lengths:
+        qs, ks, vs = q[lo:lo + n], k[lo:lo + n], v[lo:lo + n]
+        ks, vs = (x.repeat_interleave(HEADS // GROUPS, dim=1) for x in (ks, vs))
+        scores = torch.einsum("qhd,khd->hqk", qs, ks) / math.sqrt(DIM)
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vs).reshape(n, 1, HEADS * DIM))
+        lo += n
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("lengths", [[8] * 6, [9, 9, 7, 7, 7, 3, 1], [12, 5, 5, 2, 2, 2, 2, 1]])
+def test_runs_equal_gather_by_length_and_per_sample_attention(lengths):
+    attn = _attention()
+    q, k, v, psp = _inputs(lengths)
+    runs = attn(q, k, v, None, attn_mask_type=AttnMaskType.causal, packed_seq_params=psp)
+    g_runs = torch.autograd.grad(runs.square().sum(), (q, k, v))
+    gathered = _by_length(attn, q, k, v, psp)
+    g_gathered = torch.autograd.grad(gathered.square().sum(), (q, k, v))
+    assert torch.equal(runs, gathered)
+    assert all(torch.equal(a, b) for a, b in zip(g_runs, g_gathered))
+    torch.testing.assert_close(runs, _reference(q, k, v, lengths), rtol=1e-5, atol=1e-6)
+
+
+def test_interleaved_lengths_take_the_gather_path_and_still_attend_per_sample():
+    lengths = [3, 5, 3, 5, 2]  # a length in two runs: no contiguous block per length
+    attn = _attention()
+    q, k, v, psp = _inputs(lengths, seed=1)
+    out = attn(q, k, v, None, attn_mask_type=AttnMaskType.causal, packed_seq_params=psp)
+    assert torch.equal(out, _by_length(attn, q, k, v, psp))
+    torch.testing.assert_close(out, _reference(q, k, v, lengths), rtol=1e-5, atol=1e-6)
