@@ -13,7 +13,18 @@ from mlrl.weight_sync.receiver import Receiver
 from mlrl.weight_sync.sender import bucketize, push_from_rank
 from mlrl.weight_sync.source import PushRequest
 from mlrl.weight_sync.transports import close_channels
-from mlrl.weight_sync.wire import Digest, GroupSpec, WireError, checksum, join_as_receiver, join_as_sender, open_store
+from mlrl.weight_sync.wire import (
+    PACK_MAX_BYTES,
+    PROTOCOL,
+    Digest,
+    GroupSpec,
+    WireError,
+    checksum,
+    join_as_receiver,
+    join_as_sender,
+    open_store,
+    plan_units,
+)
 
 
 def _spec(store, k, w, timeout_s=30.0) -> GroupSpec:
@@ -94,9 +105,10 @@ def test_checksum_mismatch_is_detected():
 
     def sender():
         ch = join_as_sender(spec, 0)
-        ch._send_header({"p": 1, "end": False, "tensors": [{"name": "w", "dtype": "float32", "shape": [10]}]})
+        ch._send_header({"p": PROTOCOL, "end": False, "tensors": [{"name": "w", "dtype": "float32", "shape": [10]}],
+                         "units": [[0]]})
         ch._bcast(t.view(torch.uint8))
-        ch._send_header({"p": 1, "checksums": [checksum(t + 1)]})  # what the sender claims it sent
+        ch._send_header({"p": PROTOCOL, "checksums": [checksum(t + 1)]})  # what the sender claims it sent
 
     def receiver():
         ch = join_as_receiver(spec, 0)[0]
@@ -104,6 +116,56 @@ def test_checksum_mismatch_is_detected():
 
     results, errors = _run([sender, receiver])
     assert len(errors) == 1 and isinstance(errors[0], WireError) and "checksum mismatch for w" in str(errors[0])
+
+
+def test_small_tensors_share_a_broadcast_large_ones_go_alone_and_all_arrive_exactly():
+    big = PACK_MAX_BYTES // 4  # float32 elements of a tensor at the packing limit
+    assert plan_units([4, 40, big * 4, 6, 7, 0]) == [[0, 1], [2], [3, 4, 5]]
+    assert plan_units([]) == []
+    g = torch.Generator().manual_seed(3)
+    named = [("norm.a", torch.randn(3, generator=g)), ("norm.b", torch.randn(5, generator=g).to(torch.float16)),
+             ("big", torch.randn(big + 1, generator=g)), ("flag", torch.tensor([True, False])),
+             ("bias", torch.randn(7, generator=g).to(torch.bfloat16))]
+    store = open_store("127.0.0.1", 0, 30)
+    spec = _spec(store, 1, 1)
+    sends = []
+
+    def sender():
+        ch = join_as_sender(spec, 0)
+        bcast = ch._bcast_async
+        ch._bcast_async = lambda t: (sends.append(t.numel()), bcast(t))[1]
+        d = Digest()
+        ch.send_bucket(named, d)
+        ch.send_end(d)
+
+    def receiver():
+        ch = join_as_receiver(spec, 0)[0]
+        return list(ch.recv_stream(Digest()))
+
+    results, errors = _run([sender, receiver])
+    assert not errors
+    ((got,),) = [results[1]]
+    assert [n for n, _ in got] == [n for n, _ in named]
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for (_, a), (_, b) in zip(got, named))
+    # header, trailer and end header are two broadcasts each; the payload is 3: [norm.a, norm.b], [big], [flag, bias]
+    assert len(sends) == 2 + 3 + 2 + 2 and (big + 1) * 4 in sends
+
+
+def test_a_header_whose_units_do_not_cover_its_tensors_is_refused():
+    store = open_store("127.0.0.1", 0, 30)
+    spec = _spec(store, 1, 1)
+
+    def sender():
+        ch = join_as_sender(spec, 0)
+        ch._send_header({"p": PROTOCOL, "end": False, "units": [[0]],
+                         "tensors": [{"name": n, "dtype": "float32", "shape": [2]} for n in ("a", "b")]})
+
+    def receiver():
+        ch = join_as_receiver(spec, 0)[0]
+        return list(ch.recv_stream(Digest()))
+
+    results, errors = _run([sender, receiver])
+    assert len(errors) == 1 and isinstance(errors[0], WireError) and "do not cover tensors 0..1" in str(errors[0])
 
 
 def test_sender_failure_tears_the_group_down_and_receivers_fail_fast():
