@@ -92,7 +92,8 @@ class ModelResponse:
     )  # [R] logprob of each sampled token under the sampling distribution
     output_versions: list[int] = field(default_factory=list)    # [R] weight version that produced each token
     stop_reason: StopReason = StopReason.STOP
-    text: str = ""                  # decoded output (when the engine returns it)
+    text: str = ""                  # decoded output, when the engine returns it (mlrl's vLLM pool answers with
+    #                                 tokens only: decode output_tokens with the tokenizer)
     latency: float = 0.0            # seconds, request sent -> last token
     error: str | None = None        # set when stop_reason == ERROR
     engine: str | None = None       # which engine answered (for tests / metrics)

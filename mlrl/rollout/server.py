@@ -78,6 +78,7 @@ class ServerSpec:
     engine_tp: int = 1
     max_model_len: int | None = None
     enforce_eager: bool = True
+    log_stats: bool = False     # vLLM's stat loggers (rollout.engine_log_stats)
     kv_cache_gb: float = 1.0
     gpu_memory_utilization: float = 0.85
     cuda_devices: Sequence[int] | None = None  # CUDA_VISIBLE_DEVICES of this engine (None = inherit / CPU)
@@ -107,6 +108,7 @@ class ServerSpec:
             engine_tp=cfg.engine_tp,
             max_model_len=cfg.max_model_len,
             enforce_eager=cfg.enforce_eager,
+            log_stats=cfg.engine_log_stats,
             kv_cache_gb=cfg.cpu_kv_cache_gb,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             **kw,
@@ -158,6 +160,8 @@ def server_command(spec: ServerSpec, port: int) -> list[str]:
         cmd += ["--max-model-len", str(spec.max_model_len)]
     if spec.enforce_eager:
         cmd += ["--enforce-eager"]
+    if not spec.log_stats:
+        cmd += ["--disable-log-stats"]
     if spec.lora_rank:
         # two adapter slots: the newest version and the one before it (requests already running
         # on it finish while the newest loads); vLLM accepts only certain max ranks

@@ -77,6 +77,7 @@ async def test_generate_parses_tokens_logprobs_and_versions(serve):
     assert seen["auth"] == "Bearer tok"
     body = seen["body"]
     assert body["token_ids"] == [1, 2] and body["request_id"] == "r-0"
+    assert body["output_mode"] == "tokens"  # no rendered text / token strings: workflows decode themselves
     sp = body["sampling_params"]
     assert (sp["max_tokens"], sp["min_tokens"], sp["temperature"], sp["top_k"], sp["logprobs"]) == (3, 1, 0.7, 5, 0)
     assert sp["stop_token_ids"] == [2] and sp["stop"] == ["."]

@@ -55,6 +55,10 @@ def test_command_and_environment(tmp_path, monkeypatch):
     assert json.loads(args["--weight-transfer-config"]) == {"backend": "mlrl"}
     assert args["--middleware"] == "mlrl.rollout.auth.TokenMiddleware"
     assert "--enforce-eager" in cmd and "--enable-scale-out" in cmd
+    # vLLM's stat loggers are off unless rollout.engine_log_stats asks for them
+    assert "--disable-log-stats" in cmd
+    stats = ServerSpec.from_config(RolloutConfig(engine_log_stats=True), "e", "/models/m", "float32", "t")
+    assert "--disable-log-stats" not in server_command(stats, 8123)
     assert not any("s3cret" in a for a in cmd), "the token must not appear in argv"
     # a CPU engine with one worker runs it in the engine-core process (no busy-polling worker process)
     assert "--distributed-executor-backend" not in cmd  # engine_tp=2 here: vLLM's multi-process default
