@@ -77,6 +77,34 @@ def refresh_embedding_kernels(model: torch.nn.Module) -> list[str]:
     return names
 
 
+def _no_processing(layer: torch.nn.Module) -> None:
+    return None
+
+
+def defer_embedding_kernels(model: torch.nn.Module) -> list[Any]:
+    """CPU: during an update, the embeddings' process_weights_after_loading does nothing, because
+    `refresh_embedding_kernels` runs it once the update is complete anyway. On CPU it packs the
+    (tied) LM head for oneDNN; vLLM's layer-wise reload would pack it once more as soon as the
+    embedding's weight arrived: SmolLM2-135M's 49152 x 576 head, ~0.3 s of a 0.9 s transfer
+    (py-spy). Returns the quant methods to hand to `restore_embedding_kernels`."""
+    if torch.cuda.is_available():
+        return []  # on GPU the method is a no-op already
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    deferred = []
+    for _, m in model.named_modules():
+        qm = getattr(m, "quant_method", None)
+        if isinstance(qm, UnquantizedEmbeddingMethod) and "process_weights_after_loading" not in vars(qm):
+            qm.process_weights_after_loading = _no_processing  # instance attribute over the class method
+            deferred.append(qm)
+    return deferred
+
+
+def restore_embedding_kernels(deferred: list[Any]) -> None:
+    for qm in deferred:
+        vars(qm).pop("process_weights_after_loading", None)
+
+
 def refresh_moe_kernels(model: torch.nn.Module) -> list[str]:
     """CPU: re-prepack every MoE layer's expert weights after a weight update.
 
@@ -120,7 +148,8 @@ class MlrlWeightTransferEngine(WeightTransferEngine[MlrlInitInfo, MlrlUpdateInfo
 
         expected = {n for n, _ in self.model.named_parameters()}
         initialize_layerwise_reload(self.model)
-        self._update = {"t0": time.perf_counter(), "expected": expected, "loaded": set(), "streams": [], "recv_s": 0.0}
+        self._update = {"t0": time.perf_counter(), "expected": expected, "loaded": set(), "streams": [], "recv_s": 0.0,
+                        "deferred": defer_embedding_kernels(self.model)}
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # the base class ends with torch.accelerator.synchronize(), which raises on a CPU-only machine
@@ -144,6 +173,7 @@ class MlrlWeightTransferEngine(WeightTransferEngine[MlrlInitInfo, MlrlUpdateInfo
         try:
             rep = self.receiver.receive(asdict(update_info), apply)
         except BaseException:
+            restore_embedding_kernels(self._update["deferred"])
             self._update = None  # (a failed broadcast stream also left the group: the driver re-joins)
             # close the layer-wise session so the retry's initialize starts clean (layers that were only
             # partly loaded would otherwise keep their buffered state); the weights are now a mix, which
@@ -166,7 +196,10 @@ class MlrlWeightTransferEngine(WeightTransferEngine[MlrlInitInfo, MlrlUpdateInfo
         if u is None:
             raise RuntimeError("mlrl weight transfer: finish_weight_update without start_weight_update")
         t1 = time.perf_counter()
-        finalize_layerwise_reload(self.model, self.model_config)
+        try:
+            finalize_layerwise_reload(self.model, self.model_config)
+        finally:
+            restore_embedding_kernels(u["deferred"])
         refreshed = refresh_embedding_kernels(self.model)
         if not torch.cuda.is_available():
             refreshed += refresh_moe_kernels(self.model)
