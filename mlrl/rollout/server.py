@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import signal
 import socket
@@ -125,6 +126,12 @@ def vllm_lora_rank(rank: int) -> int:
         if r >= rank:
             return r
     raise ValueError(f"model.lora.rank={rank}: vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}")
+
+
+logger = logging.getLogger(__name__)
+START_BANNER = "===== mlrl: starting"
+ADDRESS_IN_USE = "Address already in use"  # vLLM's bind error (OSError errno 98)
+PORT_RETRIES = 2
 
 
 def free_port(host: str) -> int:
@@ -251,7 +258,7 @@ class EngineServer:
             self.port = free_port(self.spec.host)
             self._pgid_file.unlink(missing_ok=True)
             self._log = open(self.log_path, "ab")
-            self._log.write(f"\n===== mlrl: starting {self.spec.name} on {self.spec.host}:{self.port} =====\n".encode())
+            self._log.write(f"\n{START_BANNER} {self.spec.name} on {self.spec.host}:{self.port} =====\n".encode())
             self._log.flush()
             cmd = [sys.executable, "-m", "mlrl.rollout.supervisor", "--pgid-file", str(self._pgid_file),
                    "--parent-pid", str(os.getpid()), "--"] + server_command(self.spec, self.port)
@@ -267,12 +274,22 @@ class EngineServer:
         return self._proc.poll() if self._proc is not None else None
 
     def wait_ready(self, timeout_s: float) -> None:
-        """Block until GET /health answers 200 with the token; raise EngineStartError otherwise."""
+        """Block until GET /health answers 200 with the token; raise EngineStartError otherwise.
+        A server that lost its port (`free_port` probes a free port, vLLM binds it a few seconds
+        later: another process starting meanwhile, e.g. a trainer rank's gloo sockets, may take
+        it) is started again on a fresh port, up to PORT_RETRIES times."""
         deadline = time.monotonic() + timeout_s
         headers = {"Authorization": f"Bearer {self.spec.token}"}
+        retries = PORT_RETRIES
         with httpx.Client(timeout=5.0, headers=headers) as c:
             while time.monotonic() < deadline:
                 if not self.alive():
+                    if retries and ADDRESS_IN_USE in self._this_start_log():
+                        retries -= 1
+                        logger.warning("engine %s: port %s was taken before vLLM bound it; starting again on a "
+                                    "fresh port", self.spec.name, self.port)
+                        self.start()
+                        continue
                     self._fail(f"the server process exited with code {self.exit_code()} during start-up")
                 try:
                     if c.get(f"{self.url}/health").status_code == 200:
@@ -288,6 +305,14 @@ class EngineServer:
         raise EngineStartError(
             f"vLLM engine {self.spec.name} ({self.spec.model_dir}): {why}; log {self.log_path}, last lines:\n{tail}"
         )
+
+    def _this_start_log(self) -> str:
+        """The log since the latest start's banner."""
+        try:
+            data = self.log_path.read_bytes()[-200_000:].decode("utf-8", "replace")
+        except OSError:
+            return ""
+        return data.rsplit(START_BANNER, 1)[-1]
 
     def log_tail(self, lines: int = 40) -> str:
         try:

@@ -228,3 +228,34 @@ def test_watchdog_kills_a_server_that_ignores_sigterm_after_its_supervisor_is_si
             break
         time.sleep(0.05)
     assert _pids_in_group(pgid) == []
+
+
+def test_a_server_that_lost_its_port_starts_again_on_a_fresh_one(tmp_path):
+    """free_port() probes a port that vLLM binds seconds later; when another process took it
+    meanwhile the server exits with vLLM's bind error, and is started again on a new port."""
+    marker = tmp_path / "failed_once"
+    child = (
+        "import os, sys, http.server\n"
+        f"m = {str(marker)!r}\n"
+        "if not os.path.exists(m):\n"
+        "    open(m, 'w').close(); print('OSError: [Errno 98] Address already in use'); sys.exit(1)\n"
+        "class H(http.server.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self):\n"
+        "        self.send_response(200); self.end_headers()\n"
+        "    def log_message(self, *a):\n"
+        "        pass\n"
+        "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n"
+    )
+    srv = EngineServer(_spec(tmp_path, command=[sys.executable, "-c", child, "{port}"]))
+    try:
+        srv.start()
+        srv.wait_ready(30)
+        assert srv.starts == 2 and marker.exists()
+    finally:
+        srv.stop()
+    # any other start-up failure is not retried
+    other = EngineServer(_spec(tmp_path, command=[sys.executable, "-c", "import sys; print('no model'); sys.exit(3)"]))
+    other.start()
+    with pytest.raises(EngineStartError, match="exited with code 3"):
+        other.wait_ready(30)
+    assert other.starts == 1
