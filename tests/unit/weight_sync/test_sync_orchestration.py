@@ -231,6 +231,24 @@ async def test_second_failure_raises_and_leaves_the_pool_paused(tmp_path):
     assert pool.paused and pool.version == 0 and "resume" not in pool.events
 
 
+class _RecordingSource:
+    """`src` that records the order of its trainer calls ("reference", "push") and flags the reference's start."""
+
+    num_senders = 1
+
+    def __init__(self, src, order, started):
+        self.src, self.order, self.started = src, order, started
+
+    def canary_logprobs(self, prompt, completion):
+        self.order.append("reference")
+        self.started.set()
+        return self.src.canary_logprobs(prompt, completion)
+
+    def push(self, request):
+        self.order.append("push")
+        return self.src.push(request)
+
+
 async def test_the_trainers_canary_reference_runs_while_the_engines_pause(tmp_path):
     """The canary reference needs only the trainer: it starts before the pool's pause returns (vLLM's
     pause alone sleeps 20 ms), and still precedes the transfer. Colocated hooks keep it after them."""
@@ -242,18 +260,6 @@ async def test_the_trainers_canary_reference_runs_while_the_engines_pause(tmp_pa
     want = src.canary_logprobs(*canary_tokens(VOCAB))
     order, started = [], threading.Event()
 
-    class Source:
-        num_senders = 1
-
-        def canary_logprobs(self, prompt, completion):
-            order.append("reference")
-            started.set()
-            return src.canary_logprobs(prompt, completion)
-
-        def push(self, request):
-            order.append("push")
-            return src.push(request)
-
     class SlowPool(FakePool):
         async def pause(self, mode=None):
             order.append("pause start")
@@ -262,8 +268,8 @@ async def test_the_trainers_canary_reference_runs_while_the_engines_pause(tmp_pa
             await super().pause(mode)
 
     pool = SlowPool(FakeClient([[0.0] * 8 + want] * 2))
-    ws = make_weight_sync(WeightSyncConfig(transport="disk", canary_tolerance=1e-5), pool, Source(),
-                          model_dir=tmp_path, run_dir=tmp_path)
+    ws = make_weight_sync(WeightSyncConfig(transport="disk", canary_tolerance=1e-5), pool,
+                          _RecordingSource(src, order, started), model_dir=tmp_path, run_dir=tmp_path)
     rep = await ws.sync(1)
     assert rep.canary_checked and rep.canary_max_abs_diff < 1e-6
     assert order.index("reference") < order.index("pause end") < order.index("push")
@@ -293,18 +299,6 @@ async def test_with_the_pool_already_paused_the_canary_reference_overlaps_the_en
     want = src.canary_logprobs(*canary_tokens(VOCAB))
     order, started = [], threading.Event()
 
-    class Source:
-        num_senders = 1
-
-        def canary_logprobs(self, prompt, completion):
-            order.append("reference")
-            started.set()
-            return src.canary_logprobs(prompt, completion)
-
-        def push(self, request):
-            order.append("push")
-            return src.push(request)
-
     class SlowClient(FakeClient):
         async def update_weights(self, info, timeout=None):
             await asyncio.to_thread(started.wait, 5)  # the engine loads only once the reference has started
@@ -313,8 +307,8 @@ async def test_with_the_pool_already_paused_the_canary_reference_overlaps_the_en
 
     pool = FakePool(SlowClient([[0.0] * 8 + want] * 2))
     pool.paused = True
-    ws = make_weight_sync(WeightSyncConfig(transport="disk", canary_tolerance=1e-5), pool, Source(),
-                          model_dir=tmp_path, run_dir=tmp_path)
+    ws = make_weight_sync(WeightSyncConfig(transport="disk", canary_tolerance=1e-5), pool,
+                          _RecordingSource(src, order, started), model_dir=tmp_path, run_dir=tmp_path)
     rep = await ws.sync(1)
     assert rep.canary_checked and rep.canary_max_abs_diff < 1e-6
     assert order == ["push", "reference", "engine load"]
