@@ -215,7 +215,8 @@ class RolloutConfig:
     engine_log_stats: bool = False
     """vLLM's own statistics: its periodic throughput lines in the engine log and its Prometheus
     /metrics. Off by default (`--disable-log-stats`): mlrl reports rollout metrics itself, and
-    vLLM's per-request bookkeeping cost ~10% of the API server's CPU on the CPU demo's rollouts."""
+    vLLM's per-request stat bookkeeping held ~10% of the API server's py-spy samples during the
+    CPU demo's rollouts."""
 
 
 @dataclass

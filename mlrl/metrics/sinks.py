@@ -91,8 +91,8 @@ class MetricsLogger:
 
     def _tb_scalars(self, step: int, rec: dict[str, Any]) -> None:
         """All of a step's scalars as ONE TensorBoard event (a Summary with one value per tag, the
-        same `simple_value` records `add_scalar` writes one event each): 88 `add_scalar` calls and
-        a flush cost 5.3 ms per step, the single event 0.6 ms (measured on the demo's metrics line)."""
+        same `simple_value` records `add_scalar` writes one event each): the demo's metrics line
+        is 88 scalars, one event and one flush instead of 88 events."""
         from tensorboard.compat.proto.summary_pb2 import Summary
 
         values = [Summary.Value(tag=k, simple_value=float(v)) for k, v in rec.items()

@@ -9,8 +9,8 @@ interrupted request together.
 
 Answers come as tokens only (`output_mode: "tokens"`): the workflows decode with their own
 tokenizer (rlvr, the agent proxy), so the engine does not render text and per-token strings for
-every sample. Measured against the same vLLM CPU server, 32 group requests of 16 one-token
-samples: 212 ms of API-server + engine CPU per batch instead of 265 ms (`Segment.text` is "").
+every sample (`Segment.text` is ""). The effect on a step shows in `tools/bench_vs_trl.py` and
+`tools/bench_async.py`; no bench isolates it.
 
 Errors are typed so the pool can tell a bad request from a dead engine:
 - `EngineRequestError`: the engine refused this request (HTTP 4xx: prompt longer than the

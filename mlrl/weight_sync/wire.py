@@ -168,7 +168,7 @@ def _unit_offsets(sizes: list[int]) -> list[int]:
     for n in sizes:
         out.append(pos)
         pos += -(-n // 8) * 8
-    if len(sizes) == 1:
+    if len(sizes) == 1:  # a unit of one tensor is sent from the tensor's own bytes: no padding
         return [0, sizes[0]]
     return out + [pos]
 
