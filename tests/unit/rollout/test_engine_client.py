@@ -126,6 +126,9 @@ async def test_generate_n_orders_samples_by_index_and_checks_the_count(serve):
 
 def test_sampling_params_greedy_and_version_spans():
     assert sampling_params(GenerationHyperparameters(greedy=True, temperature=0.9))["temperature"] == 0.0
+    # tokens only: vLLM detokenizes only when stop strings need the text
+    assert sampling_params(GenerationHyperparameters())["detokenize"] is False
+    assert sampling_params(GenerationHyperparameters(stop=["\n\n"]))["detokenize"] is True
     assert _versions([{"version": "default", "start": 0, "end": 2}, {"version": "7", "start": 2, "end": 3}], 4, 1) == [
         1,
         1,
