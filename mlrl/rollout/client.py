@@ -9,7 +9,8 @@ interrupted request together.
 
 Answers come as tokens only (`output_mode: "tokens"`): the workflows decode with their own
 tokenizer (rlvr, the agent proxy), so the engine does not render text and per-token strings for
-every sample (`Segment.text` is ""). The effect on a step shows in `tools/bench_vs_trl.py` and
+every sample (`Segment.text` is ""), and it does not detokenize at all unless stop strings need
+the text (`sampling_params`). The effect on a step shows in `tools/bench_vs_trl.py` and
 `tools/bench_async.py`; no bench isolates it.
 
 Errors are typed so the pool can tell a bad request from a dead engine:
