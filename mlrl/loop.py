@@ -67,6 +67,9 @@ class RunContext:
     progress: Progress | None = None
     history: list[dict[str, float]] = field(default_factory=list)
     version_changed: asyncio.Condition | None = None  # async mode: wakes the producer after a weight update
+    # async mode: set while the producer waits for the next weight version with none of its groups
+    # running, i.e. the engines are idle until the next weight sync
+    producer_idle: asyncio.Event | None = None
     in_flight: dict[int, Row] = field(default_factory=dict)  # async mode: rows started, not yet trained on
     resume_rows: list[Row] = field(default_factory=list)    # rows in flight when the resumed checkpoint was saved
     extra_prompts: int = 0  # async mode: groups dropped by dynamic sampling; the producer starts as many more
@@ -113,13 +116,16 @@ async def train_async(ctx: RunContext) -> None:
     eta = cfg.rollout.staleness
     groups: asyncio.PriorityQueue = asyncio.PriorityQueue()  # (start index, group): oldest finished prompt first
     ctx.version_changed = asyncio.Condition()
+    ctx.producer_idle = asyncio.Event()
     producer = asyncio.create_task(_produce(ctx, groups, eta))
     try:
         for step in range(ctx.start_step + 1, cfg.trainer.total_steps + 1):
             timer = ctx.step_timer()
             with timer("rollout"):  # the wait for samples: generation itself runs in the background
                 samples, rollout_metrics, stale = await _collect(ctx, groups, eta)
-            metrics = await asyncio.to_thread(train_step, ctx, samples, timer, step)  # engines keep generating
+            # engines keep generating; once the producer has run up to the staleness bound and its
+            # groups finished, they pause while the trainer still trains (the sync finds them paused)
+            metrics = await _train_and_pause_when_idle(ctx, samples, timer, step)
             with timer("sync"):
                 ctx.version = step
                 sync_metrics = await ctx.weight_sync.sync(ctx.version)
@@ -133,6 +139,23 @@ async def train_async(ctx: RunContext) -> None:
     finally:
         producer.cancel()
         await asyncio.gather(producer, return_exceptions=True)
+
+
+async def _train_and_pause_when_idle(ctx: RunContext, samples: list[Sample], timer: StepTimer,
+                                     step: int) -> dict[str, float]:
+    """Async mode: the step's training, and the engines' pause (vLLM's /pause sleeps 20 ms) moved off
+    the weight sync's path when the producer goes idle during training. After `_collect` only a
+    weight update can give the producer work again, so an idle producer stays idle until the sync."""
+    train = asyncio.create_task(asyncio.to_thread(train_step, ctx, samples, timer, step))
+    idle = asyncio.create_task(ctx.producer_idle.wait())
+    try:
+        await asyncio.wait({train, idle}, return_when=asyncio.FIRST_COMPLETED)
+        if idle.done() and not train.done():
+            await ctx.engines.pause()
+    finally:  # the trainer call always completes before the step goes on (or fails)
+        idle.cancel()
+        await asyncio.gather(idle, train, return_exceptions=True)
+    return train.result()
 
 
 async def sync_weights(ctx: RunContext, step: int, timer: StepTimer) -> Mapping[str, float]:
@@ -375,17 +398,31 @@ async def _produce(ctx: RunContext, out: asyncio.Queue, eta: int) -> None:
     base = ctx.version
     started = 0
     tasks: set[asyncio.Task] = set()
+    blocked = False  # waiting for the bound to move
+    idle = ctx.producer_idle if ctx.producer_idle is not None else asyncio.Event()
 
     async def one(key: int, row: Row) -> None:
         out.put_nowait((key, await ctx.runner.run_group(row, ctx.cfg.trainer.samples_per_prompt)))
 
+    def finished(t: asyncio.Task) -> None:
+        tasks.discard(t)
+        if blocked and not tasks:
+            idle.set()
+
+    def may_start() -> bool:
+        return started < (ctx.version - base + eta + 1) * per_step + ctx.extra_prompts
+
     try:
         while True:
             async with ctx.version_changed:
-                # the predicate is re-evaluated while we wait, within this iteration: it must read
-                # the current `started` (hence B023 does not apply)
-                await ctx.version_changed.wait_for(
-                    lambda: started < (ctx.version - base + eta + 1) * per_step + ctx.extra_prompts)  # noqa: B023
+                blocked = not may_start()
+                if blocked and not tasks:
+                    idle.set()
+                # the predicate is re-evaluated while we wait, within this iteration: it reads the
+                # current `started`
+                await ctx.version_changed.wait_for(may_start)
+                blocked = False
+                idle.clear()
             # rows that were in flight when the checkpoint we resumed from was saved come first:
             # with the sampler position saved after them, no prompt is skipped or seen twice
             row = ctx.resume_rows.pop(0) if ctx.resume_rows else ctx.sampler.next_batch(1)[0]
@@ -393,7 +430,7 @@ async def _produce(ctx: RunContext, out: asyncio.Queue, eta: int) -> None:
             t = asyncio.create_task(one(started, row))
             started += 1
             tasks.add(t)
-            t.add_done_callback(tasks.discard)
+            t.add_done_callback(finished)
     finally:
         for t in tasks:
             t.cancel()

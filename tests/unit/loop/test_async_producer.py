@@ -86,3 +86,66 @@ async def test_start_rule_bound_and_resume_reissues_in_flight_rows(monkeypatch):
     assert len(second) >= P and new_b  # it trained and drew new prompts: the two checks below are not vacuous
     assert not set(new_b) & set(started_a)  # the sampler continues after what run A drew: nothing twice
     assert not set(first) & set(second)
+
+
+async def test_producer_signals_idle_only_when_blocked_by_the_bound_with_nothing_running():
+    rows = [{"messages": [{"role": "user", "content": f"copy {i % 10}"}], "answer": str(i % 10)} for i in range(20)]
+    ctx = _ctx(PromptSampler(rows, seed=3))
+    ctx.engines.delay_s = 0.05  # groups take a while: the producer is blocked before they finish
+    ctx.producer_idle = asyncio.Event()
+    q: asyncio.PriorityQueue = asyncio.PriorityQueue()
+    prod = asyncio.create_task(_produce(ctx, q, ETA))
+    try:
+        await asyncio.sleep(0.02)
+        # (ETA + 1) * P prompts started, the bound reached, but their groups still run: not idle
+        assert q.qsize() == 0 and len(ctx.in_flight) == (ETA + 1) * P
+        assert not ctx.producer_idle.is_set()
+        await asyncio.wait_for(ctx.producer_idle.wait(), 5.0)  # ... until the last one finished
+        assert q.qsize() == (ETA + 1) * P
+        ctx.version += 1  # a weight update moves the bound: new groups start, the producer is busy again
+        async with ctx.version_changed:
+            ctx.version_changed.notify_all()
+        await asyncio.sleep(0.01)
+        assert not ctx.producer_idle.is_set() and len(ctx.in_flight) == (ETA + 2) * P
+        await asyncio.wait_for(ctx.producer_idle.wait(), 5.0)
+        assert q.qsize() == (ETA + 2) * P
+    finally:
+        prod.cancel()
+        await asyncio.gather(prod, return_exceptions=True)
+
+
+class _PausingPool:
+    def __init__(self):
+        self.events = []
+
+    async def pause(self, mode=None):
+        self.events.append("pause")
+
+
+async def test_engines_pause_during_training_once_the_producer_is_idle(monkeypatch):
+    import threading
+
+    from mlrl import loop
+
+    release = threading.Event()
+
+    def train_step(ctx, samples, timer, step):  # the trainer call, in its thread
+        release.wait(5)
+        ctx.engines.events.append("trained")
+        return {"train/loss": 1.0}
+
+    monkeypatch.setattr(loop, "train_step", train_step)
+    ctx = RunContext(cfg=None, policy=None, engines=_PausingPool(), weight_sync=None, runner=None, sampler=None,
+                     logger=None, checkpoint=None, producer_idle=asyncio.Event())
+    # the producer goes idle while the trainer trains: the engines pause before training ends
+    step = asyncio.create_task(loop._train_and_pause_when_idle(ctx, [], None, 1))
+    await asyncio.sleep(0.02)
+    ctx.producer_idle.set()
+    await asyncio.sleep(0.02)
+    release.set()
+    assert await step == {"train/loss": 1.0} and ctx.engines.events == ["pause", "trained"]
+    # a producer still busy when training ends: no pause here (the weight sync pauses the engines)
+    ctx.engines.events.clear()
+    ctx.producer_idle.clear()
+    assert await loop._train_and_pause_when_idle(ctx, [], None, 2) == {"train/loss": 1.0}
+    assert ctx.engines.events == ["trained"]
