@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,7 +105,28 @@ def run(cfg: Config, layout: Layout) -> int:
     logging.getLogger("httpx").setLevel(
         max(logging.WARNING, logging.getLogger().level)
     )  # one line per request otherwise
-    return asyncio.run(_run(cfg, layout))
+    try:
+        return asyncio.run(_run_until_terminated(cfg, layout))
+    except asyncio.CancelledError:  # SIGTERM (Slurm's scancel / time limit, `kill`): torn down in order
+        print(f"terminated (SIGTERM): engines, trainer ranks and reward workers stopped; metrics up to the last "
+              f"finished step in {cfg.logging.run_dir}", file=sys.stderr)
+        return TERMINATED_EXIT
+
+
+TERMINATED_EXIT = 128 + signal.SIGTERM  # the shell's code for a process ended by SIGTERM
+
+
+async def _run_until_terminated(cfg: Config, layout: Layout) -> int:
+    """`_run`, with SIGTERM cancelling it: the run's `finally` tears everything down (reward process
+    pool, engines, trainer ranks, Ray nodes, metrics sinks) instead of the process dying at once and
+    leaving the reward pool's processes behind. A checkpoint being written is either committed
+    whole or not at all (mlrl.checkpoint.manager), like after any other failure."""
+    loop, task = asyncio.get_running_loop(), asyncio.current_task()
+    loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    try:
+        return await _run(cfg, layout)
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
 
 
 async def _run(cfg: Config, layout: Layout) -> int:

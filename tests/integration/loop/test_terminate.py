@@ -1,0 +1,86 @@
+"""SIGTERM (Slurm's scancel or time limit, `kill`) on a running `python -m mlrl.launch`: the run is
+torn down in order instead of the driver dying at once. Before, the reward process pool's
+forkserver and workers outlived the driver (re-parented to init), the metrics sinks were not
+closed and the exit status was the bare signal.
+
+Asserted on the real product (vLLM CPU server, megatron-core rank, reward pool): exit status 143
+with a message naming the run directory, every process the run had started gone, and every
+metrics line written complete.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _children() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(d.name))
+    return kids
+
+
+def _descendants(pid: int) -> set[int]:
+    kids, out, todo = _children(), set(), [pid]
+    while todo:
+        for c in kids.get(todo.pop(), []):
+            if c not in out:
+                out.add(c)
+                todo.append(c)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_sigterm_tears_the_whole_run_down(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "mlrl.launch", "--config", "launch/cpu_default.yaml",
+           "trainer.prompts_per_step=4", "trainer.samples_per_prompt=4", "trainer.total_steps=500",
+           "logging.progress_bar=false", "rollout.startup_timeout_s=600", f"logging.run_dir={run_dir}",
+           "checkpoint.save_at_end=false", "checkpoint.hf_export_at_end=false"]
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ))
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 600
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert p.poll() is None, f"the run ended early ({p.returncode}): {p.stderr.read()[-3000:]}"
+            assert time.monotonic() < deadline, "no training step within 600 s"
+            time.sleep(0.2)
+        started = _descendants(p.pid)
+        names = {Path(f"/proc/{c}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                 for c in started if _alive(c)}
+        # what must go: the engine, the trainer rank and the reward pool's processes
+        assert any("vllm" in n.lower() for n in names) and any("mlrl.trainer.rank.service" in n for n in names)
+        assert any("multiprocessing.forkserver" in n for n in names), names
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=180)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 143, f"exit status {p.returncode}:\n{err[-3000:]}"
+    assert "terminated (SIGTERM)" in err and str(run_dir) in err
+    deadline = time.monotonic() + 15  # (a process may still be exiting)
+    while (left := [c for c in started if _alive(c)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, [Path(f"/proc/{c}/cmdline").read_bytes()[:120] for c in left if _alive(c)]
+    lines = metrics.read_text().splitlines()
+    assert len(lines) >= 2 and all(json.loads(line)["step"] == i + 1 for i, line in enumerate(lines))
