@@ -129,8 +129,7 @@ async def train_async(ctx: RunContext) -> None:
             with timer("sync"):
                 ctx.version = step
                 sync_metrics = await ctx.weight_sync.sync(ctx.version)
-            async with ctx.version_changed:
-                ctx.version_changed.notify_all()
+            await _wake_producer(ctx)
             eval_metrics = await evaluate_if_due(ctx, step, timer)
             timing = timer.finish(overlapped_rollout=True, details=sync_timing(sync_metrics) | train_timing(metrics))
             finish_step(ctx, step, {**rollout_metrics, **metrics, **sync_metrics, **eval_metrics,
@@ -139,6 +138,17 @@ async def train_async(ctx: RunContext) -> None:
     finally:
         producer.cancel()
         await asyncio.gather(producer, return_exceptions=True)
+
+
+async def _wake_producer(ctx: RunContext) -> None:
+    """Tell the producer its bound moved (a new weight version, or a group dropped to refill). The
+    idle flag is cleared here, not only by the producer once it runs: a step whose groups are all
+    queued already never yields to it before training, and a stale flag would pause the engines
+    while the producer is about to start prompts."""
+    async with ctx.version_changed:
+        if ctx.producer_idle is not None:
+            ctx.producer_idle.clear()
+        ctx.version_changed.notify_all()
 
 
 async def _train_and_pause_when_idle(ctx: RunContext, samples: list[Sample], timer: StepTimer,
@@ -458,7 +468,6 @@ async def _collect(ctx: RunContext, groups: asyncio.Queue, eta: int) -> tuple[li
                 fresh.append(s)
         sel.routing_missing += await attach_routing(ctx, fresh)
         if not sel.add(fresh) and ds.enabled:
-            async with ctx.version_changed:
-                ctx.extra_prompts += 1
-                ctx.version_changed.notify_all()
+            ctx.extra_prompts += 1
+            await _wake_producer(ctx)
     return sel.samples, {**summarize(taken), **sel.metrics(len(taken) / want)}, stale

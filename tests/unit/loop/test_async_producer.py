@@ -149,3 +149,15 @@ async def test_engines_pause_during_training_once_the_producer_is_idle(monkeypat
     ctx.producer_idle.clear()
     assert await loop._train_and_pause_when_idle(ctx, [], None, 2) == {"train/loss": 1.0}
     assert ctx.engines.events == ["trained"]
+
+
+async def test_a_moved_bound_clears_the_idle_flag_before_the_producer_runs():
+    # a step whose groups are all queued already does not yield to the producer before training:
+    # the flag must not still say "idle" from before the weight update
+    from mlrl import loop
+
+    ctx = RunContext(cfg=None, policy=None, engines=None, weight_sync=None, runner=None, sampler=None, logger=None,
+                     checkpoint=None, version_changed=asyncio.Condition(), producer_idle=asyncio.Event())
+    ctx.producer_idle.set()
+    await loop._wake_producer(ctx)
+    assert not ctx.producer_idle.is_set()
