@@ -105,9 +105,13 @@ def run(cfg: Config, layout: Layout) -> int:
     logging.getLogger("httpx").setLevel(
         max(logging.WARNING, logging.getLogger().level)
     )  # one line per request otherwise
+    terminated: list[bool] = []
     try:
-        return asyncio.run(_run_until_terminated(cfg, layout))
-    except asyncio.CancelledError:  # SIGTERM (Slurm's scancel / time limit, `kill`): torn down in order
+        return asyncio.run(_run_until_terminated(cfg, layout, terminated))
+    except asyncio.CancelledError:
+        if not terminated:  # a cancellation that no SIGTERM asked for is a bug: not reported as one
+            raise
+        # SIGTERM (Slurm's scancel / time limit, `kill`): torn down in order
         print(f"terminated (SIGTERM): engines, trainer ranks and reward workers stopped; metrics up to the last "
               f"finished step in {cfg.logging.run_dir}", file=sys.stderr)
         return TERMINATED_EXIT
@@ -116,13 +120,19 @@ def run(cfg: Config, layout: Layout) -> int:
 TERMINATED_EXIT = 128 + signal.SIGTERM  # the shell's code for a process ended by SIGTERM
 
 
-async def _run_until_terminated(cfg: Config, layout: Layout) -> int:
+async def _run_until_terminated(cfg: Config, layout: Layout, terminated: list[bool]) -> int:
     """`_run`, with SIGTERM cancelling it: the run's `finally` tears everything down (reward process
     pool, engines, trainer ranks, Ray nodes, metrics sinks) instead of the process dying at once and
     leaving the reward pool's processes behind. A checkpoint being written is either committed
-    whole or not at all (mlrl.checkpoint.manager), like after any other failure."""
+    whole or not at all (mlrl.checkpoint.manager), like after any other failure. `terminated`
+    records that the cancellation came from SIGTERM."""
     loop, task = asyncio.get_running_loop(), asyncio.current_task()
-    loop.add_signal_handler(signal.SIGTERM, task.cancel)
+
+    def on_sigterm() -> None:
+        terminated.append(True)
+        task.cancel()
+
+    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
     try:
         return await _run(cfg, layout)
     finally:
