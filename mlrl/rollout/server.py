@@ -287,7 +287,7 @@ class EngineServer:
                     if retries and ADDRESS_IN_USE in self._this_start_log():
                         retries -= 1
                         logger.warning("engine %s: port %s was taken before vLLM bound it; starting again on a "
-                                    "fresh port", self.spec.name, self.port)
+                                       "fresh port", self.spec.name, self.port)
                         self.start()
                         continue
                     self._fail(f"the server process exited with code {self.exit_code()} during start-up")
