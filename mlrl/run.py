@@ -9,6 +9,7 @@ on resume, brings the engines to the checkpoint's weights) before the first step
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -235,6 +236,7 @@ async def _run(cfg: Config, layout: Layout) -> int:
             resume_rows=list(state.get("in_flight_rows", [])) if state else [],
             colocation=colocation,
         )
+        freeze_startup_heap()
         await (train_async(ctx) if cfg.asynchronous else train_sync(ctx))
         await asyncio.to_thread(ctx.checkpoint.finalize)  # an async save still in flight is committed
         if ctx.progress is not None:
@@ -253,6 +255,17 @@ async def _run(cfg: Config, layout: Layout) -> int:
         if group is not None:
             await asyncio.to_thread(group.close)
         await asyncio.to_thread(placement.close)
+
+
+def freeze_startup_heap() -> None:
+    """Move every object alive after start-up (imported modules, tokenizer, dataset rows, clients)
+    into the collector's permanent generation, so that the full (gen2) collections the run's
+    per-step objects trigger do not traverse them again. Measured on the CPU demo: the driver's
+    gen2 collections took ~200 ms each, one every ~16 steps, inside a 0.36 s step (gc.callbacks);
+    frozen, they take a few ms. The per-step objects are still collected as before; what start-up
+    left behind in reference cycles is never freed (it would live for the whole run anyway)."""
+    gc.collect()
+    gc.freeze()
 
 
 def _cuda_available() -> bool:
