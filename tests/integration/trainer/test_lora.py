@@ -39,10 +39,13 @@ def test_adapters_off_are_the_reference_policy(ranks):
 
 
 def test_merged_export_matches_the_adapter_forward(ranks):
+    # float32 rounding of (W + BA) x against W x + B(A x) through the whole model: 8e-7 with
+    # Megatron's unfused attention, 1.1e-6 with torch's fused kernel (local_spec.py); the
+    # adapters themselves move the logits by > 1e-3 (test_only_adapters_change_and_the_loss_falls)
     for r in ranks:
-        assert r["ref"]["merged_err"] <= 1e-6, r["ref"]["merged_err"]
+        assert r["ref"]["merged_err"] <= 2e-6, r["ref"]["merged_err"]
         for name in LAYOUTS:
-            assert r[name]["merged_err"] <= 1e-6, (name, r[name]["merged_err"])
+            assert r[name]["merged_err"] <= 2e-6, (name, r[name]["merged_err"])
 
 
 def test_peft_export_loads_in_peft_and_matches(ranks):
