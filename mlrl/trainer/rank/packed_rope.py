@@ -10,9 +10,17 @@ and hands the result to the same `_apply_rotary_pos_emb_bshd` megatron calls: th
 the same operation, hence bit-identical outputs (tests/integration/trainer checks parity and the
 unit test compares with megatron's own function). With context parallelism (cp > 1, GPU) the
 original runs.
+
+The packed cos / sin tables are the same for q and k of every layer of one forward (megatron
+passes one `freqs` tensor and one `cu_seqlens` to them all), so they are computed once and kept
+until another forward's tensors arrive. Every call but a forward's first then skips the 8
+operations that build them (positions, gather, cos, sin, scaling) and the copy megatron makes by
+concatenating an empty pass-through part, leaving the 5 that rotate.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -34,13 +42,36 @@ def apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, rotary_interleaved: bool = Fa
     if cp_group is None or cp_group.size() != 1 or int(cu_seqlens[-1]) != t.size(0):
         return _ORIGINAL(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
                          multi_latent_attention=multi_latent_attention, mscale=mscale, cp_group=cp_group)
-    if freqs.size(0) == t.size(0):  # megatron's "exact mapping": freqs already per packed token
-        packed = freqs
-    else:
-        packed = freqs[_positions(cu_seqlens, t.size(0))]
-    return rope_utils._apply_rotary_pos_emb_bshd(t.unsqueeze(1), packed, rotary_interleaved=rotary_interleaved,
-                                                 multi_latent_attention=multi_latent_attention,
-                                                 mscale=mscale).squeeze(1)
+    if multi_latent_attention:
+        packed = freqs if freqs.size(0) == t.size(0) else freqs[_positions(cu_seqlens, t.size(0))]
+        return rope_utils._apply_rotary_pos_emb_bshd(t.unsqueeze(1), packed, rotary_interleaved=rotary_interleaved,
+                                                     multi_latent_attention=True, mscale=mscale).squeeze(1)
+    # `_apply_rotary_pos_emb_bshd`'s operations, in its order, on the cached tables
+    cos_, sin_ = _tables(freqs, cu_seqlens, t.size(0), mscale, t.dtype)
+    x = t.unsqueeze(1)
+    rot_dim = cos_.shape[-1]
+    rot, rest = x[..., :rot_dim], x[..., rot_dim:]
+    out = (rot * cos_) + (rope_utils._rotate_half(rot, rotary_interleaved) * sin_)
+    if rest.shape[-1]:
+        out = torch.cat((out, rest), dim=-1)
+    return out.squeeze(1)
+
+
+_TABLES: dict[str, Any] = {"key": None, "tables": None}
+
+
+def _tables(freqs: torch.Tensor, cu_seqlens: torch.Tensor, total: int, mscale: float,
+            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of every packed token, [total, 1, 1, rot_dim], as megatron computes them; one
+    entry, keyed by the identity (and in-place version) of the forward's freqs and cu_seqlens."""
+    key = (freqs, freqs._version, cu_seqlens, cu_seqlens._version, total, mscale, dtype)
+    old = _TABLES["key"]
+    if old is not None and old[0] is freqs and old[2] is cu_seqlens and old[1] == key[1] and old[3:] == key[3:]:
+        return _TABLES["tables"]
+    packed = freqs if freqs.size(0) == total else freqs[_positions(cu_seqlens, total)]
+    tables = ((torch.cos(packed) * mscale).to(dtype), (torch.sin(packed) * mscale).to(dtype))
+    _TABLES["key"], _TABLES["tables"] = key, tables
+    return tables
 
 
 def install() -> None:

@@ -50,3 +50,37 @@ def test_context_parallel_goes_to_megatron(original, monkeypatch):
     packed_rope.apply_rotary_pos_emb_thd(t, torch.tensor([0, 4], dtype=torch.int32), torch.zeros(8, 1, 1, 2),
                                          cp_group=_Group(2))
     assert calls == [2]
+
+
+def _case(seed, d=16, rot=16, table=16):
+    g = torch.Generator().manual_seed(seed)
+    lengths = [3, 5, 1, 7]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    t = torch.randn(sum(lengths), 4, d, generator=g, requires_grad=True)
+    return t, cu, torch.randn(table, 1, 1, rot, generator=g)
+
+
+def test_tables_are_reused_within_a_forward_and_rebuilt_when_inputs_change(original):
+    """q and k of every layer share one (freqs, cu_seqlens): the cos / sin tables are built once;
+    a new freqs tensor, or one changed in place, gets new tables. Outputs and gradients keep
+    megatron's bits throughout, a partial rotary dimension (pass-through part) included."""
+    t, cu, freqs = _case(1)
+    first = packed_rope.apply_rotary_pos_emb_thd(t, cu, freqs, mscale=0.7, cp_group=_Group(1))
+    tables = packed_rope._TABLES["tables"]
+    again = packed_rope.apply_rotary_pos_emb_thd(t, cu, freqs, mscale=0.7, cp_group=_Group(1))
+    assert packed_rope._TABLES["tables"] is tables
+    want = original(t, cu, freqs, mscale=0.7, cp_group=_Group(1))
+    assert torch.equal(first, want) and torch.equal(again, want)
+    g_got = torch.autograd.grad(again.square().sum(), t)[0]
+    g_want = torch.autograd.grad(want.square().sum(), t)[0]
+    assert torch.equal(g_got, g_want)
+
+    freqs.mul_(2.0)  # in place: a stale table would rotate by the old angles
+    got = packed_rope.apply_rotary_pos_emb_thd(t, cu, freqs, mscale=0.7, cp_group=_Group(1))
+    assert packed_rope._TABLES["tables"] is not tables
+    assert torch.equal(got, original(t, cu, freqs, mscale=0.7, cp_group=_Group(1)))
+
+    t2, cu2, freqs2 = _case(2, d=24, rot=16)  # another forward; rotary on 16 of 24 channels
+    got = packed_rope.apply_rotary_pos_emb_thd(t2, cu2, freqs2, cp_group=_Group(1))
+    assert torch.equal(got, original(t2, cu2, freqs2, cp_group=_Group(1)))
+    assert torch.equal(got[..., 16:], t2[..., 16:])
