@@ -215,7 +215,9 @@ async def rollout_sync(ctx: RunContext) -> tuple[list[Sample], dict[str, float]]
             sel.add(g.samples)
         if not ds.enabled or sel.groups_kept >= want or rounds >= ds.max_rounds:
             break
-    return sel.samples, {**summarize(groups, ctx.runner.metric_prefix), **sel.metrics(rounds)}
+    # one round: the batch's own summary is already these groups' (run_batch computed it)
+    summary = batch.metrics if rounds == 1 else summarize(groups, ctx.runner.metric_prefix)
+    return sel.samples, {**summary, **sel.metrics(rounds)}
 
 
 class Selection:
