@@ -57,20 +57,19 @@ def apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, rotary_interleaved: bool = Fa
     return out.squeeze(1)
 
 
-_TABLES: dict[str, Any] = {"key": None, "tables": None}
+_TABLES: dict[str, Any] = {"freqs": None, "cu_seqlens": None, "key": None, "tables": None}
 
 
 def _tables(freqs: torch.Tensor, cu_seqlens: torch.Tensor, total: int, mscale: float,
             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) of every packed token, [total, 1, 1, rot_dim], as megatron computes them; one
     entry, keyed by the identity (and in-place version) of the forward's freqs and cu_seqlens."""
-    key = (freqs, freqs._version, cu_seqlens, cu_seqlens._version, total, mscale, dtype)
-    old = _TABLES["key"]
-    if old is not None and old[0] is freqs and old[2] is cu_seqlens and old[1] == key[1] and old[3:] == key[3:]:
+    key = (freqs._version, cu_seqlens._version, total, mscale, dtype)
+    if _TABLES["freqs"] is freqs and _TABLES["cu_seqlens"] is cu_seqlens and _TABLES["key"] == key:
         return _TABLES["tables"]
     packed = freqs if freqs.size(0) == total else freqs[_positions(cu_seqlens, total)]
     tables = ((torch.cos(packed) * mscale).to(dtype), (torch.sin(packed) * mscale).to(dtype))
-    _TABLES["key"], _TABLES["tables"] = key, tables
+    _TABLES.update(freqs=freqs, cu_seqlens=cu_seqlens, key=key, tables=tables)
     return tables
 
 
