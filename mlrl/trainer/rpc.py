@@ -10,10 +10,28 @@ callers never spell method names as strings.
 from __future__ import annotations
 
 import pickle
+import socket
 from multiprocessing.connection import Connection
 from typing import Any
 
 TOKEN_ENV = "MLRL_TRAINER_TOKEN"
+
+
+def no_delay(conn: Connection) -> Connection:
+    """Turn Nagle's algorithm off on the connection's TCP socket (both ends call this).
+
+    `Connection.send_bytes` writes a message over 16 KiB as two writes, its 4-byte length then
+    the body. With Nagle on, a body shorter than one segment waits until the length's segment is
+    acknowledged, and the receiver delays that ACK (~40 ms on Linux): measured on the CPU demo, a
+    58 KB train_step request reached the rank ~45 ms after it was sent (driver round trip 0.11 s,
+    the rank's own work 0.065 s). The same connection carries every trainer call."""
+    sock = socket.socket(fileno=conn.fileno())
+    try:
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    finally:
+        sock.detach()  # the fd stays the Connection's
+    return conn
 
 
 def send(conn: Connection, obj: Any) -> None:

@@ -26,7 +26,7 @@ from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence, TypeVar
 
-from mlrl.trainer.rpc import TOKEN_ENV, recv, send
+from mlrl.trainer.rpc import TOKEN_ENV, no_delay, recv, send
 
 R = TypeVar("R")
 
@@ -123,7 +123,7 @@ class TrainerGroup:
                 # which needs all ranks past their handshake
                 accepted = []
                 while len(accepted) < self.world_size:
-                    c = self._listener.accept()
+                    c = no_delay(self._listener.accept())
                     send(c, self._config_yaml)
                     accepted.append(c)
                 for c in accepted:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from mlrl.algorithms.loss_metrics import finalize_loss_metrics
 from mlrl.algorithms.losses import make_loss_fn
 from mlrl.config import config_from_yaml, validate
-from mlrl.trainer.rpc import TOKEN_ENV, recv, send
+from mlrl.trainer.rpc import TOKEN_ENV, no_delay, recv, send
 
 ADAPTER_DIR = "adapter"  # the PEFT folder inside a LoRA run's HF export
 
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     host, port = args.connect.rsplit(":", 1)
     token = bytes.fromhex(os.environ.pop(TOKEN_ENV))
     rank = int(os.environ.get("RANK", "0"))
-    conn = Client((host, int(port)), authkey=token)
+    conn = no_delay(Client((host, int(port)), authkey=token))
     try:
         cfg = config_from_yaml(recv(conn))
         service = TrainerService(cfg)
