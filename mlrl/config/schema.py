@@ -152,6 +152,14 @@ class TrainerConfig(OptimizerConfig):
     epochs_per_step, and the LR schedule counts those updates."""
     micro_batch_tokens: int = 4096
     """Token budget of one packed micro-batch (per DP rank)."""
+    shared_prefix_packing: Literal["never", "always", "auto"] = "never"
+    """Pack the samples of one prompt group around ONE copy of their common prompt: the prompt's
+    tokens are run through the model once per group instead of once per sample, and every
+    response attends to that shared copy (mlrl.experience.packing). Same logprobs, losses and
+    gradients up to float rounding, fewer tokens (GRPO with group size G: the prompt part of the
+    trainer's work shrinks G-fold). Needs the CPU trainer's local attention (not Transformer
+    Engine on GPU) and no router replay: `always` is refused otherwise, `auto` packs shared prefixes
+    exactly where they are supported (Config.uses_shared_prefix_packing)."""
     fp8_recipe: Literal["none", "tensorwise", "delayed", "blockwise", "mxfp8"] = "none"
     """Transformer Engine FP8 recipe (none = off; GPU only)."""
     recompute: Literal["none", "selective", "full"] = "none"
@@ -493,6 +501,14 @@ class Config:
         """Asynchronous training (generation overlaps training) is on exactly when
         rollout.staleness > 0; with 0 the run is synchronous and on-policy."""
         return self.rollout.staleness > 0
+
+    @property
+    def uses_shared_prefix_packing(self) -> bool:
+        """trainer.shared_prefix_packing resolved: always, or auto in an RL run on a CPU trainer without
+        router replay."""
+        mode = self.trainer.shared_prefix_packing
+        return mode == "always" or (mode == "auto" and self.sft is None and self.cluster.gpus_per_node == 0
+                                and not self.algorithm.router_replay)
 
     @property
     def uses_critic(self) -> bool:

@@ -216,6 +216,9 @@ def _check_sft(cfg: Config) -> None:
             if getattr(got, f.name) != getattr(want, f.name):
                 raise ConfigError(f"{section}.{f.name}: an RL setting; an SFT run (sft: section) does not use it "
                                   f"(remove it, or remove the sft section for an RL run)")
+    if cfg.trainer.shared_prefix_packing == "always":
+        raise ConfigError("trainer.shared_prefix_packing=always: an RL setting (one prompt shared by a group of sampled "
+                          "responses); an SFT run's conversations share no prompt group")
     for name in _SFT_UNUSED_TRAINER:
         if getattr(cfg.trainer, name) != getattr(default.trainer, name):
             raise ConfigError(f"trainer.{name}: an RL setting; an SFT run takes sft.batch_size conversations per step")
@@ -455,6 +458,22 @@ def _check_router_replay(cfg: Config, hf: dict[str, Any], *, has_cuda: bool) -> 
         raise ConfigError(f"algorithm.router_replay=true: {problem}")
 
 
+def _check_shared_prefix(cfg: Config) -> None:
+    """trainer.shared_prefix_packing needs attention that lets a response attend to a prompt packed
+    elsewhere in the row: mlrl's CPU local attention (trainer/rank/local_spec.py) does; Transformer
+    Engine's THD attention (GPU) has no such mask."""
+    if cfg.trainer.shared_prefix_packing != "always":
+        return  # never, or auto: resolved by Config.uses_shared_prefix_packing
+    if cfg.cluster.gpus_per_node > 0:
+        raise ConfigError(f"trainer.shared_prefix_packing=always with cluster.gpus_per_node="
+                          f"{cfg.cluster.gpus_per_node}: shared-prefix attention is implemented by the CPU "
+                          "trainer's local attention only (Transformer Engine's packed THD attention has no "
+                          "shared-prefix mask); use never or auto")
+    if cfg.algorithm.router_replay:
+        raise ConfigError("trainer.shared_prefix_packing=always with algorithm.router_replay=true: replayed routes are "
+                          "laid out per sample, not per shared prompt; use never or auto")
+
+
 def _check_bridge(cfg: Config, hf: dict[str, Any], *, has_cuda: bool, dry_run: bool) -> str:
     """model.bridge resolves for this model (mlrl.bridge.select); the megatron-bridge path is GPU
     only and carries none of mlrl's own layouts (LoRA, the critic's value head, router replay)."""
@@ -503,6 +522,7 @@ def validate(cfg: Config, *, has_cuda: bool | None = None, dry_run: bool = False
     _check_model(cfg, hf, layout)
     _check_lora(cfg, hf)
     _check_router_replay(cfg, hf, has_cuda=cfg.cluster.gpus_per_node > 0)
+    _check_shared_prefix(cfg)
     if cfg.uses_critic and cfg.critic.hf_dir:
         try:
             chf = hf_config_dict(cfg.critic.hf_dir, None)

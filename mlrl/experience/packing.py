@@ -15,6 +15,12 @@ Order of operations, and the invariant each keeps:
    makes every micro-batch exactly token_budget long, e.g. for pipeline parallelism with fixed
    shapes).
 
+With `shared_prefix=True` (trainer.shared_prefix_packing) the unit packed in steps 2-4 is a prompt
+group rather than a sample: the group's samples share one copy of their common prefix (see
+`shared_prefix_length` and the MicroBatch contract in batch.py), a group too long for one
+micro-batch is cut into several units, each with its own copy of the prefix, and every sample
+of the group keeps its own segment. Loss weights do not change: the prefix holds no policy token.
+
 Inside a micro-batch samples appear in increasing sample index. `sample_ids` index into the
 `samples` list given to pack_step; per-sample tensors (old / reference logprobs, old critic
 values, returns) come back with `attach_per_sample`, per-token trainer outputs go back to
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from dataclasses import dataclass
 from typing import Iterable, Literal, Optional, Sequence
 
 import torch
@@ -74,8 +81,70 @@ def token_advantages(s: Sample, index: int = 0) -> list[float]:
     return [float(a) for a in tok]
 
 
+SHARED = -2  # sample_ids of a shared-prefix segment's tokens
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """What packing places whole: samples `ids` sharing their first `shared` tokens (0: one sample)."""
+
+    ids: tuple[int, ...]
+    shared: int
+    length: int  # packed tokens: shared + sum of the samples' own tokens
+
+
+def shared_prefix_length(samples: Sequence[Sample]) -> int:
+    """Tokens a group of samples can share: their longest common prefix, stopped one token before
+    the earliest policy token of any of them (that token's logprob is predicted by the token
+    before it, which must be in each sample's own segment), and leaving every sample at least one
+    token of its own. 0 when fewer than two samples or nothing can be shared."""
+    if len(samples) < 2:
+        return 0
+    first = samples[0].tokens
+    limit = min(len(s.tokens) for s in samples) - 1
+    for s in samples:
+        f = next((t for t, m in enumerate(s.loss_mask) if m), len(s.tokens))
+        limit = min(limit, f - 1)
+    n = 0
+    while n < limit and all(s.tokens[n] == first[n] for s in samples[1:]):
+        n += 1
+    return n
+
+
+def _units(samples: Sequence[Sample], shared_prefix: bool, budget: int) -> list[_Unit]:
+    lengths = [len(s.tokens) for s in samples]
+    if not shared_prefix:
+        return [_Unit((i,), 0, n) for i, n in enumerate(lengths)]
+    groups: dict[str, list[int]] = {}
+    units: list[_Unit] = []
+    for i, s in enumerate(samples):
+        if s.group_id:
+            groups.setdefault(s.group_id, []).append(i)
+        else:
+            units.append(_Unit((i,), 0, lengths[i]))
+    for ids in groups.values():
+        p = shared_prefix_length([samples[i] for i in ids])
+        if p == 0:
+            units += [_Unit((i,), 0, lengths[i]) for i in ids]
+            continue
+        chunk: list[int] = []
+        size = p
+        for i in ids:  # a group longer than the budget: consecutive chunks, each with its own copy of the prefix
+            if chunk and size + lengths[i] - p > budget:
+                units.append(_chunk(chunk, p, size, lengths))
+                chunk, size = [], p
+            chunk.append(i)
+            size += lengths[i] - p
+        units.append(_chunk(chunk, p, size, lengths))
+    return sorted(units, key=lambda u: u.ids[0])
+
+
+def _chunk(ids: list[int], p: int, size: int, lengths: Sequence[int]) -> _Unit:
+    return _Unit(tuple(ids), p, size) if len(ids) > 1 else _Unit((ids[0],), 0, lengths[ids[0]])
+
+
 def _build(
-    samples: Sequence[Sample], ids: Sequence[int], weights: Sequence[float], pad_multiple: int, pad_token_id: int
+    samples: Sequence[Sample], units: Sequence[_Unit], weights: Sequence[float], pad_multiple: int, pad_token_id: int
 ) -> MicroBatch:
     tokens: list[int] = []
     pos: list[int] = []
@@ -85,23 +154,43 @@ def _build(
     adv: list[float] = []
     rollout: list[float] = []
     cu = [0]
-    for i in ids:
-        s = samples[i]
-        n = len(s.tokens)
-        m = [1.0 if x else 0.0 for x in s.loss_mask]
-        tokens += s.tokens
-        pos += range(n)
-        sid += [i] * n
-        mask += m
-        weight += [weights[i] * x for x in m]
-        adv += [a * x for a, x in zip(token_advantages(s, i), m)]
-        rollout += [float(x) for x in s.rollout_logprobs]
-        cu.append(cu[-1] + n)
+    prefix: list[int] = []
+    for u in units:
+        head = -1
+        if u.shared:
+            s0 = samples[u.ids[0]]
+            head = len(cu) - 1
+            tokens += s0.tokens[:u.shared]
+            pos += range(u.shared)
+            sid += [SHARED] * u.shared
+            mask += [0.0] * u.shared
+            weight += [0.0] * u.shared
+            adv += [0.0] * u.shared
+            rollout += [0.0] * u.shared
+            cu.append(cu[-1] + u.shared)
+            prefix.append(-1)
+        for i in u.ids:
+            s = samples[i]
+            a, n = u.shared, len(s.tokens)
+            m = [1.0 if x else 0.0 for x in s.loss_mask[a:]]
+            tokens += s.tokens[a:]
+            pos += range(a, n)
+            sid += [i] * (n - a)
+            mask += m
+            weight += [weights[i] * x for x in m]
+            adv += [v * x for v, x in zip(token_advantages(s, i)[a:], m)]
+            rollout += [float(x) for x in s.rollout_logprobs[a:]]
+            cu.append(cu[-1] + n - a)
+            prefix.append(head)
     length = max(pad_multiple, math.ceil(cu[-1] / pad_multiple) * pad_multiple)
     pad = length - cu[-1]
     f32 = torch.float32
-    routed = _routed_rows([samples[i] for i in ids], length)
+    shared = any(u.shared for u in units)
+    routed = _routed_rows([samples[i] for u in units for i in u.ids], length)
+    if shared and routed is not None:
+        raise ValueError("router replay rows cannot be packed with shared prefixes (trainer.shared_prefix_packing)")
     return MicroBatch(
+        prefix_segment=torch.tensor(prefix, dtype=torch.int64) if shared else None,
         routed_experts=routed,
         tokens=torch.tensor(tokens + [pad_token_id] * pad, dtype=torch.int64),
         position_ids=torch.tensor(pos + [0] * pad, dtype=torch.int64),
@@ -147,6 +236,7 @@ def pack_step(
     pad_multiple: int = 1,
     norm_len: Optional[int] = None,
     pad_token_id: int = 0,
+    shared_prefix: bool = False,
 ) -> tuple[list[list[MicroBatch]], dict[str, float]]:
     """Pack one step: returns (micro_batches[rank][k], metrics); every rank has the same count.
 
@@ -156,6 +246,9 @@ def pack_step(
     Metrics: pack/padding_frac (padding tokens / all tokens, padding-only micro-batches
     included), pack/micro_batches_per_rank, pack/tokens_per_rank_{min,max,mean} (real tokens),
     pack/rank_imbalance (max / mean), pack/num_samples, pack/num_tokens, pack/num_loss_tokens.
+    shared_prefix: pack each prompt group around one copy of its common prefix (module docstring);
+    pack/num_tokens then counts the packed tokens, pack/shared_prefix_saved_frac the share of the
+    samples' tokens that sharing left out.
     """
     if dp_size < 1:
         raise ValueError(f"pack_step: dp_size={dp_size}, expected >= 1")
@@ -178,14 +271,16 @@ def pack_step(
                 "(trainer.micro_batch_tokens): raise the budget or lower the prompt / response limits"
             )
     weights = loss_agg_weights([s.num_loss_tokens for s in samples], loss_agg, norm_len)
-    bins = [_first_fit_decreasing(r, lengths, token_budget) for r in _balance_ranks(lengths, dp_size)]
+    units = _units(samples, shared_prefix, token_budget)
+    sizes = [u.length for u in units]
+    bins = [_first_fit_decreasing(r, sizes, token_budget) for r in _balance_ranks(sizes, dp_size)]
     per_rank = max(1, max(len(b) for b in bins))
     out = [
-        [_build(samples, ids, weights, pad_multiple, pad_token_id) for ids in rank_bins]
+        [_build(samples, [units[k] for k in ks], weights, pad_multiple, pad_token_id) for ks in rank_bins]
         + [_build(samples, [], weights, pad_multiple, pad_token_id) for _ in range(per_rank - len(rank_bins))]
         for rank_bins in bins
     ]
-    real = [sum(lengths[i] for b in rank_bins for i in b) for rank_bins in bins]
+    real = [sum(sizes[k] for b in rank_bins for k in b) for rank_bins in bins]
     total = sum(mb.num_tokens for rank in out for mb in rank)
     mean = sum(real) / dp_size
     metrics = {
@@ -199,30 +294,49 @@ def pack_step(
         "pack/num_tokens": float(sum(real)),
         "pack/num_loss_tokens": float(sum(s.num_loss_tokens for s in samples)),
     }
+    if shared_prefix:
+        metrics["pack/shared_prefix_saved_frac"] = 1.0 - sum(real) / sum(lengths)
     return out, metrics
 
 
 # --------------------------------------------------------------------------- per-sample <-> per-token
 
 
-def _segments(mb: MicroBatch) -> Iterable[tuple[int, int, int]]:
-    """(sample index, start, end) of each packed sample."""
+def _segments(mb: MicroBatch) -> Iterable[tuple[int, int, int, int, int]]:
+    """(sample index, start, end, prefix start, prefix end) of each packed segment, in row order;
+    a sample's tokens are row[prefix start:prefix end] + row[start:end] (an empty prefix span
+    without shared-prefix packing). A shared-prefix segment has sample index SHARED."""
     cu = mb.cu_seqlens.tolist()
     ids = mb.sample_ids[mb.cu_seqlens[:-1].long()].tolist() if len(cu) > 1 else []  # one gather, not one per sample
-    return zip(ids, cu[:-1], cu[1:])
+    if mb.prefix_segment is None:
+        return ((i, a, b, 0, 0) for i, a, b in zip(ids, cu[:-1], cu[1:]))
+    return [(i, a, b, *((cu[h], cu[h + 1]) if h >= 0 else (0, 0)))
+            for i, a, b, h in zip(ids, cu[:-1], cu[1:], mb.prefix_segment.tolist())]
 
 
 def gather_per_sample(mb: MicroBatch, per_sample: Sequence[torch.Tensor]) -> torch.Tensor:
     """[S] tensor for one micro-batch from per-sample [T_i] tensors (indexed by sample id), 0 on
-    padding. Differentiable (the inverse of unpack_per_sample for one micro-batch)."""
+    padding; a shared prefix takes its values from the first sample sharing it. Differentiable
+    (the inverse of unpack_per_sample for one micro-batch)."""
     parts = []
     ref = None
-    for i, a, b in _segments(mb):
-        if i >= len(per_sample):
-            raise ValueError(f"micro-batch holds sample {i} but only {len(per_sample)} per-sample tensors were given")
-        t = per_sample[i].reshape(-1)
-        if t.numel() != b - a:
-            raise ValueError(f"per-sample tensor {i} has {t.numel()} values, expected {b - a} (the sample's length)")
+    segs = list(_segments(mb))
+    owner = {}  # shared segment start -> the first sample continuing it
+    for i, _a, _b, pa, pb in segs:
+        if pb > pa:
+            owner.setdefault(pa, i)
+    for i, a, b, pa, pb in segs:
+        shared = i == SHARED
+        j = owner.get(a) if shared else i
+        if j is None:
+            raise ValueError(f"micro-batch: shared-prefix segment at {a} is continued by no sample")
+        if j >= len(per_sample):
+            raise ValueError(f"micro-batch holds sample {j} but only {len(per_sample)} per-sample tensors were given")
+        t = per_sample[j].reshape(-1)
+        want = (b - a) if shared else (pb - pa) + (b - a)
+        if t.numel() < want or (not shared and t.numel() != want):
+            raise ValueError(f"per-sample tensor {j} has {t.numel()} values, expected {want} (the sample's length)")
+        t = t[:b - a] if shared else t[pb - pa:]
         parts.append(t)
         ref = t
     pad = mb.num_tokens - int(mb.cu_seqlens[-1])
@@ -266,10 +380,12 @@ def unpack_per_sample(
             raise ValueError(
                 f"unpack_per_sample: per_token[{k}] has shape {tuple(t.shape)}, expected ({mb.num_tokens}, ...)"
             )
-        for i, a, b in _segments(mb):
+        for i, a, b, pa, pb in _segments(mb):
+            if i == SHARED:
+                continue
             if i in found:
                 raise ValueError(f"unpack_per_sample: sample {i} appears in more than one micro-batch")
-            found[i] = t[a:b]
+            found[i] = t[a:b] if pb == pa else torch.cat([t[pa:pb], t[a:b]])
     n = num_samples if num_samples is not None else (max(found) + 1 if found else 0)
     missing = [i for i in range(n) if i not in found]
     if missing or len(found) != n:

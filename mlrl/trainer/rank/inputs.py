@@ -10,6 +10,14 @@ row and `cu_seqlens_*_padded` are built here, and each CP rank keeps its slice).
 Labels: position p predicts tokens[p+1] when p+1 is in the same sample (`label_mask`); the
 trainer's logprob of token t is then the prediction made at t-1, and the first token of each
 sample gets 0 (the MicroBatch convention).
+
+Shared prefixes (MicroBatch.prefix_segment, trainer.shared_prefix_packing): labels stay within
+segments as above; what changes is what a segment attends to and where its positions start.
+Both travel with the PackedSeqParams to mlrl's CPU attention and RoPE (local_spec.py,
+packed_rope.py): `psp.mlrl_prefix_segment` (per segment, its shared segment or -1) and the
+attribute `mlrl_positions` on `cu_seqlens_q` (every token's position within its sample: RoPE
+receives only cu_seqlens). max_seqlen is the longest whole sample, prefix included (the RoPE
+table's length).
 """
 
 from __future__ import annotations
@@ -45,11 +53,19 @@ def segments(mb: MicroBatch) -> list[int]:
     return cu
 
 
+def sample_lengths(mb: MicroBatch) -> list[int]:
+    """Length of the whole sample each segment ends (its shared prefix included)."""
+    cu = mb.cu_seqlens.tolist()
+    own = [b - a for a, b in zip(cu, cu[1:])]
+    if mb.prefix_segment is None:
+        return own
+    return [n + (own[h] if h >= 0 else 0) for n, h in zip(own, mb.prefix_segment.tolist())]
+
+
 def check_window(mb: MicroBatch, sliding_window: Optional[int]) -> None:
     if sliding_window is None:
         return
-    cu = mb.cu_seqlens.tolist()
-    longest = max((b - a for a, b in zip(cu, cu[1:])), default=0)
+    longest = max(sample_lengths(mb), default=0)
     if longest > sliding_window:
         raise ValueError(
             f"sample of {longest} tokens exceeds the model's sliding_window={sliding_window} (not supported)"
@@ -88,6 +104,9 @@ def build_inputs(mb: MicroBatch, device: torch.device, *, tp: int = 1, sequence_
     labels, label_mask = next_token_labels(tokens, bounds[:n_samples + 1])
 
     if cp > 1:
+        if mb.prefix_segment is not None:
+            raise ValueError("shared-prefix micro-batches (trainer.shared_prefix_packing) cannot be split for "
+                             "context parallelism")
         return _cp_inputs(tokens, pos, labels, label_mask, bounds, S, device, cp, cp_rank)
 
     pad = (-S) % tp if sequence_parallel else 0
@@ -102,9 +121,15 @@ def build_inputs(mb: MicroBatch, device: torch.device, *, tp: int = 1, sequence_
         label_mask = torch.cat([label_mask, label_mask.new_zeros(pad)])
     cu = torch.tensor(bounds, dtype=torch.int32, device=device)
     max_len = max(b - a for a, b in zip(bounds, bounds[1:]))
+    if mb.prefix_segment is not None:
+        max_len = max(max_len, *sample_lengths(mb))
     psp = PackedSeqParams(
         qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len, max_seqlen_kv=max_len
     )
+    if mb.prefix_segment is not None:
+        prefix = mb.prefix_segment.tolist()
+        psp.mlrl_prefix_segment = prefix + [-1] * (len(bounds) - 1 - len(prefix))  # (+ the padding segment)
+        cu.mlrl_positions = pos.to(device)
     return ModelInputs(tokens.unsqueeze(0).to(device), pos.unsqueeze(0).to(device), psp, labels.to(device),
                        label_mask.to(device), S)
 

@@ -34,6 +34,14 @@ backward per layer, this module timed on 2 threads with 4 query / 2 key-value he
 float32 rounding (tests/unit/trainer/test_packed_attention.py).
 HF transformers' default attention is the same torch kernel. Any other layer keeps Megatron's
 `DotProductAttention.forward`.
+
+Shared prefixes (trainer.shared_prefix_packing; layout in mlrl/experience/batch.py): a segment
+that continues a shared prompt segment attends to that prompt's keys / values, then causally to
+its own. The segments of one (prompt length, own length) shape go to the fused kernel as one
+batch, the prompt's key / value rows gathered once per segment, with the explicit mask
+[own, prompt + own] (all prompt columns, causal over its own). Gradients of the shared rows sum
+over every response that read them (index_select's backward), which is what the same responses
+packed one by one, each with a copy of the prompt, give in total. Fused-kernel layers only.
 """
 
 from __future__ import annotations
@@ -78,6 +86,9 @@ class PackedDotProductAttention(DotProductAttention):
         if packed_seq_params.qkv_format != "thd":
             raise ValueError(f"PackedDotProductAttention: qkv_format {packed_seq_params.qkv_format!r}, expected 'thd'")
         bounds = packed_seq_params.cu_seqlens_q.tolist()
+        prefix = getattr(packed_seq_params, "mlrl_prefix_segment", None)
+        if prefix is not None:
+            return self._forward_shared(query, key, value, bounds, prefix, attention_bias)
         by_len: dict[int, list[int]] = {}  # sample length -> start offsets of the samples that long
         runs: list[list[int]] = []  # [length, count]: consecutive samples of one length
         for lo, hi in zip(bounds[:-1], bounds[1:]):
@@ -127,6 +138,44 @@ class PackedDotProductAttention(DotProductAttention):
             out = self._attend(q, k, v, attn_mask_type, attention_bias)  # [s, b, heads * dim]
             outs.append(out.transpose(0, 1).reshape(b * length, 1, -1))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+    def _forward_shared(self, query, key, value, bounds, prefix, attention_bias):
+        """Rows with shared prefixes: see the module docstring."""
+        if not (self.fused and query.dtype == torch.float32 and attention_bias is None):
+            raise ValueError(
+                "trainer.shared_prefix_packing: this attention layer is not plain causal fp32 softmax attention "
+                "(dropout, sliding window, softmax offset, query-key layer scaling, attention bias or a non-fp32 "
+                "dtype); shared-prefix packing supports only that kind: set trainer.shared_prefix_packing=false")
+        shapes: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (prompt, own) -> [(prompt start, own start)]
+        for (lo, hi), h in zip(zip(bounds[:-1], bounds[1:]), prefix):
+            if hi > lo:
+                p = (bounds[h], bounds[h + 1]) if h >= 0 else (lo, lo)
+                shapes.setdefault((p[1] - p[0], hi - lo), []).append((p[0], lo))
+        outs, order = [], []
+        dev = query.device
+        for (plen, length), starts in shapes.items():
+            b = len(starts)
+            ps = torch.tensor([a for a, _ in starts], device=dev).unsqueeze(1)
+            os_ = torch.tensor([c for _, c in starts], device=dev).unsqueeze(1)
+            q_idx = (os_ + torch.arange(length, device=dev)).reshape(-1)
+            kv_idx = torch.cat([ps + torch.arange(plen, device=dev), os_ + torch.arange(length, device=dev)],
+                               dim=1).reshape(-1)
+            q = query.index_select(0, q_idx).view(b, length, *query.shape[1:]).transpose(1, 2)
+            k, v = (x.index_select(0, kv_idx).view(b, plen + length, *x.shape[1:]).transpose(1, 2)
+                    for x in (key, value))
+            mask = None
+            if plen:
+                own = torch.ones(length, length, dtype=torch.bool, device=dev).tril()
+                mask = torch.cat([own.new_ones(length, plen), own], dim=1)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.softmax_scale,
+                enable_gqa=q.shape[1] != k.shape[1])  # [b, heads, length, dim]
+            outs.append(out.transpose(1, 2).reshape(b * length, 1, -1))
+            order.append(q_idx)
+        flat, pos = torch.cat(outs, dim=0), torch.cat(order)
+        inverse = torch.empty_like(pos)
+        inverse[pos] = torch.arange(pos.numel(), device=pos.device)
+        return flat.index_select(0, inverse)  # [t, 1, heads * dim] in packed order
 
     def _attend(self, q, k, v, attn_mask_type, attention_bias):
         """Causal attention of b samples of one length: q [s, b, heads, dim], k / v [s, b, groups,

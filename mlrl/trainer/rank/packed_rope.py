@@ -28,7 +28,12 @@ _ORIGINAL = None
 
 
 def _positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """Position of every packed token within its own sequence: [total] int64."""
+    """Position of every packed token within its own sequence: [total] int64. A row packed with
+    shared prefixes carries them (`mlrl_positions`, trainer/rank/inputs.py): a response's
+    segment continues its prompt's positions instead of restarting at 0."""
+    given = getattr(cu_seqlens, "mlrl_positions", None)
+    if given is not None:
+        return given
     starts = cu_seqlens[:-1].long()
     lengths = cu_seqlens[1:].long() - starts
     return torch.arange(total, device=cu_seqlens.device) - torch.repeat_interleave(starts, lengths)
@@ -39,11 +44,15 @@ def apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, rotary_interleaved: bool = Fa
     """Drop-in for megatron's `_apply_rotary_pos_emb_thd` (same signature and result)."""
     from megatron.core.models.common.embeddings import rope_utils
 
+    shared = getattr(cu_seqlens, "mlrl_positions", None) is not None
     if cp_group is None or cp_group.size() != 1 or int(cu_seqlens[-1]) != t.size(0):
+        if shared:
+            raise ValueError("RoPE of a shared-prefix row (trainer.shared_prefix_packing) needs cp=1 and segments "
+                             "covering the row")
         return _ORIGINAL(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
                          multi_latent_attention=multi_latent_attention, mscale=mscale, cp_group=cp_group)
     if multi_latent_attention:
-        packed = freqs if freqs.size(0) == t.size(0) else freqs[_positions(cu_seqlens, t.size(0))]
+        packed = freqs if freqs.size(0) == t.size(0) and not shared else freqs[_positions(cu_seqlens, t.size(0))]
         return rope_utils._apply_rotary_pos_emb_bshd(t.unsqueeze(1), packed, rotary_interleaved=rotary_interleaved,
                                                      multi_latent_attention=True, mscale=mscale).squeeze(1)
     # `_apply_rotary_pos_emb_bshd`'s operations, in its order, on the cached tables
@@ -67,7 +76,8 @@ def _tables(freqs: torch.Tensor, cu_seqlens: torch.Tensor, total: int, mscale: f
     key = (freqs._version, cu_seqlens._version, total, mscale, dtype)
     if _TABLES["freqs"] is freqs and _TABLES["cu_seqlens"] is cu_seqlens and _TABLES["key"] == key:
         return _TABLES["tables"]
-    packed = freqs if freqs.size(0) == total else freqs[_positions(cu_seqlens, total)]
+    whole = freqs.size(0) == total and getattr(cu_seqlens, "mlrl_positions", None) is None
+    packed = freqs if whole else freqs[_positions(cu_seqlens, total)]
     tables = ((torch.cos(packed) * mscale).to(dtype), (torch.sin(packed) * mscale).to(dtype))
     _TABLES.update(freqs=freqs, cu_seqlens=cu_seqlens, key=key, tables=tables)
     return tables

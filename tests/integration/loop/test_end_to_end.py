@@ -102,6 +102,9 @@ def test_sync_run(run_a):
         assert r["train/updates"] == 2 and 0.0 < r["train/ratio_min"] <= 1.0 <= r["train/ratio_max"] < 100.0, r
         assert 0.0 <= r["train/clip_fraction"] <= 1.0 and r["train/approx_kl"] >= 0.0
         assert r["critic/updates"] == 2 and r["critic/value_loss"] >= 0
+        # the recipe's trainer.shared_prefix_packing=auto: each group's prompt packed once (4 samples share
+        # all but the last of their ~7 prompt tokens), policy and critic forwards alike
+        assert r["pack/shared_prefix_saved_frac"] > 0.4, r
     # critic LR after 2, 4, 6 of its updates (linear warm-up over 5)
     assert [r["critic/lr"] for r in recs] == pytest.approx([4e-4, 8e-4, 1e-3])
     assert recs[0]["critic/values_mean"] == 0.0  # the value head starts at zero

@@ -3,7 +3,15 @@ EP2 (qwen3_moe). Each layout is one torchrun launch running several checks; ever
 compares against HF transformers computed on each rank."""
 
 import pytest
-from trainer_harness import assert_adam, assert_export, assert_grads, assert_parity, assert_rope, run_worker
+from trainer_harness import (
+    assert_adam,
+    assert_export,
+    assert_grads,
+    assert_parity,
+    assert_rope,
+    assert_shared_prefix,
+    run_worker,
+)
 
 TP_ROPE = ["tiny-qwen3-yarn", "tiny-llama3-ctx64"]
 TP_MODELS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe+sp", "tiny-llama+sp", *TP_ROPE]
@@ -16,6 +24,7 @@ DP_MODELS = ["tiny-llama", "tiny-qwen3"]
 def tp2():
     return run_worker(
         2, tp=2, checks=["parity", "export", "grads", "adam@tiny-qwen3", "adam@tiny-qwen3-moe+sp",
+                         "shared_prefix@tiny-qwen3|tiny-llama+sp",
                          "rope@" + "|".join(TP_ROPE)], models=TP_MODELS
     )
 
@@ -27,7 +36,8 @@ def dp2():
 
 @pytest.fixture(scope="module")
 def pp2():
-    return run_worker(2, pp=2, checks=["parity", "export", "grads", "adam", "rope@tiny-llama3-ctx64"], models=PP_MODELS)
+    return run_worker(2, pp=2, checks=["parity", "export", "grads", "adam", "rope@tiny-llama3-ctx64",
+                                       "shared_prefix@tiny-llama"], models=PP_MODELS)
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +56,15 @@ def test_tp2(tp2, model):
 @pytest.mark.parametrize("model", TP_ROPE)
 def test_tp2_rope_scaling_at_long_positions(tp2, model):
     assert_rope(tp2, model)
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-llama+sp"])
+def test_tp2_shared_prefix_packing(tp2, model):
+    assert_shared_prefix(tp2, model)
+
+
+def test_pp2_shared_prefix_packing(pp2):
+    assert_shared_prefix(pp2, "tiny-llama")
 
 
 def test_pp2_rope_scaling_at_long_positions(pp2):

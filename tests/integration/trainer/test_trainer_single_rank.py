@@ -1,10 +1,19 @@
 """One rank (TP1/PP1/DP1), the four tiny architectures and three RoPE scalings (llama3 with
 Llama-3.1's parameters and over 64 original positions, YaRN): logits / logprob parity with HF,
 HF -> Megatron -> HF export bit-exact, loss and gradients vs HF for 1 and 4 micro-batches,
-three DistributedOptimizer steps vs torch AdamW, and bad input rejected before the build."""
+three DistributedOptimizer steps vs torch AdamW, shared-prefix packing equal to per-sample
+packing, and bad input rejected before the build."""
 
 import pytest
-from trainer_harness import assert_adam, assert_export, assert_grads, assert_parity, assert_rope, run_worker
+from trainer_harness import (
+    assert_adam,
+    assert_export,
+    assert_grads,
+    assert_parity,
+    assert_rope,
+    assert_shared_prefix,
+    run_worker,
+)
 
 ROPE_MODELS = ["tiny-llama3", "tiny-llama3-ctx64", "tiny-qwen3-yarn"]
 MODELS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", *ROPE_MODELS]
@@ -13,7 +22,7 @@ MODELS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", *ROPE_MODE
 @pytest.fixture(scope="module")
 def ranks():
     return run_worker(
-        1, checks=["parity", "export", "grads", "adam", "bad_input@tiny-llama", "state@tiny-qwen3-moe",
+        1, checks=["parity", "export", "grads", "adam", "shared_prefix", "bad_input@tiny-llama", "state@tiny-qwen3-moe",
                    "rope@" + "|".join(ROPE_MODELS)], models=MODELS
     )
 
@@ -42,6 +51,11 @@ def test_loss_and_grads_match_hf_and_do_not_depend_on_split(ranks, model):
 @pytest.mark.parametrize("model", MODELS)
 def test_distributed_optimizer_matches_torch_adamw(ranks, model):
     assert_adam(ranks, model)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_shared_prefix_packing_matches_one_prompt_copy_per_sample(ranks, model):
+    assert_shared_prefix(ranks, model)
 
 
 def test_bad_input_is_rejected_with_a_clear_message(ranks):

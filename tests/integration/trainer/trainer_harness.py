@@ -153,3 +153,17 @@ def assert_adam(ranks: list[dict], model: str) -> None:
             names += a["names"]
     # together those ranks compared every parameter of the model (not none of them)
     assert set(names) == set(ranks[0][f"{model}/adam"]["ref_names"])
+
+
+def assert_shared_prefix(ranks: list[dict], model: str, tol: float = 1e-5) -> None:
+    """trainer.shared_prefix_packing gives the per-sample packing's logprobs, entropy, loss and
+    gradients to float32 rounding, from fewer tokens."""
+    for r in ranks:
+        res = r[f"{model}/shared_prefix"]
+        assert res["tokens_True"] < 0.75 * res["tokens_False"], res  # 78 vs 112 tokens: each prompt once per unit
+        assert res["logprob_max"] > 1.0, res  # real logprobs were compared, not zeros
+        assert res["logprob_diff"] <= tol and res["entropy_diff"] <= tol, res
+        assert abs(res["loss_True"] - res["loss_False"]) <= tol, res
+        assert res["grad_names_equal"], res
+        assert res["grad_diff"] <= tol * max(res["grad_max"], 1e-3), res
+    assert max(r[f"{model}/shared_prefix"]["grad_max"] for r in ranks) > 1e-3  # real gradients were compared

@@ -166,6 +166,62 @@ def check_grads(ctx: Ctx) -> dict:
     return res
 
 
+def shared_prefix_samples(vocab: int, seed: int = 5):
+    """Three prompt groups of 4 samples (prompts of 5, 9 and 3 tokens, responses of 1-6) and one
+    sample of no group; random advantages."""
+    from mlrl.types import Sample
+
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+
+    def rand(n):
+        return torch.randint(1, vocab, (n,), generator=g).tolist()
+
+    for grp, plen in enumerate((5, 9, 3)):
+        prompt = rand(plen)
+        for _ in range(4):
+            toks = prompt + rand(int(torch.randint(1, 7, (1,), generator=g)))
+            samples.append(Sample(tokens=toks, loss_mask=[0] * plen + [1] * (len(toks) - plen),
+                                  rollout_logprobs=[0.0] * len(toks), versions=[0] * len(toks), prompt_len=plen,
+                                  group_id=f"g{grp}", advantage=float(torch.randn(1, generator=g))))
+    toks = rand(7)
+    samples.append(Sample(tokens=toks, loss_mask=[0] * 4 + [1] * 3, rollout_logprobs=[0.0] * 7, versions=[0] * 7,
+                          prompt_len=4, advantage=0.5))
+    return samples
+
+
+def check_shared_prefix(ctx: Ctx) -> dict:
+    """trainer.shared_prefix_packing: the same samples packed with one copy of each group's prompt
+    vs one per sample (token budget 24: the 9-token group is cut into two units, each with its
+    copy), on the same weights: logprobs / entropy of the policy tokens, loss and gradients."""
+    from mlrl.experience.packing import pack_step, unpack_per_sample
+
+    assert ctx.ranks.dp_size == 1, "check_shared_prefix runs without data parallelism"
+    samples = shared_prefix_samples(ctx.vocab)
+    res, lps, ents, grads = {}, {}, {}, {}
+    for shared in (False, True):
+        mbs, metrics = pack_step(samples, dp_size=1, token_budget=24, loss_agg="token-mean", shared_prefix=shared)
+        mbs = mbs[0]
+        res[f"tokens_{shared}"] = metrics["pack/num_tokens"]
+        res[f"micro_batches_{shared}"] = len(mbs)
+        pol = ctx.policy(trainable=True, use_distributed_optimizer=False, grad_clip=0.0)
+        out = pol.compute_logprobs(mbs, 0.8)
+        lps[shared] = unpack_per_sample(mbs, [lp for lp, _ in out], len(samples))
+        ents[shared] = unpack_per_sample(mbs, [e for _, e in out], len(samples))
+        res[f"loss_{shared}"] = pol.train_step(mbs, pg_loss, temperature=0.8, step=False)["loss"]
+        grads[shared] = _export_grads(pol)
+        del pol
+    masks = [torch.tensor(s.loss_mask, dtype=torch.bool) for s in samples]
+    res["logprob_diff"] = max(_max_abs(a[m], b[m]) for a, b, m in zip(lps[False], lps[True], masks))
+    res["entropy_diff"] = max(_max_abs(a[m], b[m]) for a, b, m in zip(ents[False], ents[True], masks))
+    res["logprob_max"] = max(float(a[m].abs().max()) for a, m in zip(lps[False], masks))
+    # (with pipeline parallelism a rank exports the gradients of its own stage only, possibly none)
+    res["grad_diff"] = max((_max_abs(grads[False][n], grads[True][n]) for n in grads[False]), default=0.0)
+    res["grad_max"] = max((float(g.abs().max()) for g in grads[False].values()), default=0.0)
+    res["grad_names_equal"] = sorted(grads[False]) == sorted(grads[True])
+    return res
+
+
 def check_adam(ctx: Ctx) -> dict:
     """Three optimizer steps with Megatron's DistributedOptimizer vs torch AdamW on the HF model."""
     # adam_eps 1e-5: Adam's update is most sensitive to a gradient element's value, lr / eps per
@@ -302,7 +358,8 @@ def check_rope(ctx: Ctx) -> dict:
 
 
 CHECKS = {"parity": check_parity, "export": check_export, "grads": check_grads, "adam": check_adam,
-          "bad_input": check_bad_input, "state": check_state, "rope": check_rope}
+          "bad_input": check_bad_input, "state": check_state, "rope": check_rope,
+          "shared_prefix": check_shared_prefix}
 
 
 def main() -> None:

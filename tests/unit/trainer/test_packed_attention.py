@@ -166,3 +166,65 @@ def test_non_fp32_inputs_keep_megatron_math(monkeypatch):
     q, k, v, psp = _inputs([4, 4, 2])
     out = attn(q.double(), k.double(), v.double(), None, attn_mask_type=AttnMaskType.causal, packed_seq_params=psp)
     assert out.dtype == torch.float64
+
+
+def test_shared_prefix_rows_attend_to_their_prompt_like_whole_samples():
+    """A row [prompt A | a1 | a2 | lone | prompt B | b1 | b2 | b3] (responses continuing their
+    group's prompt) gives each response the outputs and the gradients of the whole sample
+    prompt + response attended alone, the prompt's gradient summed over its responses."""
+    attn = _attention()
+    g = torch.Generator().manual_seed(3)
+    prompts = {"A": 5, "B": 3}
+    samples = [("A", 2), ("A", 4), (None, 6), ("B", 1), ("B", 3), ("B", 3)]
+    segs, prefix = [], []  # (length, prompt segment index)
+    heads = {}
+    for p, n in samples:
+        if p is not None and p not in heads:
+            heads[p] = len(segs)
+            segs.append(prompts[p])
+            prefix.append(-1)
+        segs.append(n)
+        prefix.append(heads.get(p, -1) if p is not None else -1)
+    t = sum(segs)
+    q = torch.randn(t, HEADS, DIM, generator=g, requires_grad=True)
+    k = torch.randn(t, GROUPS, DIM, generator=g, requires_grad=True)
+    v = torch.randn(t, GROUPS, DIM, generator=g, requires_grad=True)
+    cu = torch.tensor([0, *torch.tensor(segs).cumsum(0).tolist()], dtype=torch.int32)
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=9, max_seqlen_kv=9)
+    psp.mlrl_prefix_segment = prefix
+    out = attn(q, k, v, None, attn_mask_type=AttnMaskType.causal, packed_seq_params=psp)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+
+    # reference: every sample whole (its prompt's rows copied in front), attended on its own
+    bounds = cu.tolist()
+    rows, owned = [], []  # packed row of each reference token; whether the output belongs to the sample
+    for s, h in enumerate(prefix):
+        if h >= 0:
+            rows += list(range(bounds[h], bounds[h + 1]))
+            owned += [False] * (bounds[h + 1] - bounds[h])
+        if h >= 0 or s not in prefix:  # prompts are attended only through their samples
+            rows += list(range(bounds[s], bounds[s + 1]))
+            owned += [True] * (bounds[s + 1] - bounds[s])
+    idx = torch.tensor(rows)
+    lengths = [bounds[h + 1] - bounds[h] + bounds[s + 1] - bounds[s] if h >= 0 else bounds[s + 1] - bounds[s]
+               for s, h in enumerate(prefix) if h >= 0 or s not in prefix]
+    ref_all = _reference(q[idx], k[idx], v[idx], lengths)
+    mine = torch.tensor(owned)
+    ref = torch.zeros_like(out).index_copy(0, idx[mine], ref_all[mine])
+    prompt_rows = torch.tensor([r for h in set(prefix) if h >= 0 for r in range(bounds[h], bounds[h + 1])])
+    ref_prompt = _reference(q[prompt_rows], k[prompt_rows], v[prompt_rows],
+                            [bounds[h + 1] - bounds[h] for h in sorted(set(prefix)) if h >= 0])
+    ref = ref.index_copy(0, prompt_rows, ref_prompt)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("overrides", [{"attention_dropout": 0.1}, {"softmax_type": "learnable"}])
+def test_shared_prefix_rows_on_a_layer_the_kernel_does_not_reproduce_are_rejected(overrides):
+    attn = _attention_with(**overrides)
+    q, k, v, psp = _inputs([3, 2, 2])
+    psp.mlrl_prefix_segment = [-1, 0, 0]
+    with pytest.raises(ValueError, match="trainer.shared_prefix_packing"):
+        attn(q, k, v, None, attn_mask_type=AttnMaskType.causal, packed_seq_params=psp)
