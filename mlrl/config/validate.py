@@ -217,8 +217,8 @@ def _check_sft(cfg: Config) -> None:
                 raise ConfigError(f"{section}.{f.name}: an RL setting; an SFT run (sft: section) does not use it "
                                   f"(remove it, or remove the sft section for an RL run)")
     if cfg.trainer.shared_prefix_packing == "always":
-        raise ConfigError("trainer.shared_prefix_packing=always: an RL setting (one prompt shared by a group of sampled "
-                          "responses); an SFT run's conversations share no prompt group")
+        raise ConfigError("trainer.shared_prefix_packing=always: an RL setting (one prompt shared by a group of "
+                          "sampled responses); an SFT run's conversations share no prompt group")
     for name in _SFT_UNUSED_TRAINER:
         if getattr(cfg.trainer, name) != getattr(default.trainer, name):
             raise ConfigError(f"trainer.{name}: an RL setting; an SFT run takes sft.batch_size conversations per step")
