@@ -21,7 +21,8 @@ group rather than a sample: the group's samples share one copy of their common p
 micro-batch is cut into several units, each with its own copy of the prefix, and every sample
 of the group keeps its own segment. Loss weights do not change: the prefix holds no policy token.
 
-Inside a micro-batch samples appear in increasing sample index. `sample_ids` index into the
+Inside a micro-batch samples appear in increasing sample index (with shared prefixes: units in
+increasing index of their first sample, a group's samples together). `sample_ids` index into the
 `samples` list given to pack_step; per-sample tensors (old / reference logprobs, old critic
 values, returns) come back with `attach_per_sample`, per-token trainer outputs go back to
 samples with `unpack_per_sample`.
