@@ -41,7 +41,8 @@ its own. The segments of one (prompt length, own length) shape go to the fused k
 batch, the prompt's key / value rows gathered once per segment, with the explicit mask
 [own, prompt + own] (all prompt columns, causal over its own). Gradients of the shared rows sum
 over every response that read them (index_select's backward), which is what the same responses
-packed one by one, each with a copy of the prompt, give in total. Fused-kernel layers only.
+packed one by one, each with a copy of the prompt, give in total. Layers the fused kernel
+reproduces only, in any float dtype (bf16 included: Megatron's own math has no such mask).
 """
 
 from __future__ import annotations
@@ -141,11 +142,11 @@ class PackedDotProductAttention(DotProductAttention):
 
     def _forward_shared(self, query, key, value, bounds, prefix, attention_bias):
         """Rows with shared prefixes: see the module docstring."""
-        if not (self.fused and query.dtype == torch.float32 and attention_bias is None):
+        if not (self.fused and attention_bias is None):  # (any float dtype: Megatron's math has no such mask)
             raise ValueError(
-                "trainer.shared_prefix_packing: this attention layer is not plain causal fp32 softmax attention "
-                "(dropout, sliding window, softmax offset, query-key layer scaling, attention bias or a non-fp32 "
-                "dtype); shared-prefix packing supports only that kind: set trainer.shared_prefix_packing=false")
+                "trainer.shared_prefix_packing: this attention layer is not plain causal softmax attention "
+                "(dropout, sliding window, softmax offset, query-key layer scaling or attention bias); "
+                "shared-prefix packing supports only that kind: set trainer.shared_prefix_packing=never")
         shapes: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (prompt, own) -> [(prompt start, own start)]
         for (lo, hi), h in zip(zip(bounds[:-1], bounds[1:]), prefix):
             if hi > lo:

@@ -228,3 +228,15 @@ def test_shared_prefix_rows_on_a_layer_the_kernel_does_not_reproduce_are_rejecte
     psp.mlrl_prefix_segment = [-1, 0, 0]
     with pytest.raises(ValueError, match="trainer.shared_prefix_packing"):
         attn(q, k, v, None, attn_mask_type=AttnMaskType.causal, packed_seq_params=psp)
+
+
+def test_shared_prefix_rows_in_bfloat16_match_float32():
+    """bf16 training on CPU packs shared prefixes too: the same kernel, in bf16."""
+    attn = _attention()
+    q, k, v, psp = _inputs([4, 2, 3, 5])
+    psp.mlrl_prefix_segment = [-1, 0, 0, -1]
+    ref = attn(q, k, v, None, attn_mask_type=AttnMaskType.causal, packed_seq_params=psp)
+    out = attn(q.bfloat16(), k.bfloat16(), v.bfloat16(), None, attn_mask_type=AttnMaskType.causal,
+               packed_seq_params=psp)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
