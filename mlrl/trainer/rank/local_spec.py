@@ -117,10 +117,7 @@ class PackedDotProductAttention(DotProductAttention):
             order.append(idx)
         if not outs:
             return query.new_zeros(0, 1, query.shape[1] * value.shape[-1])
-        flat, pos = torch.cat(outs, dim=0), torch.cat(order)
-        inverse = torch.empty_like(pos)
-        inverse[pos] = torch.arange(pos.numel(), device=pos.device)
-        return flat.index_select(0, inverse)  # [t, 1, heads * dim] in packed order; Attention reshapes to (t, 1, -1)
+        return _in_packed_order(outs, order)  # Attention reshapes to (t, 1, -1)
 
     def _forward_runs(self, query, key, value, runs, attn_mask_type, attention_bias):
         """The usual layout of a packed micro-batch (mlrl packs samples longest first): the samples
@@ -173,10 +170,7 @@ class PackedDotProductAttention(DotProductAttention):
                 enable_gqa=q.shape[1] != k.shape[1])  # [b, heads, length, dim]
             outs.append(out.transpose(1, 2).reshape(b * length, 1, -1))
             order.append(q_idx)
-        flat, pos = torch.cat(outs, dim=0), torch.cat(order)
-        inverse = torch.empty_like(pos)
-        inverse[pos] = torch.arange(pos.numel(), device=pos.device)
-        return flat.index_select(0, inverse)  # [t, 1, heads * dim] in packed order
+        return _in_packed_order(outs, order)
 
     def _attend(self, q, k, v, attn_mask_type, attention_bias):
         """Causal attention of b samples of one length: q [s, b, heads, dim], k / v [s, b, groups,
@@ -192,6 +186,15 @@ class PackedDotProductAttention(DotProductAttention):
         out = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
         return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)  # [s, b, heads * dim]
+
+
+def _in_packed_order(outs: list[torch.Tensor], order: list[torch.Tensor]) -> torch.Tensor:
+    """Outputs computed batch by batch ([n_k, 1, heads * dim] for the packed rows order[k]) -> [t, 1,
+    heads * dim] in packed order."""
+    flat, pos = torch.cat(outs, dim=0), torch.cat(order)
+    inverse = torch.empty_like(pos)
+    inverse[pos] = torch.arange(pos.numel(), device=pos.device)
+    return flat.index_select(0, inverse)
 
 
 def _rows(x: torch.Tensor, idx: torch.Tensor, b: int, length: int) -> torch.Tensor:
