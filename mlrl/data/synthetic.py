@@ -4,14 +4,25 @@
   The chat template renders "user : copy 7 . assistant : "; a correct answer is the digit then EOS.
 - `add_digits` (tiny vocabulary): "add 3 4" -> "7", single-digit operands with a sum below 10, so the
   answer is one token. Reward `exact_match`.
+- `copy_pair` (tiny vocabulary): "copy 3 7" -> "3 7": a two-token answer. Reward `token_match` (the
+  share of answer positions right: partial credit; all-or-nothing gives a random init almost no
+  signal on answers of several tokens).
+- `sum_digits` (tiny vocabulary): "sum 7 8" -> "1 5", two digits always (a leading 0 below ten):
+  a two-token answer. Reward `exact_match`. (Hard from a random init: the carry digit.)
+- `reverse_digits` (tiny vocabulary): "reverse 3 1 4 1" -> "1 4 1 3", four digits: a four-token
+  answer. Reward `token_match`.
+- `reverse_var` (tiny vocabulary): the same with 2 to 5 digits: an answer of varying length, which
+  must end with EOS inside a larger budget (`token_match` counts extra words as wrong).
+- `repeat_digit` (tiny vocabulary): "repeat 7" -> "7" sixteen times: a sixteen-token answer. Reward
+  `token_match`.
 - `arith_word` (for SmolLM2-135M-Instruct): "Tom has 3 apples and buys 4 more. How many apples does
   he have now? Answer with a single number." -> "7" (addition, subtraction, small products). Reward
   `gsm8k` (the model's `#### n`, else last `\\boxed{n}`, else its last number, compared numerically).
 
 Determinism and held-out rows: rows depend only on (task, split, seed, num_rows). The train split
 and the eval split ("test", "eval", "validation", "valid") draw from different random streams, and
-for `add_digits` and `arith_word` from disjoint sets of problems (a fixed ~20% / ~10% of the problem
-space is reserved for evaluation). `copy_digit` has only ten distinct prompts, so its eval split is
+for the others from disjoint sets of problems (a fixed ~10-20% of the problem space is reserved for
+evaluation). `copy_digit` and `repeat_digit` have only ten distinct prompts, so their eval split is
 the same distribution drawn with another seed.
 """
 
@@ -43,6 +54,21 @@ def _row(text: str, answer: Any) -> dict[str, Any]:
 
 def _copy_problem(rng: random.Random) -> tuple:
     return (rng.randrange(10),)
+
+
+def _digits(n: int) -> Callable[[random.Random], tuple]:
+    return lambda rng: tuple(rng.randrange(10) for _ in range(n))
+
+
+def _reverse_var_problem(rng: random.Random) -> tuple:
+    return _digits(rng.randint(2, 5))(rng)
+
+
+def _words(xs: Any) -> str:
+    return " ".join(str(x) for x in xs)
+
+
+REPEAT_TIMES = 16
 
 
 def _add_problem(rng: random.Random) -> tuple:
@@ -93,6 +119,21 @@ TASKS: dict[str, SyntheticTask] = {
     "add_digits": SyntheticTask(
         "add_digits", "exact_match", _add_problem, lambda k: _row(f"add {k[0]} {k[1]}", k[0] + k[1]),
         lambda k: (k[0] * 10 + k[1]) % 5 == 0, "sum of two digits below 10 (tiny vocabulary)"),
+    "copy_pair": SyntheticTask(
+        "copy_pair", "token_match", _digits(2), lambda k: _row(f"copy {_words(k)}", _words(k)),
+        lambda k: (k[0] * 10 + k[1]) % 5 == 0, "repeat two digits (tiny vocabulary)"),
+    "sum_digits": SyntheticTask(
+        "sum_digits", "exact_match", _digits(2), lambda k: _row(f"sum {k[0]} {k[1]}", _words(divmod(k[0] + k[1], 10))),
+        lambda k: (k[0] * 10 + k[1]) % 5 == 0, "sum of two digits, written as two digits (tiny vocabulary)"),
+    "reverse_digits": SyntheticTask(
+        "reverse_digits", "token_match", _digits(4), lambda k: _row(f"reverse {_words(k)}", _words(k[::-1])),
+        lambda k: sum(k) % 5 == 0, "reverse four digits (tiny vocabulary)"),
+    "reverse_var": SyntheticTask(
+        "reverse_var", "token_match", _reverse_var_problem, lambda k: _row(f"reverse {_words(k)}", _words(k[::-1])),
+        lambda k: sum(k) % 5 == 0, "reverse 2 to 5 digits (tiny vocabulary)"),
+    "repeat_digit": SyntheticTask(
+        "repeat_digit", "token_match", _copy_problem, lambda k: _row(f"repeat {k[0]}", _words([k[0]] * REPEAT_TIMES)),
+        None, f"repeat one digit {REPEAT_TIMES} times (tiny vocabulary)"),
     "arith_word": SyntheticTask(
         "arith_word", "gsm8k", _arith_problem, _arith_render,
         lambda k: (k[0] * 7 + k[1] * 37 + k[2] * 11) % 10 == 0, "one-step arithmetic word problems"),

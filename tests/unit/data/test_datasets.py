@@ -140,21 +140,42 @@ def test_synthetic_tasks_are_deterministic_and_split(task):
     assert len(ds) == 7 and ds.reward == TASKS[task].reward
 
 
-@pytest.mark.parametrize("task", ["copy_digit", "add_digits"])
+TINY_TASKS = ["copy_digit", "add_digits", "copy_pair", "sum_digits", "reverse_digits", "reverse_var", "repeat_digit"]
+ANSWER_WORDS = {"copy_digit": {1}, "add_digits": {1}, "copy_pair": {2}, "sum_digits": {2}, "reverse_digits": {4},
+                "reverse_var": {2, 3, 4, 5}, "repeat_digit": {16}}
+
+
+@pytest.mark.parametrize("task", TINY_TASKS)
 def test_tiny_tasks_fit_the_tiny_vocabulary(task, tok):
     vocab = set(SPECIALS + WORDS)
+    lengths = set()
     for r in generate(task, "train", num_rows=300):
         assert all(w in vocab for w in r["messages"][0]["content"].split())
         ids = apply_chat_template(tok, r["messages"], add_generation_prompt=True)
         assert tok.unk_token_id not in ids
         ans = tok(r["answer"], add_special_tokens=False)["input_ids"]
-        assert len(ans) == 1 and tok.decode(ans) == r["answer"]  # a one-token answer
-        reward = get_reward_fn("exact_match")
+        lengths.add(len(ans))
+        assert tok.decode(ans) == r["answer"] and tok.unk_token_id not in ans  # one token per answer word
+        reward = get_reward_fn(TASKS[task].reward)
         assert reward("", r["answer"], [], [], **r) == 1.0
+    assert lengths == ANSWER_WORDS[task]
     if task == "add_digits":
         for r in generate(task, "test", num_rows=50):
             _, a, b = r["messages"][0]["content"].split()
             assert int(a) + int(b) == int(r["answer"]) < 10
+
+
+def test_tiny_task_answers_are_right():
+    for r in generate("sum_digits", "train", num_rows=100):
+        _, a, b = r["messages"][0]["content"].split()
+        assert int(r["answer"].replace(" ", "")) == int(a) + int(b)
+    for task in ("reverse_digits", "reverse_var"):
+        for r in generate(task, "train", num_rows=100):
+            assert r["answer"].split() == r["messages"][0]["content"].split()[1:][::-1]
+    for r in generate("copy_pair", "train", num_rows=50):
+        assert r["answer"].split() == r["messages"][0]["content"].split()[1:]
+    for r in generate("repeat_digit", "train", num_rows=20):
+        assert r["answer"].split() == [r["messages"][0]["content"].split()[1]] * 16
 
 
 def test_arith_word_answers_are_right():
