@@ -1,9 +1,14 @@
-"""Built-in verifiable rewards: `exact_match`, `boxed`, `gsm8k`, `math_verify`.
+"""Built-in verifiable rewards: `exact_match`, `token_match`, `boxed`, `gsm8k`, `math_verify`.
 
 All have the registry signature `fn(prompt, completions, prompt_ids, completion_ids, **data)`
-and read the reference from `data["answer"]`; each returns 1.0 or 0.0. Which one to use:
+and read the reference from `data["answer"]`; each returns 1.0 or 0.0, but `token_match`, which
+gives partial credit. Which one to use:
 - `exact_match`: the whole completion (stripped) equals the answer (stripped) — the tiny
-  synthetic tasks `copy_digit` / `add_digits`;
+  synthetic tasks `copy_digit` / `add_digits` / `sum_digits`;
+- `token_match`: the share of the answer's whitespace-separated words that the completion has at
+  the same position, over the longer of the two (extra words cost as much as missing ones) — long
+  answers such as `copy_pair` / `reverse_*` / `repeat_digit`, where all-or-nothing gives a
+  random init almost no signal;
 - `gsm8k`: numeric answers; takes the model's `#### ...` line, else its last `\\boxed{...}`,
   else the last number in the completion, and checks it against the answer (a GSM8K
   solution's `#### n` line is understood too) — GSM8K and the `arith_word` synthetic task;
@@ -121,12 +126,23 @@ def _normalise(s: str) -> str:
     return re.sub(r"\s+", "", s.strip().strip("$").rstrip("."))
 
 
-@register_reward("exact_match")
+@register_reward("exact_match", inline=True)
 def exact_match_reward(prompt, completions, prompt_ids, completion_ids, answer=None, **data) -> float:
     """1.0 iff the completion, stripped, equals the answer, stripped."""
     if answer is None:
         raise KeyError("exact_match reward: the row has no 'answer'")
     return float(str(completions).strip() == str(answer).strip())
+
+
+@register_reward("token_match", inline=True)
+def token_match_reward(prompt, completions, prompt_ids, completion_ids, answer=None, **data) -> float:
+    """Partial credit: #{i : completion word i == answer word i} / max(#answer words, #completion words)."""
+    if answer is None:
+        raise KeyError("token_match reward: the row has no 'answer'")
+    want, got = str(answer).split(), str(completions).split()
+    if not want and not got:
+        return 1.0
+    return sum(a == b for a, b in zip(want, got)) / max(len(want), len(got))
 
 
 _MV_TIMEOUT_S = 5

@@ -10,7 +10,22 @@ def call(name, completion, answer, **data):
 
 
 def test_builtins_are_registered():
-    assert {"exact_match", "boxed", "gsm8k", "math_verify"} <= set(list_rewards())
+    assert {"exact_match", "token_match", "boxed", "gsm8k", "math_verify"} <= set(list_rewards())
+
+
+@pytest.mark.parametrize(
+    "completion,answer,expected",
+    [("7 7 7 7", "7 7 7 7", 1.0), ("7 7 7", "7 7 7 7", 0.75), ("7 7 7 7 7", "7 7 7 7", 0.8),
+     ("1 4 1 3", "1 4 1 3", 1.0), ("3 1 4 1", "1 4 1 3", 0.0), ("1 9 1 3", "1 4 1 3", 0.75), ("", "1 2", 0.0),
+     ("", "", 1.0), (" 5\n", "5", 1.0)],
+)
+def test_token_match_gives_partial_credit_by_position(completion, answer, expected):
+    assert call("token_match", completion, answer) == pytest.approx(expected)
+
+
+def test_token_match_needs_an_answer():
+    with pytest.raises(KeyError, match="token_match.*answer"):
+        get_reward_fn("token_match")("p", "7", [], [])
 
 
 @pytest.mark.parametrize(
