@@ -1,17 +1,22 @@
 """mlrl vs TRL's GRPOTrainer on the same GRPO task, side by side, one after the other in one run.
 
-    python tools/bench_vs_trl.py [--model tiny-llama|smollm2] [--steps N] [--threshold 0.9] [--json out.json]
+    python tools/bench_vs_trl.py [--model tiny-llama|smollm2 | --config recipe.yaml] [--set a.b=c ...]
+                                 [--steps N] [--threshold 0.9] [--json out.json]
 
 Needs the `bench` extra (`pip install -e .[bench]`: trl). TRL is imported only by this tool's worker
 subprocess, never by mlrl itself.
 
 What is the same on both sides (all taken from the mlrl recipe: launch/cpu_default.yaml, or
-launch/smollm2_cpu.yaml with --model smollm2):
+launch/smollm2_cpu.yaml with --model smollm2, or any --config, with the --set overrides applied on
+both sides; tools/bench_learning.py runs its task suite through this tool's functions):
 - the model: the recipe's `model.hf_dir` (`builtin:tiny-llama` / `builtin:smollm2-135m-instruct`), the HF
   folder `mlrl.modelzoo.resolve_model_dir` materialises; TRL loads it with AutoModelForCausalLM /
   AutoTokenizer in the recipe's dtype;
 - the task: the rows of `mlrl.data.dataset_from_config(cfg.data, "train", seed=trainer.seed)`, their
   `messages` rendered by the tokenizer's own chat template (add_generation_prompt) on both sides;
+- the prompt order: TRL gets the rows in the order mlrl's `PromptSampler` hands them out (seeded
+  epoch-wise shuffles, trainer.seed), with its own shuffling off, so step k trains on the same
+  prompts on both sides;
 - the reward: the recipe's `workflow.reward` (`mlrl.reward.get_reward_fn`), called exactly as the rlvr
   workflow calls it: `fn(prompt, completion, prompt_ids, completion_ids, **row)`, prompt and completion
   decoded with special tokens skipped (a reward that raises scores 0.0, as mlrl's reward wrapper does);
@@ -38,8 +43,6 @@ What is NOT identical:
 - small loss details: TRL divides advantages by (std + 1e-4), mlrl by (std + 1e-6); TRL's KL term is used
   without its importance-ratio weighting (use_bias_correction_kl=False) to match mlrl; HF's warm-up
   ramps from lr 0 at the first update where Megatron's starts at lr/warmup_steps;
-- prompt order: both shuffle the same rows with the same seed, but with different samplers, so the
-  prompts of step k differ (the demo task has only ten distinct prompts);
 - randomness: mlrl seeds each vLLM request (rollout.sampling.seed, when the recipe sets it); TRL has no
   per-request seed and samples from the torch RNG seeded with trainer.seed. Both runs are reproducible,
   but their samples differ, so the reward curves (and steps to threshold) are alike, not equal.
@@ -85,6 +88,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=sorted(RECIPES), default="tiny-llama",
                     help="tiny-llama: launch/cpu_default.yaml; smollm2: launch/smollm2_cpu.yaml")
+    ap.add_argument("--config", default=None, help="any mlrl recipe instead of --model's")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=C",
+                    help="a config override applied on both sides (repeatable)")
     ap.add_argument("--steps", type=int, default=None, help="RL steps per side (default: the recipe's total_steps)")
     ap.add_argument("--threshold", type=float, default=0.9, help="mean reward to reach (default 0.9)")
     ap.add_argument("--json", default=None, help="write all measurements to this JSON file")
@@ -104,13 +110,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # the recipe -> TRL GRPOConfig
 
 
-def load_recipe(model: str, steps: int | None):
+def recipe_path(args: argparse.Namespace) -> Path:
+    return Path(args.config).resolve() if args.config else RECIPES[args.model]
+
+
+def load_recipe(args: argparse.Namespace):
+    """The recipe with the --set overrides and --steps applied (what both sides run)."""
     from mlrl.config import load_config
 
-    cfg = load_config(RECIPES[model])
-    if steps is not None:
-        cfg.trainer.total_steps = steps
+    cfg = load_config(recipe_path(args), list(args.overrides))
+    if args.steps is not None:
+        cfg.trainer.total_steps = args.steps
     return cfg
+
+
+def prompt_order(cfg, rows: list[dict]) -> list[dict]:
+    """The rows mlrl's loop trains on, in its order: `PromptSampler` (seed trainer.seed, shuffle
+    data.shuffle), prompts_per_step rows per step for every step."""
+    from mlrl.data.sampler import PromptSampler
+
+    sampler = PromptSampler(rows, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
+    return sampler.next_batch(cfg.trainer.prompts_per_step * cfg.trainer.total_steps)
 
 
 def check_mappable(cfg) -> None:
@@ -170,7 +190,7 @@ def grpo_config_kwargs(cfg, steps: int, micro_batch: int, output_dir: str) -> di
         gradient_accumulation_steps=ga,
         steps_per_generation=ga,
         num_iterations=t.epochs_per_step,
-        shuffle_dataset=cfg.data.shuffle,
+        shuffle_dataset=False,  # the rows come in mlrl's order (prompt_order)
         # sampling
         use_vllm=False,
         max_completion_length=s.max_new_tokens,
@@ -240,7 +260,7 @@ def _trl_worker(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     t_imports = time.time()
-    cfg = load_recipe(args.model, args.steps)
+    cfg = load_recipe(args)
     steps = cfg.trainer.total_steps
     hf_dir = resolve_model_dir(cfg.model.hf_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
@@ -248,7 +268,8 @@ def _trl_worker(args: argparse.Namespace) -> int:
         tokenizer.pad_token_id = tokenizer.eos_token_id
     rows = list(dataset_from_config(cfg.data, "train", tokenizer=tokenizer, seed=cfg.trainer.seed))
     columns = sorted({k for r in rows for k in r} - {"messages"})
-    dataset = Dataset.from_list([{"prompt": r["messages"], **{k: r.get(k) for k in columns}} for r in rows])
+    dataset = Dataset.from_list([{"prompt": r["messages"], **{k: r.get(k) for k in columns}}
+                                 for r in prompt_order(cfg, rows)])
     max_prompt = max(len(apply_chat_template(tokenizer, r["messages"], add_generation_prompt=True)) for r in rows)
     micro = trl_micro_batch(cfg, max_prompt + cfg.rollout.sampling.max_new_tokens, args.trl_micro_batch)
     t_data = time.time()
@@ -283,6 +304,16 @@ def _trl_worker(args: argparse.Namespace) -> int:
 
         def on_train_begin(self, a, state, control, **kw):
             self.t_begin = self.t_prev = time.time()
+            # written now, not at the end: a run stopped once it reached the threshold has it too
+            out.with_suffix(".start.json").write_text(json.dumps({
+                "t_process": t_process, "t_train_begin": self.t_begin,
+                "startup": {"imports_s": t_imports - t_process, "data_s": t_data - t_imports,
+                            "model_load_s": t_model - t_data, "trainer_init_s": t_init - t_model,
+                            "train_begin_s": self.t_begin - t_init},
+                "micro_batch": micro, "gradient_accumulation_steps": gcfg.gradient_accumulation_steps,
+                "generation_batch_size": gcfg.generation_batch_size, "steps_per_generation": gcfg.steps_per_generation,
+                "loss_type": gcfg.loss_type, "threads": torch.get_num_threads(),
+                "ref_model": trainer.ref_model is not None}))
 
         def on_step_end(self, a, state, control, **kw):
             now = time.time()
@@ -306,15 +337,8 @@ def _trl_worker(args: argparse.Namespace) -> int:
     trainer.train()
     t_done = time.time()
     clock.f.close()
-    result = {
-        "t_process": t_process, "t_train_begin": clock.t_begin, "t_done": t_done,
-        "startup": {"imports_s": t_imports - t_process, "data_s": t_data - t_imports, "model_load_s": t_model - t_data,
-                    "trainer_init_s": t_init - t_model, "train_begin_s": clock.t_begin - t_init},
-        "micro_batch": micro, "gradient_accumulation_steps": gcfg.gradient_accumulation_steps,
-        "generation_batch_size": gcfg.generation_batch_size, "steps_per_generation": gcfg.steps_per_generation,
-        "loss_type": gcfg.loss_type, "threads": torch.get_num_threads(), "trl_logs": clock.logs,
-        "ref_model": trainer.ref_model is not None,
-    }
+    result = json.loads(out.with_suffix(".start.json").read_text())
+    result.update(t_done=t_done, trl_logs=clock.logs)
     out.write_text(json.dumps(result, indent=1))
     return 0
 
@@ -388,10 +412,16 @@ class ForeignCPU:
                 "top": [{"pid": k[0], "cpu_s": round(v, 1), "cmd": self.names.get(k, "?")} for k, v in top]}
 
 
+STOPPED = -15  # the exit code _run_tailing reports for a run it stopped because `stop()` said so
+
+
 def _run_tailing(cmd: list[str], env: dict, log: Path, lines: Path, timeout: float,
-                 on_line: Callable[[dict, float], None]) -> tuple[int, float, float, dict]:
+                 on_line: Callable[[dict, float], None],
+                 stop: Callable[[], bool] = lambda: False) -> tuple[int, float, float, dict]:
     """Run cmd (output to log), calling on_line(record, arrival_time) for each new JSON line of
-    `lines` while it runs. Returns (exit code, start time, end time, foreign CPU use)."""
+    `lines` while it runs. Once `stop()` is true the run is ended early (SIGTERM to its process
+    group, SIGKILL 30 s later) and the exit code is STOPPED. Returns (exit code, start time, end
+    time, foreign CPU use)."""
     t0 = time.time()
     with open(log, "w") as lf:
         proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=lf, stderr=subprocess.STDOUT, start_new_session=True)
@@ -413,6 +443,15 @@ def _run_tailing(cmd: list[str], env: dict, log: Path, lines: Path, timeout: flo
                         on_line(json.loads(ln), now)
             if rc is not None:
                 return rc, t0, time.time(), foreign.result()
+            if stop():
+                t_stop = time.time()
+                os.killpg(proc.pid, 15)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, 9)
+                    proc.wait()
+                return STOPPED, t0, t_stop, foreign.result()
             if time.time() - t0 > timeout:
                 raise TimeoutError
             foreign.sample()
@@ -430,29 +469,41 @@ def _tail_log(log: Path, n: int = 30) -> str:
         return ""
 
 
-def _progress(side: str, steps: int) -> Callable[[dict, float], None]:
+def _progress(side: str, steps: int, every: int = 1) -> Callable[[dict, float], None]:
     def show(rec: dict, _: float) -> None:
-        print(f"  [{side}] step {rec['step']}/{steps}  reward {rec['reward/mean']:.3f}  "
-              f"step {_step_time(rec):.2f} s", flush=True)
+        if every and (rec["step"] % every == 0 or rec["step"] == 1):
+            print(f"  [{side}] step {rec['step']}/{steps}  reward {rec['reward/mean']:.3f}  "
+                  f"step {_step_time(rec):.2f} s", flush=True)
     return show
 
 
-def run_mlrl(args: argparse.Namespace, steps: int, work: Path) -> dict:
+RewardsDone = Callable[[list[float]], bool]  # rewards of the steps so far -> stop the run now
+
+
+def run_mlrl(args: argparse.Namespace, steps: int, work: Path, *, done: RewardsDone | None = None,
+             show_every: int = 1) -> dict:
+    """One mlrl run of the recipe (`python -m mlrl.launch`), read from its metrics.jsonl. With
+    `done`, the run is stopped (SIGTERM: the launcher's orderly teardown) once done(rewards) is true."""
     run_dir = work / "mlrl_run"
-    cmd = [sys.executable, "-m", "mlrl.launch", "--config", str(RECIPES[args.model]), f"trainer.total_steps={steps}",
-           f"logging.run_dir={run_dir}", "checkpoint.save_at_end=false", "checkpoint.hf_export_at_end=false",
-           "logging.plot=false", "logging.progress_bar=false"]
+    cmd = [sys.executable, "-m", "mlrl.launch", "--config", str(recipe_path(args)), *args.overrides,
+           f"trainer.total_steps={steps}", f"logging.run_dir={run_dir}", "checkpoint.save_at_end=false",
+           "checkpoint.hf_export_at_end=false", "checkpoint.resume=none", "logging.plot=false",
+           "logging.progress_bar=false"]
     records: list[tuple[dict, float]] = []
-    show = _progress("mlrl", steps)
+    show = _progress("mlrl", steps, show_every)
 
     def on_line(rec: dict, arrived: float) -> None:
         if "reward/mean" in rec and any(k in rec for k in STEP_TIME_KEYS):  # training-step lines only
             records.append((rec, arrived))
             show(rec, arrived)
 
+    def stop() -> bool:
+        return done is not None and bool(records) and done([float(r["reward/mean"]) for r, _ in records])
+
     log = work / "mlrl.log"
-    rc, t0, t_end, foreign = _run_tailing(cmd, dict(os.environ), log, run_dir / "metrics.jsonl", args.timeout, on_line)
-    if rc != 0 or not records:
+    rc, t0, t_end, foreign = _run_tailing(cmd, dict(os.environ), log, run_dir / "metrics.jsonl", args.timeout, on_line,
+                                          stop)
+    if rc not in (0, STOPPED) or not records:
         raise SystemExit(f"bench_vs_trl: mlrl failed (exit {rc}); last lines of {log}:\n{_tail_log(log)}")
     recs = [r for r, _ in records]
     times = [_step_time(r) for r in recs]
@@ -465,27 +516,36 @@ def run_mlrl(args: argparse.Namespace, steps: int, work: Path) -> dict:
     }
 
 
-def run_trl(args: argparse.Namespace, steps: int, work: Path) -> dict:
+def run_trl(args: argparse.Namespace, steps: int, work: Path, *, done: RewardsDone | None = None,
+            show_every: int = 1) -> dict:
+    """One TRL GRPOTrainer run of the recipe (this file's --_trl-worker); `done` as in run_mlrl."""
     out = work / "trl_result.json"
     cmd = [sys.executable, __file__, "--_trl-worker", "--_out", str(out), "--model", args.model, "--steps", str(steps),
-           "--trl-threads", str(args.trl_threads)]
+           "--trl-threads", str(args.trl_threads), *(f"--set={o}" for o in args.overrides)]
+    if args.config:
+        cmd += ["--config", str(recipe_path(args))]
     if args.trl_micro_batch is not None:
         cmd += ["--trl-micro-batch", str(args.trl_micro_batch)]
     threads = str(args.trl_threads)
     env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
     records: list[dict] = []
-    show = _progress("trl", steps)
+    show = _progress("trl", steps, show_every)
 
     def on_line(rec: dict, arrived: float) -> None:
         records.append(rec)
         show(rec, arrived)
 
+    def stop() -> bool:
+        return done is not None and bool(records) and done([r["reward/mean"] for r in records])
+
     log = work / "trl.log"
-    rc, t0, t_end, foreign = _run_tailing(cmd, env, log, out.with_suffix(".steps.jsonl"), args.timeout, on_line)
-    if rc != 0 or not out.exists():
+    rc, t0, t_end, foreign = _run_tailing(cmd, env, log, out.with_suffix(".steps.jsonl"), args.timeout, on_line, stop)
+    start = out.with_suffix(".start.json")
+    if rc not in (0, STOPPED) or not start.exists() or not records:
         raise SystemExit(f"bench_vs_trl: the TRL run failed (exit {rc}); last lines of {log}:\n{_tail_log(log)}")
-    res = json.loads(out.read_text())
+    res = json.loads((out if out.exists() else start).read_text())
+    res.setdefault("t_done", records[-1]["t_end"])  # stopped early: training ended with its last step
     return {
         "cmd": " ".join(cmd), "steps": [r["step"] for r in records], "rewards": [r["reward/mean"] for r in records],
         "step_times": [r["timing/step"] for r in records], "startup_s": res["t_train_begin"] - t0,
@@ -493,7 +553,7 @@ def run_trl(args: argparse.Namespace, steps: int, work: Path) -> dict:
         "shutdown_s": t_end - res["t_done"], "config": {k: res[k] for k in (
             "micro_batch", "gradient_accumulation_steps", "generation_batch_size", "steps_per_generation",
             "loss_type", "threads", "ref_model")},
-        "trl_logged_reward": [res["trl_logs"].get(str(s), {}).get("reward") for s in (r["step"] for r in records)],
+        "trl_logged_reward": [res.get("trl_logs", {}).get(str(r["step"]), {}).get("reward") for r in records],
         "log": str(log), "foreign_cpu": foreign,
     }
 
@@ -598,7 +658,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.trl_worker:
         return _trl_worker(args)
-    cfg = load_recipe(args.model, args.steps)
+    cfg = load_recipe(args)
     check_mappable(cfg)
     steps = cfg.trainer.total_steps
     if steps < 1:
@@ -613,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("bench_vs_trl: trl is not installed; pip install -e '.[bench]'")
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench_vs_trl."))
     work.mkdir(parents=True, exist_ok=True)
-    print(f"bench_vs_trl: {steps} steps of {RECIPES[args.model].relative_to(REPO)} with mlrl, then with TRL "
+    print(f"bench_vs_trl: {steps} steps of {recipe_path(args)} {' '.join(args.overrides)} with mlrl, then with TRL "
           f"{trl_version} GRPOTrainer ({TRL_NOTE}); work dir {work}", flush=True)
     res: dict[str, dict] = {}
     if args.only != "trl":
@@ -626,7 +686,8 @@ def main(argv: list[str] | None = None) -> int:
     ratios = report(cfg, steps, args.threshold, summ, res)
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "model": args.model, "recipe": str(RECIPES[args.model]), "steps": steps, "threshold": args.threshold,
+            "model": args.model, "recipe": str(recipe_path(args)), "overrides": args.overrides, "steps": steps,
+            "threshold": args.threshold,
             "trl_version": trl_version, "note": TRL_NOTE, "summary": summ, "ratios": ratios, "runs": res,
         }, indent=1, default=str))
     if not args.workdir:
