@@ -7,6 +7,12 @@ version that produced each token (`weight_versions` spans recorded by the engine
 `/finish_weight_update`). One call = one `Segment`; the pool stitches segments of an
 interrupted request together.
 
+Requests made in the same event-loop pass (the prompt groups of a step start together) travel in
+ONE HTTP round trip, `POST /mlrl/generate_batch` (mlrl.rollout.batch_route, loaded into the
+server), which runs each through the same vLLM handler and answers each on its own: same
+results, same per-request errors, one HTTP cost. A server without that route (404) gets one
+request each from then on.
+
 Answers come as tokens only (`output_mode: "tokens"`): the workflows decode with their own
 tokenizer (rlvr, the agent proxy), so the engine does not render text and per-token strings for
 every sample (`Segment.text` is ""), and it does not detokenize at all unless stop strings need
@@ -42,6 +48,10 @@ class EngineError(RuntimeError):
 
 class EngineRequestError(EngineError):
     """The engine refused the request (HTTP 4xx other than 401); the message is the engine's."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
 
 
 class EngineUnavailableError(EngineError):
@@ -113,7 +123,19 @@ def _versions(spans: list[dict[str, Any]] | None, n: int, default: int) -> list[
     return out
 
 
+GENERATE = "/inference/v1/generate"
+BATCH_GENERATE = "/mlrl/generate_batch"  # mlrl.rollout.batch_route.PATH (client.py imports no vLLM)
 CLIENT_KEEPALIVE_S = 30.0
+
+
+def _fail(waiting: list[tuple[Any, asyncio.Future]], err: BaseException) -> None:
+    if not isinstance(err, Exception):  # CancelledError & co: the waiters get an engine failure instead
+        err = EngineUnavailableError(f"request cancelled: {err!r}")
+    for _, f in waiting:
+        if not f.done():
+            f.set_exception(err)
+
+
 SERVER_KEEPALIVE_S = 60  # VLLM_HTTP_TIMEOUT_KEEP_ALIVE set by mlrl.rollout.server
 
 
@@ -143,6 +165,11 @@ class EngineClient:
         # the served model generation requests name: None = the base model; a LoRA adapter's name
         # once the adapter weight sync (weight_sync.lora_mode=adapter) has loaded one
         self.model: str | None = None
+        # generate requests waiting for this loop pass's batch (see the module docstring)
+        self._pending: list[tuple[dict[str, Any], asyncio.Future]] = []
+        self._batched = True   # False once the server said it has no batch route
+        self._flushes: set[asyncio.Task] = set()
+        self.batched_requests = 0  # generate requests that travelled in a batch (tests, diagnostics)
 
     def _session(self) -> aiohttp.ClientSession:
         if self._http is None or self._http.closed:
@@ -187,17 +214,84 @@ class EngineClient:
                 return body.decode(errors="replace")
         try:
             parsed = _json.loads(body)
-            msg = parsed.get("error", parsed) if isinstance(parsed, dict) else parsed
-            if isinstance(msg, dict):
-                msg = msg.get("message", msg)
         except ValueError:
-            msg = body[:500].decode(errors="replace")
+            parsed = body[:500].decode(errors="replace")
+        raise self._http_error(status, parsed, path)
+
+    def _http_error(self, status: int, parsed: Any, path: str) -> EngineError:
+        msg = parsed.get("error", parsed) if isinstance(parsed, dict) else parsed
+        if isinstance(msg, dict):
+            msg = msg.get("message", msg)
         text = f"{self.name} {path}: HTTP {status}: {msg}"
         if status == 401:
-            raise EngineAuthError(text)
+            return EngineAuthError(text)
         if 400 <= status < 500:
-            raise EngineRequestError(text)
-        raise EngineUnavailableError(text)
+            return EngineRequestError(text, status)
+        return EngineUnavailableError(text)
+
+    # ------------------------------------------------------------------ batched generate requests
+
+    async def _generate(self, body: dict[str, Any]) -> Any:
+        """One `/inference/v1/generate` request, sent with the others of this loop pass."""
+        if not self._batched:
+            return await self._post(GENERATE, json=body)
+        fut = asyncio.get_running_loop().create_future()
+        self._pending.append((body, fut))
+        if len(self._pending) == 1:
+            asyncio.get_running_loop().call_soon(self._flush)
+        return await fut
+
+    def _flush(self) -> None:
+        batch, self._pending = self._pending, []
+        task = asyncio.ensure_future(self._send(batch))
+        self._flushes.add(task)
+        task.add_done_callback(self._flushes.discard)
+
+    async def _send(self, batch: list[tuple[dict[str, Any], asyncio.Future]]) -> None:
+        live = [(b, f) for b, f in batch if not f.done()]  # a caller cancelled (timeout) before the send
+        if len(live) == 1 or not self._batched:
+            await asyncio.gather(*(self._send_one(b, f) for b, f in live))
+            return
+        if not live:
+            return
+        try:
+            js = await self._post(BATCH_GENERATE, json={"requests": [b for b, _ in live]})
+            answers = js["responses"] if isinstance(js, dict) else None
+            if not isinstance(answers, list) or len(answers) != len(live):
+                raise EngineUnavailableError(f"{self.name} {BATCH_GENERATE}: {len(live)} requests, malformed answer "
+                                             f"{str(js)[:200]}")
+        except EngineRequestError as e:
+            if e.status not in (404, 405):
+                _fail(live, e)
+                return
+            self._batched = False  # a server without the route: one request each from now on
+            await asyncio.gather(*(self._send_one(b, f) for b, f in live))
+            return
+        except Exception as e:  # noqa: BLE001 - every request of the batch gets the engine's failure
+            _fail(live, e)
+            return
+        except BaseException as e:  # cancelled (shutdown): the waiters are told, then it propagates
+            _fail(live, e)
+            raise
+        self.batched_requests += len(live)
+        for (_, f), a in zip(live, answers):
+            if f.done():
+                continue
+            if isinstance(a, dict) and "error" in a and "choices" not in a:
+                f.set_exception(self._http_error(int(a.get("status", 500)), a, GENERATE))
+            else:
+                f.set_result(a)
+
+    async def _send_one(self, body: dict[str, Any], fut: asyncio.Future) -> None:
+        try:
+            result = await self._post(GENERATE, json=body)
+        except BaseException as e:
+            _fail([(body, fut)], e)
+            if not isinstance(e, Exception):
+                raise
+        else:
+            if not fut.done():
+                fut.set_result(result)
 
     # ------------------------------------------------------------------ generation
 
@@ -216,7 +310,7 @@ class EngineClient:
         body = {"request_id": request_id, "token_ids": list(prompt_ids), "output_mode": "tokens", "sampling_params": sp}
         if self.model is not None:
             body["model"] = self.model
-        js = await self._post("/inference/v1/generate", json=body)
+        js = await self._generate(body)
         try:
             choices = sorted(js["choices"], key=lambda c: c.get("index", 0))
             segs = [self._segment(ch, default_version) for ch in choices]
@@ -271,7 +365,7 @@ class EngineClient:
         }
         if self.model is not None:
             body["model"] = self.model
-        js = await self._post("/inference/v1/generate", json=body)
+        js = await self._generate(body)
         out = []
         for tok, entry in zip(token_ids[1:], (js.get("prompt_logprobs") or [None])[1:]):
             if not entry or str(tok) not in entry:

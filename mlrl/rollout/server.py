@@ -61,6 +61,7 @@ from mlrl.rollout.client import SERVER_KEEPALIVE_S
 WORKER_EXTENSION = "mlrl.rollout.worker_ext.MlrlWorkerExtension"
 WEIGHT_TRANSFER_BACKEND = "mlrl"
 MIDDLEWARE = "mlrl.rollout.auth.TokenMiddleware"
+BATCH_MIDDLEWARE = "mlrl.rollout.batch_route.BatchGenerateMiddleware"
 
 
 class EngineStartError(RuntimeError):
@@ -162,7 +163,10 @@ def server_command(spec: ServerSpec, port: int) -> list[str]:
            "--logprobs-mode", "processed_logprobs", "--enable-scale-out",
            "--worker-extension-cls", WORKER_EXTENSION,
            "--weight-transfer-config", json.dumps({"backend": WEIGHT_TRANSFER_BACKEND}),
-           "--middleware", MIDDLEWARE, "--served-model-name", "mlrl-policy", "--uvicorn-log-level", "warning"]
+           # vLLM adds middleware in order, each wrapping the app so far: the token check, listed
+           # last, runs first, then the batched-generate route (batch_route.py)
+           "--middleware", BATCH_MIDDLEWARE, "--middleware", MIDDLEWARE,
+           "--served-model-name", "mlrl-policy", "--uvicorn-log-level", "warning"]
     if spec.max_model_len:
         cmd += ["--max-model-len", str(spec.max_model_len)]
     if spec.enforce_eager:

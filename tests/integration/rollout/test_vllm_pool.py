@@ -15,6 +15,7 @@ run in order on the same pool:
 
 import asyncio
 import copy
+import dataclasses
 import itertools
 import shutil
 import socket
@@ -215,6 +216,7 @@ async def test_requests_without_the_token_are_refused(env):
                 ("GET", "/health", None),
                 ("GET", "/metrics", None),
                 ("POST", "/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {"max_tokens": 2}}),
+                ("POST", "/mlrl/generate_batch", {"requests": [{"token_ids": [1, 2], "sampling_params": {}}]}),
                 ("POST", "/v1/completions", {"prompt": [1, 2], "max_tokens": 2}),
                 ("POST", "/collective_rpc", {"method": "mlrl_weight_report"}),
                 ("POST", "/pause", None),
@@ -251,12 +253,20 @@ async def test_single_worker_engines_have_no_spinning_worker_process(env):
 
 
 async def test_bad_requests_fail_alone_and_chat(env):
-    too_long = await env.pool.agenerate(ModelRequest(input_ids=[5] * 300))
+    """Sent together, the requests share batched HTTP calls (mlrl.rollout.batch_route): each bad
+    one fails with the engine's own message, the good ones around it are served."""
+    good = ModelRequest(input_ids=_prompt(env.tok, "copy 7"), gconfig=GenerationHyperparameters(max_new_tokens=4))
+    before = sum(e.client.batched_requests for e in env.pool.engines)
+    too_long, bad_top_p, oov, *fine = await asyncio.gather(
+        env.pool.agenerate(ModelRequest(input_ids=[5] * 300)),
+        env.pool.agenerate(ModelRequest(input_ids=[1, 5], gconfig=GenerationHyperparameters(top_p=1.5))),
+        env.pool.agenerate(ModelRequest(input_ids=[1, 10_000])),
+        *(env.pool.agenerate(dataclasses.replace(good, rid=f"good-{i}")) for i in range(5)))
+    assert sum(e.client.batched_requests for e in env.pool.engines) > before  # the batch route carried them
     assert too_long.stop_reason == StopReason.ERROR and "maximum model length" in too_long.error
-    bad_top_p = await env.pool.agenerate(ModelRequest(input_ids=[1, 5], gconfig=GenerationHyperparameters(top_p=1.5)))
     assert bad_top_p.stop_reason == StopReason.ERROR and "top_p" in bad_top_p.error
-    oov = await env.pool.agenerate(ModelRequest(input_ids=[1, 10_000]))
     assert oov.stop_reason == StopReason.ERROR and "vocab" in oov.error
+    assert all(r.error is None and r.output_len > 0 for r in fine), [(r.error, r.output_len) for r in fine]
     assert all(e.state == EngineState.READY for e in env.pool.engines)
     chat = await env.pool.achat([{"role": "user", "content": "copy 7"}], GenerationHyperparameters(max_new_tokens=4))
     assert chat.error is None and chat.input_tokens == _prompt(env.tok, "copy 7") and chat.output_len > 0

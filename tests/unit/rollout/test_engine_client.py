@@ -173,3 +173,69 @@ async def test_prompt_logprobs(serve):
     bad = await serve(lambda r: httpx.Response(200, json={"prompt_logprobs": [None, {"3": {"logprob": -1.0}}]}))
     with pytest.raises(EngineUnavailableError, match="no prompt logprob for token 8"):
         await bad.prompt_logprobs([7, 8])
+
+
+def _choice(tok: int) -> dict:
+    return {"index": 0, "finish_reason": "stop", "token_ids": [tok], "logprobs": {"content": [{"logprob": -0.5}]}}
+
+
+async def test_requests_of_one_loop_pass_share_one_batched_call(serve):
+    """Concurrent generate calls travel in ONE POST /mlrl/generate_batch; each gets its own answer
+    (in order) or its own error, as if sent alone."""
+    import asyncio
+
+    posts = []
+
+    def handler(request):
+        body = json.loads(request.content)
+        posts.append((request.url.path, body))
+        if request.url.path == "/inference/v1/generate":
+            return httpx.Response(200, json={"choices": [_choice(body["token_ids"][0] + 100)]})
+        answers = []
+        for r in body["requests"]:
+            if r["token_ids"][0] == 99:
+                answers.append({"status": 400, "error": {"message": "token 99 is out of vocabulary", "code": 400}})
+            else:
+                answers.append({"choices": [_choice(r["token_ids"][0] + 100)]})
+        return httpx.Response(200, json={"responses": answers})
+
+    c = await serve(handler)
+    g = GenerationHyperparameters()
+    out = await asyncio.gather(*(c.generate([t], g, request_id=f"r{t}", default_version=0) for t in (1, 99, 3)),
+                               return_exceptions=True)
+    assert posts[0][0] == "/mlrl/generate_batch" and len(posts) == 1
+    assert [r["request_id"] for r in posts[0][1]["requests"]] == ["r1", "r99", "r3"]
+    assert out[0].tokens == [101] and out[2].tokens == [103] and c.batched_requests == 3
+    assert isinstance(out[1], EngineRequestError) and "out of vocabulary" in str(out[1]) and out[1].status == 400
+    alone = await c.generate([5], g, request_id="r5", default_version=0)  # a lone request: the plain route
+    assert alone.tokens == [105] and posts[-1][0] == "/inference/v1/generate"
+
+
+async def test_a_server_without_the_batch_route_gets_single_requests(serve):
+    import asyncio
+
+    paths = []
+
+    def handler(request):
+        paths.append(request.url.path)
+        if request.url.path == "/mlrl/generate_batch":
+            return httpx.Response(404, json={"detail": "Not Found"})
+        return httpx.Response(200, json={"choices": [_choice(json.loads(request.content)["token_ids"][0])]})
+
+    c = await serve(handler)
+    g = GenerationHyperparameters()
+    segs = await asyncio.gather(*(c.generate([t], g, request_id=f"r{t}", default_version=0) for t in (1, 2, 3)))
+    assert [s.tokens for s in segs] == [[1], [2], [3]]
+    assert paths.count("/mlrl/generate_batch") == 1 and paths.count("/inference/v1/generate") == 3
+    await asyncio.gather(*(c.generate([t], g, request_id=f"s{t}", default_version=0) for t in (4, 5)))
+    assert paths.count("/mlrl/generate_batch") == 1  # not asked again
+    assert c.batched_requests == 0
+
+
+async def test_a_failed_batch_fails_each_of_its_requests(serve):
+    import asyncio
+
+    c = await serve(lambda r: httpx.Response(503, json={"error": {"message": "engine dead"}}))
+    out = await asyncio.gather(*(c.generate([t], GenerationHyperparameters(), request_id=f"r{t}", default_version=0)
+                                 for t in (1, 2)), return_exceptions=True)
+    assert all(isinstance(e, EngineUnavailableError) and "engine dead" in str(e) for e in out)

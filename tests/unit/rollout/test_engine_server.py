@@ -53,7 +53,9 @@ def test_command_and_environment(tmp_path, monkeypatch):
     assert args["--port"] == "8123" and args["--tensor-parallel-size"] == "2" and args["--max-model-len"] == "512"
     assert args["--worker-extension-cls"] == "mlrl.rollout.worker_ext.MlrlWorkerExtension"
     assert json.loads(args["--weight-transfer-config"]) == {"backend": "mlrl"}
-    assert args["--middleware"] == "mlrl.rollout.auth.TokenMiddleware"
+    # the token check is the last --middleware (vLLM wraps in order: it runs first), the batch route before it
+    mw = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--middleware"]
+    assert mw == ["mlrl.rollout.batch_route.BatchGenerateMiddleware", "mlrl.rollout.auth.TokenMiddleware"]
     assert "--enforce-eager" in cmd and "--enable-scale-out" in cmd
     # vLLM's stat loggers are off unless rollout.engine_log_stats asks for them
     assert "--disable-log-stats" in cmd
