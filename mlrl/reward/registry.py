@@ -29,8 +29,17 @@ def reward_data(data: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in data.items() if k not in RESERVED_ARGS}
 
 
-def register_reward(name: str) -> Callable[[F], F]:
-    """Decorator: `@register_reward("my_reward")` makes `workflow.reward=my_reward` find the function."""
+INLINE_ATTR = "mlrl_inline"
+
+
+def register_reward(name: str, *, inline: bool = False) -> Callable[[F], F]:
+    """Decorator: `@register_reward("my_reward")` makes `workflow.reward=my_reward` find the function.
+
+    `inline=True` declares the function pure and cheap (string comparison, microseconds, cannot
+    hang): `AsyncRewardWrapper` then calls it in the driver's own thread instead of sending it to
+    the reward process pool, whose round trip costs far more than such a function (measured on
+    the CPU demo: ~0.6 ms of IPC per group, 0.04 s per step). No timeout applies to an inline call;
+    an exception still scores 0.0 and counts as a failure."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"register_reward: name must be a non-empty string, got {name!r}")
 
@@ -39,9 +48,16 @@ def register_reward(name: str) -> Callable[[F], F]:
         if prev is not None and prev is not fn and _qualname(prev) != _qualname(fn):
             raise ValueError(f"reward {name!r} is already registered to {_qualname(prev)}")
         _REWARDS[name] = fn
+        if inline:
+            setattr(fn, INLINE_ATTR, True)
         return fn
 
     return deco
+
+
+def is_inline(fn: Any) -> bool:
+    """Whether `fn` was registered with `inline=True` (see register_reward)."""
+    return bool(getattr(fn, INLINE_ATTR, False))
 
 
 def _qualname(fn: Any) -> str:

@@ -11,6 +11,9 @@ Invariants kept here:
 - a call that timed out cannot be cancelled inside a worker process, so the pool it ran in is
   replaced and its workers terminated; calls that were in flight on that pool are retried once on
   the new pool (they did nothing wrong);
+- a function registered with `inline=True` (mlrl.reward.registry: pure and cheap, e.g.
+  `exact_match`) is called in this thread, without the pool: its round trip would cost more than
+  the function;
 - pools are shared per (max_workers, start method) inside one process, like AReaL's, and use the
   `forkserver` start method by default: forking a process that holds tokenizer / HTTP / OpenMP
   threads can deadlock the child. Like vLLM's spawned engine, this re-imports the main script in
@@ -37,6 +40,7 @@ from functools import partial
 from typing import Any
 
 from mlrl.metrics.timer import ACTIVITY
+from mlrl.reward.registry import is_inline
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +185,8 @@ class AsyncRewardWrapper:
         self.name = name or getattr(reward_fn, "__qualname__", repr(reward_fn))
         self.stats = RewardStats()
         self._key = (self.max_workers, mp_context or default_start_method())
-        if self.max_workers > 0:
+        self.inline = is_inline(reward_fn)  # called here, no pool (register_reward(inline=True))
+        if self.max_workers > 0 and not self.inline:
             try:
                 pickle.dumps(reward_fn)
             except Exception as e:
@@ -206,7 +211,13 @@ class AsyncRewardWrapper:
         """Run `job` on the executor (the shared process pool, or a thread with max_workers=0):
         ("ok", value), ("timeout", None), ("broken", None) after the pool broke twice (it is
         replaced and the job retried once), or ("raised", exception). A timed-out pool is
-        replaced, so the stuck worker does not block later calls."""
+        replaced, so the stuck worker does not block later calls. An inline function is called
+        here: ("ok", value) or ("raised", exception), no timeout."""
+        if self.inline:
+            try:
+                return "ok", job()
+            except Exception as e:  # noqa: BLE001 - the user's function raised
+                return "raised", e
         for attempt in range(2):
             pool = None
             try:

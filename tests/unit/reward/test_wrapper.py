@@ -112,3 +112,27 @@ async def test_score_many_one_pool_round_trip_and_batch_timeout():
         assert await slow.score_many([(("p", "ok", [], []), {}), (("p", "sleep", [], []), {})]) == [0.0, 0.0]
     assert (stats.calls, stats.timeouts) == (2, 2)
     assert await slow.score_many([(("p", "fine", [], []), {})]) == [4.0]  # the pool was replaced and works
+
+
+async def test_inline_rewards_run_in_this_process_and_keep_failures_per_call(monkeypatch):
+    """register_reward(inline=True) (exact_match, token_match): no pool round trip, same outcomes."""
+    import os
+
+    from mlrl.reward import get_reward_fn
+    from mlrl.reward.registry import is_inline, register_reward
+    from mlrl.reward.wrapper import POOLS
+
+    assert is_inline(get_reward_fn("exact_match")) and is_inline(get_reward_fn("token_match"))
+    assert not is_inline(get_reward_fn("gsm8k"))  # math-verify may take long: the pool keeps its timeout
+
+    def boom(*a, **k):
+        raise AssertionError("an inline reward must not touch the process pool")
+
+    monkeypatch.setattr(POOLS, "get", boom)
+    pid_fn = register_reward("unit_inline_pid", inline=True)(lambda *a, **k: float(os.getpid()))
+    assert await AsyncRewardWrapper(pid_fn, max_workers=2)("p", "c", [], []) == float(os.getpid())
+    w = AsyncRewardWrapper(get_reward_fn("exact_match"), max_workers=2, timeout=30)
+    with collect_reward_stats() as st:
+        got = await w.score_many([(("p", "7", [], []), {"answer": "7"}), (("p", "8", [], []), {"answer": "7"}),
+                                  (("p", "7", [], []), {})])  # no answer: exact_match raises -> 0.0, a failure
+    assert got == [1.0, 0.0, 0.0] and st.calls == 3 and st.failures == 1 and w.stats.failures == 1
