@@ -239,7 +239,23 @@ class EngineClient:
         self._pending.append((body, fut))
         if len(self._pending) == 1:
             asyncio.get_running_loop().call_soon(self._flush)
-        return await fut
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            # the caller gave up (a timeout, shutdown): a single request's closed connection would
+            # make vLLM abort it; a batched one is aborted by id so the engine stops generating it
+            rid = body.get("request_id")
+            if rid and all(f is not fut for _, f in self._pending):
+                task = asyncio.ensure_future(self._abort_quietly(rid))
+                self._flushes.add(task)
+                task.add_done_callback(self._flushes.discard)
+            raise
+
+    async def _abort_quietly(self, request_id: str) -> None:
+        try:
+            await self.abort([request_id])
+        except EngineError:  # the engine is gone or the request already finished: nothing to stop
+            pass
 
     def _flush(self) -> None:
         batch, self._pending = self._pending, []

@@ -239,3 +239,41 @@ async def test_a_failed_batch_fails_each_of_its_requests(serve):
     out = await asyncio.gather(*(c.generate([t], GenerationHyperparameters(), request_id=f"r{t}", default_version=0)
                                  for t in (1, 2)), return_exceptions=True)
     assert all(isinstance(e, EngineUnavailableError) and "engine dead" in str(e) for e in out)
+
+
+async def test_a_batched_request_given_up_is_aborted_on_the_engine():
+    """A caller that stops waiting (a timeout) for a request already sent in a batch: the engine is
+    told to abort it (a lone request's closed connection does that in vLLM)."""
+    import asyncio
+
+    release, aborted = asyncio.Event(), []
+
+    async def batch(request: web.Request) -> web.Response:
+        body = await request.json()
+        await release.wait()
+        return web.json_response({"responses": [{"choices": [_choice(r["token_ids"][0])]} for r in body["requests"]]})
+
+    async def abort(request: web.Request) -> web.Response:
+        aborted.extend((await request.json())["request_ids"])
+        release.set()
+        return web.Response(status=200)
+
+    app = web.Application()
+    app.router.add_post("/mlrl/generate_batch", batch)
+    app.router.add_post("/abort_requests", abort)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    c = EngineClient(f"http://127.0.0.1:{runner.addresses[0][1]}", "tok", name="e0")
+    try:
+        g = GenerationHyperparameters()
+        slow = asyncio.ensure_future(c.generate([1], g, request_id="gives-up", default_version=0))
+        kept = asyncio.ensure_future(c.generate([2], g, request_id="waits", default_version=0))
+        await asyncio.sleep(0.2)  # both sent in one batch, which the engine holds
+        slow.cancel()
+        assert (await kept).tokens == [2]  # the abort released the batch; the other request was answered
+        assert aborted == ["gives-up"]
+    finally:
+        await c.aclose()
+        await runner.cleanup()
