@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import logging
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -140,7 +142,38 @@ async def _run_until_terminated(cfg: Config, layout: Layout, terminated: list[bo
         loop.remove_signal_handler(signal.SIGTERM)
 
 
+class StartupClock:
+    """Where start-up went: seconds from this process's creation to each mark, and the span of the
+    engines' and the trainer ranks' start (they run concurrently). Written to
+    `<run dir>/startup.json` and logged once training starts."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self.t0 = psutil.Process().create_time()
+        self.marks: dict[str, float] = {"launch_s": time.time() - self.t0}  # imports, config checks
+        self.spans: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        self.marks[f"{name}_s"] = time.time() - self.t0
+
+    async def span(self, name: str, awaitable: Any) -> Any:
+        t = time.time()
+        try:
+            return await awaitable
+        finally:
+            self.spans[f"{name}_s"] = time.time() - t
+
+    def write(self, run_dir: Path) -> dict[str, float]:
+        out = {**self.marks, **{f"span/{k}": v for k, v in self.spans.items()}}
+        (run_dir / "startup.json").write_text(json.dumps(out, indent=1) + "\n")
+        log.info("start-up %.1f s: %s", self.marks.get("ready_s", 0.0),
+                 ", ".join(f"{k} {v:.1f}" for k, v in out.items()))
+        return out
+
+
 async def _run(cfg: Config, layout: Layout) -> int:
+    clock = StartupClock()
     run_dir = Path(cfg.logging.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     # 1. cheap checks first: model, tokenizer, data, workflow, checkpoint to resume
@@ -182,9 +215,10 @@ async def _run(cfg: Config, layout: Layout) -> int:
                           lora_rank=cfg.model.lora.rank if adapters else None,
                           sleep_mode=cfg.cluster.placement == "colocated",
                           capture_routing=cfg.algorithm.router_replay)
-        pool_started = asyncio.create_task(pool.start())
+        clock.mark("checks")
+        pool_started = asyncio.create_task(clock.span("engines", pool.start()))
         try:
-            group = await asyncio.to_thread(
+            group = await clock.span("trainer", asyncio.to_thread(
                 TrainerGroup,
                 dump_yaml(cfg),
                 layout.trainer_devices,
@@ -192,9 +226,10 @@ async def _run(cfg: Config, layout: Layout) -> int:
                 host=placement.host,
                 env=placement.trainer_env,
                 spawn=placement.spawn_trainer,
-            )
+            ))
         finally:
             await pool_started
+        clock.mark("processes")
         policy = TrainerClient(group)
         checkpointer = Checkpointer(ckpts, run_dir, policy, with_critic=cfg.uses_critic,
                                     async_save=cfg.checkpoint.async_save)
@@ -209,6 +244,7 @@ async def _run(cfg: Config, layout: Layout) -> int:
         pool.refresher = weight_sync.refresh  # an engine restarted after a crash is re-synced before it serves
         # 3. verify the trainer -> engine path before the first step (and load resumed weights)
         await weight_sync.sync(version)
+        clock.mark("first_sync")
         colocation = None
         if cfg.cluster.placement == "colocated":  # the trainer leaves the devices to the engines until it trains
             colocation = Colocation(cfg.cluster.colocate, policy, pool,
@@ -237,6 +273,8 @@ async def _run(cfg: Config, layout: Layout) -> int:
             colocation=colocation,
         )
         freeze_startup_heap()
+        clock.mark("ready")
+        clock.write(run_dir)
         await (train_async(ctx) if cfg.asynchronous else train_sync(ctx))
         await asyncio.to_thread(ctx.checkpoint.finalize)  # an async save still in flight is committed
         if ctx.progress is not None:

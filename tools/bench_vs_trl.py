@@ -508,9 +508,11 @@ def run_mlrl(args: argparse.Namespace, steps: int, work: Path, *, done: RewardsD
     recs = [r for r, _ in records]
     times = [_step_time(r) for r in recs]
     t_train_begin = records[0][1] - times[0]  # step 1 started its own duration before its line arrived
+    startup = run_dir / "startup.json"  # mlrl's own start-up breakdown (mlrl.run.StartupClock)
     return {
         "cmd": " ".join(cmd), "steps": [r["step"] for r in recs], "rewards": [float(r["reward/mean"]) for r in recs],
         "step_times": times, "startup_s": t_train_begin - t0,
+        "startup_breakdown": json.loads(startup.read_text()) if startup.exists() else {},
         "train_wall_s": records[-1][1] - t_train_begin, "shutdown_s": t_end - records[-1][1],
         "time_key": next(k for k in STEP_TIME_KEYS if k in recs[0]), "log": str(log), "foreign_cpu": foreign,
     }
@@ -624,9 +626,10 @@ def report(cfg, steps: int, threshold: float, summ: dict[str, dict], res: dict[s
                 v = f"not in {summ[s]['steps_run']}"
             cells.append(_fmt(v, unit).rjust(14))
         print(label.ljust(w) + "".join(cells))
-    if "trl" in res:
-        b = res["trl"]["startup_breakdown"]
-        print("TRL start-up: " + ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in b.items()))
+    for side in ("mlrl", "trl"):
+        b = res.get(side, {}).get("startup_breakdown")
+        if b:
+            print(f"{side} start-up: " + ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in b.items()))
     for s in sides:
         f = res[s]["foreign_cpu"]
         warn = "  WARNING: the machine was shared, timings are inflated" if f["frac_of_machine"] > 0.05 else ""
