@@ -26,6 +26,9 @@ the ratio uses TRL's budget (an upper bound); when mlrl did not and TRL did, the
 The run closes with `ratio worst_steps: x` and `ratio worst_wall: y` (the largest over the tasks).
 
 `--quick`: two tasks, one seed (under ten minutes on two cores), for routine use.
+`--report runs.json`: print the tables again from a `--json` file, at the thresholds of this file's
+task table (valid when a threshold is not above the one the runs used: a run stops once it reaches
+its threshold, so its curve holds the first crossing of any lower one).
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ TASKS: list[Task] = [
     Task("copy_digit", "1-token answer, group 16 (the CPU demo's task)", TINY,
          _tiny("copy_digit", "exact_match", 1, 16, 32), 0.9, 80, quick=True),
     Task("add_digits", "1-token answer, group 8", TINY,
-         _tiny("add_digits", "exact_match", 1, 8, 64), 0.6, 150),
+         _tiny("add_digits", "exact_match", 1, 8, 64), 0.4, 150),
     Task("copy_pair", "2-token answer, partial credit, group 8", TINY,
          _tiny("copy_pair", "token_match", 2, 8, 64), 0.8, 120, quick=True),
     Task("reverse_digits", "4-token answer, partial credit, group 4", TINY,
@@ -84,7 +87,7 @@ TASKS: list[Task] = [
          _tiny("repeat_digit", "token_match", 16, 16, 32), 0.9, 150),
     Task("smollm2_arith", "SmolLM2-135M-Instruct, chat template, 48 new tokens, group 4", "launch/smollm2_cpu.yaml",
          ("trainer.samples_per_prompt=4", "trainer.prompts_per_step=8", "rollout.sampling.max_new_tokens=48"),
-         0.75, 30),
+         0.25, 20),
 ]
 
 
@@ -106,6 +109,8 @@ class SeedRun:
     step_s: float              # mean step time (step 1 excluded when there are more)
     steps_run: int
     rewards: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
+    startup_breakdown: dict[str, float] = field(default_factory=dict)
 
 
 def _run_side(side: str, task: Task, seed: int, args: argparse.Namespace, work: Path) -> SeedRun:
@@ -123,7 +128,8 @@ def _run_side(side: str, task: Task, seed: int, args: argparse.Namespace, work: 
     times = run["step_times"]
     rest = times[1:] or times
     return SeedRun(seed, k, None if k is None else sum(times[:k]), run["startup_s"], sum(rest) / len(rest),
-                   len(times), [round(r, 4) for r in run["rewards"]])
+                   len(times), [round(r, 4) for r in run["rewards"]], [round(t, 4) for t in times],
+                   run.get("startup_breakdown", {}))
 
 
 def _median(xs: list[float | None]) -> float | None:
@@ -133,8 +139,10 @@ def _median(xs: list[float | None]) -> float | None:
 
 
 def _ratio(m: float | None, t: float | None, t_bound: float) -> float:
+    """median mlrl / median TRL; TRL not reached: its budget as the denominator (an upper bound);
+    mlrl not reached: inf when TRL did, and when neither did, 1.0 (no difference measured)."""
     if m is None:
-        return math.inf if t is not None else math.nan
+        return math.inf if t is not None else 1.0
     return m / (t if t is not None else t_bound)
 
 
@@ -157,6 +165,12 @@ def report_task(task: Task, runs: dict[str, list[SeedRun]]) -> dict[str, float]:
         m = med[side]
         print(f"  {side:6}{_cell(m['steps'], '', f'> {task.budget}'):>14}{per_seed:>22}"
               f"{_cell(m['wall'], ' s', '-'):>13}{m['startup']:>9.1f}s{m['step_s']:>8.2f}s")
+    for side, rs in runs.items():
+        keys = list(dict.fromkeys(k for r in rs for k in r.startup_breakdown))  # in the order recorded
+        if keys:
+            print(f"  {side} start-up (median s): " + ", ".join(
+                f"{k.removesuffix('_s')} {statistics.median(r.startup_breakdown.get(k, 0.0) for r in rs):.1f}"
+                for k in keys))
     out: dict[str, float] = {}
     if len(runs) == 2:
         m, t = med["mlrl"], med["trl"]
@@ -182,13 +196,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--show-every", type=int, default=25, help="print every N-th step of each run (0: none)")
     ap.add_argument("--json", default=None, help="write every run's measurements to this JSON file")
     ap.add_argument("--workdir", default=None, help="keep run folders and logs here (default: a temp dir)")
+    ap.add_argument("--report", default=None, metavar="JSON", help="re-print the tables of a --json file")
     return ap.parse_args(argv)
+
+
+def _rescore(task: Task, r: dict, window: int) -> SeedRun:
+    """A stored run (`--json`) scored against this task's threshold."""
+    k = reached_at(r["rewards"], task.threshold, window)
+    times = r.get("step_times") or []
+    wall = None if k is None else (sum(times[:k]) if times else None)
+    return SeedRun(r["seed"], k, wall, r["startup_s"], r["step_s"], r["steps_run"], r["rewards"], times,
+                   r.get("startup_breakdown", {}))
+
+
+def report_json(path: str, window: int) -> int:
+    data = json.loads(Path(path).read_text())
+    by_name = {t.name: t for t in TASKS}
+    ratios: dict[str, dict[str, float]] = {}
+    for name, res in data["results"].items():
+        task = by_name.get(name)
+        if task is None:
+            continue
+        used = res.get("threshold", task.threshold)
+        if task.threshold > used:
+            raise SystemExit(f"{name}: threshold {task.threshold} is above the {used} the runs stopped at")
+        ratios[name] = report_task(task, {s: [_rescore(task, r, window) for r in rs] for s, rs in res["runs"].items()})
+    _close(ratios)
+    return 0
+
+
+def _close(ratios: dict[str, dict[str, float]]) -> None:
+    ratios = {n: r for n, r in ratios.items() if r}
+    if not ratios:
+        return
+    print("\n" + "".join(f"  {n:16} steps {r['steps']:7.3f}   wall {r['wall']:7.3f}\n" for n, r in ratios.items()))
+    print(f"ratio worst_steps: {max(r['steps'] for r in ratios.values()):.3f}")
+    print(f"ratio worst_wall: {max(r['wall'] for r in ratios.values()):.3f}")
 
 
 def main(argv: list[str] | None = None) -> int:
     import os
 
     args = parse_args(argv)
+    if args.report:
+        return report_json(args.report, args.window)
     args.trl_threads = args.trl_threads or os.cpu_count() or 1
     by_name = {t.name: t for t in TASKS}
     if args.tasks:
@@ -216,15 +267,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{task.name}] {side} seed {seed}", flush=True)
                 runs[side].append(_run_side(side, task, seed, args, work / task.name / f"{side}_{seed}"))
         ratios[task.name] = report_task(task, runs)
-        results[task.name] = {"task": vars(task) if hasattr(task, "__dict__") else task.__repr__(),
+        results[task.name] = {"threshold": task.threshold, "budget": task.budget,
                               "runs": {s: [vars(r) for r in rs] for s, rs in runs.items()}}
         if args.json:
             Path(args.json).write_text(json.dumps({"results": results, "ratios": ratios}, indent=1, default=str))
     print(f"\nbench_learning: {time.time() - t0:.0f} s in all")
-    if len(sides) == 2:
-        print("\n" + "".join(f"  {n:16} steps {r['steps']:7.3f}   wall {r['wall']:7.3f}\n" for n, r in ratios.items()))
-        print(f"ratio worst_steps: {max(r['steps'] for r in ratios.values()):.3f}")
-        print(f"ratio worst_wall: {max(r['wall'] for r in ratios.values()):.3f}")
+    _close(ratios)
     return 0
 
 
