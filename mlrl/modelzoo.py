@@ -21,6 +21,8 @@ import fcntl
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -165,12 +167,20 @@ def resolve_model_dir(spec: str) -> Path:
         return p
     name = _builtin_name(spec)
     target = cache_dir() / "models" / name
-    if (target / ".complete").exists():
+    if _is_complete(target):
+        return target
+    if _nonzero_distributed_rank():
+        # transformers' save_pretrained writes nothing on a process whose torch.distributed rank is
+        # not 0 (transformers 5.x `should_save_on_this_rank`): such a caller (a trainer rank > 0
+        # that reaches an empty cache first) has a child process with no process group write it.
+        _materialise_in_child(spec)
+        if not _is_complete(target):
+            raise ModelSpecError(f"model.hf_dir: materialising {spec} in a child process left {target} incomplete")
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if (target / ".complete").exists():
+        if _is_complete(target):
             return target
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=target.parent))
         try:
@@ -178,6 +188,11 @@ def resolve_model_dir(spec: str) -> Path:
                 _materialise_smollm2(tmp)
             else:
                 _materialise_tiny(name, tmp)
+            if not _has_weights(tmp):
+                raise ModelSpecError(
+                    f"model.hf_dir: materialising {spec} wrote no config.json or *.safetensors "
+                    f"(files: {sorted(p.name for p in tmp.iterdir())})"
+                )
             (tmp / ".complete").write_text("ok\n")
             if target.exists():
                 shutil.rmtree(target)
@@ -186,6 +201,32 @@ def resolve_model_dir(spec: str) -> Path:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _has_weights(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+
+
+def _is_complete(folder: Path) -> bool:
+    """Marked complete and really holding a model (a folder marked complete without its weights,
+    as an older mlrl wrote from a trainer rank > 0, is materialised again)."""
+    return (folder / ".complete").exists() and _has_weights(folder)
+
+
+def _nonzero_distributed_rank() -> bool:
+    if "torch" not in sys.modules:  # nobody imported torch, so no process group exists
+        return False
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_rank() != 0
+
+
+def _materialise_in_child(spec: str) -> None:
+    code = "import sys; from mlrl.modelzoo import resolve_model_dir; resolve_model_dir(sys.argv[1])"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    done = subprocess.run([sys.executable, "-c", code, spec], env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ModelSpecError(f"model.hf_dir: materialising {spec} in a child process failed:\n{done.stderr[-3000:]}")
 
 
 def build_word_tokenizer(out_dir: Path) -> None:

@@ -54,7 +54,10 @@ def test_sigterm_tears_the_whole_run_down(tmp_path):
     cmd = [sys.executable, "-m", "mlrl.launch", "--config", "launch/cpu_default.yaml",
            "trainer.prompts_per_step=4", "trainer.samples_per_prompt=4", "trainer.total_steps=500",
            "logging.progress_bar=false", "rollout.startup_timeout_s=600", f"logging.run_dir={run_dir}",
-           "checkpoint.save_at_end=false", "checkpoint.hf_export_at_end=false"]
+           "checkpoint.save_at_end=false", "checkpoint.hf_export_at_end=false",
+           # gsm8k scores a copied digit right too, and is a pool reward (exact_match is called
+           # inline in the driver and starts no pool): the pool's processes must go as well
+           "workflow.reward=gsm8k"]
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env=dict(os.environ))
     try:
