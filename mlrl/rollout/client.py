@@ -265,10 +265,8 @@ class EngineClient:
 
     async def _send(self, batch: list[tuple[dict[str, Any], asyncio.Future]]) -> None:
         live = [(b, f) for b, f in batch if not f.done()]  # a caller cancelled (timeout) before the send
-        if len(live) == 1 or not self._batched:
+        if len(live) <= 1 or not self._batched:
             await asyncio.gather(*(self._send_one(b, f) for b, f in live))
-            return
-        if not live:
             return
         try:
             js = await self._post(BATCH_GENERATE, json={"requests": [b for b, _ in live]})
