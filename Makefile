@@ -9,7 +9,9 @@ setup:
 demo: setup
 	$(PY) -m mlrl.launch
 
+# scripts/setup_slurm.sh: Debian's slurm-wlm + munge for tests/integration/slurm (no-op when present)
 test: setup
+	@bash scripts/setup_slurm.sh
 	$(PY) -m pytest tests
 
 # ruff, configured in pyproject.toml ([tool.ruff]); .ci/run runs it before the tests
@@ -20,4 +22,5 @@ test-unit: setup
 	$(PY) -m pytest tests/unit
 
 test-integration: setup
+	@bash scripts/setup_slurm.sh
 	$(PY) -m pytest tests/integration

@@ -132,6 +132,8 @@ async def _run_until_terminated(cfg: Config, layout: Layout, terminated: list[bo
     loop, task = asyncio.get_running_loop(), asyncio.current_task()
 
     def on_sigterm() -> None:
+        if terminated:  # a second SIGTERM (under Slurm the step and the batch script both pass one
+            return      # on) must not cancel the teardown that the first one started
         terminated.append(True)
         task.cancel()
 
@@ -205,8 +207,13 @@ async def _run(cfg: Config, layout: Layout) -> int:
     )
     # 2. processes: where they go (this machine, or the reserved Ray nodes), then engines and
     #    trainer ranks start concurrently
-    placement = await asyncio.to_thread(cluster_placement, cfg, layout, run_dir) if cfg.cluster.nodes > 1 \
-        else local_placement(cfg, layout)
+    if cfg.cluster.nodes > 1:
+        from mlrl.cluster.ray_cluster import reclaim_sigterm
+
+        placement = await asyncio.to_thread(cluster_placement, cfg, layout, run_dir)
+        reclaim_sigterm()  # ray.init in that thread took it: SIGTERM would abort, not tear down
+    else:
+        placement = local_placement(cfg, layout)
     pool = group = policy = weight_sync = runner = logger = None
     try:
         adapters = cfg.model.lora is not None and cfg.weight_sync.lora_mode == "adapter"

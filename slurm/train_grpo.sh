@@ -8,35 +8,66 @@
 #   MLRL_CONTAINER_IMAGE=/images/mlrl.sqsh sbatch slurm/train_grpo.sh   # pyxis/enroot container
 #   sbatch --nodes=4 slurm/train_grpo.sh rollout.num_engines=8           # other sizes: plan first with
 #                                                                        # python -m mlrl.launch --dry-run --nodes 4
+#   MLRL_CONFIG=launch/cpu_default.yaml sbatch --nodes=1 --gpus-per-node=0 slurm/train_grpo.sh   # CPU smoke test
 # Arguments are `a.b=c` config overrides passed to mlrl.launch.
+#
+# GPUs per node are what Slurm granted: SLURM_GPUS_ON_NODE, else SLURM_GPUS_PER_NODE ("8" or
+# "h100:8"), else none. An allocation without GPUs runs mlrl's CPU path: on one node, the local
+# launcher without Ray; on several, a Ray cluster whose nodes each offer MLRL_CPU_SLOTS_PER_NODE
+# logical device slots (Ray "GPU" resources with no CUDA behind them: every trainer rank and
+# engine placed on one takes its CPU path).
 #
 # Environment (all optional):
 #   MLRL_CONFIG             recipe (default: launch/qwen3_8b_grpo.yaml)
 #   MLRL_CONTAINER_IMAGE    run every step in this image (srun --container-image, needs pyxis)
 #   MLRL_CONTAINER_MOUNTS   srun --container-mounts (default: the submit directory at the same path)
-#   MLRL_PYTHON             python executable on the nodes (default: python)
+#   MLRL_PYTHON             python executable on the nodes (default: python); `ray` is taken from
+#                           the same folder when this is a path, so both come from one environment
+#   MLRL_GPUS_PER_NODE      override the GPU count read from Slurm
+#   MLRL_CPU_SLOTS_PER_NODE device slots per node of a multi-node allocation without GPUs (default: 1)
 #   MLRL_RAY_PORT           Ray GCS port on the head node (default: 6379)
 #   MLRL_RAY_WAIT_S         seconds to wait for all nodes to register (default: 600)
 #   MLRL_SLURM_DRY_RUN=1    print the srun / ray / launch commands instead of running them
 #
 # Job steps after the first use --overlap: the Ray steps hold the nodes for the whole job. Steps
 # that request no GPUs see the job's GPUs (Slurm's default), which is what `ray start` needs.
+# Stopping a run: `scancel --batch --signal=TERM JOB` (or the time limit: --signal=B:TERM@180) has
+# this script pass SIGTERM to the launcher step alone, which tears its engines, ranks and reward
+# workers down in order and exits 143, and then stop Ray. A plain `scancel JOB` signals every step
+# at once: on one node without GPUs (no Ray) the launcher still tears down in order and exits 143;
+# on a Ray run, Ray goes down under the launcher, so it cannot stop its remote processes itself
+# and Slurm ends them (KillWait later at most). Set KillWait above the teardown time (~20 s on CPU).
 #SBATCH --job-name=mlrl-grpo
 #SBATCH --nodes=16
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=8
 #SBATCH --exclusive
 #SBATCH --time=24:00:00
+#SBATCH --signal=B:TERM@180
 #SBATCH --output=%x-%j.out
 
 set -euo pipefail
 
 nnodes=${SLURM_NNODES:?not inside a Slurm allocation: SLURM_NNODES is unset (submit with sbatch)}
 nodelist=${SLURM_JOB_NODELIST:?SLURM_JOB_NODELIST is unset}
-gpus_per_node=${SLURM_GPUS_ON_NODE:-8}
+# What Slurm granted per node: "8", or "h100:8" in SLURM_GPUS_PER_NODE; nothing set = no GPUs.
+granted=${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-0}}
+granted=${granted##*:}
+gpus_per_node=${MLRL_GPUS_PER_NODE:-$granted}
+if ! [[ "$gpus_per_node" =~ ^[0-9]+$ ]]; then
+  echo "train_grpo.sh: GPUs per node '$gpus_per_node' (from MLRL_GPUS_PER_NODE / SLURM_GPUS_ON_NODE /" \
+       "SLURM_GPUS_PER_NODE) is not a whole number" >&2
+  exit 1
+fi
 workdir=${SLURM_SUBMIT_DIR:-$PWD}
 config=${MLRL_CONFIG:-launch/qwen3_8b_grpo.yaml}
 python=${MLRL_PYTHON:-python}
+if [[ "$python" == */* ]]; then
+  ray=$(dirname "$python")/ray   # the same environment's ray (not PATH's)
+else
+  ray=ray
+fi
+slots=${MLRL_CPU_SLOTS_PER_NODE:-1}
 ray_port=${MLRL_RAY_PORT:-6379}
 wait_s=${MLRL_RAY_WAIT_S:-600}
 dry=${MLRL_SLURM_DRY_RUN:-}
@@ -58,24 +89,55 @@ run() {
   fi
 }
 
-# Same, in the background (the long-running Ray steps).
+# Same, in the background (the long-running Ray steps), in a session of its own: a signal for
+# this shell alone (`scancel --batch`, --signal=B:...) reaches its whole process group, and an
+# srun client that gets SIGTERM kills its step at once; these steps are ended in order below.
 run_bg() {
   if [[ -n "$dry" ]]; then
     printf '%q ' "$@"
     printf '&\n'
   else
-    "$@" &
+    setsid "$@" &
   fi
 }
 
+ray_nodes=()   # nodes whose Ray step was started: `ray stop` there at the end
+launch_step=   # the launcher's job step, JOBID.STEP, once it runs
+
+# At exit: stop Ray on each node in order (`ray stop`: SIGTERM, its own grace period, and its
+# session files removed), then end whatever background step is left.
 cleanup() {
-  local pids
+  local node pids
+  for node in "${ray_nodes[@]}"; do
+    "${step[@]}" -w "$node" "${container[@]}" "$ray" stop >/dev/null 2>&1 || true
+  done
   mapfile -t pids < <(jobs -p)
   if ((${#pids[@]})); then
     kill "${pids[@]}" 2>/dev/null || true
+    wait "${pids[@]}" 2>/dev/null || true
   fi
 }
 trap cleanup EXIT
+
+# SIGTERM reaches this shell from a plain scancel (which signals every step at once), from
+# `scancel --batch --signal=TERM` (this shell alone) and, before the time limit, from
+# `#SBATCH --signal=B:TERM@180`. It is passed on to the launcher step alone, which tears its
+# engines, ranks and reward workers down in order while Ray is still up and exits 143; then the
+# Ray steps are stopped. A trapped signal is reset to the default in the steps started from here.
+terminated=
+on_term() {
+  terminated=1
+  if [[ -n "$launch_step" ]]; then
+    scancel --signal=TERM "$launch_step" 2>/dev/null || true
+  fi
+}
+trap on_term TERM
+stop_if_terminated() {
+  if [[ -n "$terminated" ]]; then
+    echo "train_grpo.sh: SIGTERM before the launcher started: stopping" >&2
+    exit 143
+  fi
+}
 
 mapfile -t nodes < <(scontrol show hostnames "$nodelist")
 if ((${#nodes[@]} != nnodes)); then
@@ -83,26 +145,84 @@ if ((${#nodes[@]} != nnodes)); then
   exit 1
 fi
 head=${nodes[0]}
+step=(srun --nodes=1 --ntasks=1 --overlap)
+
+# The launcher step, in the background so that SIGTERM is handled at once (bash runs a trap only
+# between commands); its exit code is the job's (143 after SIGTERM).
+launch() {
+  stop_if_terminated
+  local cmd=("${step[@]}" --job-name=mlrl-launch -w "$head" "${container[@]}" "$python" -m mlrl.launch "$@")
+  if [[ -n "$dry" ]]; then
+    run "${cmd[@]}"
+    return
+  fi
+  local pid rc=0 i
+  setsid "${cmd[@]}" &   # its own session, as run_bg's steps: SIGTERM reaches it through on_term
+  pid=$!
+  for ((i = 0; i < 600; i++)); do   # its JOBID.STEP, for on_term (registered within a second)
+    launch_step=$(squeue -h -s -j "${SLURM_JOB_ID:-0}" -o "%i %j" 2>/dev/null | awk '$2 == "mlrl-launch" {print $1}')
+    if [[ -n "$launch_step" ]] || ! kill -0 "$pid" 2>/dev/null; then
+      break
+    fi
+    sleep 0.2
+  done
+  if [[ -n "$terminated" && -n "$launch_step" ]]; then
+    on_term
+  fi
+  while :; do   # `wait` returns early when a trapped signal arrives: wait again until it has ended
+    rc=0
+    wait "$pid" || rc=$?
+    kill -0 "$pid" 2>/dev/null || break
+  done
+  echo "train_grpo.sh: mlrl.launch exited $rc${terminated:+ (after SIGTERM)}" >&2
+  return "$rc"
+}
+
+if ((gpus_per_node == 0 && nnodes == 1)); then
+  echo "train_grpo.sh: 1 node without GPUs: mlrl's local CPU path (no Ray), config $config" >&2
+  launch --config "$config" cluster.gpus_per_node=0 "$@"
+  exit
+fi
+
+devices=$gpus_per_node
+what="GPUs"
+if ((gpus_per_node == 0)); then
+  if ! [[ "$slots" =~ ^[1-9][0-9]*$ ]]; then
+    echo "train_grpo.sh: MLRL_CPU_SLOTS_PER_NODE='$slots' must be a whole number >= 1" >&2
+    exit 1
+  fi
+  devices=$slots
+  what="CPU device slots (no GPUs granted: every process takes the CPU path)"
+fi
 
 if [[ -n "$dry" ]]; then
   head_ip=$head
 else
-  head_ip=$(srun --nodes=1 --ntasks=1 --overlap -w "$head" hostname --ip-address | awk '{print $1}')
+  head_ip=$("${step[@]}" -w "$head" hostname --ip-address | awk '{print $1}')
 fi
 address="$head_ip:$ray_port"
-echo "train_grpo.sh: $nnodes node(s) x $gpus_per_node GPUs, Ray head $head ($address), config $config" >&2
+echo "train_grpo.sh: $nnodes node(s) x $devices $what, Ray head $head ($address), config $config" >&2
 
-run_bg srun --nodes=1 --ntasks=1 --overlap -w "$head" "${container[@]}" \
-  ray start --head --node-ip-address="$head_ip" --port="$ray_port" --num-gpus="$gpus_per_node" --block
+# One Ray auth token for this job, in the environment every step inherits (head, workers and the
+# launcher's driver): the cluster is closed to other users of the nodes, and a stale
+# ~/.ray/auth_token (left by a local ray.init) cannot make the workers' join fail. Set
+# RAY_AUTH_MODE yourself to choose otherwise.
+if [[ -z "${RAY_AUTH_MODE:-}" ]]; then
+  export RAY_AUTH_MODE=token
+  RAY_AUTH_TOKEN=${RAY_AUTH_TOKEN:-$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')}
+  export RAY_AUTH_TOKEN
+fi
+ray_nodes=("${nodes[@]}")
+run_bg "${step[@]}" -w "$head" "${container[@]}" \
+  "$ray" start --head --node-ip-address="$head_ip" --port="$ray_port" --num-gpus="$devices" --block
 run sleep 10
+stop_if_terminated
 for node in "${nodes[@]:1}"; do
-  run_bg srun --nodes=1 --ntasks=1 --overlap -w "$node" "${container[@]}" \
-    ray start --address="$address" --num-gpus="$gpus_per_node" --block
+  run_bg "${step[@]}" -w "$node" "${container[@]}" \
+    "$ray" start --address="$address" --num-gpus="$devices" --block
 done
 
-run srun --nodes=1 --ntasks=1 --overlap -w "$head" "${container[@]}" \
-  "$python" -m mlrl.cluster wait --address "$address" --nodes "$nnodes" --gpus-per-node "$gpus_per_node" --timeout "$wait_s"
+run "${step[@]}" -w "$head" "${container[@]}" \
+  "$python" -m mlrl.cluster wait --address "$address" --nodes "$nnodes" --gpus-per-node "$devices" --timeout "$wait_s"
 
-run srun --nodes=1 --ntasks=1 --overlap -w "$head" "${container[@]}" \
-  "$python" -m mlrl.launch --nodes "$nnodes" --config "$config" "cluster.ray_address=$address" \
-  "cluster.gpus_per_node=$gpus_per_node" "$@"
+launch --nodes "$nnodes" --config "$config" "cluster.ray_address=$address" "cluster.gpus_per_node=$devices" "$@"

@@ -19,7 +19,9 @@ engines get the same CUDA_VISIBLE_DEVICES as the trainer ranks they share GPUs w
 
 from __future__ import annotations
 
+import signal
 import socket
+import threading
 import time
 from typing import Any
 
@@ -41,6 +43,16 @@ def connect(address: str) -> None:
             ray.init(address=address, namespace="mlrl", log_to_driver=True)
         except ConnectionError as e:
             raise ClusterError(f"cluster.ray_address={address!r}: cannot connect to a Ray cluster ({e})") from None
+
+
+def reclaim_sigterm() -> None:
+    """Take SIGTERM back from Ray, in the main thread after `connect`. The driver's core worker
+    installs absl's failure-signal handler for SIGTERM: it prints a stack, passes the signal on to
+    the handler it replaced (ours: the orderly teardown), and arms alarm(3), so a driver that
+    survives the signal is aborted (exit 134) three seconds later, in the middle of its teardown.
+    Re-installing our own handler at the OS level takes absl's out of the chain."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.getsignal(signal.SIGTERM))
 
 
 def _check_reachable(address: str, timeout_s: float = 10.0) -> None:

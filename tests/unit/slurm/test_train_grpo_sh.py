@@ -1,5 +1,6 @@
 """slurm/train_grpo.sh without Slurm: its dry mode prints the srun / ray / launch commands it would
-run, given fake SLURM_* variables and a fake `scontrol` on PATH; and it must be shellcheck-clean."""
+run, given fake SLURM_* variables and a fake `scontrol` on PATH; and it must be shellcheck-clean.
+tests/integration/slurm runs it under a real Slurm."""
 
 import os
 import shlex
@@ -47,6 +48,7 @@ def test_command_construction(fake_path):
     assert wait == step + ["-w", "gpu-a01", "python", "-m", "mlrl.cluster", "wait", "--address", "gpu-a01:6379",
                            "--nodes", "3", "--gpus-per-node", "4", "--timeout", "600"]
     assert launch == step + [
+        "--job-name=mlrl-launch",   # the step on_term passes SIGTERM to
         "-w",
         "gpu-a01",
         "python",
@@ -70,11 +72,72 @@ def test_container_config_port_and_python(fake_path):
     container = ["--container-image=/img/mlrl.sqsh", "--container-mounts=/proj:/proj", "--container-workdir=/proj"]
     for cmd in cmds:
         if cmd[0] == "srun":
-            assert cmd[6:9] == container, cmd
+            at = 7 if "--job-name=mlrl-launch" in cmd else 6
+            assert cmd[at:at + 3] == container, cmd
     assert "--port=7000" in cmds[0] and "--address=gpu-a01:7000" in cmds[2]
-    assert cmds[-1][9:] == ["/opt/venv/bin/python", "-m", "mlrl.launch", "--nodes", "3", "--config",
+    assert cmds[-1][10:] == ["/opt/venv/bin/python", "-m", "mlrl.launch", "--nodes", "3", "--config",
                             "launch/qwen3_30b_a3b_fp8.yaml", "cluster.ray_address=gpu-a01:7000",
                             "cluster.gpus_per_node=4"]
+
+
+@pytest.mark.parametrize(("env", "gpus"), [
+    ({"SLURM_GPUS_ON_NODE": "4", "SLURM_GPUS_PER_NODE": "2"}, "4"),   # what slurmd set on the node wins
+    ({"SLURM_GPUS_ON_NODE": "", "SLURM_GPUS_PER_NODE": "h100:2"}, "2"),  # typed --gpus-per-node
+    ({"SLURM_GPUS_ON_NODE": "", "SLURM_GPUS_PER_NODE": "8"}, "8"),
+    ({"SLURM_GPUS_ON_NODE": "4", "MLRL_GPUS_PER_NODE": "1"}, "1"),     # explicit override
+])
+def test_gpus_come_from_what_slurm_granted(fake_path, env, gpus):
+    out, cmds = dry_run(fake_path, **env)   # an empty variable reads as unset, as in bash
+    assert out.returncode == 0, out.stderr
+    assert f"--num-gpus={gpus}" in cmds[0]
+    assert f"cluster.gpus_per_node={gpus}" in cmds[-1] and f"x {gpus} GPUs" in out.stderr
+
+
+def _no_gpu_env(fake_path, nodes: int, *args, **env):
+    hosts = HOSTS[:nodes]
+    lst = "gpu-a[01-03]" if nodes == 3 else hosts[0]
+    full = {"PATH": fake_path, "HOME": os.environ.get("HOME", "/tmp"), "SLURM_NNODES": str(nodes),
+            "SLURM_JOB_NODELIST": lst, "SLURM_GPUS_PER_NODE": "0", "MLRL_SLURM_DRY_RUN": "1",
+            "MLRL_CONFIG": "launch/cpu_default.yaml", **env}
+    scontrol = Path(fake_path.split(":")[0]) / "scontrol"
+    scontrol.write_text("#!/bin/sh\n" + "".join(f"echo {h}\n" for h in hosts))
+    out = subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=30, env=full)
+    return out, [shlex.split(line.rstrip(" &")) for line in out.stdout.splitlines()]
+
+
+def test_one_node_without_gpus_runs_the_local_cpu_path(fake_path):
+    """No GPUs granted (--gpus-per-node=0, or no GPU option at all): no Ray, one launcher step."""
+    for env in ({}, {"SLURM_GPUS_PER_NODE": ""}):
+        out, cmds = _no_gpu_env(fake_path, 1, "trainer.total_steps=2", MLRL_PYTHON="/v/bin/python", **env)
+        assert out.returncode == 0, out.stderr
+        assert cmds == [["srun", "--nodes=1", "--ntasks=1", "--overlap", "--job-name=mlrl-launch", "-w", "gpu-a01",
+                         "/v/bin/python", "-m",
+                         "mlrl.launch", "--config", "launch/cpu_default.yaml", "cluster.gpus_per_node=0",
+                         "trainer.total_steps=2"]]
+        assert "local CPU path (no Ray)" in out.stderr
+
+
+def test_several_nodes_without_gpus_offer_cpu_slots_from_one_environment(fake_path):
+    out, cmds = _no_gpu_env(fake_path, 3, MLRL_PYTHON="/v/bin/python", MLRL_CPU_SLOTS_PER_NODE="2")
+    assert out.returncode == 0, out.stderr
+    head, _sleep, w2, _w3, wait, launch = cmds
+    assert head[6:9] == ["/v/bin/ray", "start", "--head"] and "--num-gpus=2" in head   # ray beside MLRL_PYTHON
+    assert w2[6:8] == ["/v/bin/ray", "start"] and "--num-gpus=2" in w2
+    assert wait[6:] == ["/v/bin/python", "-m", "mlrl.cluster", "wait", "--address", "gpu-a01:6379", "--nodes", "3",
+                        "--gpus-per-node", "2", "--timeout", "600"]
+    assert launch[-2:] == ["cluster.ray_address=gpu-a01:6379", "cluster.gpus_per_node=2"]
+    assert "CPU device slots" in out.stderr
+    out, cmds = _no_gpu_env(fake_path, 3)
+    assert cmds[0][6] == "ray" and "--num-gpus=1" in cmds[0]   # bare `python`: PATH's ray; 1 slot by default
+
+
+@pytest.mark.parametrize(("env", "says"), [
+    ({"MLRL_GPUS_PER_NODE": "eight"}, "GPUs per node 'eight'"),
+    ({"MLRL_CPU_SLOTS_PER_NODE": "0"}, "MLRL_CPU_SLOTS_PER_NODE='0' must be a whole number >= 1"),
+])
+def test_bad_counts_fail_clearly(fake_path, env, says):
+    out, cmds = _no_gpu_env(fake_path, 3, **env)
+    assert out.returncode == 1 and says in out.stderr and cmds == []
 
 
 def test_outside_slurm_fails_clearly(fake_path):
@@ -92,8 +155,9 @@ def _tool(name):
     return found
 
 
-def test_shellcheck_clean():
+@pytest.mark.parametrize("script", [SCRIPT, ROOT / "scripts" / "setup_slurm.sh"], ids=lambda p: p.name)
+def test_shellcheck_clean(script):
     out = subprocess.run(
-        [_tool("shellcheck"), "--severity=style", str(SCRIPT)], capture_output=True, text=True, timeout=60
+        [_tool("shellcheck"), "--severity=style", str(script)], capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0, out.stdout + out.stderr
