@@ -101,16 +101,36 @@ run_bg() {
   fi
 }
 
-ray_nodes=()   # nodes whose Ray step was started: `ray stop` there at the end
+ray_started=   # set once the Ray steps run: stopped in order at the end
 launch_step=   # the launcher's job step, JOBID.STEP, once it runs
 
-# At exit: stop Ray on each node in order (`ray stop`: SIGTERM, its own grace period, and its
-# session files removed), then end whatever background step is left.
-cleanup() {
-  local node pids
-  for node in "${ray_nodes[@]}"; do
-    "${step[@]}" -w "$node" "${container[@]}" "$ray" stop >/dev/null 2>&1 || true
+# This job's steps with the given name, as JOBID.STEP.
+steps_named() {
+  squeue -h -s -j "${SLURM_JOB_ID:-0}" -o "%i %j" 2>/dev/null | awk -v n="$1" '$2 == n {print $1}'
+}
+
+# Stop this job's Ray, workers first, then the head, while the head's GCS is still up: SIGTERM to
+# each step (Ray drains the node and ends its processes). Not `ray stop`, which would end every
+# Ray cluster on the node, other jobs' or other users' included.
+stop_ray() {
+  local name ids i
+  for name in mlrl-ray-worker mlrl-ray-head; do
+    mapfile -t ids < <(steps_named "$name")
+    ((${#ids[@]})) || continue
+    scancel --signal=TERM "${ids[@]}" 2>/dev/null || true
+    for ((i = 0; i < 120; i++)); do
+      [[ -n "$(steps_named "$name")" ]] || break
+      sleep 0.5
+    done
   done
+}
+
+# At exit: stop Ray in order, then end whatever background step is left.
+cleanup() {
+  local pids
+  if [[ -n "$ray_started" ]]; then
+    stop_ray
+  fi
   mapfile -t pids < <(jobs -p)
   if ((${#pids[@]})); then
     kill "${pids[@]}" 2>/dev/null || true
@@ -160,7 +180,7 @@ launch() {
   setsid "${cmd[@]}" &   # its own session, as run_bg's steps: SIGTERM reaches it through on_term
   pid=$!
   for ((i = 0; i < 600; i++)); do   # its JOBID.STEP, for on_term (registered within a second)
-    launch_step=$(squeue -h -s -j "${SLURM_JOB_ID:-0}" -o "%i %j" 2>/dev/null | awk '$2 == "mlrl-launch" {print $1}')
+    launch_step=$(steps_named mlrl-launch)
     if [[ -n "$launch_step" ]] || ! kill -0 "$pid" 2>/dev/null; then
       break
     fi
@@ -212,13 +232,13 @@ if [[ -z "${RAY_AUTH_MODE:-}" ]]; then
   RAY_AUTH_TOKEN=${RAY_AUTH_TOKEN:-$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')}
   export RAY_AUTH_TOKEN
 fi
-ray_nodes=("${nodes[@]}")
-run_bg "${step[@]}" -w "$head" "${container[@]}" \
+[[ -n "$dry" ]] || ray_started=1
+run_bg "${step[@]}" --job-name=mlrl-ray-head -w "$head" "${container[@]}" \
   "$ray" start --head --node-ip-address="$head_ip" --port="$ray_port" --num-gpus="$devices" --block
 run sleep 10
 stop_if_terminated
 for node in "${nodes[@]:1}"; do
-  run_bg "${step[@]}" -w "$node" "${container[@]}" \
+  run_bg "${step[@]}" --job-name=mlrl-ray-worker -w "$node" "${container[@]}" \
     "$ray" start --address="$address" --num-gpus="$devices" --block
 done
 

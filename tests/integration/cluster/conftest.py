@@ -1,6 +1,8 @@
-"""One Ray cluster simulated on this machine for every test here: a head without GPUs and two
-worker nodes with 4 fake GPUs each (ray.cluster_utils.Cluster starts real raylets); this process
-is connected to it as a driver."""
+"""One Ray cluster simulated on this machine for each test module here: a head without GPUs and
+two worker nodes with 4 fake GPUs each (ray.cluster_utils.Cluster starts real raylets); this
+process is connected to it as a driver. Module scope: "package" scope in a folder without
+__init__.py lasts until the whole session ends, which left this cluster running under every later
+test."""
 
 import pytest
 
@@ -9,7 +11,7 @@ ray = pytest.importorskip("ray")
 GPUS_PER_NODE = 4
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="module")
 def cluster():
     from ray.cluster_utils import Cluster
 

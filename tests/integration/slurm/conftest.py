@@ -77,7 +77,7 @@ class Slurm:
                          for p in sorted((self.root / "log").glob("*")))
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
     why = _missing()
     if why:

@@ -100,7 +100,14 @@ def test_one_node_cpu_job_completes(slurm, tmp_path):
 
 def test_two_node_cpu_job_runs_the_ray_path(slurm, tmp_path):
     run_dir = tmp_path / "run"
-    job_id, out_file = _submit(slurm, run_dir, nodes=2, steps=2, wait=True)
+    # a process that `ray stop` would take for a Ray worker: the job must stop its own Ray only
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(900)", "default_worker.py"])
+    try:
+        job_id, out_file = _submit(slurm, run_dir, nodes=2, steps=2, wait=True)
+        assert bystander.poll() is None, "the job's Ray shutdown ended a process outside the job"
+    finally:
+        bystander.kill()
+        bystander.wait()
     info = slurm.job(job_id)
     text = _text(out_file)
     assert (info["JobState"], info["ExitCode"], info["NodeList"]) == ("COMPLETED", "0:0", "n[1-2]"), text

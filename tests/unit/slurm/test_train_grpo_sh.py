@@ -39,12 +39,13 @@ def test_command_construction(fake_path):
     assert len(cmds) == 6
     head, sleep, w2, w3, wait, launch = cmds
     step = ["srun", "--nodes=1", "--ntasks=1", "--overlap"]
-    assert head == step + ["-w", "gpu-a01", "ray", "start", "--head", "--node-ip-address=gpu-a01", "--port=6379",
-                           "--num-gpus=4", "--block"]
+    assert head == step + ["--job-name=mlrl-ray-head", "-w", "gpu-a01", "ray", "start", "--head",
+                           "--node-ip-address=gpu-a01", "--port=6379", "--num-gpus=4", "--block"]
     assert out.stdout.splitlines()[0].endswith("&")                     # Ray steps run in the background
     assert sleep == ["sleep", "10"]
     for cmd, host in ((w2, "gpu-a02"), (w3, "gpu-a03")):
-        assert cmd == step + ["-w", host, "ray", "start", "--address=gpu-a01:6379", "--num-gpus=4", "--block"]
+        assert cmd == step + ["--job-name=mlrl-ray-worker", "-w", host, "ray", "start", "--address=gpu-a01:6379",
+                              "--num-gpus=4", "--block"]
     assert wait == step + ["-w", "gpu-a01", "python", "-m", "mlrl.cluster", "wait", "--address", "gpu-a01:6379",
                            "--nodes", "3", "--gpus-per-node", "4", "--timeout", "600"]
     assert launch == step + [
@@ -72,7 +73,7 @@ def test_container_config_port_and_python(fake_path):
     container = ["--container-image=/img/mlrl.sqsh", "--container-mounts=/proj:/proj", "--container-workdir=/proj"]
     for cmd in cmds:
         if cmd[0] == "srun":
-            at = 7 if "--job-name=mlrl-launch" in cmd else 6
+            at = 7 if cmd[4].startswith("--job-name=") else 6   # named steps: launcher, Ray head, workers
             assert cmd[at:at + 3] == container, cmd
     assert "--port=7000" in cmds[0] and "--address=gpu-a01:7000" in cmds[2]
     assert cmds[-1][10:] == ["/opt/venv/bin/python", "-m", "mlrl.launch", "--nodes", "3", "--config",
@@ -121,14 +122,14 @@ def test_several_nodes_without_gpus_offer_cpu_slots_from_one_environment(fake_pa
     out, cmds = _no_gpu_env(fake_path, 3, MLRL_PYTHON="/v/bin/python", MLRL_CPU_SLOTS_PER_NODE="2")
     assert out.returncode == 0, out.stderr
     head, _sleep, w2, _w3, wait, launch = cmds
-    assert head[6:9] == ["/v/bin/ray", "start", "--head"] and "--num-gpus=2" in head   # ray beside MLRL_PYTHON
-    assert w2[6:8] == ["/v/bin/ray", "start"] and "--num-gpus=2" in w2
+    assert head[7:10] == ["/v/bin/ray", "start", "--head"] and "--num-gpus=2" in head   # ray beside MLRL_PYTHON
+    assert w2[7:9] == ["/v/bin/ray", "start"] and "--num-gpus=2" in w2
     assert wait[6:] == ["/v/bin/python", "-m", "mlrl.cluster", "wait", "--address", "gpu-a01:6379", "--nodes", "3",
                         "--gpus-per-node", "2", "--timeout", "600"]
     assert launch[-2:] == ["cluster.ray_address=gpu-a01:6379", "cluster.gpus_per_node=2"]
     assert "CPU device slots" in out.stderr
     out, cmds = _no_gpu_env(fake_path, 3)
-    assert cmds[0][6] == "ray" and "--num-gpus=1" in cmds[0]   # bare `python`: PATH's ray; 1 slot by default
+    assert cmds[0][7] == "ray" and "--num-gpus=1" in cmds[0]   # bare `python`: PATH's ray; 1 slot by default
 
 
 @pytest.mark.parametrize(("env", "says"), [
