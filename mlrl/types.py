@@ -15,7 +15,9 @@ Invariants kept here:
 from __future__ import annotations
 
 import enum
+import numbers
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +81,41 @@ class ModelRequest:
     session_id: str | None = None  # multi-turn conversation id: requests with one id stick to one engine (prefix cache)
     metadata: dict[str, Any] = field(default_factory=dict)
     tokenizer: Any = None           # AReaL's field: lets engines decode text for stop strings
+
+    def __post_init__(self) -> None:
+        self.input_ids = token_ids(self.input_ids, "ModelRequest.input_ids")
+
+
+def token_ids(value: Any, name: str) -> list[int]:
+    """`value` as a flat list of Python ints, from what workflow code passes as prompt ids: a list
+    or tuple of ints, a tensor or numpy array (1-D, or one row), or a `BatchEncoding` / dict with
+    `input_ids` (what `tokenizer(...)` and `apply_chat_template(..., tokenize=True)` return).
+    Anything else raises TypeError here, in the caller's own frame, naming the type and the first
+    bad value, rather than failing later inside the engine."""
+    if type(value) is list and all(type(v) is int for v in value):
+        return value                                   # the common case: nothing to convert
+    if isinstance(value, Mapping):
+        if "input_ids" not in value:
+            raise TypeError(f"{name}: got a {type(value).__name__} without an 'input_ids' key "
+                            f"(keys: {sorted(map(str, value))[:8]}); pass token ids")
+        value = value["input_ids"]
+    if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):
+        value = value.tolist()                         # torch.Tensor, numpy.ndarray
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"{name}: got text ({type(value).__name__} {str(value)[:40]!r}), expected token ids "
+                        "(list[int]): tokenize it first, e.g. tokenizer(text)['input_ids']")
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name}: expected token ids (list[int], a tensor, or a BatchEncoding), got "
+                        f"{type(value).__name__}")
+    if len(value) == 1 and isinstance(value[0], (list, tuple)):
+        value = value[0]                               # a batch of one row: [[ids]]
+    out = []
+    for i, v in enumerate(value):
+        if not isinstance(v, numbers.Integral) or isinstance(v, bool):
+            raise TypeError(f"{name}: expected token ids (list[int]); element {i} is "
+                            f"{type(v).__name__} {str(v)[:40]!r}")
+        out.append(int(v))
+    return out
 
 
 @dataclass
