@@ -99,7 +99,7 @@ def token_ids(value: Any, name: str) -> list[int]:
             raise TypeError(f"{name}: got a {type(value).__name__} without an 'input_ids' key "
                             f"(keys: {sorted(map(str, value))[:8]}); pass token ids")
         value = value["input_ids"]
-    if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):
+    if hasattr(value, "tolist"):
         value = value.tolist()                         # torch.Tensor, numpy.ndarray
     if isinstance(value, (str, bytes)):
         raise TypeError(f"{name}: got text ({type(value).__name__} {str(value)[:40]!r}), expected token ids "

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "sinfo")
+TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "sinfo")
 NODES = ("n1", "n2")
 
 
 def _missing() -> str | None:
-    gone = [d for d in DAEMONS if not (shutil.which(d) or Path("/usr/sbin", d).exists())]
+    gone = [d for d in TOOLS if not (shutil.which(d) or Path("/usr/sbin", d).exists())]
     if gone:
         return f"Slurm not installed here (missing {', '.join(gone)}): apt-get install slurm-wlm munge"
     if os.geteuid() != 0:
@@ -57,6 +57,10 @@ class Slurm:
         if check and out.returncode != 0:
             raise AssertionError(f"{' '.join(cmd)} exited {out.returncode}: {out.stderr}\n{self.logs()}")
         return out
+
+    @staticmethod
+    def free_port() -> int:
+        return _free_ports(1)[0]
 
     def job(self, job_id: str) -> dict[str, str]:
         """`scontrol show job` as a dict (finished jobs stay listed for MinJobAge, set long below)."""

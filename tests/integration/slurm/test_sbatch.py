@@ -9,7 +9,6 @@ CPU recipe and the script's own #SBATCH defaults except the node count and `--gp
 """
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -19,16 +18,10 @@ ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = ROOT / "slurm" / "train_grpo.sh"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _submit(slurm, run_dir: Path, nodes: int, steps: int, wait: bool) -> tuple[str, Path]:
     out_file = run_dir.parent / f"{run_dir.name}-slurm.out"
     env = {**slurm.env, "MLRL_CONFIG": "launch/cpu_default.yaml", "MLRL_PYTHON": sys.executable,
-           "MLRL_RAY_PORT": str(_free_port()), "MLRL_RAY_WAIT_S": "120"}
+           "MLRL_RAY_PORT": str(slurm.free_port()), "MLRL_RAY_WAIT_S": "120"}
     cmd = ["sbatch", "--parsable", f"--nodes={nodes}", "--gpus-per-node=0", f"--output={out_file}",
            *(["--wait"] if wait else []), str(SCRIPT), f"trainer.total_steps={steps}", f"logging.run_dir={run_dir}",
            "logging.progress_bar=false"]
@@ -125,7 +118,8 @@ def test_two_node_cpu_job_runs_the_ray_path(slurm, tmp_path):
     assert _wait_no_processes(job_id) == []          # the Ray steps were stopped with the job
 
 
-def _cancel_after_first_step(slurm, run_dir: Path, nodes: int, *scancel: str) -> tuple[str, str, dict]:
+def _cancel_after_first_step(slurm, run_dir: Path, nodes: int, *scancel: str) -> dict[str, str]:
+    """Submit a long run, scancel it once a step is done, check the orderly end; the job's info."""
     job_id, out_file = _submit(slurm, run_dir, nodes=nodes, steps=500, wait=False)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 240
@@ -143,13 +137,13 @@ def _cancel_after_first_step(slurm, run_dir: Path, nodes: int, *scancel: str) ->
     steps = _steps(run_dir)                           # every line whole: nothing half-written
     assert steps == list(range(1, len(steps) + 1)) and len(steps) < 500
     assert _wait_no_processes(job_id) == [], _tail(out_file)
-    return job_id, text, info
+    return info
 
 
 def test_plain_scancel_tears_a_cpu_run_down_in_order(slurm, tmp_path):
     """`scancel JOB` signals every step and the batch shell at once; the launcher (no Ray on one
     node without GPUs) tears down in order and exits 143, and the batch shell waits for it."""
-    _, _, info = _cancel_after_first_step(slurm, tmp_path / "run", 1)
+    info = _cancel_after_first_step(slurm, tmp_path / "run", 1)
     assert info["JobState"] == "CANCELLED"
 
 
@@ -157,5 +151,5 @@ def test_graceful_scancel_of_a_ray_run_stops_the_launcher_first(slurm, tmp_path)
     """`scancel --batch --signal=TERM JOB` (what the time limit does through --signal=B:TERM@180):
     the batch shell passes SIGTERM to the launcher step alone, which stops its engines and ranks
     through Ray while Ray is up; then the script stops Ray on both nodes and the job ends 143."""
-    _, _, info = _cancel_after_first_step(slurm, tmp_path / "run", 2, "--batch", "--signal=TERM")
+    info = _cancel_after_first_step(slurm, tmp_path / "run", 2, "--batch", "--signal=TERM")
     assert info["ExitCode"] == "143:0", info
