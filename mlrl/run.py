@@ -33,7 +33,7 @@ from mlrl.modelzoo import resolve_model_dir
 from mlrl.rollout.pool import EnginePool
 from mlrl.rollout.server import ServerSpec
 from mlrl.trainer.driver.client import CriticClient, MegatronWeightSource, TrainerClient
-from mlrl.trainer.driver.group import SpawnRanks, TrainerGroup
+from mlrl.trainer.driver.group import SpawnRanks, TrainerGroup, rank_env
 from mlrl.weight_sync import make_weight_sync
 from mlrl.workflow import EpisodeRunner, build_workflow_from_config, gconfig_from_sampling, load_hf_tokenizer
 
@@ -231,7 +231,7 @@ async def _run(cfg: Config, layout: Layout) -> int:
                 layout.trainer_devices,
                 run_dir=run_dir,
                 host=placement.host,
-                env=placement.trainer_env,
+                env=rank_env(cfg, placement.trainer_env),
                 spawn=placement.spawn_trainer,
             ))
         finally:

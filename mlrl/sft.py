@@ -33,7 +33,7 @@ from mlrl.experience.packing import pack_step
 from mlrl.metrics import MetricsLogger
 from mlrl.modelzoo import resolve_model_dir
 from mlrl.trainer.driver.client import TrainerClient
-from mlrl.trainer.driver.group import TrainerGroup
+from mlrl.trainer.driver.group import TrainerGroup, rank_env
 from mlrl.types import Sample
 from mlrl.workflow import load_hf_tokenizer
 
@@ -119,7 +119,7 @@ def run_sft(cfg: Config, layout: Layout) -> int:
     group = logger = None
     try:
         group = TrainerGroup(dump_yaml(cfg), layout.trainer_devices, run_dir=run_dir, host=placement.host,
-                             env=placement.trainer_env, spawn=placement.spawn_trainer)
+                             env=rank_env(cfg, placement.trainer_env), spawn=placement.spawn_trainer)
         policy = TrainerClient(group)
         checkpointer = Checkpointer(ckpts, run_dir, policy)
         start = 0

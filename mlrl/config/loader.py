@@ -131,6 +131,13 @@ def _join(prefix: str, key: str) -> str:
     return f"{prefix}.{key}" if prefix else str(key)
 
 
+def _describe(tp: Any) -> str:
+    """What a value of type `tp` looks like in a config file (for error messages)."""
+    if typing.get_origin(tp) is Literal:
+        return ", ".join(repr(a) for a in typing.get_args(tp))
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
+
+
 def _coerce(tp: Any, value: Any, name: str) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
@@ -147,7 +154,10 @@ def _coerce(tp: Any, value: Any, name: str) -> Any:
                 return _coerce(a, value, name)
             except ConfigError as e:
                 errors.append(e)
-        raise errors[0] if len(errors) == 1 else ConfigError(f"{name}: got {value!r}, expected one of {tp}")
+        if len(errors) == 1:
+            raise errors[0]
+        wanted = " or ".join(_describe(a) for a in args if a is not type(None))
+        raise ConfigError(f"{name}: got {value!r}, expected {wanted}")
     if origin is Literal:
         if value not in args:
             close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)

@@ -8,7 +8,7 @@ that need the model's HF config or the machine live in `validate.py`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -170,8 +170,10 @@ class TrainerConfig(OptimizerConfig):
     """RL steps to run."""
     seed: int = 1234
     """Seed of every RNG (model init, sampling order, dropout)."""
-    deterministic: bool = True
-    """Deterministic kernels and reductions (bit-exact resume)."""
+    deterministic: Union[bool, Literal["auto"]] = "auto"
+    """Deterministic kernels and reductions (bit-exact reruns and resume). auto = on CPU (where
+    it costs nothing), off on GPU; true on GPU costs speed and memory (TE's deterministic
+    attention backward; README: GPU). false is refused on CPU (nothing to turn off there)."""
 
 
 @dataclass

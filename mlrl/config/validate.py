@@ -384,6 +384,9 @@ def _check_devices(cfg: Config, has_cuda: bool) -> None:
             f"cluster.gpus_per_node={c.gpus_per_node} but this machine has no CUDA device (use --dry-run to plan, or "
             "gpus_per_node=0)"
         )
+    if t.deterministic is False and not gpu_run:
+        raise ConfigError("trainer.deterministic=false: the CPU trainer is always deterministic (gloo, fixed-order "
+                          "reductions), so there is nothing to turn off; use auto or true (false pays off on GPU)")
     if p.vpp is not None and p.vpp > 1 and not gpu_run:
         raise ConfigError(
             f"parallel.vpp={p.vpp}: the interleaved pipeline schedule hangs on gloo; virtual pipeline stages are GPU "
@@ -474,6 +477,24 @@ def _check_shared_prefix(cfg: Config) -> None:
                           "laid out per sample, not per shared prompt; use never or auto")
 
 
+TE_INSTALL_HINT = ("pip install --no-build-isolation 'transformer_engine[pytorch]==2.20.2' (README: GPU install); "
+                   "megatron-core's GPU layer spec, FP8 and context parallelism need it")
+
+
+def _transformer_engine_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def _check_transformer_engine(cfg: Config, has_te: bool) -> None:
+    """A GPU run on this machine: the trainer ranks build Megatron's Transformer Engine layer spec
+    (mlrl.trainer.rank.model.use_te), so TE must be importable here before any rank starts."""
+    if not has_te:
+        raise ConfigError(f"cluster.gpus_per_node={cfg.cluster.gpus_per_node}: this machine has CUDA but not "
+                          f"Transformer Engine (no module transformer_engine); {TE_INSTALL_HINT}")
+
+
 def _check_bridge(cfg: Config, hf: dict[str, Any], *, has_cuda: bool, dry_run: bool) -> str:
     """model.bridge resolves for this model (mlrl.bridge.select); the megatron-bridge path is GPU
     only and carries none of mlrl's own layouts (LoRA, the critic's value head, router replay)."""
@@ -497,12 +518,17 @@ def _check_bridge(cfg: Config, hf: dict[str, Any], *, has_cuda: bool, dry_run: b
     return which
 
 
-def validate(cfg: Config, *, has_cuda: bool | None = None, dry_run: bool = False) -> Layout:
+def validate(cfg: Config, *, has_cuda: bool | None = None, has_te: bool | None = None,
+             dry_run: bool = False) -> Layout:
     """Check everything that can be checked before start; return the resolved layout.
 
     `dry_run=True` plans a cluster from anywhere: a missing model folder falls back to
-    `model.arch` and the local machine's lack of CUDA is not an error.
+    `model.arch` and the local machine's lack of CUDA is not an error. `has_cuda` / `has_te`
+    describe the machine (default: detected; a caller that states `has_cuda` describes another
+    machine, and that machine has Transformer Engine unless `has_te` says otherwise).
     """
+    if has_te is None:
+        has_te = True if has_cuda is not None else None
     if has_cuda is None:
         has_cuda = dry_run or _cuda_available()  # a dry run never needs the local GPU (and skips importing torch)
     _check_ranges(cfg)
@@ -513,6 +539,8 @@ def validate(cfg: Config, *, has_cuda: bool | None = None, dry_run: bool = False
     _check_mode(cfg)
     _check_colocate(cfg)
     _check_devices(cfg, has_cuda=has_cuda or dry_run)
+    if cfg.cluster.gpus_per_node > 0 and cfg.cluster.nodes == 1 and has_cuda and not dry_run:
+        _check_transformer_engine(cfg, _transformer_engine_installed() if has_te is None else has_te)
     layout = resolve_layout(cfg)
     try:
         hf = hf_config_dict(cfg.model.hf_dir, cfg.model.arch if dry_run else None)

@@ -42,6 +42,14 @@ class RankProcesses(Protocol):
     def log_tail(self, lines: int) -> str: ...
 
 
+def rank_env(cfg: Any, base: dict[str, str]) -> dict[str, str]:
+    """`base` (the placement's env) plus the numerics variables GPU ranks need before CUDA
+    libraries start (mlrl.trainer.rank.numerics: determinism, fp32 without TF32)."""
+    from mlrl.trainer.rank.numerics import rank_env as numerics_env
+
+    return {**base, **numerics_env(cfg.model, cfg.trainer, gpu=cfg.cluster.gpus_per_node > 0)}
+
+
 # (service args after `python`, env for every rank) -> the started rank processes
 SpawnRanks = Callable[[list[str], dict[str, str]], RankProcesses]
 

@@ -92,8 +92,21 @@ def next_token_labels(tokens: torch.Tensor, cu: list[int]) -> tuple[torch.Tensor
     return labels, label_mask
 
 
+# Transformer Engine FP8 GEMMs need the token dimension divisible by 16 (TE's
+# assert_dim_for_fp8_exec: leading dims % 8, and its docs: sequence padded to a multiple of 16);
+# the block-scaled recipes quantise 128-row tiles (TE pads them internally where it can: 128 is
+# the conservative choice that never asks it to).
+FP8_TOKEN_MULTIPLE = {"none": 1, "tensorwise": 16, "delayed": 16, "blockwise": 128, "mxfp8": 128}
+
+
+def row_multiple(*, fp8_recipe: str = "none", tp: int = 1, sequence_parallel: bool = False) -> int:
+    """What each rank's row length must be a multiple of: FP8's token multiple, times tp when
+    sequence parallelism splits the row over the TP ranks (each slice must satisfy it)."""
+    return FP8_TOKEN_MULTIPLE[fp8_recipe] * (tp if sequence_parallel else 1)
+
+
 def build_inputs(mb: MicroBatch, device: torch.device, *, tp: int = 1, sequence_parallel: bool = False,
-                 cp: int = 1, cp_rank: int = 0) -> ModelInputs:
+                 cp: int = 1, cp_rank: int = 0, fp8_recipe: str = "none") -> ModelInputs:
     from megatron.core.packed_seq_params import PackedSeqParams
 
     S = mb.num_tokens
@@ -107,9 +120,10 @@ def build_inputs(mb: MicroBatch, device: torch.device, *, tp: int = 1, sequence_
         if mb.prefix_segment is not None:
             raise ValueError("shared-prefix micro-batches (trainer.shared_prefix_packing) cannot be split for "
                              "context parallelism")
-        return _cp_inputs(tokens, pos, labels, label_mask, bounds, S, device, cp, cp_rank)
+        return _cp_inputs(tokens, pos, labels, label_mask, bounds, S, device, cp, cp_rank,
+                          FP8_TOKEN_MULTIPLE[fp8_recipe])
 
-    pad = (-S) % tp if sequence_parallel else 0
+    pad = (-S) % row_multiple(fp8_recipe=fp8_recipe, tp=tp, sequence_parallel=sequence_parallel)
     if pad:
         if len(bounds) - 1 == n_samples:
             bounds.append(S + pad)
@@ -134,14 +148,25 @@ def build_inputs(mb: MicroBatch, device: torch.device, *, tp: int = 1, sequence_
                        label_mask.to(device), S)
 
 
-def _cp_inputs(tokens, pos, labels, label_mask, bounds, S, device, cp, cp_rank) -> ModelInputs:
+def cp_padded_lengths(lens: list[int], cp: int, multiple: int = 1) -> list[int]:
+    """Each segment padded to a multiple of 2*cp (TE's THD context-parallel split: every segment
+    is cut into 2*cp chunks), the last one further so that each CP rank's slice (total / cp) is
+    a multiple of `multiple` (FP8)."""
+    unit = 2 * cp
+    padded = [(n + unit - 1) // unit * unit for n in lens]
+    extra = (-sum(padded)) % (cp * multiple)  # a multiple of 2*cp as well (both terms are)
+    if padded and extra:
+        padded[-1] += extra
+    return padded
+
+
+def _cp_inputs(tokens, pos, labels, label_mask, bounds, S, device, cp, cp_rank, multiple) -> ModelInputs:
     """GPU only: pad every segment to a multiple of 2*cp and keep this CP rank's THD slice."""
     import transformer_engine_torch as tex
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    unit = 2 * cp
     lens = [b - a for a, b in zip(bounds, bounds[1:])]
-    padded = [(n + unit - 1) // unit * unit for n in lens]
+    padded = cp_padded_lengths(lens, cp, multiple)
     index = torch.cat([torch.arange(a, a + n) for a, n in zip(bounds, lens)])
     dest = torch.cat([torch.arange(o, o + n) for o, n in zip(_cumsum(padded), lens)])
     total = sum(padded)

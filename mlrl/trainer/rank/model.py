@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from mlrl.bridge import ArchSpec, ModelArch, padded_vocab_size
 from mlrl.config.schema import ModelConfig, ParallelConfig, TrainerConfig
 from mlrl.config.validate import Layout
-from mlrl.trainer.rank import cpu_compat
+from mlrl.trainer.rank import cpu_compat, numerics
 
 _ACTIVATIONS = {"silu": F.silu}
 # model.dtype -> the trainer's params dtype (bf16 / fp16 train with fp32 master weights)
@@ -94,8 +94,8 @@ def layout_fields(arch: ModelArch, model: ModelConfig, parallel: ParallelConfig,
     if trainer.fp8_recipe != "none":
         fmt, recipe = _FP8[trainer.fp8_recipe]
         fields.update(fp8=fmt, fp8_recipe=recipe)
-    if gpu and trainer.deterministic:
-        fields.update(deterministic_mode=True)
+    if gpu and numerics.deterministic(trainer.deterministic, gpu=True):
+        fields.update(deterministic_mode=True)  # numerics.configure has set the env TE needs for it
     if parallel.pp_layer_split is not None:
         # explicit uneven split -> Megatron's pipeline layout ("E" embedding, "t" layer, "L" loss)
         stages = []

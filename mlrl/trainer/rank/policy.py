@@ -48,7 +48,7 @@ from mlrl.bridge.select import resolve_bridge
 from mlrl.config.schema import ModelConfig, ParallelConfig, TrainerConfig
 from mlrl.config.validate import Layout
 from mlrl.experience.batch import MicroBatch
-from mlrl.trainer.rank import cpu_compat, packed_rope
+from mlrl.trainer.rank import cpu_compat, numerics, packed_rope
 from mlrl.trainer.rank.inputs import ModelInputs, build_inputs, check_window
 from mlrl.trainer.rank.logprobs import align_to_tokens, vocab_parallel_logprobs
 from mlrl.trainer.rank.model import build_model_chunks, build_transformer_config, layout_fields, params_dtype
@@ -71,6 +71,7 @@ class MegatronPolicy:
                  hf_dir: Path | str, trainable: bool = True):
         from megatron.core import parallel_state
 
+        numerics.configure(model_cfg, trainer_cfg)  # before any TE module: determinism / TF32 env
         cpu_compat.apply()
         packed_rope.install()
         if not parallel_state.model_parallel_is_initialized():
@@ -232,6 +233,7 @@ class MegatronPolicy:
                     sequence_parallel=self.parallel.sequence_parallel,
                     cp=self.layout.cp,
                     cp_rank=self.ranks.cp,
+                    fp8_recipe=self.trainer_cfg.fp8_recipe,
                 )
             )
         return out
@@ -394,9 +396,10 @@ class MegatronPolicy:
             dist.broadcast(
                 flat, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
             )
+        flat = flat.cpu()  # one device->host copy (and sync) for the whole call, not one per value
         out, off = [], 0
         for n in lengths:
-            out.append(tuple(flat[off + i * n:off + (i + 1) * n].cpu() for i in range(k)))
+            out.append(tuple(flat[off + i * n:off + (i + 1) * n] for i in range(k)))
             off += k * n
         return out
 

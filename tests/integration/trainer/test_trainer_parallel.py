@@ -127,3 +127,15 @@ def test_pp2_uneven_layer_split(four_layer_llama):
     # the first stage yields embedding + layers 0-2, the last layer 3 + final norm
     first = ranks[0][f"{four_layer_llama}/export"]["names"]
     assert "model.layers.2.mlp.down_proj.weight" in first and not any("layers.3." in n for n in first)
+
+
+def test_tp2_triton_logprob_kernels_under_the_interpreter(monkeypatch):
+    """The GPU logprob pass (mlrl.trainer.rank.logprob_kernels: Triton kernels plus the TP
+    combination of per-rank row statistics) on CPU ranks through Triton's interpreter: TP2 over a
+    72-token vocabulary padded to two slices of unequal valid width, parity and gradients vs HF."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    ranks = run_worker(2, tp=2, checks=["parity", "grads"], models=["tiny-llama"])
+    assert [r["logprob_kernels"] for r in ranks] == [True, True]  # the kernels really ran
+    assert_parity(ranks, "tiny-llama")
+    assert_grads(ranks, "tiny-llama")

@@ -40,7 +40,7 @@ def build_cfg(args, **trainer):
         target = getattr(cfg, section) if section else cfg.trainer
         if not hasattr(target, name):
             raise ValueError(f"--trainer-opts {k}: {type(target).__name__} has no field {name!r}")
-        setattr(target, name, v)
+        setattr(target, name, {"true": True, "false": False}.get(v, v) if isinstance(v, str) else v)
     return cfg, resolve_layout(cfg)
 
 
@@ -397,6 +397,10 @@ def main() -> None:
                 torch.manual_seed(0)
                 results[f"{model}/{name}"] = CHECKS[name](ctx)
         results["ranks"] = ctx.ranks.as_dict()
+        from mlrl.trainer.rank import logprob_kernels  # which logprob pass ran: Triton kernels or torch
+        from mlrl.trainer.rank.parallel import device
+
+        results["logprob_kernels"] = logprob_kernels.available(torch.empty(0, device=device()))
     except Exception:
         results["error"] = traceback.format_exc()
         Path(args.out, f"rank{rank}.json").write_text(json.dumps(results))

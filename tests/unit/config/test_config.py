@@ -168,7 +168,8 @@ BAD = [
     (["model.hf_dir=builtin:nope"], "unknown builtin model 'nope'"),
     (["parallel.sequence_parallel=true"], "parallel.sequence_parallel needs parallel.tp >= 2"),
     (["cluster.gpus_per_node=8"], "this machine has no CUDA device"),
-    (["trainer.deterministic=maybe"], "trainer.deterministic: got 'maybe', expected true or false"),
+    (["trainer.deterministic=maybe"], "trainer.deterministic: got 'maybe', expected true or false or 'auto'"),
+    (["trainer.deterministic=false"], "trainer.deterministic=false: the CPU trainer is always deterministic"),
     (["rollout.sampling.max_new_tokens=1000"], "exceeds the model's max_position_embeddings=256"),
     (
         ["model.hf_dir=builtin:tiny-qwen3-moe", "cluster.trainer_devices=2", "parallel.tp=2"],
