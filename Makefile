@@ -2,7 +2,7 @@
 # (scripts/setup_env.sh; a no-op when nothing changed).
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-unit test-integration lint
+.PHONY: setup demo test test-unit test-integration lint gpu-check
 setup:
 	@bash scripts/setup_env.sh
 
@@ -24,3 +24,9 @@ test-unit: setup
 test-integration: setup
 	@bash scripts/setup_slurm.sh
 	$(PY) -m pytest tests/integration
+
+# On a CUDA machine with the GPU environment (README, GPU environment; not .venv, which is the CPU
+# one): tests/gpu, then the train-step bench on a Qwen3-1.7B shape, then a one-line summary.
+# PYTHON=/path/to/python picks another interpreter.
+gpu-check:
+	@bash scripts/gpu_check.sh

@@ -71,8 +71,11 @@ class Colocation:
             if kind in report:
                 key = f"colocate/{prefix}_bytes/{kind}"
                 self.metrics[key] = self.metrics.get(key, 0.0) + report[kind]
-        key = f"colocate/{prefix}_copied_bytes"
-        self.metrics[key] = self.metrics.get(key, 0.0) + report.get("copied", 0.0)
+        # copied: what the offloader moved; measured: what the devices' allocators saw leave (offload) or
+        # come back (reload), independent of the offloader's own byte counts (0 on CPU)
+        for what in ("copied", "measured"):
+            key = f"colocate/{prefix}_{what}_bytes"
+            self.metrics[key] = self.metrics.get(key, 0.0) + report.get(what, 0.0)
 
     # ---- engines -----------------------------------------------------------------------------------
     async def _engines(self, what: str, call) -> None:

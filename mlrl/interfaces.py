@@ -68,7 +68,8 @@ class Offloadable(Protocol):
     """A trainer that gives its device memory back between steps (colocated placement)."""
 
     def offload(self, kinds: list[str]) -> dict[str, float]:
-        """Release `kinds` ("params", "grads", "optimizer"); bytes per kind, bytes copied, seconds."""
+        """Release `kinds` ("params", "grads", "optimizer"); bytes per kind, bytes copied, device
+        bytes measured as freed ("measured": the CUDA allocator's count, 0 on CPU), seconds."""
         ...
 
     def reload(self) -> dict[str, float]:

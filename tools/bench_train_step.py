@@ -3,42 +3,192 @@ same batch, measured side by side in one run; prints the ratio.
 
     python tools/bench_train_step.py --hf-dir builtin:smollm2-135m-instruct [--tp N] [--pp N] \
         [--samples 16] [--sample-len 128] [--micro-batches 2] [--steps 3]
+    python tools/bench_train_step.py --device cuda --model-shape qwen3-1.7b [--seq 2048] \
+        [--samples 16] [--micro-batches 4] [--steps 5] [--warmup 2] [--peak-tflops 989] [--json PATH]
 
 Both sides do the full step: forward, token logprobs + entropy, a policy-gradient loss
 normalised over the step, backward, grad clipping, AdamW. Megatron runs the packed
 micro-batches through `MegatronPolicy.train_step` (tp*pp processes, launched here with
-torchrun); HF runs on rank 0 afterwards with the samples of each micro-batch as one unpadded
-batch (all samples have the same length, so neither side wastes work on padding), with as many
-threads as the Megatron ranks had together. The first `--warmup` steps of each side are not timed.
+torchrun), then times the forward-only pass of the reference / old policy
+(`compute_logprobs`); HF runs on rank 0 afterwards with the samples of each micro-batch as one
+unpadded batch (all samples have the same length, so neither side wastes work on padding). The
+first `--warmup` steps of each side are not timed.
+
+`--device cpu` (default): float32, gloo; HF gets as many threads as the Megatron ranks had
+together; the last line is `ratio megatron_over_hf: x`.
+
+`--device cuda`: one process per GPU (tp*pp), model.dtype=bfloat16 (Megatron: bf16 params with
+fp32 master weights in its optimizer, Transformer Engine layer spec); HF: bf16 params, SDPA
+attention, fused torch AdamW (its states in bf16, no fp32 master copy: HF needs less memory for
+the same model). Each side reports tok/s, MFU and peak memory (`torch.cuda.max_memory_allocated` /
+`max_memory_reserved`, reset between the sides; mlrl: the maximum over its ranks); the last line
+is `ratio mlrl_over_hf: x` (mlrl train tok/s over HF train tok/s).
+
+`--model-shape NAME` writes a random-weight HF folder (bf16 safetensors) of a public model's
+shape into a temp dir once, before torchrun, and deletes it at the end: no download. `tiny` is
+a small Llama for tests.
+
+MFU (dense decoders: the --model-shape shapes; an MoE --hf-dir would be over-counted), the
+PaLM paper's appendix-B accounting with its attention term halved for the causal mask:
+
+    MFU = (6 * P * tok/s + A * tok/s) / (peak_tflops * 1e12 * gpus)
+    P = matmul parameters: every Linear weight of the layers (q, k, v, o, gate, up, down) plus the
+        lm_head, counted once when tied to the embedding; not the embedding lookup, not norms
+    A = training attention FLOPs per token = 6 * layers * 2 * heads * head_dim * seq_len / 2
+        (QK^T and AV, 2 FLOPs per multiply-add, fwd + bwd = 3x, causal: half of the square)
+
+The forward-only MFU uses 2 * P and A / 3. `gpus` is tp*pp for mlrl and 1 for HF.
+`--peak-tflops` defaults to 989, the H100 / H200 SXM bf16 dense peak; the output names the GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+HF_DIR_ENV = "MLRL_BENCH_HF_DIR"  # the launcher's random folder, handed to the torchrun workers
+
+# Public model shapes (config values of the released config.json files, weights random).
+_LLAMA32_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+SHAPES: dict[str, tuple[str, dict]] = {
+    "tiny": ("llama", dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=32, intermediate_size=256, vocab_size=256, tie_word_embeddings=True,
+                           max_position_embeddings=131072, rms_norm_eps=1e-6, rope_parameters=dict(_LLAMA32_ROPE))),
+    "llama3.2-1b": ("llama", dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                                  num_key_value_heads=8, head_dim=64, intermediate_size=8192, vocab_size=128256,
+                                  tie_word_embeddings=True, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                                  bos_token_id=128000, eos_token_id=128001, rope_parameters=dict(_LLAMA32_ROPE))),
+    "qwen3-1.7b": ("qwen3", dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16,
+                                 num_key_value_heads=8, head_dim=128, intermediate_size=6144, vocab_size=151936,
+                                 tie_word_embeddings=True, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                                 max_window_layers=28, bos_token_id=151643, eos_token_id=151645,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "qwen3-8b": ("qwen3", dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
+                               num_key_value_heads=8, head_dim=128, intermediate_size=12288, vocab_size=151936,
+                               tie_word_embeddings=False, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                               max_window_layers=36, bos_token_id=151643, eos_token_id=151645,
+                               rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+}
+# per-device defaults of the flags that default to None
+_DEFAULTS = {"cpu": dict(sample_len=128, micro_batches=2, steps=3, warmup=1),
+             "cuda": dict(sample_len=2048, micro_batches=4, steps=5, warmup=2)}
 
 
+# ---- model shapes and FLOPs (pure; tests/unit/trainer/test_bench_train_step.py) -------------------
+def shape_config(name: str):
+    """The transformers config (LlamaConfig / Qwen3Config) of shape `name`, bf16."""
+    from transformers import LlamaConfig, Qwen3Config
+
+    model_type, fields = SHAPES[name]
+    cls = {"llama": LlamaConfig, "qwen3": Qwen3Config}[model_type]
+    return cls(**fields, dtype="bfloat16")
+
+
+def _head_dim(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def matmul_params(cfg) -> int:
+    """P of the MFU formula for a dense decoder config: q/k/v/o and gate/up/down weights of every
+    layer plus the lm_head (once, tied or not). Biases, norms and the embedding lookup excluded."""
+    h, heads, hd = cfg.hidden_size, cfg.num_attention_heads, _head_dim(cfg)
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    attn = h * heads * hd + 2 * h * kv * hd + heads * hd * h
+    mlp = 3 * h * cfg.intermediate_size
+    return cfg.num_hidden_layers * (attn + mlp) + cfg.vocab_size * h
+
+
+def train_flops_per_token(cfg, seq_len: int) -> float:
+    """6 * P + A (module docstring): FLOPs of one trained token in a sequence of seq_len tokens."""
+    attn = 6 * cfg.num_hidden_layers * 2 * cfg.num_attention_heads * _head_dim(cfg) * seq_len / 2
+    return 6 * matmul_params(cfg) + attn
+
+
+def forward_flops_per_token(cfg, seq_len: int) -> float:
+    """2 * P + A / 3: the forward pass alone is a third of the training FLOPs."""
+    return train_flops_per_token(cfg, seq_len) / 3
+
+
+def mfu(flops_per_token: float, tokens_per_s: float, peak_tflops: float, gpus: int = 1) -> float:
+    """Model FLOPs utilisation in [0, 1]: achieved FLOP/s over the peak of `gpus` devices."""
+    return flops_per_token * tokens_per_s / (peak_tflops * 1e12 * gpus)
+
+
+def write_random_hf_dir(name: str, out: Path, *, block: int = 1 << 20) -> Path:
+    """A Hugging Face folder (config.json + bf16 safetensors) of shape `name` with random weights.
+    The model is built on the meta device (no init pass), given uninitialised CPU storage, and
+    filled by copying one N(0, 0.02) block over every matrix (norm weights = 1): memory-bandwidth
+    bound, seconds even for 8B parameters, where a per-tensor randn would take minutes on CPU."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg = shape_config(name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty gives tied parameters separate storage
+    g = torch.Generator().manual_seed(0)
+    noise = (torch.randn(block, generator=g) * 0.02).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in {id(t): t for t in model.state_dict().values()}.values():
+            if p.dim() < 2:
+                p.fill_(1.0)
+                continue
+            flat = p.view(-1)
+            for i in range(0, flat.numel(), block):
+                chunk = flat[i:i + block]
+                chunk.copy_(noise[: chunk.numel()])
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    return out
+
+
+# ---- arguments and launch ---------------------------------------------------------------------------
 def _parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--hf-dir", default="builtin:smollm2-135m-instruct")
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--hf-dir", default="builtin:smollm2-135m-instruct", help="an HF folder or builtin:<name>")
+    src.add_argument("--model-shape", choices=sorted(SHAPES), default=None,
+                     help="a random-weight folder of this public shape, written to a temp dir (no download)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--samples", type=int, default=16, help="samples per step")
-    ap.add_argument("--sample-len", type=int, default=128, help="tokens per sample")
-    ap.add_argument("--micro-batches", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per side")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed steps per side")
+    ap.add_argument("--sample-len", "--seq", dest="sample_len", type=int, default=None,
+                    help="tokens per sample (default: 128 on cpu, 2048 on cuda)")
+    ap.add_argument("--micro-batches", type=int, default=None, help="default: 2 on cpu, 4 on cuda")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per side (default: 3 on cpu, 5 on cuda)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps per side (default: 1 on cpu, 2 on cuda)")
+    ap.add_argument("--peak-tflops", type=float, default=989.0,
+                    help="per-GPU bf16 dense peak for MFU (default 989: H100 / H200 SXM)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--timeout", type=float, default=1800)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    for key, value in _DEFAULTS[args.device].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            ap.error("--device cuda: torch.cuda.is_available() is False on this machine (no GPU visible, or a "
+                     "CPU build of torch); run on a GPU machine or leave --device at cpu")
+        if torch.cuda.device_count() < args.tp * args.pp:
+            ap.error(f"--device cuda: --tp * --pp = {args.tp * args.pp} processes need as many GPUs, "
+                     f"{torch.cuda.device_count()} visible")
+    return args
 
 
 def _free_port() -> int:
@@ -47,20 +197,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(args) -> int:
+def launch(args, argv: list[str]) -> int:
     world = args.tp * args.pp
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--nnodes=1",
-           "--master-addr=127.0.0.1", f"--master-port={_free_port()}", __file__, *sys.argv[1:]]
     env = dict(os.environ, MLRL_BENCH_WORKER="1", OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // world)),
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    tmp = None
     try:
-        return proc.wait(timeout=args.timeout)
-    except (subprocess.TimeoutExpired, KeyboardInterrupt):
-        os.killpg(proc.pid, 9)
-        return 2
+        if args.model_shape:
+            tmp = Path(tempfile.mkdtemp(prefix=f"mlrl-bench-{args.model_shape}-"))
+            t0 = time.perf_counter()
+            write_random_hf_dir(args.model_shape, tmp)
+            print(f"bench_train_step: random {args.model_shape} weights in {tmp} "
+                  f"({time.perf_counter() - t0:.1f} s)", flush=True)
+            env[HF_DIR_ENV] = str(tmp)
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--nnodes=1",
+               "--master-addr=127.0.0.1", f"--master-port={_free_port()}", __file__, *argv]
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        try:
+            return proc.wait(timeout=args.timeout)
+        except (subprocess.TimeoutExpired, KeyboardInterrupt):
+            os.killpg(proc.pid, 9)
+            return 2
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
+# ---- the two sides ----------------------------------------------------------------------------------
 def _batch(vocab: int, args):
     import torch
 
@@ -90,21 +253,74 @@ def pg_loss(mb, lp, ent):
 
 
 def _hf_step(model, opt, mbs, L, clip):
+    """One HF train step; the micro-batches may live on the CPU, inputs and loss go to the model's device."""
     import torch
 
+    dev = next(model.parameters()).device
     opt.zero_grad(set_to_none=True)
     for mb in mbs:
+        mb = mb.to(dev)
         ids = mb.tokens.view(-1, L)
         logits = model(ids).logits.float()
         logp = torch.log_softmax(logits[:, :-1], -1)
-        lp = torch.zeros(ids.shape)
-        ent = torch.zeros(ids.shape)
-        lp = torch.cat([lp[:, :1], logp.gather(-1, ids[:, 1:, None])[..., 0]], dim=1)
-        ent = torch.cat([ent[:, :1], -(logp.exp() * logp).sum(-1)], dim=1)
+        first = torch.zeros(ids.shape[0], 1, device=dev)
+        lp = torch.cat([first, logp.gather(-1, ids[:, 1:, None])[..., 0]], dim=1)
+        ent = torch.cat([first, -(logp.exp() * logp).sum(-1)], dim=1)
         loss, _ = pg_loss(mb, lp.reshape(-1), ent.reshape(-1))
         loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     opt.step()
+
+
+def _timed(fn, warmup: int, steps: int, sync) -> float:
+    """Seconds per call of fn, after `warmup` untimed calls; `sync` waits for all outstanding work."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / steps
+
+
+def _peak_gb(cuda: bool, *, across_ranks: bool) -> tuple[float, float]:
+    """(max allocated, max reserved) GB since the last reset; the maximum over all ranks if asked."""
+    import torch
+    import torch.distributed as dist
+
+    if not cuda:
+        return float("nan"), float("nan")
+    t = torch.tensor([torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()],
+                     dtype=torch.float64, device="cuda")
+    if across_ranks:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t[0]) / 1e9, float(t[1]) / 1e9
+
+
+def hf_side(args, hf_dir: Path, mbs) -> tuple[float, tuple[float, float], float]:
+    """Seconds per HF train step, its (peak allocated, peak reserved) GB on cuda, and the GB that
+    were still allocated when it started (what the mlrl side left behind; 0 on a fresh process)."""
+    import torch
+    import transformers
+
+    cuda = args.device == "cuda"
+    start_gb = 0.0
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        start_gb = torch.cuda.memory_allocated() / 1e9
+        dev = torch.device("cuda", torch.cuda.current_device())
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            hf_dir, dtype=torch.bfloat16, attn_implementation="sdpa").to(dev).train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+    else:
+        torch.set_num_threads(max(1, os.cpu_count() or 1))
+        model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    seconds = _timed(lambda: _hf_step(model, opt, mbs, args.sample_len, 1.0), args.warmup, args.steps,
+                     torch.cuda.synchronize if cuda else (lambda: None))
+    return seconds, _peak_gb(cuda, across_ranks=False), start_gb
 
 
 def worker(args) -> int:
@@ -117,9 +333,12 @@ def worker(args) -> int:
     from mlrl.modelzoo import resolve_model_dir
     from mlrl.trainer.rank.policy import MegatronPolicy, init_parallel
 
-    hf_dir = resolve_model_dir(args.hf_dir)
+    cuda = args.device == "cuda"
+    hf_dir = Path(os.environ[HF_DIR_ENV]) if args.model_shape else resolve_model_dir(args.hf_dir)
     cfg = Config()
     cfg.model.hf_dir = str(hf_dir)
+    if cuda:
+        cfg.model.dtype = "bfloat16"
     cfg.parallel.tp, cfg.parallel.pp = args.tp, args.pp
     cfg.trainer.lr, cfg.trainer.grad_clip = 1e-6, 1.0
     cfg.trainer.total_steps = args.steps + args.warmup
@@ -129,50 +348,86 @@ def worker(args) -> int:
     samples, mbs = _batch(vocab, args)
     tokens = samples.numel()
 
-    policy = MegatronPolicy(cfg.model, cfg.parallel, cfg.trainer, layout, hf_dir=hf_dir, trainable=True)
-    for _ in range(args.warmup):
-        policy.train_step(mbs, pg_loss)
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        policy.train_step(mbs, pg_loss)
-    dist.barrier()
-    mg_time = (time.perf_counter() - t0) / args.steps
-    del policy
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+        dist.barrier()
 
-    rc = 0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    policy = MegatronPolicy(cfg.model, cfg.parallel, cfg.trainer, layout, hf_dir=hf_dir, trainable=True)
+    mg_time = _timed(partial(policy.train_step, mbs, pg_loss), args.warmup, args.steps, sync)
+    fwd_time = _timed(partial(policy.compute_logprobs, mbs, 1.0), args.warmup, args.steps, sync)
+    mg_mem = _peak_gb(cuda, across_ranks=True)
+    del policy
+    gc.collect()
+
     if dist.get_rank() == 0:
-        torch.set_num_threads(max(1, os.cpu_count() or 1))
-        model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
-        for _ in range(args.warmup):
-            _hf_step(model, opt, mbs, args.sample_len, 1.0)
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            _hf_step(model, opt, mbs, args.sample_len, 1.0)
-        hf_time = (time.perf_counter() - t0) / args.steps
-        res = {"hf_dir": str(hf_dir), "tp": args.tp, "pp": args.pp, "tokens_per_step": tokens,
-               "micro_batches": args.micro_batches, "megatron_tokens_per_s": tokens / mg_time,
-               "hf_tokens_per_s": tokens / hf_time, "ratio_megatron_over_hf": hf_time / mg_time,
-               "torch_threads_hf": torch.get_num_threads(), "megatron_ranks": dist.get_world_size()}
-        print(f"bench_train_step: {hf_dir.name} tp={args.tp} pp={args.pp}, {tokens} tokens/step "
-              f"({args.samples} x {args.sample_len}, {args.micro_batches} micro-batches): Megatron "
-              f"{res['megatron_tokens_per_s']:.0f} tok/s, HF {res['hf_tokens_per_s']:.0f} tok/s, "
-              f"ratio Megatron/HF = {res['ratio_megatron_over_hf']:.2f}", flush=True)
+        hf_time, hf_mem, hf_start_gb = hf_side(args, hf_dir, mbs)
+        res = {"hf_dir": str(hf_dir), "model_shape": args.model_shape, "device": args.device, "tp": args.tp,
+               "pp": args.pp, "tokens_per_step": tokens, "samples": args.samples, "sample_len": args.sample_len,
+               "micro_batches": args.micro_batches, "steps": args.steps, "warmup": args.warmup}
+        if cuda:
+            hf_cfg = transformers.AutoConfig.from_pretrained(hf_dir)
+            res.update(_cuda_report(args, hf_cfg, tokens, mg_time, fwd_time, hf_time, mg_mem,
+                                    hf_mem, hf_start_gb, dist.get_world_size()))
+        else:
+            res.update(megatron_tokens_per_s=tokens / mg_time, megatron_forward_tokens_per_s=tokens / fwd_time,
+                       hf_tokens_per_s=tokens / hf_time, ratio_megatron_over_hf=hf_time / mg_time,
+                       torch_threads_hf=torch.get_num_threads(), megatron_ranks=dist.get_world_size())
+            name = hf_dir.name if args.model_shape is None else args.model_shape
+            print(f"bench_train_step: {name} tp={args.tp} pp={args.pp}, {tokens} tokens/step "
+                  f"({args.samples} x {args.sample_len}, {args.micro_batches} micro-batches): Megatron "
+                  f"{res['megatron_tokens_per_s']:.0f} tok/s, HF {res['hf_tokens_per_s']:.0f} tok/s, "
+                  f"ratio Megatron/HF = {res['ratio_megatron_over_hf']:.2f}", flush=True)
         print(json.dumps(res), flush=True)
-        print(f"ratio megatron_over_hf: {res['ratio_megatron_over_hf']:.3f}", flush=True)
+        if cuda:
+            print(f"ratio mlrl_over_hf: {res['ratio_mlrl_over_hf']:.3f}", flush=True)
+        else:
+            print(f"ratio megatron_over_hf: {res['ratio_megatron_over_hf']:.3f}", flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(res))
     dist.barrier()
     dist.destroy_process_group()
-    return rc
+    return 0
+
+
+def _cuda_report(args, hf_cfg, tokens, mg_time, fwd_time, hf_time, mg_mem, hf_mem, hf_start_gb, world) -> dict:
+    """The GPU result record (tok/s, MFU, memory per side) and its two human-readable lines."""
+    import torch
+
+    gpu = torch.cuda.get_device_name()
+    train_f, fwd_f = train_flops_per_token(hf_cfg, args.sample_len), forward_flops_per_token(hf_cfg, args.sample_len)
+    mg_tps, fwd_tps, hf_tps = tokens / mg_time, tokens / fwd_time, tokens / hf_time
+    r = {"gpu": gpu, "gpus_mlrl": world, "peak_tflops": args.peak_tflops, "matmul_params": matmul_params(hf_cfg),
+         "train_flops_per_token": train_f,
+         "mlrl_train_tokens_per_s": mg_tps, "mlrl_forward_tokens_per_s": fwd_tps,
+         "mlrl_forward_over_train": fwd_tps / mg_tps,
+         "mlrl_train_mfu": mfu(train_f, mg_tps, args.peak_tflops, world),
+         "mlrl_forward_mfu": mfu(fwd_f, fwd_tps, args.peak_tflops, world),
+         "mlrl_peak_allocated_gb": mg_mem[0], "mlrl_peak_reserved_gb": mg_mem[1],
+         "hf_train_tokens_per_s": hf_tps, "hf_train_mfu": mfu(train_f, hf_tps, args.peak_tflops, 1),
+         "hf_peak_allocated_gb": hf_mem[0], "hf_peak_reserved_gb": hf_mem[1], "hf_start_allocated_gb": hf_start_gb,
+         "ratio_mlrl_over_hf": mg_tps / hf_tps}
+    name = args.model_shape or Path(args.hf_dir).name
+    head = (f"bench_train_step: {name} on {world} x {gpu} (MFU vs {args.peak_tflops:g} TFLOP/s bf16), "
+            f"{tokens} tokens/step ({args.samples} x {args.sample_len}, {args.micro_batches} micro-batches)")
+    print(f"{head}, mlrl tp={args.tp} pp={args.pp}: train {mg_tps:.0f} tok/s (MFU {r['mlrl_train_mfu']:.1%}), "
+          f"forward-only {fwd_tps:.0f} tok/s (MFU {r['mlrl_forward_mfu']:.1%}), forward/train "
+          f"{r['mlrl_forward_over_train']:.2f}, peak {mg_mem[0]:.1f} GB allocated / {mg_mem[1]:.1f} GB reserved",
+          flush=True)
+    print(f"{head}, HF transformers (sdpa, fused AdamW): train {hf_tps:.0f} tok/s (MFU {r['hf_train_mfu']:.1%}), "
+          f"peak {hf_mem[0]:.1f} GB allocated / {hf_mem[1]:.1f} GB reserved "
+          f"({hf_start_gb:.1f} GB held before it)", flush=True)
+    return r
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = _parse(argv)
     if os.environ.get("MLRL_BENCH_WORKER") == "1":
         return worker(args)
-    return launch(args)
+    return launch(args, argv)
 
 
 if __name__ == "__main__":

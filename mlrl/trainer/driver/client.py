@@ -85,7 +85,8 @@ class TrainerClient:
 
     def offload(self, kinds: list[str]) -> dict[str, float]:
         """Colocated placement: release the trainer's device memory of `kinds` ("params", "grads",
-        "optimizer"). Returns bytes released per kind and bytes copied (summed over ranks), seconds (slowest rank)."""
+        "optimizer"). Returns bytes released per kind, bytes copied and the bytes the ranks' CUDA
+        allocators measured as freed ("measured", 0 on CPU), summed over ranks; seconds (slowest rank)."""
         return _offload_totals(self.group.call(TrainerService.offload, kinds=list(kinds)))
 
     def reload(self) -> dict[str, float]:
@@ -97,11 +98,12 @@ class TrainerClient:
 
 
 def _offload_totals(per_rank: list[dict[str, Any]]) -> dict[str, float]:
-    out: dict[str, float] = {"copied": 0.0, "seconds": 0.0}
+    out: dict[str, float] = {"copied": 0.0, "measured": 0.0, "seconds": 0.0}
     for r in per_rank:
         for kind, n in r["bytes"].items():
             out[kind] = out.get(kind, 0.0) + n
         out["copied"] += r["copied"]
+        out["measured"] += r["measured"]
         out["seconds"] = max(out["seconds"], r["seconds"])
     return out
 

@@ -45,7 +45,7 @@ class RankProcesses(Protocol):
 def rank_env(cfg: Any, base: dict[str, str]) -> dict[str, str]:
     """`base` (the placement's env) plus the numerics variables GPU ranks need before CUDA
     libraries start (mlrl.trainer.rank.numerics: determinism, fp32 without TF32)."""
-    from mlrl.trainer.rank.numerics import rank_env as numerics_env
+    from mlrl.trainer.numerics_env import rank_env as numerics_env
 
     return {**base, **numerics_env(cfg.model, cfg.trainer, gpu=cfg.cluster.gpus_per_node > 0)}
 

@@ -139,15 +139,16 @@ class _LogprobEntropy(torch.autograd.Function):
         step = _rows_per_chunk(valid)
         for a in range(0, S, step):
             b = min(S, a + step)
-            z = logits[a:b, :valid].to(acc)
+            z = logits[a:b, :valid].to(acc, copy=True)  # a chunk of our own: updated in place below
             if t != 1.0:
-                z = z / t
-            p = (z - log_z[a:b].unsqueeze(-1)).exp()
-            dz = p * (z - shift[a:b].unsqueeze(-1))
-            dz.mul_(g_ent[a:b].unsqueeze(-1)).add_(p * g_lp[a:b].unsqueeze(-1)).neg_()
+                z.div_(t)
+            p = (z - log_z[a:b].unsqueeze(-1)).exp_()
+            # dz = -p (g_lp + g_ent (z - shift)) + g_lp 1[label], in place on the chunk
+            dz = z.sub_(shift[a:b].unsqueeze(-1)).mul_(g_ent[a:b].unsqueeze(-1)).add_(g_lp[a:b].unsqueeze(-1))
+            dz.mul_(p).neg_()
             dz.scatter_add_(-1, idx[a:b].unsqueeze(-1), (g_lp[a:b] * in_shard[a:b]).unsqueeze(-1))
             if t != 1.0:
-                dz = dz / t
+                dz.div_(t)
             grad[a:b, :valid] = dz
         return grad, None, None, None, None, None, None
 

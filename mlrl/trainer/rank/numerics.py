@@ -27,34 +27,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Union
 
 import torch
 
 from mlrl.config.schema import ModelConfig, TrainerConfig
 from mlrl.config.validate import TE_INSTALL_HINT
+from mlrl.trainer.numerics_env import DETERMINISTIC_ENV, FP32_ENV, deterministic, rank_env
 
-DETERMINISTIC_ENV = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
-FP32_ENV = {"NVIDIA_TF32_OVERRIDE": "0"}
-
-
-def deterministic(setting: Union[bool, str], *, gpu: bool) -> bool:
-    """trainer.deterministic resolved for the device: `auto` = exact on CPU, fast on GPU."""
-    if setting == "auto":
-        return not gpu
-    return bool(setting)
-
-
-def rank_env(model: ModelConfig, trainer: TrainerConfig, *, gpu: bool) -> dict[str, str]:
-    """Environment variables a rank needs before CUDA libraries start (empty on CPU)."""
-    if not gpu:
-        return {}
-    env: dict[str, str] = {}
-    if deterministic(trainer.deterministic, gpu=True):
-        env.update(DETERMINISTIC_ENV)
-    if model.dtype == "float32":
-        env.update(FP32_ENV)
-    return env
+__all__ = ["DETERMINISTIC_ENV", "FP32_ENV", "configure", "deterministic", "rank_env"]
 
 
 def transformer_engine_installed() -> bool:

@@ -19,7 +19,10 @@ What moves, per model on this rank (policy, frozen KL reference, critic):
 On CPU the "device" is host memory: the move is host to host, still frees the original storages
 and must leave the model exact (tests/integration/trainer/test_offload.py checks bit-identity).
 On GPU the freed blocks go back to the driver (`torch.cuda.empty_cache`) so a vLLM engine in
-another process can use them.
+another process can use them. The report's `measured` is what the device's allocator saw
+(torch.cuda.memory_allocated before / after the storages are released or re-allocated), not the
+offloader's own sum of storage sizes: the check that the bytes it counts really left the device
+(colocate/offload_measured_bytes, asserted by tests/gpu/test_colocate_gpu.py). 0 on CPU.
 """
 
 from __future__ import annotations
@@ -44,10 +47,21 @@ class _Held:
 class OffloadReport:
     bytes: dict[str, int] = field(default_factory=dict)   # kind -> bytes released from the device
     copied: int = 0                                        # bytes copied device -> host (or back)
+    measured: int = 0                                      # CUDA allocator's allocated bytes freed (offload) /
+                                                           # taken (reload), measured; 0 on CPU
     seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
-        return {"bytes": dict(self.bytes), "copied": self.copied, "seconds": self.seconds}
+        return {"bytes": dict(self.bytes), "copied": self.copied, "measured": self.measured, "seconds": self.seconds}
+
+
+def _cuda_devices(storages: Iterable[torch.UntypedStorage]) -> set[torch.device]:
+    return {s.device for s in storages if s.device.type == "cuda"}
+
+
+def _allocated(devices: set[torch.device]) -> int:
+    """Bytes the CUDA caching allocator holds for live tensors on `devices` (0 for none: CPU)."""
+    return sum(torch.cuda.memory_allocated(d) for d in devices)
 
 
 def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -128,10 +142,13 @@ class Offloader:
                 pending.append((s, host))
             self.held[kind] = held
             rep.bytes[kind] = sum(h.nbytes for h in held)
-        if any(s.device.type == "cuda" for s, _ in pending):
+        devices = _cuda_devices(s for s, _ in pending)
+        if devices:
             torch.cuda.synchronize()  # the copies must land before the device memory is freed
+        allocated = _allocated(devices)
         for s, _ in pending:
             s.resize_(0)
+        rep.measured = allocated - _allocated(devices)
         if pending and torch.cuda.is_available():
             torch.cuda.empty_cache()  # hand the blocks back to the driver: the engines allocate from it
         rep.seconds = time.perf_counter() - t0
@@ -140,8 +157,10 @@ class Offloader:
     def reload(self, kinds: Iterable[str] | None = None) -> OffloadReport:
         t0 = time.perf_counter()
         rep = OffloadReport()
-        cuda = False
-        for kind in list(self.held) if kinds is None else [k for k in kinds if k in self.held]:
+        names = list(self.held) if kinds is None else [k for k in kinds if k in self.held]
+        devices = _cuda_devices(h.storage for k in names for h in self.held[k])
+        allocated = _allocated(devices)
+        for kind in names:
             for h in self.held.pop(kind):
                 h.storage.resize_(h.nbytes)
                 view = _bytes_view(h.storage)
@@ -150,9 +169,9 @@ class Offloader:
                 else:
                     view.copy_(h.host, non_blocking=h.storage.device.type == "cuda")
                     rep.copied += h.nbytes
-                cuda = cuda or h.storage.device.type == "cuda"
                 rep.bytes[kind] = rep.bytes.get(kind, 0) + h.nbytes
-        if cuda:
+        if devices:
             torch.cuda.synchronize()
+            rep.measured = _allocated(devices) - allocated
         rep.seconds = time.perf_counter() - t0
         return rep

@@ -104,11 +104,14 @@ def weights(pol) -> dict:
 
 
 def digest(w: dict) -> dict:
-    """Bit patterns of every exported tensor (stage senders only hold theirs)."""
+    """Bit patterns of every exported tensor (stage senders only hold theirs). On any device: the GPU
+    tests (tests/gpu/trainer/test_async_checkpoint_gpu.py) hash CUDA tensors, which `.numpy()` refuses;
+    `.cpu()` is a no-op on CPU tensors, so the CPU tests' digests are unchanged."""
     import hashlib
 
     return {
-        n: hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest() for n, t in sorted(w.items())
+        n: hashlib.sha256(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+        for n, t in sorted(w.items())
     }
 
 

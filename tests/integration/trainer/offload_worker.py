@@ -57,7 +57,7 @@ def resident_bytes(models, kind: str) -> int:
 
 
 def hf_stream(p) -> dict[str, bytes]:
-    return {n: t.detach().reshape(-1).view(torch.uint8).clone().numpy().tobytes() for n, t in p.params.iter_hf()}
+    return {n: t.detach().cpu().reshape(-1).view(torch.uint8).clone().numpy().tobytes() for n, t in p.params.iter_hf()}
 
 
 def run_layout(ph: Phase, name: str) -> dict:
