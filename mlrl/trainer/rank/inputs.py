@@ -77,13 +77,14 @@ def next_token_labels(tokens: torch.Tensor, cu: list[int]) -> tuple[torch.Tensor
     padding): position p is labelled with tokens[p+1] when p+1 is in p's sample. One pass over
     the row (no loop over the samples: a step packs hundreds of them)."""
     S = tokens.numel()
-    labels = torch.zeros(S, dtype=torch.int64)
-    label_mask = torch.zeros(S, dtype=torch.bool)
+    dev = tokens.device  # on GPU the whole computation is queued on the device (no host work per token)
+    labels = torch.zeros(S, dtype=torch.int64, device=dev)
+    label_mask = torch.zeros(S, dtype=torch.bool, device=dev)
     if len(cu) < 2 or cu[-1] <= 0:
         return labels, label_mask
     end = cu[-1]
-    ends = torch.tensor(cu[1:], dtype=torch.int64)
-    pos = torch.arange(end)
+    ends = torch.tensor(cu[1:], dtype=torch.int64, device=dev)
+    pos = torch.arange(end, device=dev)
     # end of the sample holding each position (empty samples own no position)
     sample_end = ends[torch.searchsorted(ends, pos, right=True)]
     label_mask[:end] = pos + 1 < sample_end
@@ -110,18 +111,20 @@ def build_inputs(mb: MicroBatch, device: torch.device, *, tp: int = 1, sequence_
     from megatron.core.packed_seq_params import PackedSeqParams
 
     S = mb.num_tokens
-    tokens = mb.tokens.to(torch.int64)
-    pos = mb.position_ids.to(torch.int64)
     bounds = segments(mb)
     n_samples = mb.num_samples
-    labels, label_mask = next_token_labels(tokens, bounds[:n_samples + 1])
-
     if cp > 1:
         if mb.prefix_segment is not None:
             raise ValueError("shared-prefix micro-batches (trainer.shared_prefix_packing) cannot be split for "
                              "context parallelism")
+        tokens, pos = mb.tokens.to(torch.int64), mb.position_ids.to(torch.int64)
+        labels, label_mask = next_token_labels(tokens, bounds[:n_samples + 1])
         return _cp_inputs(tokens, pos, labels, label_mask, bounds, S, device, cp, cp_rank,
                           FP8_TOKEN_MULTIPLE[fp8_recipe])
+    # the row goes to the device first: labels, mask and padding are then built there
+    tokens = mb.tokens.to(device=device, dtype=torch.int64)
+    pos = mb.position_ids.to(device=device, dtype=torch.int64)
+    labels, label_mask = next_token_labels(tokens, bounds[:n_samples + 1])
 
     pad = (-S) % row_multiple(fp8_recipe=fp8_recipe, tp=tp, sequence_parallel=sequence_parallel)
     if pad:
@@ -143,9 +146,8 @@ def build_inputs(mb: MicroBatch, device: torch.device, *, tp: int = 1, sequence_
     if mb.prefix_segment is not None:
         prefix = mb.prefix_segment.tolist()
         psp.mlrl_prefix_segment = prefix + [-1] * (len(bounds) - 1 - len(prefix))  # (+ the padding segment)
-        cu.mlrl_positions = pos.to(device)
-    return ModelInputs(tokens.unsqueeze(0).to(device), pos.unsqueeze(0).to(device), psp, labels.to(device),
-                       label_mask.to(device), S)
+        cu.mlrl_positions = pos
+    return ModelInputs(tokens.unsqueeze(0), pos.unsqueeze(0), psp, labels, label_mask, S)
 
 
 def cp_padded_lengths(lens: list[int], cp: int, multiple: int = 1) -> list[int]:
