@@ -37,6 +37,7 @@ from mlrl.metrics.pass_at_k import mean_pass_at_k
 from mlrl.types import Row, Sample, SampleStatus
 from mlrl.update import train_on
 from mlrl.workflow.api import EpisodeStatus
+from mlrl.workflow.failures import FailureGuard
 from mlrl.workflow.runner import EpisodeRunner, GroupResult, summarize
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,15 @@ class RunContext:
     # colocated: a checkpoint / export due at a step, made in the next step's training phase
     # (step, loop state, save, export)
     deferred_save: tuple[int, dict[str, object], bool, bool] | None = None
+    failures: FailureGuard | None = None  # stops the run when a step's episodes fail (made on first use)
+
+    def check_failures(self, step: int, groups: Sequence[GroupResult]) -> None:
+        """Raise EpisodeFailures before anything trains on a step whose episodes failed
+        (workflow.max_failure_fraction / max_failure_steps; mlrl.workflow.failures)."""
+        if self.failures is None:
+            w = self.cfg.workflow
+            self.failures = FailureGuard(w.max_failure_fraction, w.max_failure_steps)
+        self.failures.observe(step, groups)
 
     def step_timer(self) -> StepTimer:
         """The next step's timer: it starts where the previous step ended, and carries the
@@ -95,7 +105,7 @@ async def train_sync(ctx: RunContext) -> None:
     for step in range(ctx.start_step + 1, cfg.trainer.total_steps + 1):
         timer = ctx.step_timer()
         with timer("rollout"):
-            samples, rollout_metrics = await rollout_sync(ctx)
+            samples, rollout_metrics = await rollout_sync(ctx, step)
         if ctx.colocation is not None:  # engines sleep, the trainer's state comes back
             await ctx.colocation.to_trainer(timer)
             await save_deferred(ctx, timer)
@@ -122,7 +132,7 @@ async def train_async(ctx: RunContext) -> None:
         for step in range(ctx.start_step + 1, cfg.trainer.total_steps + 1):
             timer = ctx.step_timer()
             with timer("rollout"):  # the wait for samples: generation itself runs in the background
-                samples, rollout_metrics, stale = await _collect(ctx, groups, eta)
+                samples, rollout_metrics, stale = await _collect(ctx, groups, eta, step)
             # engines keep generating; once the producer has run up to the staleness bound and its
             # groups finished, they pause while the trainer still trains (the sync finds them paused)
             metrics = await _train_and_pause_when_idle(ctx, samples, timer, step)
@@ -199,7 +209,7 @@ def train_timing(metrics: Mapping[str, float]) -> dict[str, float]:
 # --------------------------------------------------------------------------- the steps' parts
 
 
-async def rollout_sync(ctx: RunContext) -> tuple[list[Sample], dict[str, float]]:
+async def rollout_sync(ctx: RunContext, step: int = 0) -> tuple[list[Sample], dict[str, float]]:
     """Generate prompts_per_step groups; with DAPO dynamic sampling, generate the missing groups
     again (up to max_rounds rounds) until that many informative groups are kept."""
     cfg, ds = ctx.cfg, ctx.cfg.algorithm.dynamic_sampling
@@ -215,6 +225,7 @@ async def rollout_sync(ctx: RunContext) -> tuple[list[Sample], dict[str, float]]
             sel.add(g.samples)
         if not ds.enabled or sel.groups_kept >= want or rounds >= ds.max_rounds:
             break
+    ctx.check_failures(step, groups)
     # one round: the batch's own summary is already these groups' (run_batch computed it)
     summary = batch.metrics if rounds == 1 else summarize(groups, ctx.runner.metric_prefix)
     return sel.samples, {**summary, **sel.metrics(rounds)}
@@ -449,7 +460,8 @@ async def _produce(ctx: RunContext, out: asyncio.Queue, eta: int) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _collect(ctx: RunContext, groups: asyncio.Queue, eta: int) -> tuple[list[Sample], dict[str, float], int]:
+async def _collect(ctx: RunContext, groups: asyncio.Queue, eta: int,
+                   step: int = 0) -> tuple[list[Sample], dict[str, float], int]:
     """Take `prompts_per_step` groups (with dynamic sampling: until that many informative groups
     are kept, at most max_rounds * prompts_per_step groups; each dropped group lets the producer
     start one more prompt); drop (or keep for re-weighting) samples older than eta versions.
@@ -472,4 +484,5 @@ async def _collect(ctx: RunContext, groups: asyncio.Queue, eta: int) -> tuple[li
         if not sel.add(fresh) and ds.enabled:
             ctx.extra_prompts += 1
             await _wake_producer(ctx)
+    ctx.check_failures(step, taken)
     return sel.samples, {**summarize(taken), **sel.metrics(len(taken) / want)}, stale

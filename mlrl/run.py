@@ -36,6 +36,7 @@ from mlrl.trainer.driver.client import CriticClient, MegatronWeightSource, Train
 from mlrl.trainer.driver.group import SpawnRanks, TrainerGroup, rank_env
 from mlrl.weight_sync import make_weight_sync
 from mlrl.workflow import EpisodeRunner, build_workflow_from_config, gconfig_from_sampling, load_hf_tokenizer
+from mlrl.workflow.failures import EpisodeFailures
 
 log = logging.getLogger("mlrl")
 
@@ -111,6 +112,9 @@ def run(cfg: Config, layout: Layout) -> int:
     terminated: list[bool] = []
     try:
         return asyncio.run(_run_until_terminated(cfg, layout, terminated))
+    except EpisodeFailures as e:  # torn down in order by _run's finally; no checkpoint of the failing step
+        print(f"run stopped: {e}\nmetrics up to the last finished step in {cfg.logging.run_dir}", file=sys.stderr)
+        return 1
     except asyncio.CancelledError:
         if not terminated:  # a cancellation that no SIGTERM asked for is a bug: not reported as one
             raise

@@ -132,6 +132,10 @@ def _check_ranges(cfg: Config) -> None:
     _positive("checkpoint.save_every", cfg.checkpoint.save_every, 0)
     _positive("data.max_prompt_tokens", cfg.data.max_prompt_tokens)
     _positive("workflow.max_concurrency", cfg.workflow.max_concurrency)
+    _positive("workflow.max_failure_steps", cfg.workflow.max_failure_steps)
+    if not 0.0 <= cfg.workflow.max_failure_fraction < 1.0:
+        raise ConfigError(f"workflow.max_failure_fraction: got {cfg.workflow.max_failure_fraction}, expected a "
+                          "fraction in [0, 1) (a step in which every episode failed always stops the run)")
 
 
 def _check_critic(cfg: Config) -> None:
