@@ -40,6 +40,10 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
+    from mlrl.config import load_config
+    from mlrl.config.validate import validate
+
+    validate(load_config(args.config, list(args.overrides)))  # bad input: one line, before any run
     modes = {
         "sync": ["rollout.staleness=0"],
         "async eta=1": ["rollout.staleness=1", "algorithm.rollout_is=tis"],
@@ -59,4 +63,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import tool_errors
+
+    sys.exit(tool_errors.run("bench_async", main))

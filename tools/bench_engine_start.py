@@ -62,6 +62,8 @@ def main() -> None:
     ap.add_argument("--models", default="builtin:tiny-llama,builtin:tiny-qwen3-moe")
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
+    for model in args.models.split(","):  # every folder checked before the first engine starts
+        resolve_model_dir(model)
     ratios = []
     with tempfile.TemporaryDirectory(prefix="mlrl-bench-start-") as tmp:
         for model in args.models.split(","):
@@ -79,4 +81,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import tool_errors
+
+    sys.exit(tool_errors.run("bench_engine_start", main))

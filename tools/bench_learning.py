@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import bench_vs_trl as vs
+import tool_errors
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = "launch/cpu_default.yaml"
@@ -245,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tasks:
         unknown = [n for n in args.tasks.split(",") if n not in by_name]
         if unknown:
-            raise SystemExit(f"bench_learning: unknown task(s) {', '.join(unknown)}; known: {', '.join(by_name)}")
+            raise tool_errors.InputError(f"unknown task(s) {', '.join(unknown)}; known: {', '.join(by_name)}")
         tasks = [by_name[n] for n in args.tasks.split(",")]
     else:
         tasks = [t for t in TASKS if t.quick] if args.quick else list(TASKS)
@@ -277,4 +278,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(tool_errors.run("bench_learning", main))

@@ -199,6 +199,12 @@ def _free_port() -> int:
 
 def launch(args, argv: list[str]) -> int:
     world = args.tp * args.pp
+    if not args.model_shape:  # bad input: one line (tool_errors), before torchrun starts any rank
+        from mlrl.bridge import check_layout, spec_for
+        from mlrl.modelzoo import resolve_model_dir
+
+        _, arch = spec_for(json.loads((resolve_model_dir(args.hf_dir) / "config.json").read_text()))
+        check_layout(arch, tp=args.tp, pp=args.pp)
     env = dict(os.environ, MLRL_BENCH_WORKER="1", OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // world)),
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     tmp = None
@@ -431,4 +437,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import tool_errors
+
+    sys.exit(tool_errors.run("bench_train_step", main))

@@ -78,6 +78,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import tool_errors
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = {"tiny-llama": REPO / "launch" / "cpu_default.yaml", "smollm2": REPO / "launch" / "smollm2_cpu.yaml"}
 STEP_TIME_KEYS = ("timing/step", "time/step_s")  # mlrl's per-step wall time, newest name first
@@ -665,7 +667,7 @@ def main(argv: list[str] | None = None) -> int:
     check_mappable(cfg)
     steps = cfg.trainer.total_steps
     if steps < 1:
-        raise SystemExit("--steps must be >= 1")
+        raise tool_errors.InputError(f"--steps must be >= 1, got {steps}")
     try:
         import importlib.metadata as md
 
@@ -698,4 +700,4 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(tool_errors.run("bench_vs_trl", main))

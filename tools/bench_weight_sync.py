@@ -231,4 +231,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import tool_errors
+
+    sys.exit(tool_errors.run("bench_weight_sync", main))

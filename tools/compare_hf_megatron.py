@@ -1,11 +1,20 @@
 """Check a model's Megatron port against HF transformers: the check to run after adding a model.
 
-    python tools/compare_hf_megatron.py --hf-dir DIR [--tp N] [--pp N] [--ep N] [--tol 1e-5] [--noise-floor]
+    python tools/compare_hf_megatron.py --hf-dir DIR [--tp N] [--pp N] [--ep N] [--tol 1e-5] [--noise-floor] \
+        [--random-tokens | --no-random-tokens]
 
 Launches tp*pp*ep trainer processes itself (torchrun, gloo on CPU / NCCL on GPU), builds mlrl's
 Megatron policy from DIR with that layout, runs it and HF transformers (fp32, one sample at a
 time) on the same packed token sequences (chat prompts through the model's tokenizer), and
-prints the max |difference| of logits and of token logprobs. Exits 1 above --tol.
+prints the max |difference| of logits and of token logprobs.
+
+A folder without tokenizer files (a converted or randomly initialised checkpoint) is compared on
+seeded random token ids in the vocabulary instead (`--random-tokens`, chosen by itself then and
+said on stdout; `--no-random-tokens` makes it an input error).
+
+Exit codes: 0 parity, 1 parity FAIL (above the bound), 2 usage or input error (found before any
+rank starts: the folder, its config and weights, the layout, the tokenizer), 3 the comparison
+did not complete (a rank crashed or --timeout passed; the ranks' output is above).
 
 --noise-floor measures how far fp32 arithmetic itself is from the exact result, for a deep
 model where 1e-5 is below fp32's own noise: HF in float64 serves as the exact reference, and
@@ -20,9 +29,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,6 +56,9 @@ def _parse(argv=None):
     ap.add_argument("--tol", type=float, default=1e-5, help="max allowed |delta| of logits and logprobs")
     ap.add_argument("--noise-floor", action="store_true", help="also measure HF's own reduction-order noise")
     ap.add_argument("--samples", type=int, default=len(PROMPTS))
+    ap.add_argument("--random-tokens", action=argparse.BooleanOptionalAction, default=None,
+                    help="compare on seeded random token ids instead of tokenized prompts (default: only when the "
+                         "folder has no tokenizer)")
     ap.add_argument("--json", default=None, help="write the numbers to this file")
     ap.add_argument("--timeout", type=float, default=900)
     return ap.parse_args(argv)
@@ -56,11 +70,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+OK, FAIL, INPUT_ERROR, INCOMPLETE = 0, 1, 2, 3
+
+
+def has_tokenizer(hf_dir: Path) -> bool:
+    return any((hf_dir / name).is_file() for name in TOKENIZER_FILES)
+
+
 def _precheck(args) -> str | None:
-    """The bridge's config / layout / checkpoint checks, before any process is started."""
+    """The bridge's config / layout / checkpoint checks and the tokenizer, before any process is
+    started; sets args.random_tokens when it was left to the tool."""
     from mlrl.bridge import BridgeError, HFCheckpoint, check_layout, spec_for
     from mlrl.modelzoo import resolve_model_dir
 
+    for name in ("tp", "pp", "ep", "samples"):
+        if getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
     try:
         hf_dir = resolve_model_dir(args.hf_dir)
         spec, arch = spec_for(json.loads((hf_dir / "config.json").read_text()))
@@ -68,6 +94,14 @@ def _precheck(args) -> str | None:
         HFCheckpoint(hf_dir).check(spec, arch)
     except (BridgeError, ValueError) as e:
         return str(e)
+    if not has_tokenizer(hf_dir):
+        if args.random_tokens is False:
+            return (f"{hf_dir} has no tokenizer ({', '.join(TOKENIZER_FILES)}): drop --no-random-tokens to compare "
+                    "on random token ids, or add the tokenizer files")
+        if args.random_tokens is None:
+            print(f"compare_hf_megatron: {hf_dir} has no tokenizer: comparing on seeded random token ids "
+                  "(--random-tokens)", flush=True)
+        args.random_tokens = True
     return None
 
 
@@ -75,22 +109,44 @@ def launch(args) -> int:
     error = _precheck(args)
     if error:
         print(f"compare_hf_megatron: {error}", file=sys.stderr)
-        return 2
+        return INPUT_ERROR
     world = args.tp * args.pp * args.ep
+    argv = [a for a in sys.argv[1:] if a not in ("--random-tokens", "--no-random-tokens")]
+    argv.append("--random-tokens" if args.random_tokens else "--no-random-tokens")
+    result = Path(tempfile.mkdtemp(prefix="compare_hf_megatron.")) / "result.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--nnodes=1",
-           "--master-addr=127.0.0.1", f"--master-port={_free_port()}", __file__, *sys.argv[1:]]
-    env = dict(os.environ, MLRL_COMPARE_WORKER="1", OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // world)),
+           "--master-addr=127.0.0.1", f"--master-port={_free_port()}", __file__, *argv]
+    env = dict(os.environ, MLRL_COMPARE_WORKER="1", MLRL_COMPARE_RESULT=str(result),
+               OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // world)),
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:
-        return proc.wait(timeout=args.timeout)
+        proc.wait(timeout=args.timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, 9)
         print(f"compare_hf_megatron: timed out after {args.timeout:.0f} s", file=sys.stderr)
-        return 2
+        return INCOMPLETE
     except KeyboardInterrupt:
         os.killpg(proc.pid, 9)
         raise
+    try:
+        res = json.loads(result.read_text()) if result.exists() else None
+    finally:
+        shutil.rmtree(result.parent, ignore_errors=True)
+    if res is None:  # rank 0 never wrote its verdict: a rank failed (its traceback is above)
+        print(f"compare_hf_megatron: the comparison did not complete (ranks exited {proc.returncode})",
+              file=sys.stderr)
+        return INCOMPLETE
+    return OK if res["ok"] else FAIL
+
+
+def _random_samples(vocab_size: int, n: int):
+    """n sequences of 8-40 token ids in [0, vocab_size), the same for every run (seed 0)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(8, 41, (n,), generator=g).tolist()
+    return [torch.randint(0, vocab_size, (k,), generator=g) for k in lengths]
 
 
 def _samples(hf_dir: Path, n: int):
@@ -176,7 +232,8 @@ def worker(args) -> int:
     layout = resolve_layout(cfg)
     init_parallel(cfg.parallel, layout, seed=cfg.trainer.seed)
     policy = MegatronPolicy(cfg.model, cfg.parallel, cfg.trainer, layout, hf_dir=hf_dir, trainable=False)
-    samples = _samples(hf_dir, args.samples)
+    samples = _random_samples(hf_config["vocab_size"], args.samples) if args.random_tokens else \
+        _samples(hf_dir, args.samples)
     mb = _micro_batch(samples)
     logits = policy.compute_logits([mb])[0]
     (logprobs, _), = policy.compute_logprobs([mb], temperature=1.0)
@@ -192,6 +249,7 @@ def worker(args) -> int:
             for a, b, r, s in zip(cu, cu[1:], ref, samples)
         )
         res = {"hf_dir": str(hf_dir), "tp": args.tp, "pp": args.pp, "ep": args.ep, "tokens": int(mb.num_tokens),
+               "inputs": "random token ids" if args.random_tokens else "tokenized prompts",
                "max_abs_logits": d_logits, "max_abs_logprob": max(d_lp, d_lp_path)}
         measured = max(d_logits, d_lp, d_lp_path)
         bound = args.tol
@@ -221,7 +279,9 @@ def worker(args) -> int:
         print(json.dumps(res), flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(res))
-        rc = 0 if res["ok"] else 1
+        if os.environ.get("MLRL_COMPARE_RESULT"):  # the launcher's verdict file
+            Path(os.environ["MLRL_COMPARE_RESULT"]).write_text(json.dumps(res))
+        rc = OK if res["ok"] else FAIL
     flag = torch.tensor([rc])
     dist.broadcast(flag, src=0)
     dist.barrier()
