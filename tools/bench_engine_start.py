@@ -22,11 +22,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mlrl.config.schema import RolloutConfig  # noqa: E402
-from mlrl.modelzoo import resolve_model_dir  # noqa: E402
-from mlrl.rollout import EngineClient, EngineServer, ServerSpec  # noqa: E402
-from mlrl.rollout.server import ENGINE_FORK_ENV  # noqa: E402
-from mlrl.types import GenerationHyperparameters  # noqa: E402
+from mlrl.config.schema import RolloutConfig
+from mlrl.modelzoo import resolve_model_dir
+from mlrl.rollout import EngineClient, EngineServer, ServerSpec
+from mlrl.rollout.server import ENGINE_FORK_ENV
+from mlrl.types import GenerationHyperparameters
 
 MODES = {"spawn": "0", "fork": "1"}
 

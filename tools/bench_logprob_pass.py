@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mlrl.trainer.rank.logprobs import vocab_parallel_logprobs  # noqa: E402
+from mlrl.trainer.rank.logprobs import vocab_parallel_logprobs
 
 
 def plain(logits: torch.Tensor, labels: torch.Tensor, t: float) -> tuple[torch.Tensor, torch.Tensor]:

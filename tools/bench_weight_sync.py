@@ -37,11 +37,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mlrl.config.schema import LoRAConfig, RolloutConfig, WeightSyncConfig  # noqa: E402
-from mlrl.modelzoo import resolve_model_dir  # noqa: E402
-from mlrl.rollout import EnginePool  # noqa: E402
-from mlrl.weight_sync import HFWeightSource, SyncSetup, bench_reference  # noqa: E402
-from mlrl.weight_sync.transports import BroadcastWeightSync  # noqa: E402
+from mlrl.config.schema import LoRAConfig, RolloutConfig, WeightSyncConfig
+from mlrl.modelzoo import resolve_model_dir
+from mlrl.rollout import EnginePool
+from mlrl.weight_sync import HFWeightSource, SyncSetup, bench_reference
+from mlrl.weight_sync.transports import BroadcastWeightSync
 
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 

@@ -153,7 +153,7 @@ def resolve_hf_dir(text: str, flag: str) -> Path:
         raise ConversionError(f"{flag} {text}: no config.json (expected a Hugging Face model folder)")
     try:
         hf = Path(resolve_model_dir(text))
-    except Exception as e:  # noqa: BLE001 - a bad builtin name or folder
+    except Exception as e:  # a bad builtin name or folder
         raise ConversionError(f"{flag} {text}: {e}") from None
     if not (hf / "config.json").is_file():
         raise ConversionError(f"{flag} {hf}: no config.json (expected a Hugging Face model folder)")

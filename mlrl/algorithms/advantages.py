@@ -21,7 +21,7 @@ import torch
 
 from mlrl.algorithms.kl import kl_reward_penalty
 from mlrl.config.schema import AlgorithmConfig
-from mlrl.types import RETURNS_KEY, TOKEN_ADVANTAGES_KEY, Sample  # noqa: F401 - the keys are re-exported
+from mlrl.types import RETURNS_KEY, TOKEN_ADVANTAGES_KEY, Sample  # the keys are re-exported
 
 GroupIds = Union[torch.Tensor, Sequence[Hashable]]
 

@@ -158,7 +158,7 @@ class RemoteEngineServer(EngineServer):
     """An `EngineServer` whose process tree its node agent runs; readiness (GET /health with the
     token) and the start-up failure report are the base class's, seen from the driver."""
 
-    def __init__(self, spec: ServerSpec, agent: Any):  # noqa: D107 - no local log folder, no local process
+    def __init__(self, spec: ServerSpec, agent: Any):  # no local log folder, no local process
         import ray
 
         self._ray = ray
@@ -175,19 +175,19 @@ class RemoteEngineServer(EngineServer):
     def alive(self) -> bool:
         try:
             return bool(self._ray.get(self.agent.engine_alive.remote(self.spec.name), timeout=30))
-        except Exception:  # noqa: BLE001 - the agent (node) is gone or unreachable: the engine is too
+        except Exception:  # the agent (node) is gone or unreachable: the engine is too
             return False
 
     def exit_code(self) -> int | None:
         try:
             return self._ray.get(self.agent.engine_exit_code.remote(self.spec.name), timeout=30)
-        except Exception:  # noqa: BLE001
+        except Exception:
             return None
 
     def stop(self, timeout_s: float = 30.0) -> None:
         try:
             self._ray.get(self.agent.engine_stop.remote(self.spec.name, timeout_s))
-        except Exception:  # noqa: BLE001 - agent gone: its processes went with it
+        except Exception:  # agent gone: its processes went with it
             pass
 
     def crash(self) -> None:
@@ -196,7 +196,7 @@ class RemoteEngineServer(EngineServer):
     def log_tail(self, lines: int = 40) -> str:
         try:
             return self._ray.get(self.agent.engine_log_tail.remote(self.spec.name, lines), timeout=30)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             return f"(log unavailable: {e})"
 
 
@@ -266,7 +266,7 @@ class ClusterRuntime:
         """Stop whatever the agents still run, then the agents; the reservation is released by the caller."""
         try:
             self._ray.get([a.shutdown.remote(timeout_s) for a in self.agents.values()], timeout=3 * timeout_s)
-        except Exception:  # noqa: BLE001 - an agent already gone took its processes with it; kill the rest below
+        except Exception:  # an agent already gone took its processes with it; kill the rest below
             pass
         finally:
             for a in self.agents.values():

@@ -147,7 +147,7 @@ def _score_all(fn: Callable[..., Any], calls: list[tuple[tuple[Any, ...], dict[s
     for args, kwargs in calls:
         try:
             out.append((True, fn(*args, **kwargs)))
-        except Exception as e:  # noqa: BLE001 - reported per call by score_many
+        except Exception as e:  # reported per call by score_many
             out.append((False, f"raised {type(e).__name__}: {e}"))
     return out
 
@@ -216,7 +216,7 @@ class AsyncRewardWrapper:
         if self.inline:
             try:
                 return "ok", job()
-            except Exception as e:  # noqa: BLE001 - the user's function raised
+            except Exception as e:  # the user's function raised
                 return "raised", e
         for attempt in range(2):
             pool = None

@@ -68,7 +68,7 @@ async def _one(handler: Any, request_cls: Any, item: Any) -> dict[str, Any]:
         out = await handler.serve_tokens(request_cls.model_validate(item), None)
     except ValidationError as e:
         return _error(400, str(e))
-    except Exception as e:  # noqa: BLE001 - answered as vLLM's exception handlers would; the others go on
+    except Exception as e:  # answered as vLLM's exception handlers would; the others go on
         return _exception_answer(e)
     if hasattr(out, "error"):  # ErrorResponse
         code = int(getattr(out.error, "code", 400) or 400)
@@ -96,7 +96,7 @@ class BatchGenerateMiddleware:
         try:
             from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
         except ImportError:
-            GenerateRequest = None  # noqa: N806
+            GenerateRequest = None
         if handler is None or GenerateRequest is None:
             await _answer(send, 404, _error(404, "this server has no /inference/v1/generate handler to batch"))
             return

@@ -281,7 +281,7 @@ class EngineClient:
             self._batched = False  # a server without the route: one request each from now on
             await asyncio.gather(*(self._send_one(b, f) for b, f in live))
             return
-        except Exception as e:  # noqa: BLE001 - every request of the batch gets the engine's failure
+        except Exception as e:  # every request of the batch gets the engine's failure
             _fail(live, e)
             return
         except BaseException as e:  # cancelled (shutdown): the waiters are told, then it propagates

@@ -490,7 +490,7 @@ class EnginePool:
             e.server.start()
             await asyncio.to_thread(e.server.wait_ready, self.cfg.startup_timeout_s)
             await self._connect(e)
-        except Exception as err:  # noqa: BLE001 - the engine stays out of rotation
+        except Exception as err:  # the engine stays out of rotation
             e.state = EngineState.DEAD
             log.error("restart of %s failed: %s", e.name, err)
             return

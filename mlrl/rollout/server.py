@@ -235,7 +235,7 @@ def _stop_all() -> None:  # pragma: no cover - exercised at interpreter exit
     for s in list(_LIVE):
         try:
             s.stop(timeout_s=10)
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
 
 

@@ -182,7 +182,7 @@ class MlrlWeightTransferEngine(WeightTransferEngine[MlrlInitInfo, MlrlUpdateInfo
 
             try:
                 finalize_layerwise_reload(self.model, self.model_config)
-            except Exception:  # noqa: BLE001 - the original error is the one to report
+            except Exception:  # the original error is the one to report
                 pass
             raise
         self._update["streams"] += rep["streams"]

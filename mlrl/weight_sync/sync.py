@@ -246,7 +246,7 @@ class WeightSync(abc.ABC):
                                         reference=reference if attempt == 1 else None,
                                         after_push=after_push and attempt == 1)
                     break
-                except Exception as err:  # noqa: BLE001 - retried once, then raised with the first cause
+                except Exception as err:  # retried once, then raised with the first cause
                     last = err
                     log.warning("weight sync v%d attempt %d failed: %s", version, attempt, err)
                     await self._after_failure()

@@ -380,7 +380,7 @@ class Channel:
         if pg is not None and hasattr(pg, "abort"):
             try:
                 pg.abort()
-            except Exception:  # noqa: BLE001 - best effort teardown
+            except Exception:  # best effort teardown
                 pass
         self._store = None
 
@@ -430,7 +430,7 @@ def receive_all(
                 put(("summary", {"sender": s, "tensors": d.tensors, "bytes": d.bytes, "digest": d.hexdigest(),
                                  "wire_s": d.wire_s, "check_s": d.check_s}))
             put(("done", None))
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+        except BaseException as e:  # handed to the consumer
             put(("error", e))
 
     t = threading.Thread(target=produce, name="mlrl-weight-recv", daemon=True)

@@ -140,7 +140,7 @@ class TrainerGroup:
                         raise TrainerError(f"rank {hello['rank']} failed to start:\n{hello['error']}")
                     conns[hello["rank"]] = c
                     self.rank_info.append(hello)
-            except BaseException as e:  # noqa: BLE001 - reported below
+            except BaseException as e:  # reported below
                 err.append(e)
 
         t = threading.Thread(target=accept, daemon=True)

@@ -138,7 +138,7 @@ def _arch_differences(saved_hf_config: dict, policy) -> list[str]:
                 if k not in _HF_BOOKKEEPING and saved_hf_config.get(k) != mine.get(k)]
     try:
         _, saved = spec_for(saved_hf_config)
-    except Exception as e:  # noqa: BLE001 - any parse failure is a mismatch worth naming
+    except Exception as e:  # any parse failure is a mismatch worth naming
         return [f"the checkpoint's config.json cannot be parsed ({e})"]
     a, b = asdict(saved), asdict(policy.arch)
     return [f"{k}: checkpoint {a[k]!r}, model {b.get(k)!r}" for k in a if a[k] != b.get(k)]
@@ -483,7 +483,7 @@ def _megatron_version() -> str:
         from importlib.metadata import version
 
         return version("megatron-core")
-    except Exception:  # noqa: BLE001
+    except Exception:
         return "unknown"
 
 
@@ -748,7 +748,7 @@ def export_hf(policy, out_dir: str | Path, *, max_shard_bytes: int = 2 << 30, bu
         shard_map = export_hf_shards(
             policy, tmp, max_shard_bytes=max_shard_bytes, bucket_bytes=bucket_bytes, dtype=dtype
         )
-    except Exception as e:  # noqa: BLE001 - reported on every rank below
+    except Exception as e:  # reported on every rank below
         shard_map, error = None, f"rank {rank}: {type(e).__name__}: {e}"
     gathered: list[Any] = [None] * policy.ranks.world
     dist.all_gather_object(gathered, (shard_map, error))

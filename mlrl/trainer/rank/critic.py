@@ -127,8 +127,8 @@ class MegatronCritic(MegatronPolicy):
         loss_tokens, num_micro_batches, skipped, time_s (as MegatronPolicy.train_step)."""
         return super().train_step(micro_batches, value_loss_fn, step=step)
 
-    def compute_logprobs(self, micro_batches, temperature):  # noqa: D102 - not a distribution
+    def compute_logprobs(self, micro_batches, temperature):  # not a distribution
         raise TypeError("MegatronCritic has no token distribution: use compute_values")
 
-    def compute_logits(self, micro_batches):  # noqa: D102
+    def compute_logits(self, micro_batches):
         raise TypeError("MegatronCritic has no token distribution: use compute_values")

@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_from_yaml(recv(conn))
         service = TrainerService(cfg)
         send(conn, {"rank": rank, **service.info()})
-    except BaseException:  # noqa: BLE001 - the driver reports it
+    except BaseException:  # the driver reports it
         send(conn, {"rank": rank, "error": traceback.format_exc()})
         raise
     while True:
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             if fn is None:
                 raise AttributeError(f"trainer has no method {method!r}")
             send(conn, ("ok", fn(**kwargs)))
-        except BaseException:  # noqa: BLE001 - sent to the driver, which stops the run
+        except BaseException:  # sent to the driver, which stops the run
             send(conn, ("err", traceback.format_exc()))
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -20,10 +20,10 @@ import torch
 pytest.importorskip("megatron.bridge", reason="megatron-bridge (the GPU environment's `bridge` extra) is not installed")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "integration" / "checkpoint"))
-from helpers.tools import load_tool  # noqa: E402
-from test_convert_checkpoint import _gap, _tensors, run_tool  # noqa: E402
+from helpers.tools import load_tool
+from test_convert_checkpoint import _gap, _tensors, run_tool
 
-from mlrl.modelzoo import resolve_model_dir  # noqa: E402
+from mlrl.modelzoo import resolve_model_dir
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 

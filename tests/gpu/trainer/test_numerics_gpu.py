@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "integration" / "trainer"))
 
-from trainer_harness import assert_grads, run_worker  # noqa: E402
+from trainer_harness import assert_grads, run_worker
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -11,7 +11,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "integration" / "trainer"))
 
-from trainer_harness import assert_export, assert_grads, assert_parity, run_worker  # noqa: E402
+from trainer_harness import assert_export, assert_grads, assert_parity, run_worker
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 needs_2 = pytest.mark.skipif(GPUS < 2, reason=f"needs 2 GPUs, found {GPUS}")

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer"))
-from hf_reference import make_step, pg_loss  # noqa: E402
+from hf_reference import make_step, pg_loss
 
 TRAIN = dict(lr=1e-3, warmup_steps=2, weight_decay=0.01, grad_clip=0.5, total_steps=10, use_distributed_optimizer=True)
 
@@ -160,7 +160,7 @@ def phase_resume(ctx: Ctx, tag: str) -> dict:
 def _error(fn) -> str | None:
     try:
         fn()
-    except Exception as e:  # noqa: BLE001 - the message is the result
+    except Exception as e:  # the message is the result
         return f"{type(e).__name__}: {e}"
     return None
 

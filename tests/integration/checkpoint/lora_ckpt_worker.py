@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer"))
-from hf_reference import make_step, pg_loss  # noqa: E402
+from hf_reference import make_step, pg_loss
 
 LORA = {"rank": 8, "alpha": 16.0}
 TRAIN = dict(lr=2e-2, warmup_steps=0, grad_clip=0.0, total_steps=10, use_distributed_optimizer=True)

@@ -6,9 +6,9 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod  # noqa: E402
+from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
-from mlrl.rollout import worker_ext  # noqa: E402
+from mlrl.rollout import worker_ext
 
 
 def test_embedding_processing_is_deferred_then_restored(monkeypatch):

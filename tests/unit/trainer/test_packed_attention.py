@@ -9,12 +9,12 @@ import torch
 
 pytest.importorskip("megatron.core.transformer.dot_product_attention")
 
-from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
-from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
-from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
-from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.transformer_config import TransformerConfig
 
-from mlrl.trainer.rank.local_spec import PackedDotProductAttention  # noqa: E402
+from mlrl.trainer.rank.local_spec import PackedDotProductAttention
 
 HEADS, GROUPS, DIM = 4, 2, 8
 

@@ -37,7 +37,7 @@ def _run(fns, timeout=60):
     def wrap(i, fn):
         try:
             results[i] = fn()
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             errors.append(e)
             results[i] = e
 
