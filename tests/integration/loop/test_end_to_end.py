@@ -67,9 +67,18 @@ def _check_steps(recs: list[dict], steps: list[int], sync_steps: set[int]) -> No
         assert r["samples/trainable"] <= r["episodes/completed"]
 
 
+# A learning signal that does not depend on the rewards a random policy happens to get (16 samples
+# of copy_digit may all score 0): the entropy bonus has a non-zero gradient for any non-degenerate
+# policy, so the first mini-batch's update always moves the policy, and the second mini-batch
+# measures ratios != 1. The random-init policy is near uniform, so about half of the sampled tokens
+# lie below the mean logit and gain probability from it (ratio > 1); Adam's first steps at lr 4e-3
+# move the tiny model's logits by far more than eps_clip=0.02, so some ratios leave [0.98, 1.02].
+# kl_in_reward: from step 2 on the KL penalty makes every return non-zero, so the critic (whose
+# value head starts at exactly 0) gets a gradient whatever the rewards are.
+TEETH = ["algorithm.entropy_coef=0.05", "algorithm.eps_clip=0.02", "algorithm.kl_in_reward=true"]
 RUN_A = ["trainer.total_steps=3", "data.eval=synthetic:copy_digit", "data.eval_every=2", "data.num_synthetic=32",
          "trainer.mini_batches_per_step=2", "eval.samples_per_prompt=2", "checkpoint.save_every=2",
-         "checkpoint.hf_export_every=2", *GAE]
+         "checkpoint.hf_export_every=2", *GAE, *TEETH]
 COLOCATED = ["cluster.placement=colocated", "cluster.colocate.offload_params=true"]
 
 
@@ -96,15 +105,19 @@ def test_sync_run(run_a):
     assert [r["step"] for r in evals] == [2, 3]  # every 2 steps and at the end, on the held-out split
     assert all(0.0 <= r["eval/reward/mean"] <= 1.0 and r["eval/episodes/total"] == 64 for r in evals)
     assert all(0.0 <= r["eval/pass@1"] <= r["eval/pass@2"] <= 1.0 for r in evals)
-    for r in recs:  # two updates per step; the second sees a moved policy
-        # (ratio != 1 needs a learning signal, which 16 samples of a random policy may lack: shown in
-        # tests/unit/loop/test_update_knobs.py and on the full demo batch)
+    for r in recs:  # two updates per step; the second sees the policy the first moved (TEETH)
         assert r["train/updates"] == 2 and 0.0 < r["train/ratio_min"] <= 1.0 <= r["train/ratio_max"] < 100.0, r
+        assert r["train/ratio_min"] < 1.0 or r["train/ratio_max"] > 1.0, r  # the second mini-batch is off-policy
         assert 0.0 <= r["train/clip_fraction"] <= 1.0 and r["train/approx_kl"] >= 0.0
         assert r["critic/updates"] == 2 and r["critic/value_loss"] >= 0
         # the recipe's trainer.shared_prefix_packing=auto: each group's prompt packed once (4 samples share
         # all but the last of their ~7 prompt tokens), policy and critic forwards alike
         assert r["pack/shared_prefix_saved_frac"] > 0.4, r
+    # mini-batches, clipping and the critic really act: ratios above 1 and clipped tokens (TEETH), and
+    # the critic's values, exactly 0 at step 1 (zero value head), have moved by step 3
+    assert max(r["train/ratio_max"] for r in recs) > 1.0, [r["train/ratio_max"] for r in recs]
+    assert max(r["train/clip_fraction"] for r in recs) > 0.0, [r["train/clip_fraction"] for r in recs]
+    assert recs[-1]["critic/values_mean"] != 0.0 and recs[-1]["critic/value_loss"] > 0.0, recs[-1]
     # critic LR after 2, 4, 6 of its updates (linear warm-up over 5)
     assert [r["critic/lr"] for r in recs] == pytest.approx([4e-4, 8e-4, 1e-3])
     assert recs[0]["critic/values_mean"] == 0.0  # the value head starts at zero

@@ -255,6 +255,51 @@ def check_adam(ctx: Ctx) -> dict:
     }
 
 
+def check_optim_knobs(ctx: Ctx) -> dict:
+    """trainer.adam_beta1/2, grad_clip, lr_schedule/min_lr, each against a torch reference that
+    uses the knob and one that does not (the knob is live when Megatron matches the first and the
+    two references differ by far more than that error)."""
+    import math
+
+    steps = [make_step(ctx.vocab, n_samples=6, n_micro=2 * ctx.ranks.dp_size, seed=40 + k) for k in range(3)]
+    res: dict = {}
+
+    def megatron(**kw):
+        pol = ctx.policy(trainable=True, use_distributed_optimizer=True, total_steps=10, **kw)
+        metrics = [pol.train_step(ctx.my_micro_batches(s), pg_loss) for s in steps]
+        got = {n: t.clone().cpu() for b in pol.iter_hf_buckets(1 << 30) for n, t in b}
+        del pol
+        return got, metrics
+
+    def ref(**kw):
+        return hf_adamw_steps(copy.deepcopy(ctx.hf_model()).train(), steps, **kw)
+
+    def gap(a, b):
+        return max((_max_abs(t, b[n]) for n, t in a.items()), default=0.0)
+
+    base = dict(lr=1e-3, warmup=0, weight_decay=0.0, clip=0.0, eps=1e-5)
+    # betas: (0.5, 0.9) against the defaults (0.9, 0.999)
+    got, _ = megatron(lr=1e-3, warmup_steps=0, weight_decay=0.0, grad_clip=0.0, adam_eps=1e-5,
+                      adam_beta1=0.5, adam_beta2=0.9)
+    with_knob, without = ref(**base, betas=(0.5, 0.9)), ref(**base)
+    res["betas_err"], res["betas_effect"] = gap(got, with_knob), gap(with_knob, without)
+    # grad_clip far below the gradient norm: Adam divides the clipped gradient by sqrt(v) + eps, so
+    # with adam_eps comparable to the clipped elements the update shrinks (without eps Adam is
+    # scale-invariant and clipping would not show in the weights)
+    got, metrics = megatron(lr=1e-3, warmup_steps=0, weight_decay=0.0, grad_clip=1e-4, adam_eps=1e-5)
+    with_knob, without = ref(**{**base, "clip": 1e-4}), ref(**base)
+    res["clip_err"], res["clip_effect"] = gap(got, with_knob), gap(with_knob, without)
+    res["clip_grad_norms"] = [m["grad_norm"] for m in metrics]  # before clipping: far above 1e-4
+    # lr_schedule cosine from lr to min_lr over total_steps * updates (10) after 2 warm-up steps
+    _, metrics = megatron(lr=1e-3, warmup_steps=2, lr_schedule="cosine", min_lr=1e-4, weight_decay=0.0)
+    res["cosine_lrs"] = [m["lr"] for m in metrics]
+    res["cosine_want"] = [1e-3 * k / 2 if k <= 2 else
+                          1e-4 + 0.9e-3 * 0.5 * (1 + math.cos(math.pi * (k - 2) / 8)) for k in (1, 2, 3)]
+    _, metrics = megatron(lr=1e-3, warmup_steps=2, lr_schedule="constant", min_lr=1e-4, weight_decay=0.0)
+    res["constant_lrs"] = [m["lr"] for m in metrics]
+    return res
+
+
 def check_bad_input(ctx: Ctx) -> dict:
     """Errors raised before the model is built: each entry is the error message (or None)."""
     import shutil
@@ -358,6 +403,7 @@ def check_rope(ctx: Ctx) -> dict:
 
 
 CHECKS = {"parity": check_parity, "export": check_export, "grads": check_grads, "adam": check_adam,
+          "optim_knobs": check_optim_knobs,
           "bad_input": check_bad_input, "state": check_state, "rope": check_rope,
           "shared_prefix": check_shared_prefix}
 
