@@ -290,6 +290,26 @@ async def test_bad_requests_fail_alone_and_chat(env):
     assert chat.error is None and chat.input_tokens == _prompt(env.tok, "copy 7") and chat.output_len > 0
 
 
+async def test_sampling_knobs_from_config_reach_the_engine(env):
+    """rollout.sampling.top_k / top_p as the run builds its requests (gconfig_from_sampling): top_k=1
+    and a tiny top_p leave only the most likely token, so eight samples at temperature 1 are all the
+    greedy continuation; with the defaults the near-uniform tiny model samples different ones."""
+    from mlrl.config.schema import SamplingConfig
+    from mlrl.workflow import gconfig_from_sampling
+
+    async def continuations(**sampling):
+        g = gconfig_from_sampling(SamplingConfig(max_new_tokens=6, **sampling))
+        rs = await asyncio.gather(*(env.pool.agenerate(ModelRequest(input_ids=[1, 5, 6, 7], gconfig=g))
+                                    for _ in range(8)))
+        assert all(r.stop_reason != StopReason.ERROR for r in rs), [r.error for r in rs]
+        return {tuple(r.output_tokens) for r in rs}
+
+    free, top1, nucleus, greedy = [await continuations(**kw) for kw in
+                                   ({}, {"top_k": 1}, {"top_p": 1e-6}, {"temperature": 0.0})]
+    assert len(free) > 1, free
+    assert len(greedy) == 1 and top1 == greedy and nucleus == greedy, (top1, nucleus, greedy)
+
+
 async def test_weight_sync_makes_the_engines_the_new_model(env):
     pool, src = env.pool, env.src
     old = [await _probe_logprobs(e.client) for e in pool.engines]
