@@ -130,6 +130,30 @@ def sgd_update(ph: Phase, mbs) -> dict:
             "clipfrac": m["value_clipfrac"] / m["n_tokens"]}
 
 
+def optimizer_knobs(ph: Phase, mbs) -> dict:
+    """The critic's own optimizer fields (critic.lr / min_lr / lr_schedule / lr_warmup_steps /
+    weight_decay / grad_clip), each run with two values: SGD makes their effect on the values
+    direct (Adam would normalise the gradient's scale away)."""
+    from mlrl.algorithms.value import make_value_loss_fn
+
+    fn = make_value_loss_fn(0.0)
+
+    def moved(**opts) -> tuple[float, list[float]]:
+        c = ph.critic(optimizer="sgd", **{"lr": SGD_LR, "grad_clip": 0.0, **opts})
+        set_head(c, head_weight(c))
+        before = c.compute_values(mbs)
+        lrs = [c.train_step(ph.mine(with_old_values(mbs, before)), fn)["lr"] for _ in range(3)]
+        return max_diff(c.compute_values(mbs), before), lrs
+
+    out = {}
+    out["plain"], out["plain_lrs"] = moved()
+    out["clipped"], _ = moved(grad_clip=1e-4)             # the update shrinks with the clipped gradient
+    out["decayed"], _ = moved(weight_decay=0.5)            # decay pulls the (non-zero) head towards 0 too
+    out["half_lr"], _ = moved(lr=SGD_LR / 2)
+    _, out["cosine_lrs"] = moved(lr_schedule="cosine", min_lr=SGD_LR / 10, lr_warmup_steps=1)
+    return out
+
+
 def reference_phase(ph: Phase, tmp: Path) -> tuple[dict, dict]:
     from mlrl.algorithms.value import make_value_loss_fn
     from mlrl.checkpoint.manager import CheckpointError
@@ -195,6 +219,7 @@ def reference_phase(ph: Phase, tmp: Path) -> tuple[dict, dict]:
     res["role_errors"] = errors
     del c, pol
 
+    res["knobs"] = optimizer_knobs(ph, mbs)
     sgd = sgd_update(ph, mbs)
     res["sgd"] = {
         "loss": sgd["loss"],

@@ -91,3 +91,21 @@ def test_values_and_update_do_not_depend_on_the_layout(ranks, model, layout):
         assert got["grad_norm"] == pytest.approx(got["ref_grad_norm"], rel=1e-6, abs=0)
     sizes = {"tp2": ("tp_size", 2), "tp2+sp": ("tp_size", 2), "pp2": ("pp_size", 2), "ep2": ("ep_size", 2)}[layout]
     assert all(r[f"{model}/{layout}"]["ranks"][sizes[0]] == sizes[1] for r in ranks)
+
+
+def test_the_critics_own_optimizer_fields_are_live(ranks):
+    """critic.grad_clip / weight_decay / lr / lr_schedule / min_lr / lr_warmup_steps, each against the
+    same SGD updates without it: clipping to 1e-4 shrinks the update, weight decay and a halved LR
+    change it, and the cosine schedule's LRs are Megatron's (warm-up 1, decay over the run's 10)."""
+    import math
+
+    for model in LAYOUTS:
+        k = ranks[0][f"{model}/ref"]["knobs"]
+        assert k["plain"] > 1e-3, k
+        assert k["clipped"] < 0.1 * k["plain"], k
+        assert abs(k["decayed"] - k["plain"]) > 1e-3 * k["plain"], k
+        assert abs(k["half_lr"] - k["plain"]) > 0.1 * k["plain"], k  # (three unclipped steps: not linear in lr)
+        assert len(set(k["plain_lrs"])) == 1, k  # constant schedule
+        lr = k["plain_lrs"][0]
+        want = [lr] + [lr / 10 + 0.9 * lr * 0.5 * (1 + math.cos(math.pi * (s - 1) / 9)) for s in (2, 3)]
+        assert k["cosine_lrs"] == pytest.approx(want, rel=1e-6), k
