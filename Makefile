@@ -14,9 +14,11 @@ test: setup
 	@bash scripts/setup_slurm.sh
 	$(PY) -m pytest tests
 
-# ruff, configured in pyproject.toml ([tool.ruff]); .ci/run runs it before the tests
+# ruff, then the type check (basedpyright, pyright's standard mode over mlrl/), both configured in
+# pyproject.toml ([tool.ruff], [tool.basedpyright]); .ci/run runs this before the tests
 lint: setup
 	$(PY) -m ruff check .
+	.venv/bin/basedpyright
 
 test-unit: setup
 	$(PY) -m pytest tests/unit

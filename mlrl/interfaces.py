@@ -15,23 +15,75 @@ consumers make; keep each small (about six members at most).
     Workflow     turns one dataset row into scored samples (mlrl.workflow.RolloutWorkflow)
     InferenceEngine what a workflow may call: one generation per request (GroupInferenceEngine: n)
 
+The values that cross a seam are typed too: dataclasses where the driver builds them
+(`RouterDiagnostics`, `PendingSave`), TypedDicts where they travel as plain dicts through a
+pickle or a JSON file (`ResumeInfo`, `LoopState`), `JSONObject` for vLLM's own HTTP payloads. The
+one `Any` left is a dataset row's values (`mlrl.types.Row`): those are the user's own columns.
+
 This module imports only the plain data types (mlrl.types, mlrl.experience.batch) so that every
 package can depend on it and it depends on none of them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, TypedDict, Union, runtime_checkable
 
+import numpy as np
 import torch
 
 from mlrl.experience.batch import MicroBatch
-from mlrl.types import ModelRequest, ModelResponse
+from mlrl.types import EpisodeOutput, ModelRequest, ModelResponse, Row, Sample
 
 PerDP = list[list[MicroBatch]]
 """Packed micro-batches per data-parallel rank: [dp rank][micro-batch]."""
+
+JSONValue = Union[str, int, float, bool, None, list["JSONValue"], dict[str, "JSONValue"]]
+JSONObject = Mapping[str, JSONValue]
+"""A JSON object as vLLM's HTTP API takes and returns it (weight-transfer init / update infos)."""
+
+EnginePauseMode = Literal["abort", "wait", "keep"]
+"""vLLM's pause modes: abort in-flight requests, wait for them, or keep them suspended."""
+
+
+@dataclass
+class RouterDiagnostics:
+    """MoE router replay on the current weights (`Policy.router_diagnostics`)."""
+
+    replay: list[list[torch.Tensor]]   # [dp][micro-batch] logprobs [S], the engines' routes replayed
+    own: list[list[torch.Tensor]]      # the same with the trainer's own routing
+    matches: int                       # token x MoE-layer top-k sets equal to the engine's, all ranks
+    compared: int                      # token x MoE-layer sets compared
+
+
+class ResumeInfo(TypedDict):
+    """What loading a training checkpoint into the trainer did (`Policy.load_checkpoint`)."""
+
+    optimizer_steps: int
+    optimizer_loaded: bool
+    rng_restored: bool
+    saved_layout: dict[str, int]
+    scheduler_overrides: dict[str, object]   # scheduler fields the config changed since the save
+
+
+class LoopState(TypedDict):
+    """What a checkpoint records besides the trainer state (mlrl.loop.loop_state), for resume."""
+
+    weight_version: int
+    sampler: dict[str, int]
+    config: str                        # the run's resolved config, YAML
+    in_flight_rows: list[Row]          # async: rows in flight at the save, re-issued first on resume
+
+
+@dataclass
+class PendingSave:
+    """An async checkpoint whose shards are still being written (`Checkpointer.pending`)."""
+
+    tmp: Path                          # its temporary folder, renamed on commit
+    step: int
+    loop_state: Mapping[str, object]   # a LoopState (RL), or the SFT run's own
 
 
 class Policy(Protocol):
@@ -49,13 +101,13 @@ class Policy(Protocol):
         """One optimizer update on the micro-batches (advantages etc. attached); loss metrics."""
         ...
 
-    def router_diagnostics(self, per_dp: PerDP, temperature: float) -> dict[str, Any]:
+    def router_diagnostics(self, per_dp: PerDP, temperature: float) -> RouterDiagnostics:
         """MoE router replay: logprobs with and without the engines' routes, and the agreement counts."""
         ...
 
     def save_checkpoint(self, path: Path, critic_path: Path | None = None) -> None: ...
 
-    def load_checkpoint(self, path: Path, critic_path: Path | None = None) -> dict[str, Any]: ...
+    def load_checkpoint(self, path: Path, critic_path: Path | None = None) -> ResumeInfo: ...
 
     def finalize_checkpoints(self, blocking: bool = True) -> int:
         """Finalize finished async saves; how many are still pending (0 = all done)."""
@@ -94,7 +146,7 @@ class Critic(Protocol):
 class EngineControl(Protocol):
     """The control calls a weight sync makes on one engine (mlrl.rollout.client.EngineClient)."""
 
-    async def pause(self, mode: str = "wait", *, timeout: float | None = None) -> None: ...
+    async def pause(self, mode: EnginePauseMode = "wait", *, timeout: float | None = None) -> None: ...
 
     async def resume(self) -> None: ...
 
@@ -102,20 +154,22 @@ class EngineControl(Protocol):
 
     async def prompt_logprobs(self, token_ids: list[int]) -> list[float]: ...
 
-    async def init_weight_transfer(self, init_info: dict[str, Any], *, timeout: float | None = None) -> None: ...
+    async def init_weight_transfer(self, init_info: JSONObject, *, timeout: float | None = None) -> None: ...
 
     async def shutdown_weight_transfer(self) -> None: ...
 
     async def start_weight_update(self) -> None: ...
 
-    async def update_weights(self, update_info: dict[str, Any], *, timeout: float | None = None) -> None: ...
+    async def update_weights(self, update_info: JSONObject, *, timeout: float | None = None) -> None: ...
 
     async def finish_weight_update(self, version: int, *, timeout: float | None = None) -> None: ...
 
     async def collective_rpc(self, method: str, *, args: list[str] | None = None,
-                             kwargs: dict[str, str] | None = None, timeout: float | None = None) -> Any: ...
+                             kwargs: dict[str, str] | None = None, timeout: float | None = None) -> list[JSONValue]:
+        """One result per worker of the engine."""
+        ...
 
-    async def sleep(self, level: int = 1, mode: str = "wait") -> None: ...
+    async def sleep(self, level: int = 1, mode: EnginePauseMode = "wait") -> None: ...
 
     async def wake_up(self, tags: Sequence[str] | None = None) -> bool: ...
 
@@ -175,7 +229,7 @@ class RolloutPool(GroupInferenceEngine, Protocol):
 
     async def resume(self) -> None: ...
 
-    async def fetch_routing(self, sequences: Sequence[Sequence[int]]) -> list[Any]:
+    async def fetch_routing(self, sequences: Sequence[Sequence[int]]) -> list[np.ndarray | None]:
         """MoE router replay: the experts the engines routed each token sequence through
         ([m, layers, top_k] arrays, None where unknown)."""
         ...
@@ -208,9 +262,9 @@ class Checkpointer(Protocol):
 
     last_saved: Path | None
     last_export: Path | None
-    pending: Any  # an async save written but not yet committed (None: `finalize` has nothing to do)
+    pending: PendingSave | None  # an async save written but not yet committed (None: `finalize` has nothing to do)
 
-    def save(self, step: int, loop_state: dict[str, Any]) -> Path | None:
+    def save(self, step: int, loop_state: Mapping[str, object]) -> Path | None:
         """The committed checkpoint, or None while an async save is still being written."""
         ...
 
@@ -222,15 +276,22 @@ class Checkpointer(Protocol):
 
 
 class RewardFn(Protocol):
-    """Scores one completion: `fn(completion, row, **kwargs) -> float` (sync or async; see
-    mlrl.reward.registry for the accepted signatures)."""
+    """Scores one completion (AReaL's signature, mlrl.reward.registry): the row's columns come as
+    keyword arguments, of which a function takes the ones it needs (so it has `**kwargs`).
+    Sync or async."""
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+    def __call__(self, prompt: str, completions: str, prompt_ids: list[int], completion_ids: list[int], /,
+                 **data: Any) -> float | Awaitable[float]: ...
+
+
+EpisodeResult = Union[EpisodeOutput, Sample, Sequence[Sample], Mapping[str, object], None]
+"""What `Workflow.arun_episode` may return (mlrl.workflow.samples.to_samples): an EpisodeOutput,
+Sample(s), an AReaL dict of tensors or of interactions, or None (the episode is rejected)."""
 
 
 class Workflow(Protocol):
     """Turns one dataset row into scored, trainable samples (mlrl.workflow.api.RolloutWorkflow)."""
 
-    async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> Any:
+    async def arun_episode(self, engine: InferenceEngine, data: Row) -> EpisodeResult:
         """None (rejected), Sample(s), AReaL dicts, interactions or an EpisodeOutput."""
         ...

@@ -31,7 +31,7 @@ from mlrl.algorithms.sampling import apply_overlong_shaping, filter_groups
 from mlrl.colocation import Colocation
 from mlrl.config import Config, dump_yaml
 from mlrl.data.sampler import PromptSampler
-from mlrl.interfaces import Checkpointer, Critic, Policy, RolloutPool, WeightSync
+from mlrl.interfaces import Checkpointer, Critic, LoopState, Policy, RolloutPool, WeightSync
 from mlrl.metrics import MetricsLogger, StepTimer
 from mlrl.metrics.pass_at_k import mean_pass_at_k
 from mlrl.types import Row, Sample, SampleStatus
@@ -79,7 +79,7 @@ class RunContext:
     colocation: Colocation | None = None  # cluster.placement=colocated: engines sleep while the trainer steps
     # colocated: a checkpoint / export due at a step, made in the next step's training phase
     # (step, loop state, save, export)
-    deferred_save: tuple[int, dict[str, object], bool, bool] | None = None
+    deferred_save: tuple[int, LoopState, bool, bool] | None = None
     failures: FailureGuard | None = None  # stops the run when a step's episodes fail (made on first use)
 
     def check_failures(self, step: int, groups: Sequence[GroupResult]) -> None:
@@ -150,15 +150,23 @@ async def train_async(ctx: RunContext) -> None:
         await asyncio.gather(producer, return_exceptions=True)
 
 
+def _version_changed(ctx: RunContext) -> asyncio.Condition:
+    """The async producer's condition (set by `train_async` before the producer starts)."""
+    if ctx.version_changed is None:
+        raise RuntimeError("RunContext.version_changed is unset: train_async sets it before the producer starts")
+    return ctx.version_changed
+
+
 async def _wake_producer(ctx: RunContext) -> None:
     """Tell the producer its bound moved (a new weight version, or a group dropped to refill). The
     idle flag is cleared here, not only by the producer once it runs: a step whose groups are all
     queued already never yields to it before training, and a stale flag would pause the engines
     while the producer is about to start prompts."""
-    async with ctx.version_changed:
+    cond = _version_changed(ctx)
+    async with cond:
         if ctx.producer_idle is not None:
             ctx.producer_idle.clear()
-        ctx.version_changed.notify_all()
+        cond.notify_all()
 
 
 async def _train_and_pause_when_idle(ctx: RunContext, samples: list[Sample], timer: StepTimer,
@@ -167,6 +175,8 @@ async def _train_and_pause_when_idle(ctx: RunContext, samples: list[Sample], tim
     the weight sync's path when the producer goes idle during training. After `_collect` only a
     weight update can give the producer work again, so an idle producer stays idle until the sync."""
     train = asyncio.create_task(asyncio.to_thread(train_step, ctx, samples, timer, step))
+    if ctx.producer_idle is None:
+        raise RuntimeError("RunContext.producer_idle is unset: train_async sets it before the producer starts")
     idle = asyncio.create_task(ctx.producer_idle.wait())
     try:
         await asyncio.wait({train, idle}, return_when=asyncio.FIRST_COMPLETED)
@@ -389,7 +399,7 @@ async def save_deferred(ctx: RunContext, timer: StepTimer) -> None:
             await asyncio.to_thread(ctx.checkpoint.export_hf, step)
 
 
-def loop_state(ctx: RunContext) -> dict[str, object]:
+def loop_state(ctx: RunContext) -> LoopState:
     """What a checkpoint records besides the trainer state, for resume: the weight version, the
     sampler position, the config, and (async) the rows in flight, re-issued first on resume."""
     return {"weight_version": ctx.version, "sampler": ctx.sampler.state(), "config": dump_yaml(ctx.cfg),
@@ -435,15 +445,16 @@ async def _produce(ctx: RunContext, out: asyncio.Queue, eta: int) -> None:
     def may_start() -> bool:
         return started < (ctx.version - base + eta + 1) * per_step + ctx.extra_prompts
 
+    cond = _version_changed(ctx)
     try:
         while True:
-            async with ctx.version_changed:
+            async with cond:
                 blocked = not may_start()
                 if blocked and not tasks:
                     idle.set()
                 # the predicate is re-evaluated while we wait, within this iteration: it reads the
                 # current `started`
-                await ctx.version_changed.wait_for(may_start)
+                await cond.wait_for(may_start)
                 blocked = False
                 idle.clear()
             # rows that were in flight when the checkpoint we resumed from was saved come first:

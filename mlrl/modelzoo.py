@@ -271,7 +271,7 @@ def _materialise_smollm2(out: Path) -> None:
     # the config (without quantization_config) and copy the dequantised weights into it.
     config = gguf_model.config
     if hasattr(config, "quantization_config"):
-        del config.quantization_config
+        delattr(config, "quantization_config")
     config.dtype = torch.float32
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     missing, unexpected = model.load_state_dict(gguf_model.state_dict(), strict=False)

@@ -134,6 +134,7 @@ async def _run_until_terminated(cfg: Config, layout: Layout, terminated: list[bo
     whole or not at all (mlrl.checkpoint.manager), like after any other failure. `terminated`
     records that the cancellation came from SIGTERM."""
     loop, task = asyncio.get_running_loop(), asyncio.current_task()
+    assert task is not None  # called from asyncio.run
 
     def on_sigterm() -> None:
         if terminated:  # a second SIGTERM (under Slurm the step and the batch script both pass one
@@ -223,7 +224,7 @@ async def _run(cfg: Config, layout: Layout) -> int:
         adapters = cfg.model.lora is not None and cfg.weight_sync.lora_mode == "adapter"
         pool = EnginePool(cfg.rollout, hf_dir, dtype=cfg.model.dtype, run_dir=run_dir,
                           cuda_devices=placement.engine_devices, server_factory=placement.engine_server,
-                          lora_rank=cfg.model.lora.rank if adapters else None,
+                          lora_rank=cfg.model.lora.rank if adapters and cfg.model.lora is not None else None,
                           sleep_mode=cfg.cluster.placement == "colocated",
                           capture_routing=cfg.algorithm.router_replay)
         clock.mark("checks")
@@ -245,7 +246,7 @@ async def _run(cfg: Config, layout: Layout) -> int:
         checkpointer = Checkpointer(ckpts, run_dir, policy, with_critic=cfg.uses_critic,
                                     async_save=cfg.checkpoint.async_save)
         version = 0
-        if resume:
+        if resume and state is not None:
             await asyncio.to_thread(checkpointer.load, resume)
             version = int(state["weight_version"])
             log.info("resumed from %s (step %d, weight version %d)", resume, state["step"], version)

@@ -25,6 +25,7 @@ from typing import Any, Sequence
 from mlrl.checkpoint import Checkpointer, CheckpointManager, read_state
 from mlrl.checkpoint.init_from import check_model_init_from
 from mlrl.config import Config, ConfigError, Layout, dump_yaml
+from mlrl.config.schema import SFTConfig
 from mlrl.data import get_dataset
 from mlrl.data.registry import SFTDataset
 from mlrl.data.rows import DatasetError
@@ -44,6 +45,7 @@ KIND = "sft"  # recorded in the checkpoint's loop state: an RL run does not resu
 def load_sft_data(cfg: Config, hf_dir: Path) -> tuple[SFTDataset, SFTDataset | None]:
     """The tokenised train (and eval) examples; rows without an assistant turn are skipped with a
     warning naming them; a tokenizer without a chat template is a ConfigError."""
+    sft = _sft_section(cfg)
     tokenizer = load_hf_tokenizer(str(hf_dir))
     out = []
     for which, name, split in (("train", cfg.data.train, "train"), ("eval", cfg.data.eval, "test")):
@@ -52,7 +54,7 @@ def load_sft_data(cfg: Config, hf_dir: Path) -> tuple[SFTDataset, SFTDataset | N
             continue
         synthetic = str(name).startswith("synthetic:")
         try:
-            ds = get_dataset(name, split, "sft", tokenizer, cfg.sft.max_seq_tokens,
+            ds = get_dataset(name, split, "sft", tokenizer, sft.max_seq_tokens,
                              skip_malformed=cfg.data.skip_malformed, seed=cfg.trainer.seed,
                              num_rows=cfg.data.num_synthetic if synthetic else None)
         except DatasetError as e:
@@ -91,7 +93,14 @@ def eval_loss(policy: TrainerClient, examples: Sequence[dict[str, list[int]]], t
     return nll / max(tokens, 1.0)
 
 
+def _sft_section(cfg: Config) -> SFTConfig:
+    if cfg.sft is None:
+        raise ConfigError("an SFT run needs an `sft:` section (see mlrl/config/schema.py SFTConfig)")
+    return cfg.sft
+
+
 def run_sft(cfg: Config, layout: Layout) -> int:
+    sft = _sft_section(cfg)
     logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     from mlrl.run import Placement
@@ -113,7 +122,7 @@ def run_sft(cfg: Config, layout: Layout) -> int:
         sampler = PromptSampler.from_state(train.examples, state["sampler"], seed=cfg.trainer.seed,
                                            shuffle=cfg.data.shuffle)
     log.info("SFT: %d training conversations (%d cut at sft.max_seq_tokens=%d), %s held out", len(train),
-             train.truncated, cfg.sft.max_seq_tokens, len(held_out) if held_out else "none")
+             train.truncated, sft.max_seq_tokens, len(held_out) if held_out else "none")
     # 2. the trainer ranks (no engines)
     placement = Placement()  # this machine; on GPU the trainer ranks take every visible device (no engines)
     group = logger = None
@@ -123,7 +132,7 @@ def run_sft(cfg: Config, layout: Layout) -> int:
         policy = TrainerClient(group)
         checkpointer = Checkpointer(ckpts, run_dir, policy)
         start = 0
-        if resume:
+        if resume and state is not None:
             checkpointer.load(resume)
             start = int(state["step"])
             log.info("resumed from %s (step %d)", resume, start)
@@ -132,7 +141,7 @@ def run_sft(cfg: Config, layout: Layout) -> int:
         total, c = cfg.trainer.total_steps, cfg.checkpoint
         for step in range(start + 1, total + 1):
             t0 = time.perf_counter()
-            batch = sampler.next_batch(cfg.sft.batch_size)
+            batch = sampler.next_batch(sft.batch_size)
             per_dp, pack = pack_step(samples_of(batch), dp_size=policy.dp_size,
                                      token_budget=cfg.trainer.micro_batch_tokens, loss_agg="token-mean")
             m = policy.train_step(per_dp)

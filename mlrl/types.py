@@ -99,8 +99,9 @@ def token_ids(value: Any, name: str) -> list[int]:
             raise TypeError(f"{name}: got a {type(value).__name__} without an 'input_ids' key "
                             f"(keys: {sorted(map(str, value))[:8]}); pass token ids")
         value = value["input_ids"]
-    if hasattr(value, "tolist"):
-        value = value.tolist()                         # torch.Tensor, numpy.ndarray
+    tolist = getattr(value, "tolist", None)
+    if callable(tolist):
+        value = tolist()                               # torch.Tensor, numpy.ndarray
     if isinstance(value, (str, bytes)):
         raise TypeError(f"{name}: got text ({type(value).__name__} {str(value)[:40]!r}), expected token ids "
                         "(list[int]): tokenize it first, e.g. tokenizer(text)['input_ids']")
@@ -243,3 +244,24 @@ class Sample:
         """Smallest weight version among policy tokens (-1 if none): used by the staleness filter."""
         vs = [v for v, m in zip(self.versions, self.loss_mask) if m]
         return min(vs) if vs else -1
+
+
+class EpisodeStatus(str, enum.Enum):
+    """How the runner records one episode."""
+
+    COMPLETED = "completed"
+    REJECTED = "rejected"   # the workflow returned None (or no samples)
+    TIMEOUT = "timeout"     # the per-episode timeout fired
+    ERROR = "error"         # the workflow raised, or an engine request failed
+
+
+@dataclass
+class EpisodeOutput:
+    """A workflow result with the episode-level facts a bare list of samples cannot carry."""
+
+    samples: list[Sample] = field(default_factory=list)
+    status: EpisodeStatus = EpisodeStatus.COMPLETED
+    termination_reason: TerminationReason | None = None
+    is_correct: bool | None = None          # None = derive from the reward (> 0)
+    metrics: dict[str, float] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)   # "error": {error_message, error_type, traceback}

@@ -73,11 +73,13 @@ def train_on(cfg: Config, policy: Policy, critic: Critic | None, samples: list[S
     if adv_needs_forward:
         compute_advantages(samples, a, ref_logprobs=ref, policy_logprobs=old, values=values)
         whole = None  # packed before the advantages existed
-    returns = (
-        [torch.tensor(s.metadata[RETURNS_KEY], dtype=torch.float32) for s in samples] if critic is not None else None
-    )
+    returns: list[torch.Tensor] = []
+    if critic is not None:
+        assert values is not None and cfg.critic is not None  # both exist whenever there is a critic
+        returns = [torch.tensor(s.metadata[RETURNS_KEY], dtype=torch.float32) for s in samples]
+    values = values or []
 
-    actor_updates = critic is None or step > cfg.critic.warmup_steps
+    actor_updates = critic is None or cfg.critic is None or step > cfg.critic.warmup_steps
     parts = split_groups(samples, t.mini_batches_per_step)
     policy_metrics: list[dict[str, float]] = []
     critic_metrics: list[dict[str, float]] = []
@@ -124,9 +126,9 @@ def router_metrics(policy: Policy, whole: PerDP, samples: Sequence[Sample], temp
     engine's experts (token x MoE layer top-k sets), and the train/rollout logprob gap over the
     policy tokens with the engine's routes replayed and with the trainer's own routing."""
     d = policy.router_diagnostics(whole, temperature)
-    out = {"mismatch/router_agreement": d["matches"] / d["compared"] if d["compared"] else float("nan")}
-    for key, name in (("replay", "logprob_gap_replay"), ("own", "logprob_gap_no_replay")):
-        lps = _per_sample(whole, [[(lp, None) for lp in r] for r in d[key]], len(samples))
+    out = {"mismatch/router_agreement": d.matches / d.compared if d.compared else float("nan")}
+    for per_dp, name in ((d.replay, "logprob_gap_replay"), (d.own, "logprob_gap_no_replay")):
+        lps = _per_sample(whole, [[(lp, None) for lp in r] for r in per_dp], len(samples))
         gaps = [(lp - torch.tensor(s.rollout_logprobs)).abs()[torch.tensor(s.loss_mask, dtype=torch.bool)]
                 for lp, s in zip(lps, samples)]
         flat = torch.cat(gaps) if gaps else torch.zeros(0)

@@ -15,7 +15,7 @@ remove that key so a sample never carries stale token advantages.
 
 from __future__ import annotations
 
-from typing import Callable, Hashable, Optional, Sequence, Union
+from typing import Callable, Hashable, Optional, Sequence, Union, cast
 
 import torch
 
@@ -224,7 +224,7 @@ def _pad(rows: Sequence[Sequence[float]] | Sequence[torch.Tensor], length: int) 
     if not rows:
         return out
     if isinstance(rows[0], torch.Tensor):
-        parts = [r.reshape(-1).to(torch.float64) for r in rows]
+        parts = [cast(torch.Tensor, r).reshape(-1).to(torch.float64) for r in rows]
         flat = torch.cat(parts)
         lens = torch.tensor([p.numel() for p in parts])
     else:

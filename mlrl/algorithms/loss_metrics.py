@@ -68,7 +68,7 @@ def combine_loss_metrics(metrics: Iterable[Mapping[str, torch.Tensor]]) -> dict[
     return out
 
 
-def finalize_loss_metrics(combined: Mapping[str, torch.Tensor]) -> dict[str, float]:
+def finalize_loss_metrics(combined: Mapping[str, torch.Tensor | float]) -> dict[str, float]:
     """Turn reduced sums into step values: divide the mean-type keys by their counts.
 
     A mean whose count is 0 (e.g. no loss token in the step) and a max/min that saw no token

@@ -206,24 +206,26 @@ def make_loss_fn(algo_cfg: AlgorithmConfig) -> LossFn:
         token_loss = is_w * pg.loss
         metrics: dict[str, torch.Tensor] = {"pg_loss": (wk * token_loss).sum().detach()}
 
+        kl: Optional[torch.Tensor] = None
         if mb.ref_logprobs is not None:
             kl = torch.where(
                 m > 0, kl_estimate(logprobs, mb.ref_logprobs.to(dt), algo_cfg.kl_estimator), torch.zeros_like(m)
             )
             metrics["kl"] = (kl.detach() * m).sum()
         if kl_in_loss:
-            if mb.ref_logprobs is None:
+            if kl is None:  # no mb.ref_logprobs
                 raise ValueError(
                     "loss_fn: algorithm.kl_coef > 0 with the KL in the loss needs mb.ref_logprobs (attach the "
                     "reference logprobs)"
                 )
             token_loss = token_loss + algo_cfg.kl_coef * kl
             metrics["kl_loss"] = (wk * algo_cfg.kl_coef * kl).sum().detach()
+        ent: Optional[torch.Tensor] = None
         if entropy is not None:
             ent = torch.where(m > 0, entropy, torch.zeros_like(m))
             metrics["entropy"] = (ent.detach() * m).sum()
         if algo_cfg.entropy_coef > 0:
-            if entropy is None:
+            if ent is None:  # no entropy
                 raise ValueError("loss_fn: algorithm.entropy_coef > 0 needs the per-token entropy")
             token_loss = token_loss - algo_cfg.entropy_coef * ent
             metrics["entropy_loss"] = (-wk * algo_cfg.entropy_coef * ent).sum().detach()

@@ -134,14 +134,17 @@ class ArchSpec:
         rs = arch.rope_scaling
         if rs is None or rs.type != "yarn":
             return {}
-        both = bool(rs.mscale) and bool(rs.mscale_all_dim)  # transformers: both set, else factor only
+        if rs.mscale and rs.mscale_all_dim:  # transformers: both set, else factor only
+            mscale, mscale_all_dim = float(rs.mscale), float(rs.mscale_all_dim)
+        else:
+            mscale = mscale_all_dim = None
         return dict(
             yarn_rotary_scaling_factor=rs.factor,
             yarn_original_max_position_embeddings=rs.original_max_position_embeddings,
             yarn_beta_fast=rs.beta_fast,
             yarn_beta_slow=rs.beta_slow,
-            yarn_mscale=float(rs.mscale) if both else None,
-            yarn_mscale_all_dim=float(rs.mscale_all_dim) if both else None,
+            yarn_mscale=mscale,
+            yarn_mscale_all_dim=mscale_all_dim,
             yarn_correction_range_round_to_int=rs.truncate,
         )
 

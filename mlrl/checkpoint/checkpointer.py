@@ -15,12 +15,12 @@ finalized it on every rank. `finalize` does that: the loop calls it every step w
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from mlrl.checkpoint.manager import CheckpointManager
 from mlrl.config import ConfigError
-from mlrl.interfaces import Policy
+from mlrl.interfaces import PendingSave, Policy, ResumeInfo
 
 log = logging.getLogger(__name__)
 
@@ -51,15 +51,15 @@ class Checkpointer:
         self.async_save = async_save
         self.last_saved: Path | None = None
         self.last_export: Path | None = None
-        self.pending: tuple[Path, int, dict[str, Any]] | None = None  # async save written, not yet committed
+        self.pending: PendingSave | None = None  # async save written, not yet committed
 
-    def save(self, step: int, loop_state: dict[str, Any]) -> Path | None:
+    def save(self, step: int, loop_state: Mapping[str, object]) -> Path | None:
         """The committed checkpoint, or None while an async save is still being written."""
         self.finalize()  # commit the previous async save first (a no-op without one)
         tmp = self.manager.begin(step)
         self.policy.save_checkpoint(tmp / TRAINER_DIR, critic_path=tmp / CRITIC_DIR if self.with_critic else None)
         if self.async_save and self.policy.finalize_checkpoints(blocking=False):
-            self.pending = (tmp, step, loop_state)  # shards still being written: not COMPLETE, never resumed from
+            self.pending = PendingSave(tmp, step, loop_state)  # shards still being written: never resumed from
             log.info("checkpoint step %d: shards are being written in the background", step)
             return None
         self.last_saved = self.manager.commit(tmp, step, loop_state)
@@ -77,13 +77,12 @@ class Checkpointer:
             raise RuntimeError(f"{left} checkpoint save(s) still pending after a blocking finalize")
         if left:
             return None
-        tmp, step, state = self.pending
-        self.pending = None
-        self.last_saved = self.manager.commit(tmp, step, state)
+        pending, self.pending = self.pending, None
+        self.last_saved = self.manager.commit(pending.tmp, pending.step, pending.loop_state)
         log.info("checkpoint saved: %s", self.last_saved)
         return self.last_saved
 
-    def load(self, resume: Path) -> dict[str, Any]:
+    def load(self, resume: Path) -> ResumeInfo:
         """Load the trainer state (and the critic's) of a complete checkpoint into the ranks."""
         return self.policy.load_checkpoint(resume / TRAINER_DIR, resume / CRITIC_DIR if self.with_critic else None)
 

@@ -22,6 +22,7 @@ import os
 import re
 import secrets
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,7 @@ class CheckpointManager:
         tmp.mkdir()
         return tmp
 
-    def commit(self, tmp: Path, step: int, state: dict[str, Any]) -> Path:
+    def commit(self, tmp: Path, step: int, state: Mapping[str, object]) -> Path:
         """Write the trainer state, mark complete, rename into place, move `latest`, prune."""
         _write_json_atomic(tmp / STATE_FILE, {"step": step, **state})
         (tmp / COMPLETE).write_text("ok\n")
@@ -82,8 +83,8 @@ class CheckpointManager:
     def complete_checkpoints(self) -> list[Path]:
         if not self.root.is_dir():
             return []
-        found = [p for p in self.root.iterdir() if _STEP_RE.match(p.name) and is_complete(p)]
-        return sorted(found, key=lambda p: int(_STEP_RE.match(p.name).group(1)))
+        found = [(int(m.group(1)), p) for p in self.root.iterdir() if (m := _STEP_RE.match(p.name)) and is_complete(p)]
+        return [p for _, p in sorted(found, key=lambda sp: sp[0])]
 
     def latest(self) -> Path | None:
         """Newest complete checkpoint: the `latest` pointer if valid, else the newest complete folder."""

@@ -25,7 +25,9 @@ def peft_config(cfg: LoRAConfig, base_model: str):
     """peft's LoraConfig for mlrl's model.lora (same scaling alpha / r, same modules)."""
     from peft import LoraConfig
 
-    return LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.targets),
+    # peft annotates lora_alpha as int but scales by any number (alpha / r); the config keeps mlrl's float
+    return LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha,  # pyright: ignore[reportArgumentType]
+                      lora_dropout=cfg.dropout, target_modules=list(cfg.targets),
                       bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_model)
 
 

@@ -55,6 +55,7 @@ class NodeAgent:
         if srv is None:
             srv = self._engines[spec.name] = EngineServer(spec)
         srv.start()
+        assert srv.port is not None  # set by start()
         return srv.port
 
     def engine_alive(self, name: str) -> bool:
@@ -212,7 +213,7 @@ class ClusterRuntime:
         self.run_dir = Path(run_dir)
         self.driver_ip = ray.util.get_node_ip_address()
         actor = ray.remote(NodeAgent)
-        self.agents = {
+        self.agents: dict[int, Any] = {  # actor handles (Ray's stubs type their methods without .remote)
             n.index: actor.options(
                 num_cpus=0,
                 max_concurrency=AGENT_CONCURRENCY,

@@ -141,7 +141,7 @@ def _describe(tp: Any) -> str:
 def _coerce(tp: Any, value: Any, name: str) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return from_dict(tp, value, name)
     if origin in (Union, types.UnionType):
         if value is None and type(None) in args:

@@ -143,7 +143,7 @@ def _check_critic(cfg: Config) -> None:
     if a.advantage == "gae" and c is None:
         raise ConfigError("algorithm.advantage=gae needs a critic: add a `critic:` section (e.g. critic.lr=1e-5; "
                           "see mlrl/config/schema.py CriticConfig)")
-    if not cfg.uses_critic:
+    if c is None or not cfg.uses_critic:
         return
     _check_lr("critic", c)
     for name in ("lr_warmup_steps", "warmup_steps"):
@@ -204,6 +204,8 @@ def _check_sft(cfg: Config) -> None:
     import dataclasses
 
     s = cfg.sft
+    if s is None:
+        return
     _positive("sft.batch_size", s.batch_size)
     _positive("sft.max_seq_tokens", s.max_seq_tokens)
     if s.max_seq_tokens > cfg.trainer.micro_batch_tokens:
@@ -310,13 +312,13 @@ def resolve_layout(cfg: Config) -> Layout:
 def _check_model(cfg: Config, hf: dict[str, Any], layout: Layout) -> None:
     p = cfg.parallel
     heads = hf.get("num_attention_heads")
-    kv = hf.get("num_key_value_heads", heads)
     layers = hf.get("num_hidden_layers")
     if heads is None or layers is None:
         raise ConfigError(
             "model.hf_dir: config.json lacks num_attention_heads / num_hidden_layers "
             f"(model_type={hf.get('model_type')!r})"
         )
+    kv = hf.get("num_key_value_heads") or heads  # (absent or null: one KV head per attention head)
     if heads % p.tp:
         raise ConfigError(f"parallel.tp={p.tp} must divide the model's num_attention_heads={heads}")
     if kv % p.tp:
@@ -555,7 +557,7 @@ def validate(cfg: Config, *, has_cuda: bool | None = None, has_te: bool | None =
     _check_lora(cfg, hf)
     _check_router_replay(cfg, hf, has_cuda=cfg.cluster.gpus_per_node > 0)
     _check_shared_prefix(cfg)
-    if cfg.uses_critic and cfg.critic.hf_dir:
+    if cfg.uses_critic and cfg.critic is not None and cfg.critic.hf_dir:
         try:
             chf = hf_config_dict(cfg.critic.hf_dir, None)
         except ModelSpecError as e:

@@ -93,6 +93,6 @@ def _read_hf(path: Path) -> Iterator[tuple[str, Any]]:
     except Exception as e:
         raise DatasetError(f"{path}: cannot read with Hugging Face datasets: {type(e).__name__}: {e}") from None
     if isinstance(ds, datasets.DatasetDict):
-        raise DatasetError(f"{path}: holds several splits ({', '.join(ds)}); point at one of them")
+        raise DatasetError(f"{path}: holds several splits ({', '.join(map(str, ds))}); point at one of them")
     for i, row in enumerate(ds):
         yield f"{path}: row {i}", row

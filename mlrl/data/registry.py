@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 from mlrl.data import synthetic
 from mlrl.data.files import find_split_file, read_rows
@@ -100,6 +100,18 @@ def _raw_rows(name_or_path: str, split: str, skip_malformed: bool, skipped: list
     return list(read_rows(path, skip_malformed, skipped)), None
 
 
+@overload
+def get_dataset(name_or_path: str, split: str = ..., kind: Literal["rl"] = ..., tokenizer: Any = ...,
+                max_length: int | None = ..., *, skip_malformed: bool = ..., require_answer: bool = ...,
+                seed: int = ..., num_rows: int | None = ..., **kwargs: Any) -> RLDataset: ...
+@overload
+def get_dataset(name_or_path: str, split: str, kind: Literal["sft"], tokenizer: Any = ...,
+                max_length: int | None = ..., *, skip_malformed: bool = ..., require_answer: bool = ...,
+                seed: int = ..., num_rows: int | None = ..., **kwargs: Any) -> SFTDataset: ...
+@overload
+def get_dataset(name_or_path: str, split: str = ..., kind: str = ..., tokenizer: Any = ...,
+                max_length: int | None = ..., *, skip_malformed: bool = ..., require_answer: bool = ...,
+                seed: int = ..., num_rows: int | None = ..., **kwargs: Any) -> RLDataset | SFTDataset: ...
 def get_dataset(
     name_or_path: str,
     split: str = "train",

@@ -311,7 +311,7 @@ def _segments(mb: MicroBatch) -> Iterable[tuple[int, int, int, int, int]]:
     ids = mb.sample_ids[mb.cu_seqlens[:-1].long()].tolist() if len(cu) > 1 else []  # one gather, not one per sample
     if mb.prefix_segment is None:
         return ((i, a, b, 0, 0) for i, a, b in zip(ids, cu[:-1], cu[1:]))
-    return [(i, a, b, *((cu[h], cu[h + 1]) if h >= 0 else (0, 0)))
+    return [(i, a, b, cu[h], cu[h + 1]) if h >= 0 else (i, a, b, 0, 0)
             for i, a, b, h in zip(ids, cu[:-1], cu[1:], mb.prefix_segment.tolist())]
 
 

@@ -63,7 +63,7 @@ class MetricsLogger:
     def _trim_after(self, resume_step: int | None) -> None:
         """Drop lines of steps after `resume_step` and any torn last line (a crash mid-write)."""
         p = self.jsonl_path
-        if not p.exists():
+        if p is None or not p.exists():
             return
         keep = []
         for line in p.read_text().splitlines():
@@ -93,11 +93,13 @@ class MetricsLogger:
         """All of a step's scalars as ONE TensorBoard event (a Summary with one value per tag, the
         same `simple_value` records `add_scalar` writes one event each): the demo's metrics line
         is 88 scalars, one event and one flush instead of 88 events."""
-        from tensorboard.compat.proto.summary_pb2 import Summary
+        # protobuf-generated: the module builds its classes at import time, invisible to a type checker
+        from tensorboard.compat.proto.summary_pb2 import Summary  # pyright: ignore[reportAttributeAccessIssue]
 
         values = [Summary.Value(tag=k, simple_value=float(v)) for k, v in rec.items()
                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)]
         if values:
+            assert self._tb is not None  # log() calls this only with a writer
             # SummaryWriter's own file writer (it writes the purge_step marker of a resumed run first)
             self._tb._get_file_writer().add_summary(Summary(value=values), step)
             self._tb.flush()

@@ -365,9 +365,11 @@ def trainer_memory(p: StageParams, *, precision: str, optimizer: str, distribute
     """One trainer GPU of a pipeline stage; `critic`: the critic's parameters on that rank (its
     weights, gradients and optimizer state are added; its activations are not, see above).
     `reference`: KL against a reference model, a copy of the parameters unless LoRA (the base)."""
-    kw = dict(precision=precision, optimizer=optimizer, distributed_optimizer=distributed_optimizer, dp_cp=dp_cp,
-              edp=edp, fp8=fp8)
-    w = model_state_memory(p, **kw)
+    def state(params: StageParams) -> ModelStateMemory:
+        return model_state_memory(params, precision=precision, optimizer=optimizer,
+                                  distributed_optimizer=distributed_optimizer, dp_cp=dp_cp, edp=edp, fp8=fp8)
+
+    w = state(p)
     return TrainerMemory(
         params=w.params,
         grads=w.grads,
@@ -376,7 +378,7 @@ def trainer_memory(p: StageParams, *, precision: str, optimizer: str, distribute
         reference=w.params if reference and not p.adapter else 0.0,
         activations=activations,
         runtime=CUDA_RUNTIME_GIB * GIB,
-        critic=model_state_memory(critic, **kw) if critic is not None else None,
+        critic=state(critic) if critic is not None else None,
     )
 
 
@@ -499,10 +501,10 @@ def colocated_phases(trainer: TrainerMemory, engine: EngineMemory, *, offload_pa
          "reference": t.reference, "activations": t.activations, "critic": t.critic_bytes,
          "trainer runtime": t.runtime, "engine runtime": e.runtime},
         dict(engine_weights) if sleep_level == 1 else {})
-    sync = Phase(
+    sync_phase = Phase(
         "sync",
         {**engine_weights, "engine runtime": e.runtime, **weights, "fp8 cache": t.fp8_cache,
          "trainer runtime": t.runtime,
          "transport buffers": (buffers.sender if sender else buffers.other) + buffers.engine},
         optimizer)
-    return ColocatedPhases(rollout, train, sync)
+    return ColocatedPhases(rollout, train, sync_phase)

@@ -62,6 +62,8 @@ class Plan:
         """The step's phases on a GPU shared by an engine rank and a trainer rank of pipeline
         stage `pp` (`sender`: the stage's weight-sync sender, tp 0, dp 0, cp 0)."""
         co = self.cfg.cluster.colocate
+        if self.engine_memory is None:
+            raise ValueError("colocated_phases: this plan has no engine memory (no colocated engines)")
         return mem.colocated_phases(self.trainer_memory[pp], self.engine_memory, offload_params=co.offload_params,
                                     sleep_level=co.sleep_level, sync=self.sync_buffers[pp], sender=sender)
 
@@ -187,15 +189,15 @@ def _check_memory(plan: Plan) -> None:
             role = f"trainer rank {slot.trainer.rank} (pp stage {slot.trainer.pp})"
             m = plan.trainer_memory[slot.trainer.pp]
             parts = {k: v for k, v in m.parts().items() if k != "critic"}
-            big = max(parts, key=parts.get)
+            big = max(parts, key=lambda k: parts[k])
             detail = f"largest part: {big} {parts[big] / gib:.1f} GiB"
             if m.critic is not None:
                 detail += f"; the critic adds {m.critic.total / gib:.1f} GiB"
             phases = plan.slot_phases(slot)
-            if phases is not None:
+            if phases is not None and slot.engine is not None:
                 role += f" + engine {slot.engine.engine} (colocated)"
                 peak = phases.peak
-                big = max(peak.gpu, key=peak.gpu.get)
+                big = max(peak.gpu, key=lambda k: peak.gpu[k])
                 detail = f"peak in phase {peak.name}, largest part: {big} {peak.gpu[big] / gib:.1f} GiB"
         else:
             key = ("engine",)

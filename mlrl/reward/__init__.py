@@ -6,9 +6,11 @@ Signature of every reward function (AReaL's):
     fn(prompt, completions, prompt_ids, completion_ids, **data) -> float
 """
 
+from typing import TYPE_CHECKING
+
 from mlrl.reward import builtin as _builtin  # noqa: F401  (registers the built-ins)
 from mlrl.reward.builtin import extract_boxed, extract_final_number, final_answer_text, math_equal, parse_number
-from mlrl.reward.registry import RewardFn, get_reward_fn, import_from_string, list_rewards, register_reward, reward_data
+from mlrl.reward.registry import get_reward_fn, import_from_string, list_rewards, register_reward, reward_data
 from mlrl.reward.wrapper import (
     GLOBAL_REWARD_STATS,
     AsyncRewardWrapper,
@@ -16,6 +18,20 @@ from mlrl.reward.wrapper import (
     collect_reward_stats,
     default_max_workers,
 )
+
+if TYPE_CHECKING:
+    from mlrl.interfaces import RewardFn
+
+
+def __getattr__(name: str):
+    """`RewardFn` (the Protocol in mlrl.interfaces), imported on first use: mlrl.interfaces imports
+    torch, which the reward worker processes never need."""
+    if name == "RewardFn":
+        from mlrl.interfaces import RewardFn
+
+        return RewardFn
+    raise AttributeError(f"module 'mlrl.reward' has no attribute {name!r}")
+
 
 __all__ = [
     "AsyncRewardWrapper",

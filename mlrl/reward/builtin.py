@@ -177,7 +177,8 @@ def _mv_parse(text: str, config: Any, timeout: int | None) -> list[Any]:
     """math-verify's reading of `text`: sympy objects, then the matched strings."""
     from math_verify import parse
 
-    return parse(text, extraction_config=config, parsing_timeout=timeout)
+    # math-verify takes parsing_timeout=None (no timeout) though it annotates the parameter int.
+    return parse(text, extraction_config=config, parsing_timeout=timeout)  # pyright: ignore[reportArgumentType]
 
 
 def _sympy(parsed: list[Any]) -> Any | None:

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-RewardFn = Callable[..., float]
+if TYPE_CHECKING:  # (mlrl.interfaces imports torch; reward worker processes stay light)
+    from mlrl.interfaces import RewardFn
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 _REWARDS: dict[str, RewardFn] = {}
@@ -47,7 +49,7 @@ def register_reward(name: str, *, inline: bool = False) -> Callable[[F], F]:
         prev = _REWARDS.get(name)
         if prev is not None and prev is not fn and _qualname(prev) != _qualname(fn):
             raise ValueError(f"reward {name!r} is already registered to {_qualname(prev)}")
-        _REWARDS[name] = fn
+        _REWARDS[name] = cast("RewardFn", fn)
         if inline:
             setattr(fn, INLINE_ATTR, True)
         return fn
@@ -96,7 +98,7 @@ def get_reward_fn(name_or_path: str | RewardFn) -> RewardFn:
         fn = import_from_string(name_or_path)
         if not callable(fn):
             raise ValueError(f"workflow.reward: {name_or_path!r} is not callable")
-        return fn
+        return cast("RewardFn", fn)
     raise ValueError(f"workflow.reward: unknown reward {name_or_path!r}; registered: {', '.join(list_rewards())}")
 
 

@@ -33,11 +33,14 @@ import asyncio
 import json as _json
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Sequence
 
 import aiohttp
 
 from mlrl.types import GenerationHyperparameters, ModelRequest, ModelResponse, StopReason
+
+if TYPE_CHECKING:  # (mlrl.interfaces imports torch: importing mlrl.rollout stays light)
+    from mlrl.interfaces import EnginePauseMode, JSONObject
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -411,7 +414,7 @@ class EngineClient:
         except EngineError:
             return False
 
-    async def pause(self, mode: Literal["abort", "wait", "keep"] = "wait", *, timeout: float | None = None) -> None:
+    async def pause(self, mode: EnginePauseMode = "wait", *, timeout: float | None = None) -> None:
         await self._post("/pause", params={"mode": mode}, timeout=timeout)
 
     async def resume(self) -> None:
@@ -420,7 +423,7 @@ class EngineClient:
     async def is_paused(self) -> bool:
         return bool((await self._get("/is_paused"))["is_paused"])
 
-    async def sleep(self, level: int = 1, mode: Literal["abort", "wait", "keep"] = "wait") -> None:
+    async def sleep(self, level: int = 1, mode: EnginePauseMode = "wait") -> None:
         """vLLM sleep mode (`/sleep`): scheduling paused, prefix cache cleared; on GPU level 1 moves
         the weights to host memory and discards the KV cache, level 2 discards both. The CPU build
         accepts the call but its worker keeps all memory (vllm/v1/worker/cpu_worker.py: sleep is
@@ -446,7 +449,7 @@ class EngineClient:
     async def reset_prefix_cache(self) -> bool:
         return bool((await self._post("/reset_prefix_cache"))["success"])
 
-    async def init_weight_transfer(self, init_info: dict[str, Any], *, timeout: float | None = None) -> None:
+    async def init_weight_transfer(self, init_info: JSONObject, *, timeout: float | None = None) -> None:
         await self._post("/init_weight_transfer_engine", json={"init_info": init_info}, timeout=timeout)
 
     async def shutdown_weight_transfer(self) -> None:
@@ -455,7 +458,7 @@ class EngineClient:
     async def start_weight_update(self) -> None:
         await self._post("/start_weight_update")
 
-    async def update_weights(self, update_info: dict[str, Any], *, timeout: float | None = None) -> None:
+    async def update_weights(self, update_info: JSONObject, *, timeout: float | None = None) -> None:
         await self._post("/update_weights", json={"update_info": update_info}, timeout=timeout)
 
     async def finish_weight_update(self, version: int, *, timeout: float | None = None) -> None:

@@ -42,7 +42,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Literal, Sequence
 
 from mlrl.config.schema import RolloutConfig
 from mlrl.rollout.client import (
@@ -55,6 +55,9 @@ from mlrl.rollout.client import (
 )
 from mlrl.rollout.server import EngineServer, EngineStartError, ServerSpec
 from mlrl.types import GenerationHyperparameters, ModelRequest, ModelResponse, StopReason
+
+if TYPE_CHECKING:  # (mlrl.interfaces imports torch: importing mlrl.rollout stays light)
+    from mlrl.interfaces import EngineHandle as EngineView
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +96,13 @@ class EngineHandle:
     @property
     def name(self) -> str:
         return self.server.spec.name
+
+    @property
+    def api(self) -> EngineClient:
+        """The client of a started engine (routing and control only ever reach started ones)."""
+        if self.client is None:
+            raise EngineError(f"{self.name}: not started (no client)")
+        return self.client
 
     @property
     def routable(self) -> bool:
@@ -271,7 +281,7 @@ class EnginePool:
             self._active[req.rid] = (e, attempt_id)
             e.running[attempt_id] = req.rid
             try:
-                seg = await e.client.generate(req.input_ids + resp.output_tokens, g, request_id=attempt_id,
+                seg = await e.api.generate(req.input_ids + resp.output_tokens, g, request_id=attempt_id,
                                               default_version=self._version, max_tokens=remaining,
                                               min_tokens=max(0, g.min_new_tokens - resp.output_len))
             except EngineRequestError as err:
@@ -341,7 +351,7 @@ class EnginePool:
             self._active[req.rid] = (e, attempt_id)
             e.running[attempt_id] = req.rid
             try:
-                segs = await e.client.generate_n(req.input_ids, g, n, request_id=attempt_id,
+                segs = await e.api.generate_n(req.input_ids, g, n, request_id=attempt_id,
                                                  default_version=self._version, max_tokens=g.max_new_tokens,
                                                  min_tokens=g.min_new_tokens)
             except EngineRequestError as err:
@@ -388,7 +398,7 @@ class EnginePool:
                 time.monotonic(),
             )
         try:
-            req.input_ids = await engine.client.tokenize_chat(messages, **template_kwargs)
+            req.input_ids = await engine.api.tokenize_chat(messages, **template_kwargs)
         except (EngineRequestError, EngineUnavailableError) as err:
             return _failed(ModelResponse(input_tokens=[], rid=req.rid), str(err), time.monotonic())
         return await self.agenerate(req)
@@ -403,7 +413,7 @@ class EnginePool:
             return False
         e, attempt_id = active
         try:
-            await e.client.abort([attempt_id])
+            await e.api.abort([attempt_id])
         except (EngineUnavailableError, EngineRequestError):
             pass
         return True
@@ -464,7 +474,7 @@ class EnginePool:
         """After a transport error: if the engine is really gone, take it out and restart it in the background."""
         if not e.live:
             return
-        if e.server.alive() and await e.client.health():
+        if e.server.alive() and await e.api.health():
             return  # transient (e.g. one request's 5xx): keep the engine
         async with self._cond:
             if not e.live:
@@ -522,7 +532,7 @@ class EnginePool:
             if not todo:
                 break
             try:
-                rows = await e.client.routing_take([sequences[i] for i in todo])
+                rows = await e.api.routing_take([sequences[i] for i in todo])
             except EngineError as err:
                 log.warning("%s: routed experts unavailable: %s", e.name, err)
                 continue
@@ -548,13 +558,13 @@ class EnginePool:
         if done:
             return
         if mode == "abort":
-            await asyncio.gather(*(e.client.pause("abort") for e in self.live_engines()), return_exceptions=True)
+            await asyncio.gather(*(e.api.pause("abort") for e in self.live_engines()), return_exceptions=True)
         while not await self._drained(timeout_s=1.0):
             if mode == "abort":  # a request that reached its engine after the engine-level abort waits there: abort it
-                await asyncio.gather(*(e.client.abort(list(e.running)) for e in self.live_engines() if e.running),
+                await asyncio.gather(*(e.api.abort(list(e.running)) for e in self.live_engines() if e.running),
                                      return_exceptions=True)
         live = self.live_engines()
-        results = await asyncio.gather(*(e.client.pause("wait") for e in live), return_exceptions=True)
+        results = await asyncio.gather(*(e.api.pause("wait") for e in live), return_exceptions=True)
         self._engines_paused = {(e.index, e.incarnation) for e, r in zip(live, results)
                                 if not isinstance(r, BaseException)}
 
@@ -568,7 +578,7 @@ class EnginePool:
             except asyncio.TimeoutError:
                 return False
 
-    def commit_version(self, version: int, engines: Sequence[EngineHandle]) -> None:
+    def commit_version(self, version: int, engines: Sequence[EngineView]) -> None:
         """Record that `engines` now hold `version` (called by the weight sync before `resume`)."""
         self._version = version
         synced = {e.index for e in engines}
@@ -579,7 +589,7 @@ class EnginePool:
     async def resume(self) -> None:
         """Resume the engines and dispatching; interrupted requests continue."""
         self._engines_paused = set()
-        await asyncio.gather(*(e.client.resume() for e in self.live_engines()), return_exceptions=True)
+        await asyncio.gather(*(e.api.resume() for e in self.live_engines()), return_exceptions=True)
         async with self._cond:
             self._paused = False
             self._cond.notify_all()

@@ -82,7 +82,7 @@ def _term_with_parent() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--pgid-file", help="where to write the server's process-group id")
     p.add_argument("--watch", type=int, metavar="PGID", help="watchdog mode: stop group PGID when --parent-pid goes")
     p.add_argument("--parent-pid", type=int, required=True, help="pid of the launching mlrl process")

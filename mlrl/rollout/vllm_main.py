@@ -36,7 +36,8 @@ def _keep_fork_on_cpu() -> None:
         original(cls, vllm_config)
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
 
-    platform.check_and_update_config = classmethod(check_and_update_config)
+    # a deliberate patch of vLLM's class attribute, which its annotations type as a bound method
+    platform.check_and_update_config = classmethod(check_and_update_config)  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def main() -> None:

@@ -36,13 +36,17 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from mlrl.weight_sync.receiver import Receiver
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 BACKEND = "mlrl"
 
@@ -166,7 +170,8 @@ class MlrlWeightTransferEngine(WeightTransferEngine[MlrlInitInfo, MlrlUpdateInfo
 
         def apply(bucket):
             with disable_mtp_completeness_check():
-                names = self.model.load_weights(bucket)
+                # every vLLM model defines load_weights; WeightTransferEngine types the model as nn.Module
+                names = self.model.load_weights(bucket)  # pyright: ignore[reportCallIssue]
             if names:
                 loaded.update(names)
 
@@ -229,6 +234,10 @@ _ROUTING: dict[str, Any] = {}  # this worker's routed-experts capture (one per p
 
 class MlrlWorkerExtension:
     """Mixed into vLLM's Worker (`--worker-extension-cls`); methods are called via POST /collective_rpc."""
+
+    if TYPE_CHECKING:  # the Worker's attributes this mixin uses
+        vllm_config: VllmConfig
+        model_runner: GPUModelRunner
 
     def _mlrl_engine(self) -> MlrlWeightTransferEngine:
         eng = getattr(self, "weight_transfer_engine", None)

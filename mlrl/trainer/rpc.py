@@ -11,13 +11,27 @@ from __future__ import annotations
 
 import pickle
 import socket
-from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 TOKEN_ENV = "MLRL_TRAINER_TOKEN"
 
 
-def no_delay(conn: Connection) -> Connection:
+class _HasFileno(Protocol):
+    def fileno(self) -> int: ...
+
+
+C = TypeVar("C", bound=_HasFileno)
+
+
+class Wire(Protocol):
+    """The two calls `send` / `recv` make (a multiprocessing Connection or PipeConnection)."""
+
+    def send_bytes(self, buf: bytes, /) -> None: ...
+
+    def recv_bytes(self) -> bytes: ...
+
+
+def no_delay(conn: C) -> C:
     """Turn Nagle's algorithm off on the connection's TCP socket (both ends call this).
 
     `Connection.send_bytes` writes a message over 16 KiB as two writes, its 4-byte length then
@@ -34,11 +48,11 @@ def no_delay(conn: Connection) -> Connection:
     return conn
 
 
-def send(conn: Connection, obj: Any) -> None:
+def send(conn: Wire, obj: Any) -> None:
     """Plain pickle, not Connection.send: with torch imported, multiprocessing's ForkingPickler
     would pass tensor storages as file descriptors, which only works between related processes."""
     conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def recv(conn: Connection) -> Any:
+def recv(conn: Wire) -> Any:
     return pickle.loads(conn.recv_bytes())

@@ -24,6 +24,7 @@ from typing import Any, Iterable
 import torch
 
 from mlrl.weight_sync.receiver import Receiver
+from mlrl.weight_sync.sync import engine_client
 from mlrl.weight_sync.transports import _RPC_TIMEOUT_S, BroadcastWeightSync, sender_channel
 from mlrl.weight_sync.wire import Channel
 
@@ -60,7 +61,8 @@ def on_worker(receiver: Receiver, call: dict[str, Any]) -> dict[str, Any]:
 
 
 async def _on_engines(ws: BroadcastWeightSync, call: dict[str, Any]) -> list[Any]:
-    return await asyncio.gather(*(e.client.collective_rpc(WORKER_HOOK, args=[json.dumps(call)], timeout=_RPC_TIMEOUT_S)
+    return await asyncio.gather(*(engine_client(e).collective_rpc(WORKER_HOOK, args=[json.dumps(call)],
+                                                                  timeout=_RPC_TIMEOUT_S)
                                   for e in ws.pool.live_engines()))
 
 

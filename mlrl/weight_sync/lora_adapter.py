@@ -32,13 +32,13 @@ from __future__ import annotations
 import asyncio
 import shutil
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence, cast
 
 from mlrl.checkpoint.peft_export import write_peft_adapter
 from mlrl.config.schema import LoRAConfig, WeightSyncConfig
-from mlrl.interfaces import EngineHandle, RolloutPool
+from mlrl.interfaces import EngineControl, EngineHandle, RolloutPool
 from mlrl.weight_sync.source import PushRequest, WeightSource
-from mlrl.weight_sync.sync import SyncSetup
+from mlrl.weight_sync.sync import SyncSetup, engine_client
 from mlrl.weight_sync.transports import DiskWeightSync, _check_senders, receive_disk
 
 ADAPTER_PREFIX = "mlrl-lora"
@@ -47,6 +47,22 @@ KEEP_LOADED = 2  # adapters an engine holds: the engines' --max-loras (mlrl.roll
 
 def adapter_name(version: int) -> str:
     return f"{ADAPTER_PREFIX}-v{version}"
+
+
+class _LoRAControl(EngineControl, Protocol):
+    """What this sync uses of an engine's client (mlrl.rollout.client.EngineClient) beyond `EngineControl`."""
+
+    model: str | None  # the served model every request names
+
+    async def load_lora_adapter(self, name: str, path: str) -> None: ...
+
+    async def unload_lora_adapter(self, name: str) -> None: ...
+
+    async def set_weight_version(self, version: int) -> None: ...
+
+
+def _lora_client(e: EngineHandle) -> _LoRAControl:
+    return cast(_LoRAControl, engine_client(e))
 
 
 class AdapterWeightSync(DiskWeightSync):
@@ -74,14 +90,14 @@ class AdapterWeightSync(DiskWeightSync):
         async def load(e: EngineHandle) -> list[dict[str, Any]]:
             held = self.loaded.setdefault((e.name, e.incarnation), [])  # a restarted engine holds none
             if name in held:  # a retry of this version: its folder was rewritten, load it afresh
-                await e.client.unload_lora_adapter(name)
+                await _lora_client(e).unload_lora_adapter(name)
                 held.remove(name)
-            await e.client.load_lora_adapter(name, str(folder))
+            await _lora_client(e).load_lora_adapter(name, str(folder))
             held.append(name)
-            await e.client.set_weight_version(version)
-            e.client.model = name
+            await _lora_client(e).set_weight_version(version)
+            _lora_client(e).model = name
             while len(held) > KEEP_LOADED:
-                await e.client.unload_lora_adapter(held.pop(0))
+                await _lora_client(e).unload_lora_adapter(held.pop(0))
             return [{"version": version, "worker": "driver", "streams": streams}]
 
         reports = list(await asyncio.gather(*(load(e) for e in engines)))

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from mlrl.config.schema import WeightSyncConfig
-from mlrl.interfaces import EngineHandle, RolloutPool, SyncHooks
+from mlrl.interfaces import EngineControl, EngineHandle, RolloutPool, SyncHooks
 from mlrl.weight_sync.source import PushRequest, SendReport, WeightSource
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,9 @@ class SyncReport(Mapping):
     engine_apply_s: float = 0.0    # max over workers of vLLM's finalize (layer-wise processing + LM-head refresh)
     canary_max_abs_diff: float = 0.0
     canary_checked: bool = False   # weight_sync.canary_every: whether this sync ran the canary
+    # max |engine canary logprob now - at the previous canary check of this process| (None: no
+    # earlier check): evidence that the engines' policy changed, not only that it matches
+    canary_moved: float | None = None
     sender_reports: list[SendReport] = field(default_factory=list, repr=False)
     engine_reports: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
@@ -85,6 +88,8 @@ class SyncReport(Mapping):
             ("attempts", self.attempts), ("canary_checked", self.canary_checked))}
         if self.canary_checked:  # a sync that skipped the canary (weight_sync.canary_every) measured no gap
             out["weight_sync/canary_max_abs_diff"] = float(self.canary_max_abs_diff)
+        if self.canary_moved is not None:
+            out["weight_sync/canary_moved"] = float(self.canary_moved)
         return out
 
     def __getitem__(self, key: str) -> float:
@@ -107,6 +112,13 @@ class SyncSetup:
     host: str = "127.0.0.1"        # address trainer ranks and engine workers reach this driver at (broadcast store)
     run_dir: str | Path | None = None  # disk: shards go to <run_dir>/weight_sync unless weight_sync.disk_dir is set
     backend: str | None = None     # broadcast: "gloo" / "nccl" (None: NCCL if this machine has CUDA, else gloo)
+
+
+def engine_client(e: EngineHandle) -> EngineControl:
+    """The control client of a live engine (the pool gives every started engine one)."""
+    if e.client is None:
+        raise RuntimeError(f"{e.name}: engine has no client (not started)")
+    return e.client
 
 
 def canary_tokens(vocab_size: int) -> tuple[list[int], list[int]]:
@@ -181,6 +193,7 @@ class WeightSync(abc.ABC):
         # the canary reference of the current attempt, when it waits for the trainer's push (`_push`)
         self._after_push: asyncio.Task | None = None
         self._reference_after_push = False
+        self._last_canary: list[float] | None = None  # the engines' canary logprobs at the last check
 
     @abc.abstractmethod
     async def _transfer(
@@ -251,7 +264,7 @@ class WeightSync(abc.ABC):
                     log.warning("weight sync v%d attempt %d failed: %s", version, attempt, err)
                     await self._after_failure()
                     await asyncio.gather(
-                        *(e.client.pause("wait") for e in self.pool.live_engines()), return_exceptions=True
+                        *(engine_client(e).pause("wait") for e in self.pool.live_engines()), return_exceptions=True
                     )
             else:
                 raise WeightSyncError(
@@ -301,18 +314,22 @@ class WeightSync(abc.ABC):
         t = time.perf_counter()
         # with verify_checksums off the digests cover names only; counts, bytes and completeness are still checked
         rep.tensors, rep.bytes, rep.engine_apply_s = verify_reports(senders, engines, reports, version)
-        ok = await asyncio.gather(*(e.client.reset_prefix_cache() for e in engines))
+        ok = await asyncio.gather(*(engine_client(e).reset_prefix_cache() for e in engines))
         if not all(ok):
             raise _Mismatch(
                 f"prefix cache reset refused by {[e.name for e, k in zip(engines, ok) if not k]} (requests still "
                 "hold blocks)"
             )
-        await asyncio.gather(*(e.client.resume() for e in engines))  # the pool stays closed: only the canary runs
+        # the pool stays closed: only the canary runs
+        await asyncio.gather(*(engine_client(e).resume() for e in engines))
         if want is not None:
-            rep.canary_max_abs_diff = await self._canary(engines, want)
+            rep.canary_max_abs_diff, got = await self._canary(engines, want)
+            if self._last_canary is not None:
+                rep.canary_moved = max(abs(a - b) for a, b in zip(got, self._last_canary))
             if rep.canary_max_abs_diff > self.cfg.canary_tolerance:
                 raise _Mismatch(f"canary logprobs differ from the trainer's by {rep.canary_max_abs_diff:.3g} "
                                 f"> weight_sync.canary_tolerance={self.cfg.canary_tolerance:g}")
+            self._last_canary = got
         rep.engines = len(engines)
         rep.sender_reports, rep.engine_reports = senders, [w for ws in reports for w in ws]
         rep.verify_s = time.perf_counter() - t + reference_s
@@ -329,8 +346,10 @@ class WeightSync(abc.ABC):
             raise _Mismatch(f"source.canary_logprobs returned {len(want)} values for {len(completion)} tokens")
         return want
 
-    async def _canary(self, engines: Sequence[EngineHandle], want: list[float]) -> float:
+    async def _canary(self, engines: Sequence[EngineHandle], want: list[float]) -> tuple[float, list[float]]:
+        """Max |engine - trainer| over the canary's completion tokens and engines; the first
+        engine's logprobs of them."""
         prompt, completion = self.canary
-        got = await asyncio.gather(*(e.client.prompt_logprobs(prompt + completion) for e in engines))
-        return max(abs(a - b) for g in got for a, b in zip(g[-len(completion):], want))
+        got = await asyncio.gather(*(engine_client(e).prompt_logprobs(prompt + completion) for e in engines))
+        return max(abs(a - b) for g in got for a, b in zip(g[-len(completion):], want)), got[0][-len(completion):]
 

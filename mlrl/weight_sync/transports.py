@@ -38,13 +38,13 @@ import shutil
 import socket
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence, cast
 
 import torch
 
 from mlrl.interfaces import EngineHandle
 from mlrl.weight_sync.source import BucketFn, PushRequest, SendReport
-from mlrl.weight_sync.sync import SyncSetup, WeightSync, _Mismatch
+from mlrl.weight_sync.sync import SyncSetup, WeightSync, _Mismatch, engine_client
 from mlrl.weight_sync.wire import (
     Channel,
     Digest,
@@ -82,8 +82,9 @@ def _check_senders(reports: list[SendReport], k: int) -> list[SendReport]:
 
 
 async def _finish_all(engines: Sequence[EngineHandle], version: int) -> list[list[dict[str, Any]]]:
-    await asyncio.gather(*(e.client.finish_weight_update(version, timeout=_RPC_TIMEOUT_S) for e in engines))
-    return list(await asyncio.gather(*(e.client.collective_rpc("mlrl_weight_report") for e in engines)))
+    await asyncio.gather(*(engine_client(e).finish_weight_update(version, timeout=_RPC_TIMEOUT_S) for e in engines))
+    reports = await asyncio.gather(*(engine_client(e).collective_rpc("mlrl_weight_report") for e in engines))
+    return [cast(list[dict[str, Any]], r) for r in reports]  # one report per worker of each engine
 
 
 # ---------------------------------------------------------------------- broadcast
@@ -108,15 +109,20 @@ class BroadcastWeightSync(WeightSync):
         """The current group (None before the first sync and after a failure or `close`)."""
         return self._spec
 
+    def _current(self) -> GroupSpec:
+        if self._spec is None:
+            raise RuntimeError("broadcast weight sync: no group (none built yet, or the last attempt failed)")
+        return self._spec
+
     def push_request(self, version: int) -> PushRequest:
         """What every trainer rank is asked to do to stream `version` over the current group."""
         return PushRequest(self.transport, version, self.bucket_bytes, self.cfg.verify_checksums,
-                           group=self._spec.to_json())
+                           group=self._current().to_json())
 
     def update_info(self, version: int) -> dict[str, Any]:
         """What every engine is posted to receive `version` over the current group."""
         return {"transport": self.transport, "version": version, "verify": self.cfg.verify_checksums,
-                "session": self._spec.session}
+                "session": self._current().session}
 
     def _new_group(self, engines: Sequence[EngineHandle]) -> GroupSpec:
         self._store = open_store(self.store_host, 0, self.timeout_s)
@@ -139,16 +145,16 @@ class BroadcastWeightSync(WeightSync):
         if new:
             await self._after_failure()
             self._new_group(engines)
-        spec = self._spec
+        spec = self._current()
         req, info = self.push_request(version), self.update_info(version)
 
         async def drive(e: EngineHandle, offset: int) -> None:
             if new:
-                await e.client.init_weight_transfer(
+                await engine_client(e).init_weight_transfer(
                     {"group": spec.to_json(), "receiver_offset": offset}, timeout=_RPC_TIMEOUT_S
                 )
-            await e.client.start_weight_update()
-            await e.client.update_weights(info, timeout=_RPC_TIMEOUT_S)
+            await engine_client(e).start_weight_update()
+            await engine_client(e).update_weights(info, timeout=_RPC_TIMEOUT_S)
 
         tp = self.engine_tp
         results = await asyncio.gather(self._push(req),
@@ -157,13 +163,13 @@ class BroadcastWeightSync(WeightSync):
         if errors:
             self._spec = None  # the group is not reusable after a failed stream
             raise errors[0]
-        senders = _check_senders(results[0], spec.num_senders)
+        senders = _check_senders(cast(list[SendReport], results[0]), spec.num_senders)
         return senders, await _finish_all(engines, version)
 
     async def _after_failure(self) -> None:
         if self._spec is not None or self._members:
             await asyncio.gather(
-                *(e.client.shutdown_weight_transfer() for e in self.pool.live_engines()), return_exceptions=True
+                *(engine_client(e).shutdown_weight_transfer() for e in self.pool.live_engines()), return_exceptions=True
             )
         self._spec, self._store, self._members = None, None, ()
 
@@ -191,14 +197,17 @@ def close_channels() -> None:
 
 
 def send_broadcast(req: PushRequest, sender: int, buckets: BucketFn, digest: Digest, rep: SendReport) -> None:
-    ch = sender_channel(req.group, sender)
+    group = req.group
+    if group is None:
+        raise ValueError("PushRequest.group is required for the broadcast transport")
+    ch = sender_channel(group, sender)
     try:
         for bucket in buckets(req.bucket_bytes):
             ch.send_bucket(bucket, digest, verify=req.verify)
         ch.send_end(digest)
     except BaseException:
         # never leave the group half-used: tear it down so the receivers fail fast instead of hanging
-        _CHANNELS.pop(GroupSpec.from_json(req.group).session, None)
+        _CHANNELS.pop(GroupSpec.from_json(group).session, None)
         ch.close()
         raise
 
@@ -246,8 +255,8 @@ class DiskWeightSync(WeightSync):
         }
 
         async def drive(e: EngineHandle) -> None:
-            await e.client.start_weight_update()
-            await e.client.update_weights(info, timeout=_RPC_TIMEOUT_S)
+            await engine_client(e).start_weight_update()
+            await engine_client(e).update_weights(info, timeout=_RPC_TIMEOUT_S)
 
         await asyncio.gather(*(drive(e) for e in engines))
         reports = await _finish_all(engines, version)
@@ -344,8 +353,8 @@ class CudaIpcWeightSync(WeightSync):  # pragma: no cover - GPU only (tests/gpu)
                 "senders": [r.ipc for r in senders]}
         try:
             async def drive(e: EngineHandle) -> None:
-                await e.client.start_weight_update()
-                await e.client.update_weights(info, timeout=_RPC_TIMEOUT_S)
+                await engine_client(e).start_weight_update()
+                await engine_client(e).update_weights(info, timeout=_RPC_TIMEOUT_S)
 
             await asyncio.gather(*(drive(e) for e in engines))
             reports = await _finish_all(engines, version)
@@ -365,7 +374,7 @@ def ipc_handle_json(t: torch.Tensor) -> dict[str, Any]:  # pragma: no cover - GP
 
     _, args = reduce_tensor(t)
     (_, size, stride, offset, _, dtype, device, handle, storage_size, storage_offset, requires_grad,
-     ref_counter_handle, ref_counter_offset, event_handle, event_sync_required) = args
+     ref_counter_handle, ref_counter_offset, event_handle, event_sync_required) = cast(tuple[Any, ...], args)
     b64 = lambda b: base64.b64encode(b).decode()  # noqa: E731
     return {"size": list(size), "stride": list(stride), "offset": offset, "dtype": dtype_name(dtype), "device": device,
             "handle": b64(handle), "storage_size": storage_size, "storage_offset": storage_offset,

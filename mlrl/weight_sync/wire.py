@@ -55,7 +55,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator
 
 import torch
-from torch.distributed import BroadcastOptions, PrefixStore, TCPStore
+
+# public torch.distributed API, which torch's __init__ re-exports from torch._C without declaring it
+from torch.distributed import BroadcastOptions, PrefixStore, TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
 PROTOCOL = 2
 PACK_MAX_BYTES = 1 << 20   # tensors smaller than this share transfer units
@@ -187,7 +189,8 @@ def checksum(t: torch.Tensor, algo: str = "bsum64") -> str:
     if algo == "bsum64":
         return _bsum64(b)
     if algo == "crc32":
-        return f"crc32:{zlib.crc32(b.cpu().clone().numpy()):08x}"  # a copy: .numpy() would pin a parameter's storage
+        # a copy: .numpy() would pin a parameter's storage; numpy's stubs give ndarray __buffer__ on Python >= 3.12 only
+        return f"crc32:{zlib.crc32(b.cpu().clone().numpy()):08x}"  # pyright: ignore[reportArgumentType]
     raise WireError(f"unknown checksum algorithm {algo!r}")
 
 
@@ -234,7 +237,8 @@ def _new_group(spec: GroupSpec, store, sender: int, rank: int):
     if spec.backend == "gloo":
         from torch.distributed.distributed_c10d import ProcessGroupGloo
 
-        opts = ProcessGroupGloo._Options()
+        # torch's stub names it Options; at run time that is Backend.Options and gloo's own class is _Options
+        opts = ProcessGroupGloo._Options()  # pyright: ignore[reportAttributeAccessIssue]
         opts._timeout = timeout
         opts._devices = [_device_for(spec.host)]
         return ProcessGroupGloo(prefix, rank, size, opts)
@@ -263,6 +267,8 @@ class Channel:
         opts = BroadcastOptions()
         opts.rootRank = 0
         opts.rootTensor = 0
+        if self.pg is None:
+            raise WireError("weight-sync channel is closed")
         return self.pg.broadcast([t], opts)
 
     def _bcast(self, t: torch.Tensor) -> None:

@@ -20,30 +20,24 @@ may return one result or a list of `EpisodeOutput`, one per episode), and `aclos
 from __future__ import annotations
 
 import contextvars
-import dataclasses
-import enum
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
-from mlrl import types as _types
 from mlrl.data.tokenizer import (  # re-exported: AReaL's names, users import them from here
     apply_chat_template,
     load_hf_tokenizer,
 )
-from mlrl.types import GenerationHyperparameters, ModelResponse, Sample, StopReason, TerminationReason
-
-if "tokenizer" in {f.name for f in dataclasses.fields(_types.ModelRequest)}:
-    ModelRequest = _types.ModelRequest
-else:
-
-    @dataclass
-    class ModelRequest(_types.ModelRequest):  # type: ignore[no-redef]
-        """`mlrl.types.ModelRequest` plus AReaL's `tokenizer` field (kept in-process, never sent to
-        an engine), so AReaL workflows that pass `tokenizer=` run unchanged."""
-
-        tokenizer: Any = None
-
+from mlrl.interfaces import EpisodeResult, InferenceEngine
+from mlrl.types import (  # EpisodeOutput / EpisodeStatus live with the other plain data types
+    EpisodeOutput,
+    EpisodeStatus,
+    GenerationHyperparameters,
+    ModelRequest,
+    ModelResponse,
+    Row,
+    Sample,
+    StopReason,
+)
 
 EVALUATION: contextvars.ContextVar[bool] = contextvars.ContextVar("mlrl_evaluation", default=False)
 
@@ -54,41 +48,13 @@ def is_evaluation() -> bool:
     return EVALUATION.get()
 
 
-@runtime_checkable
-class InferenceEngine(Protocol):
-    """What a workflow may call: one generation per request, token ids in and out."""
-
-    async def agenerate(self, req: ModelRequest) -> ModelResponse: ...
-
-
-class EpisodeStatus(str, enum.Enum):
-    """How the runner records one episode."""
-
-    COMPLETED = "completed"
-    REJECTED = "rejected"   # the workflow returned None (or no samples)
-    TIMEOUT = "timeout"     # the per-episode timeout fired
-    ERROR = "error"         # the workflow raised, or an engine request failed
-
-
-@dataclass
-class EpisodeOutput:
-    """A workflow result with the episode-level facts a bare list of samples cannot carry."""
-
-    samples: list[Sample] = field(default_factory=list)
-    status: EpisodeStatus = EpisodeStatus.COMPLETED
-    termination_reason: TerminationReason | None = None
-    is_correct: bool | None = None          # None = derive from the reward (> 0)
-    metrics: dict[str, float] = field(default_factory=dict)
-    info: dict[str, Any] = field(default_factory=dict)   # "error": {error_message, error_type, traceback}
-
-
 class RolloutWorkflow(ABC):
     """Base class of native workflows (AReaL's `areal.api.workflow_api.RolloutWorkflow`)."""
 
     group_native: bool = False  # True: the runner calls arun_group(engine, data, n) once per prompt
 
     @abstractmethod
-    async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> Any:
+    async def arun_episode(self, engine: InferenceEngine, data: Row) -> EpisodeResult:
         """Run one episode on `data` (a dataset row) and return its trainable result, or None to reject it."""
         raise NotImplementedError
 

@@ -75,7 +75,7 @@ def interaction_to_sample(key: str, inter: Any) -> Sample:
     )
 
 
-def _rows(d: dict[str, Any], key: str) -> list[list[Any]] | None:
+def _rows(d: dict[str, Any], key: str) -> list[Any] | None:
     v = d.get(key)
     if v is None:
         return None
@@ -90,6 +90,8 @@ def _dict_to_samples(d: dict[str, Any]) -> list[Sample]:
     if tok_key is None:
         raise WorkflowResultError(f"workflow result dict has no 'input_ids' (keys: {sorted(d)})")
     tokens = _rows(d, tok_key)
+    if tokens is None:
+        raise WorkflowResultError(f"workflow result field {tok_key!r} is None")
     batched = bool(tokens) and isinstance(tokens[0], list)
     fields = {k: _rows(d, k) for k in ("loss_mask", "logprobs", "versions", "attention_mask")}
     if not batched:
@@ -98,10 +100,10 @@ def _dict_to_samples(d: dict[str, Any]) -> list[Sample]:
     reward_key = next((k for k in _REWARD_KEYS if k in d), None)
     if reward_key is None:
         raise WorkflowResultError("workflow result dict has no 'rewards'")
-    rewards = _plain(d[reward_key])
-    if not isinstance(rewards, list):
-        rewards = [rewards]
-    rewards = [r[0] if isinstance(r, list) and len(r) == 1 else r for r in rewards]
+    raw_rewards = _plain(d[reward_key])
+    if not isinstance(raw_rewards, list):
+        raw_rewards = [raw_rewards]
+    rewards: list[Any] = [r[0] if isinstance(r, list) and len(r) == 1 else r for r in raw_rewards]
     if len(rewards) != len(tokens):
         raise WorkflowResultError(f"workflow result has {len(tokens)} sequences but {len(rewards)} rewards")
     if fields["loss_mask"] is None:
@@ -122,7 +124,9 @@ def _dict_to_samples(d: dict[str, Any]) -> list[Sample]:
             return [x for x, k in zip(row, keep) if k]
 
         t = [int(x) for x, k in zip(toks, keep) if k]
-        mask = [int(bool(x)) for x in sel("loss_mask", 0)]
+        mask_row = sel("loss_mask", 0)
+        assert mask_row is not None  # fields["loss_mask"] was checked above
+        mask = [int(bool(x)) for x in mask_row]
         lps = sel("logprobs", 0.0)
         vers = sel("versions", -1)
         meta: dict[str, Any] = {}

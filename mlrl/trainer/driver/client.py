@@ -2,8 +2,9 @@
 `CriticClient` (its `Critic`) and `MegatronWeightSource` (the weight sync's `WeightSource`).
 
 Each method mirrors one method of the rank-side `mlrl.trainer.rank.service.TrainerService` and
-calls it by reference (`group.call(TrainerService.train_step, ...)`), so a renamed or removed
-service method fails at import / type-check time, not as a string lookup on the ranks.
+calls it by reference (`group.call_sharded(TrainerService.train_step, ...)`): a renamed or removed
+service method fails at import time, and an argument of the wrong name or type fails the type
+check of `make lint` (`TrainerGroup.call`'s ParamSpec is the service method's own parameters).
 
 It hides that the trainer is N Megatron ranks: micro-batches arrive per DP rank (the packer's
 output) and are sent to every rank of that DP rank's model-parallel group; results come back
@@ -19,7 +20,7 @@ import torch
 
 from mlrl.experience.batch import MicroBatch
 from mlrl.experience.packing import pack_step, unpack_per_sample
-from mlrl.interfaces import PerDP
+from mlrl.interfaces import PerDP, ResumeInfo, RouterDiagnostics
 from mlrl.trainer.driver.group import TrainerGroup
 from mlrl.trainer.rank.service import TrainerService
 from mlrl.types import Sample
@@ -35,11 +36,11 @@ class TrainerClient:
         self.dp_size = max(self.dp_rank_of) + 1
         self.pp_size = max(int(info.get("pp", 0)) for info in group.rank_info) + 1
 
-    def per_rank(self, per_dp: PerDP) -> list[dict[str, list[MicroBatch]]]:
-        """Each rank's keyword arguments: the micro-batches of its DP rank."""
+    def per_rank(self, per_dp: PerDP) -> list[list[MicroBatch]]:
+        """Each rank's micro-batches: those of its DP rank."""
         if len(per_dp) != self.dp_size:
             raise ValueError(f"got micro-batches for {len(per_dp)} DP ranks, the trainer has dp={self.dp_size}")
-        return [{"micro_batches": per_dp[d]} for d in self.dp_rank_of]
+        return [per_dp[d] for d in self.dp_rank_of]
 
     def first_per_dp(self, results: list[Any]) -> list[Any]:
         """One result per DP rank (every rank of a model-parallel group returns the same one)."""
@@ -52,27 +53,27 @@ class TrainerClient:
     def compute_logprobs(self, per_dp: PerDP, temperature: float, *,
                          reference: bool = False) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
         """[dp][micro-batch] -> (logprobs [S], entropy [S])."""
-        res = self.group.call(TrainerService.compute_logprobs, self.per_rank(per_dp), temperature=temperature,
+        res = self.group.call_sharded(TrainerService.compute_logprobs, self.per_rank(per_dp), temperature=temperature,
                               reference=reference)
         return self.first_per_dp(res)
 
-    def router_diagnostics(self, per_dp: PerDP, temperature: float) -> dict[str, Any]:
-        """MoE router replay: {"replay": [dp][mb] logprobs [S], "own": same without replay,
-        "matches" / "compared": token-layer top-k sets equal to the engine's, over all ranks}."""
-        res = self.group.call(TrainerService.router_diagnostics, self.per_rank(per_dp), temperature=temperature)
+    def router_diagnostics(self, per_dp: PerDP, temperature: float) -> RouterDiagnostics:
+        """MoE router replay: logprobs with and without the engines' routes ([dp][mb] [S]), and
+        the token-layer top-k sets equal to the engine's, over all ranks."""
+        res = self.group.call_sharded(TrainerService.router_diagnostics, self.per_rank(per_dp), temperature=temperature)
         first = self.first_per_dp(res)
-        return {"replay": [r["replay"] for r in first], "own": [r["own"] for r in first],
-                "matches": res[0]["matches"], "compared": res[0]["compared"]}
+        return RouterDiagnostics(replay=[r.replay for r in first], own=[r.own for r in first],
+                                 matches=res[0].matches, compared=res[0].compared)
 
     def train_step(self, per_dp: PerDP) -> dict[str, float]:
-        return self.group.call(TrainerService.train_step, self.per_rank(per_dp))[0]
+        return self.group.call_sharded(TrainerService.train_step, self.per_rank(per_dp))[0]
 
     def save_checkpoint(self, path: Path, critic_path: Path | None = None) -> None:
         """The policy's training state into `path`, and the critic's into `critic_path` (if any)."""
         self.group.call(TrainerService.save_checkpoint, path=str(path),
                         critic_path=str(critic_path) if critic_path else None)
 
-    def load_checkpoint(self, path: Path, critic_path: Path | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, path: Path, critic_path: Path | None = None) -> ResumeInfo:
         return self.group.call(TrainerService.load_checkpoint, path=str(path),
                                critic_path=str(critic_path) if critic_path else None)[0]
 
@@ -118,12 +119,12 @@ class CriticClient:
     def compute_values(self, per_dp: PerDP) -> list[list[torch.Tensor]]:
         """[dp][micro-batch] -> values [S] (token-aligned like logprobs)."""
         t = self.trainer
-        return t.first_per_dp(t.group.call(TrainerService.compute_values, t.per_rank(per_dp)))
+        return t.first_per_dp(t.group.call_sharded(TrainerService.compute_values, t.per_rank(per_dp)))
 
     def train_step(self, per_dp: PerDP) -> dict[str, float]:
         """One critic optimizer update on the micro-batches (old_values / returns attached)."""
         t = self.trainer
-        return t.group.call(TrainerService.train_critic, t.per_rank(per_dp))[0]
+        return t.group.call_sharded(TrainerService.train_critic, t.per_rank(per_dp))[0]
 
 
 class MegatronWeightSource:

@@ -16,6 +16,7 @@ This module imports no megatron: the driver stays light.
 
 from __future__ import annotations
 
+import inspect
 import os
 import secrets
 import signal
@@ -24,10 +25,15 @@ import sys
 import threading
 from multiprocessing.connection import Connection, Listener
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Concatenate, ParamSpec, Protocol, Sequence, TypeVar
 
 from mlrl.trainer.rpc import TOKEN_ENV, no_delay, recv, send
 
+if TYPE_CHECKING:  # the rank-side class, for the types of `call` only (it is never built here)
+    from mlrl.experience.batch import MicroBatch
+    from mlrl.trainer.rank.service import TrainerService
+
+P = ParamSpec("P")
 R = TypeVar("R")
 
 class TrainerError(RuntimeError):
@@ -158,20 +164,27 @@ class TrainerGroup:
         self._conns = [conns[r] for r in range(self.world_size)]
         self.rank_info.sort(key=lambda h: h["rank"])
 
-    def call(
-        self, method: Callable[..., R], per_rank: Sequence[dict[str, Any]] | None = None, **common: Any
-    ) -> list[R]:
+    def call(self, method: Callable[Concatenate[TrainerService, P], R], /,
+             *args: P.args, **kwargs: P.kwargs) -> list[R]:
         """Call the rank-side method `method` (a `TrainerService` method, passed as the function
-        itself, never as a string) on every rank; `per_rank[r]` adds rank-specific keyword
-        arguments. Returns the list of per-rank results (rank order).
-        """
-        owner, _, name = method.__qualname__.rpartition(".")
-        if owner != "TrainerService" or name.startswith("_"):
-            raise TypeError(f"{method.__qualname__} is not a public TrainerService method")
-        for r, c in enumerate(self._conns):
-            kwargs = dict(common)
-            if per_rank is not None:
-                kwargs.update(per_rank[r])
+        itself, never as a string) with the same arguments on every rank; the per-rank results,
+        in rank order. The arguments are checked against `method`'s signature twice: by the type
+        checker (`make lint`: `P` is the method's own parameters) and here, before anything is
+        sent (`inspect.Signature.bind`: a wrong name or count raises TypeError on the driver)."""
+        kw = _bind(method, *args, **kwargs)
+        return self._call_each(method, [kw] * len(self._conns))
+
+    def call_sharded(self, method: Callable[Concatenate[TrainerService, list[MicroBatch], P], R],
+                     per_rank: Sequence[list[MicroBatch]], /, *args: P.args, **kwargs: P.kwargs) -> list[R]:
+        """`call` for a method whose first argument is the rank's own micro-batches:
+        `per_rank[r]` goes to rank r, the other arguments to every rank."""
+        if len(per_rank) != len(self._conns):
+            raise ValueError(f"got micro-batches for {len(per_rank)} ranks, the trainer has {len(self._conns)}")
+        return self._call_each(method, [_bind(method, mbs, *args, **kwargs) for mbs in per_rank])
+
+    def _call_each(self, method: Callable[..., R], kwargs_per_rank: Sequence[dict[str, Any]]) -> list[R]:
+        name = _service_method_name(method)
+        for c, kwargs in zip(self._conns, kwargs_per_rank):
             send(c, (name, kwargs))
         results, failures = [], []
         for r, c in enumerate(self._conns):
@@ -213,6 +226,20 @@ class TrainerGroup:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _service_method_name(method: Callable[..., Any]) -> str:
+    owner, _, name = method.__qualname__.rpartition(".")
+    if owner != "TrainerService" or name.startswith("_"):
+        raise TypeError(f"{method.__qualname__} is not a public TrainerService method")
+    return name
+
+
+def _bind(method: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """The call's arguments by name, as the rank will receive them (`self` left out); TypeError
+    when they do not fit `method`'s signature."""
+    bound = inspect.signature(method).bind(None, *args, **kwargs)
+    return {k: v for k, v in list(bound.arguments.items())[1:]}
 
 
 def _free_port() -> int:

@@ -55,7 +55,7 @@ import random
 import shutil
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional, cast
 
 import numpy as np
 import torch
@@ -65,6 +65,9 @@ from mlrl.bridge import spec_for
 from mlrl.checkpoint.hf_export import COPY_FILES, ShardMap, ShardWriter, finalize_hf_folder, temp_dir_for
 from mlrl.checkpoint.manager import CheckpointError
 from mlrl.config.schema import PRECISION
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.module import MegatronModule
 
 log = logging.getLogger(__name__)
 
@@ -220,9 +223,11 @@ def check_loadable(policy, meta: dict[str, Any], *, load_optimizer: bool) -> Non
 def _rng_state() -> dict[str, Any]:
     from megatron.core import tensor_parallel
 
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    assert tracker is not None  # the call initializes it
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-            "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+            "tracker": tracker.get_states()}
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
@@ -233,11 +238,13 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    assert tracker is not None  # the call initializes it
+    tracker.set_states(state["tracker"])
 
 
 # ---- sharded state dict ----------------------------------------------------------------------------
-def _unwrapped(policy) -> list[torch.nn.Module]:
+def _unwrapped(policy) -> list[MegatronModule]:
     """The GPTModel chunks: keys must not depend on the DDP wrapper (a frozen policy has none)."""
     out = []
     for chunk in policy.model:
@@ -346,7 +353,7 @@ def _load_optimizer_state(optimizer, state: Any) -> None:
     restored from the param groups, before) -> KeyError('step') without Apex / TE."""
     inner = _inner_optimizers(optimizer)
     for opt, sd in zip(inner, _per_optimizer_states(state, len(inner))):
-        loader = getattr(opt, _PARAM_STATE_LOADERS.get(sd.get("param_state_sharding_type"), ""), None)
+        loader = getattr(opt, _PARAM_STATE_LOADERS.get(sd.get("param_state_sharding_type", ""), ""), None)
         if loader is None:  # a plain optimizer (or an unknown format): Megatron's own path
             opt.load_state_dict(sd)
             continue
@@ -434,7 +441,7 @@ def save_checkpoint(policy, path: str | Path, *, async_save: bool = False,
     }
     strategy = FullyParallelSaveStrategyWrapper(
         dist_checkpointing.serialization.get_default_save_sharded_strategy("torch_dist"),
-        parallel_state.get_data_parallel_group(with_context_parallel=True))
+        cast(dist.ProcessGroup, parallel_state.get_data_parallel_group(with_context_parallel=True)))
 
     def finalize() -> None:
         if policy.ranks.rank == 0:
@@ -502,6 +509,9 @@ def load_checkpoint(policy, path: str | Path, *, load_optimizer: Optional[bool] 
     if load_optimizer and not trainable:
         raise CheckpointError("load_checkpoint(load_optimizer=True) on a frozen policy (trainable=False)")
     error: Optional[CheckpointError] = None
+    meta: dict[str, Any] = {}  # set below on every rank that _agree lets through
+    contents: dict[str, Any] = {}
+    with_optimizer = False
     try:
         meta = read_meta(path)
         contents = meta["contents"]
@@ -520,7 +530,7 @@ def load_checkpoint(policy, path: str | Path, *, load_optimizer: Optional[bool] 
         sd = _state_dict(policy, sharding=sharding, optimizer=with_optimizer, rng=with_rng, is_loading=True)
         if load_optimizer and contents["scheduler"] and not with_optimizer:
             sd["scheduler"] = policy.scheduler.state_dict()
-        state = dist_checkpointing.load(sd, str(path))
+        state = cast(dict[str, Any], dist_checkpointing.load(sd, str(path)))  # strict left as is: the state only
         for key, chunk in zip(_model_keys(policy), _unwrapped(policy)):
             if _lora(policy) is None:
                 chunk.load_state_dict(state[key], strict=True)
@@ -613,6 +623,7 @@ def load_model_weights(policy, path: str | Path) -> None:
 
     path = Path(path)
     error: Optional[CheckpointError] = None
+    meta: dict[str, Any] = {}  # set below on every rank that _agree lets through
     try:
         meta = read_meta(path)
         _check_role(policy, meta)
@@ -636,7 +647,7 @@ def load_model_weights(policy, path: str | Path) -> None:
     from mlrl.trainer.rank import cpu_compat
 
     with cpu_compat.cuda_tensor_methods():
-        state = dist_checkpointing.load(sd, str(path))
+        state = cast(dict[str, Any], dist_checkpointing.load(sd, str(path)))  # strict left as is: the state only
         for key, chunk in zip(_model_keys(policy), _unwrapped(policy)):
             missing, unexpected = chunk.load_state_dict(state[key], strict=False)
             bad = [n for n in missing if not _is_adapter(n) and n not in dropped] + list(unexpected)

@@ -23,13 +23,13 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Literal, Optional, cast
 
 import torch
 import torch.distributed as dist
 
 from mlrl.checkpoint.manager import CheckpointError
-from mlrl.config.schema import PRECISION
+from mlrl.config.schema import PRECISION, Dtype
 from mlrl.trainer.rank import checkpointing as ckpt
 
 Progress = Callable[[str], None]
@@ -64,8 +64,8 @@ def conversion_config(hf_dir: str | Path, *, tp: int, pp: int, ep: int, model_dt
     cfg.cluster.trainer_devices = world  # dp = world / (tp*pp)
     # megatron-core's MoE layer refuses TP without sequence parallelism
     cfg.parallel.sequence_parallel = tp > 1 and bool(hf.get("num_experts") or hf.get("num_local_experts"))
-    cfg.model.dtype = model_dtype
-    cfg.model.bridge = bridge
+    cfg.model.dtype = cast(Dtype, model_dtype)
+    cfg.model.bridge = cast(Literal["auto", "builtin", "megatron-bridge"], bridge)
     return cfg, resolve_layout(cfg)
 
 
@@ -89,7 +89,7 @@ def _without_hf_weights() -> Iterator[None]:
 
     saved = policy_module.HFCheckpoint, LocalParams.load_hf, MBridgeParams.load_initial
     policy_module.HFCheckpoint = _ConfigOnly
-    LocalParams.load_hf = lambda self, hf_ckpt: None
+    LocalParams.load_hf = lambda self, ckpt: None
     MBridgeParams.load_initial = lambda self: None
     try:
         yield
@@ -172,30 +172,34 @@ def mcore_to_hf(path: str | Path, out: str | Path, *, tp: int, pp: int, ep: int,
     path, out = Path(path), Path(out)
     meta = ckpt.read_meta(path)
     lora = meta.get("lora")
-    if lora and base is None:
-        raise CheckpointError(f"checkpoint {path}: a LoRA checkpoint (adapters only) needs its HF base")
+    hf_dir: str | Path = path / ckpt.HF_FILES_DIR  # the HF folder the policy is built on (LoRA: the base)
+    if lora:
+        if base is None:
+            raise CheckpointError(f"checkpoint {path}: a LoRA checkpoint (adapters only) needs its HF base")
+        hf_dir = base
     saved = meta["optimizer"]["precision"]  # the model.dtype it was saved in, as the trainer's precision name
-    cfg, layout = conversion_config(base if lora else path / ckpt.HF_FILES_DIR, tp=tp, pp=pp, ep=ep,
+    cfg, layout = conversion_config(hf_dir, tp=tp, pp=pp, ep=ep,
                                     model_dtype=next(d for d, p in PRECISION.items() if p == saved), bridge=bridge)
     init_parallel(cfg.parallel, layout, seed=cfg.trainer.seed)
     t0 = time.perf_counter()
     progress("loading the Megatron checkpoint")
-    policy = lora_policy_from_checkpoint(path, base, cfg, layout, lora) if lora else \
+    policy = lora_policy_from_checkpoint(path, hf_dir, cfg, layout, lora) if lora else \
         policy_from_checkpoint(path, cfg, layout)
     t1 = time.perf_counter()
     if lora:
         progress("writing the PEFT adapter")
         ckpt.export_peft(policy, out, dtype=dtype)
-    if not lora or merged_out is not None:
+    hf_out = merged_out if lora else out  # LoRA: the merged model only when asked for
+    if hf_out is not None:
         progress("writing HF safetensors")
-        ckpt.export_hf(policy, merged_out if lora else out, max_shard_bytes=max_shard_bytes, dtype=dtype,
+        ckpt.export_hf(policy, hf_out, max_shard_bytes=max_shard_bytes, dtype=dtype,
                        files_from=path / ckpt.HF_FILES_DIR)
     t2 = time.perf_counter()
     report: dict[str, Any] = {"load_s": t1 - t0, "export_s": t2 - t1, "world": layout.trainer_devices}
     if verify:
         progress("verifying logits against transformers")
         # LoRA: peft's adapter on the transformers base; the merged folder in transformers alone
-        report["max_abs_logit_diff"] = logits_gap(policy, base, adapter=out) if lora else logits_gap(policy, out)
+        report["max_abs_logit_diff"] = logits_gap(policy, hf_dir, adapter=out) if lora else logits_gap(policy, out)
         if lora and merged_out is not None:
             report["merged_max_abs_logit_diff"] = logits_gap(policy, merged_out)
     return report

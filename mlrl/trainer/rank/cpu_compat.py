@@ -158,11 +158,15 @@ def _patch_device_literals() -> None:
     for name in _DEVICE_LITERAL_MODULES:
         mod = importlib.import_module(name)
         if getattr(mod, "torch", None) is torch:
-            mod.torch = proxy
+            mod.torch = proxy  # pyright: ignore[reportAttributeAccessIssue]  # a module's global, replaced
 
 
 class _CpuRNGStatesTracker:
     """Mixin body for megatron's CudaRNGStatesTracker that keeps CPU generator states."""
+
+    seeds_: set[int]  # CudaRNGStatesTracker's
+    states_: dict[str, torch.Tensor]
+    _is_initialized: bool
 
     def add(self, name: str, seed: int) -> None:
         self._is_initialized = True
@@ -251,7 +255,7 @@ def cuda_tensor_methods() -> Iterator[None]:
         yield
         return
     orig_type, orig_cuda = torch.Tensor.type, torch.Tensor.cuda
-    torch.Tensor.type = _cuda_type
+    torch.Tensor.type = _cuda_type  # pyright: ignore[reportAttributeAccessIssue]  # also returns type names
     torch.Tensor.cuda = _cuda_identity
     try:
         yield

@@ -40,7 +40,7 @@ Invariants:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 
@@ -50,7 +50,7 @@ from mlrl.config.validate import Layout
 from mlrl.experience.batch import MicroBatch
 from mlrl.trainer.rank.inputs import ModelInputs
 from mlrl.trainer.rank.model import build_model_chunks, params_dtype
-from mlrl.trainer.rank.policy import MegatronPolicy
+from mlrl.trainer.rank.policy import LossFn, MegatronPolicy
 
 __all__ = ["MegatronCritic", "ValueHead"]
 
@@ -67,9 +67,10 @@ class ValueHead(torch.nn.Linear):
         self.sequence_parallel = sequence_parallel
         if sequence_parallel:
             # each TP rank's gradient covers only its tokens: finalize_model_grads sums it over TP
-            self.weight.sequence_parallel = True
+            self.weight.sequence_parallel = True  # pyright: ignore[reportAttributeAccessIssue]  # read by megatron
 
-    def forward(self, hidden: torch.Tensor, weight: Optional[torch.Tensor] = None,
+    # output_layer's signature, not torch.nn.Linear's
+    def forward(self, hidden: torch.Tensor, weight: Optional[torch.Tensor] = None,  # pyright: ignore[reportIncompatibleMethodOverride]
                 runtime_gather_output: Optional[bool] = None) -> tuple[torch.Tensor, None]:
         out = torch.nn.functional.linear(hidden.float(), self.weight.float())
         if self.sequence_parallel:
@@ -95,6 +96,7 @@ class MegatronCritic(MegatronPolicy):
     # ---- construction hooks ----------------------------------------------------------------------
     def _build_chunks(self) -> list[torch.nn.Module]:
         # untied: the head must not be (a copy of) the embedding, also with PP (no embedding group reduction)
+        assert self.spec is not None  # None only on the megatron-bridge path, which builds its own chunks
         chunks = build_model_chunks(self.spec, self.arch, self.config, self.layout,
                                     overrides={"share_embeddings_and_output_weights": False})
         for chunk in chunks:
@@ -125,9 +127,10 @@ class MegatronCritic(MegatronPolicy):
         (mlrl.algorithms.value.make_value_loss_fn). Returns, identical on every rank, loss and
         the loss metrics summed over micro-batches and DP ranks, grad_norm, lr, tokens,
         loss_tokens, num_micro_batches, skipped, time_s (as MegatronPolicy.train_step)."""
-        return super().train_step(micro_batches, value_loss_fn, step=step)
+        # called as value_loss_fn(mb, values): one per-token output (TOKEN_VALUES = 1)
+        return super().train_step(micro_batches, cast(LossFn, value_loss_fn), step=step)
 
-    def compute_logprobs(self, micro_batches, temperature):  # not a distribution
+    def compute_logprobs(self, micro_batches, temperature, *, router="default"):  # not a distribution
         raise TypeError("MegatronCritic has no token distribution: use compute_values")
 
     def compute_logits(self, micro_batches):

@@ -145,8 +145,9 @@ def build_inputs(mb: MicroBatch, device: torch.device, *, tp: int = 1, sequence_
     )
     if mb.prefix_segment is not None:
         prefix = mb.prefix_segment.tolist()
-        psp.mlrl_prefix_segment = prefix + [-1] * (len(bounds) - 1 - len(prefix))  # (+ the padding segment)
-        cu.mlrl_positions = pos
+        # (+ the padding segment)
+        psp.mlrl_prefix_segment = prefix + [-1] * (len(bounds) - 1 - len(prefix))  # pyright: ignore[reportAttributeAccessIssue]
+        cu.mlrl_positions = pos  # pyright: ignore[reportAttributeAccessIssue]
     return ModelInputs(tokens.unsqueeze(0), pos.unsqueeze(0), psp, labels, label_mask, S)
 
 
@@ -164,7 +165,7 @@ def cp_padded_lengths(lens: list[int], cp: int, multiple: int = 1) -> list[int]:
 
 def _cp_inputs(tokens, pos, labels, label_mask, bounds, S, device, cp, cp_rank, multiple) -> ModelInputs:
     """GPU only: pad every segment to a multiple of 2*cp and keep this CP rank's THD slice."""
-    import transformer_engine_torch as tex
+    import transformer_engine_torch as tex  # pyright: ignore[reportMissingImports]  # GPU-only, not in the CPU env
     from megatron.core.packed_seq_params import PackedSeqParams
 
     lens = [b - a for a, b in zip(bounds, bounds[1:])]

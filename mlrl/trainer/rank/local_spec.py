@@ -209,7 +209,7 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
         if config.normalization != "RMSNorm":
             raise ValueError(f"SequenceParallelRMSNorm: normalization={config.normalization!r}")
         super().__init__(hidden_size, eps=eps)
-        self.weight.sequence_parallel = config.sequence_parallel
+        self.weight.sequence_parallel = config.sequence_parallel  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def _replace(obj: Any, old: type, new: type) -> Any:
@@ -231,14 +231,16 @@ def local_block_spec(config, vp_stage: Optional[int], pp_rank: int):
 
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
                                        vp_stage=vp_stage, pp_rank=pp_rank)
+    assert block.layer_specs is not None  # always set by get_gpt_decoder_block_spec
     layer_specs = []
     for spec in block.layer_specs:
         spec = copy.deepcopy(spec)
-        spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+        # the spec tree's submodules are typed `object` in megatron-core
+        spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention  # pyright: ignore[reportAttributeAccessIssue]
         if config.sequence_parallel:
             spec = _replace(spec, WrappedTorchNorm, SequenceParallelRMSNorm)
         layer_specs.append(spec)
     block.layer_specs = layer_specs
     if config.sequence_parallel and block.layer_norm is WrappedTorchNorm:
-        block.layer_norm = SequenceParallelRMSNorm
+        block.layer_norm = SequenceParallelRMSNorm  # pyright: ignore[reportAttributeAccessIssue]  # a class builds too
     return block

@@ -25,7 +25,6 @@ import torch
 
 try:
     import triton
-    import triton.language as tl
 except ImportError:  # pragma: no cover - CPU images without triton use the torch path
     triton = None
 
@@ -44,6 +43,7 @@ def available(logits: torch.Tensor) -> bool:
 
 
 if triton is not None:
+    import triton.language as tl  # loaded by `import triton` already
 
     @triton.jit
     def _row_stats_kernel(x_ptr, stride, labels_ptr, m_ptr, s_ptr, w_ptr, tgt_ptr, valid, lo, inv_t,
@@ -96,7 +96,8 @@ def row_stats(logits: torch.Tensor, labels: torch.Tensor, *, lo: int, valid: int
     S = logits.shape[0]
     out = [torch.empty(S, dtype=torch.float32, device=logits.device) for _ in range(4)]
     if S:
-        _row_stats_kernel[(S,)](logits, logits.stride(0), labels, *out, valid, lo, 1.0 / t, BLOCK=BLOCK)
+        _row_stats_kernel[(S,)](logits, logits.stride(0), labels, out[0], out[1], out[2], out[3], valid, lo, 1.0 / t,
+                                BLOCK=BLOCK)  # pyright: ignore[reportArgumentType]  # an int for a tl.constexpr
     return out[0], out[1], out[2], out[3]
 
 
@@ -108,7 +109,9 @@ def grad(logits: torch.Tensor, labels: torch.Tensor, log_z: torch.Tensor, shift:
     assert out.stride() == logits.stride()
     S = logits.shape[0]
     if S and valid:
+        assert triton is not None, "grad needs Triton (see available)"
         grid = (S, triton.cdiv(valid, BLOCK))
         _grad_kernel[grid](logits, out, logits.stride(0), labels, log_z.contiguous(), shift.contiguous(),
-                           g_lp.contiguous(), g_ent.contiguous(), valid, lo, 1.0 / t, BLOCK=BLOCK)
+                           g_lp.contiguous(), g_ent.contiguous(), valid, lo, 1.0 / t,
+                           BLOCK=BLOCK)  # pyright: ignore[reportArgumentType]  # an int for a tl.constexpr
     return out

@@ -119,7 +119,8 @@ class _LogprobEntropy(torch.autograd.Function):
         return logprob, entropy
 
     @staticmethod
-    def backward(ctx: Any, g_lp: torch.Tensor, g_ent: torch.Tensor) -> tuple[Any, ...]:
+    def backward(  # pyright: ignore[reportIncompatibleMethodOverride]  # one gradient per output of forward
+            ctx: Any, g_lp: torch.Tensor, g_ent: torch.Tensor) -> tuple[Any, ...]:
         logits, labels, log_z, entropy = ctx.saved_tensors
         t, lo, valid = ctx.t, ctx.lo, ctx.valid
         if not valid:

@@ -34,12 +34,15 @@ import contextlib
 import math
 import zlib
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Mapping, Optional, cast
 
 import torch
 import torch.nn.functional as F
 
 from mlrl.config.schema import LoRAConfig
+
+if TYPE_CHECKING:
+    from mlrl.bridge.sharding import TPRule
 
 # peft module -> (Megatron parent attribute, linear attribute); slices of a fused linear in order
 _LAYER = {
@@ -70,7 +73,7 @@ class AdapterSpec:
     def base_hf_name(self) -> str:
         return f"model.layers.{self.layer}.{HF_PARENT[self.parent]}.{self.module}.weight"
 
-    def tp_rule(self, which: str) -> str:
+    def tp_rule(self, which: str) -> TPRule:
         """The bridge TP rule of tensor `which` ("A" / "B"): column B split on dim 0, row A on dim 1."""
         if self.row:
             return "row" if which == "A" else "replicated"
@@ -98,13 +101,19 @@ class LoRABranch(torch.nn.Module):
         self.out_sizes = out_sizes    # local output size of every slice of the fused linear
         self.enabled = True
 
+    def typed_adapters(self) -> Mapping[str, _Adapter]:
+        """`adapters` (a ModuleDict of _Adapter: its stubs type the values as Module)."""
+        return cast("Mapping[str, _Adapter]", self.adapters)
+
     def _dropped(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.training and self.dropout > 0):
             return x
         if self.row or self.sp:  # x differs over TP ranks: Megatron's model-parallel RNG
             from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-            with get_cuda_rng_tracker().fork():
+            tracker = get_cuda_rng_tracker()
+            assert tracker is not None  # the getter initialises it
+            with tracker.fork():
                 return F.dropout(x, self.dropout, True)
         return F.dropout(x, self.dropout, True)  # x replicated over TP: the same mask on every rank
 
@@ -112,23 +121,25 @@ class LoRABranch(torch.nn.Module):
         from megatron.core.tensor_parallel import mappings as tpm
 
         x = self._dropped(x)
+        adapters = self.typed_adapters()
         if self.row:
-            (ad,) = self.adapters.values()
+            (ad,) = adapters.values()
             h = F.linear(x, ad.lora_A)
             h = tpm.reduce_scatter_to_sequence_parallel_region(h) if self.sp else \
                 tpm.reduce_from_tensor_model_parallel_region(h)
             return F.linear(h, ad.lora_B) * self.scaling
-        names = list(self.adapters)
-        a = torch.cat([self.adapters[n].lora_A for n in names]) if len(names) > 1 else self.adapters[names[0]].lora_A
+        names = list(adapters)
+        a = torch.cat([adapters[n].lora_A for n in names]) if len(names) > 1 else adapters[names[0]].lora_A
         h = F.linear(x, a)  # one GEMM and one collective for every slice
         h = tpm.gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True) if self.sp else \
             tpm.copy_to_tensor_model_parallel_region(h)
-        r = self.adapters[names[0]].lora_A.shape[0]
-        ys = {n: F.linear(h[..., i * r:(i + 1) * r], self.adapters[n].lora_B) * self.scaling
+        r = adapters[names[0]].lora_A.shape[0]
+        ys = {n: F.linear(h[..., i * r:(i + 1) * r], adapters[n].lora_B) * self.scaling
               for i, n in enumerate(names)}
         lead = h.shape[:-1]
         parts = [ys[n] if n in ys else h.new_zeros((*lead, self.out_sizes[n])) for n in _SLICES[self.linear]]
         if self.linear == "linear_qkv":
+            assert self.qkv_groups is not None  # set for linear_qkv
             g, qpg, hd = self.qkv_groups
             q, k, v = parts
             return torch.cat([q.reshape(*lead, g, qpg * hd), k.reshape(*lead, g, hd), v.reshape(*lead, g, hd)],
@@ -164,7 +175,7 @@ def _init_a(cfg: LoRAConfig, seed: int, layer: int, module: str, in_features: in
 
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     while hasattr(chunk, "module"):
-        chunk = chunk.module
+        chunk = cast(torch.nn.Module, chunk.module)
     return chunk
 
 
@@ -191,7 +202,8 @@ class LoRA:
         ins = {"o_proj": heads * hd, "down_proj": config.ffn_hidden_size}
         branches: list[LoRABranch] = []
         for chunk in chunks:
-            for layer in _unwrap(chunk).decoder.layers:
+            # Module.__getattr__ types the GPTModel's decoder as Tensor | Module
+            for layer in _unwrap(chunk).decoder.layers:  # pyright: ignore[reportAttributeAccessIssue, reportGeneralTypeIssues]
                 L = layer.layer_number - 1
                 for linear, slices in _SLICES.items():
                     wanted = [m for m in slices if m in targets]
@@ -214,8 +226,8 @@ class LoRA:
                         ad = _Adapter(spec, a.to(device=ref.device, dtype=config.params_dtype).contiguous(), b_shape)
                         split = ad.lora_A if row else ad.lora_B
                         set_tensor_model_parallel_attributes(split, True, 1 if row else 0, 1)
-                        if config.sequence_parallel:
-                            (ad.lora_B if row else ad.lora_A).sequence_parallel = True
+                        if config.sequence_parallel:  # megatron's attribute (finalize_model_grads)
+                            (ad.lora_B if row else ad.lora_A).sequence_parallel = True  # pyright: ignore[reportAttributeAccessIssue]
                         adapters[m] = ad
                     branch = LoRABranch(
                         linear, adapters, scaling=cfg.scaling, dropout=cfg.dropout,
@@ -231,7 +243,7 @@ class LoRA:
 
     def adapters(self) -> Iterator[_Adapter]:
         for b in self.branches:
-            yield from b.adapters.values()
+            yield from b.typed_adapters().values()
 
     def full_adapters(self, ranks) -> Iterator[tuple[AdapterSpec, torch.Tensor, torch.Tensor]]:
         """Collective over TP: (spec, full A, full B) of every adapter of this rank's stage, yielded

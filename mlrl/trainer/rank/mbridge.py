@@ -75,7 +75,7 @@ class MBridge:
         """`fields`: mlrl's layout / precision / loss-accounting TransformerConfig fields
         (mlrl.trainer.rank.model.layout_fields), set on the provider over its own defaults so
         the schedules, DDP and the loss contract see what the built-in path gives them."""
-        from megatron.bridge import AutoBridge  # the GPU environment's `bridge` extra
+        from megatron.bridge import AutoBridge  # pyright: ignore[reportMissingImports]  # the GPU env's `bridge` extra
 
         self.hf_dir = Path(hf_dir)
         self.auto = AutoBridge.from_hf_pretrained(str(self.hf_dir), torch_dtype=fields["params_dtype"])
@@ -125,6 +125,6 @@ class MBridgeParams:
 
 def supported_architectures() -> list[str]:
     """The HF architectures megatron-bridge converts (tools/convert_checkpoint.py --list)."""
-    from megatron.bridge import AutoBridge
+    from megatron.bridge import AutoBridge  # pyright: ignore[reportMissingImports]  # the GPU env's `bridge` extra
 
     return sorted(AutoBridge.list_supported_models())

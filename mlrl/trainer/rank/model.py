@@ -13,7 +13,7 @@ config validation has already rejected them, and `build_transformer_config` re-c
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -136,8 +136,9 @@ def _apply_llama3_scaling(model: torch.nn.Module, spec: ArchSpec, arch: ModelArc
         return
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-    rot = model.rotary_pos_emb
-    plain = RotaryEmbedding(kv_channels=arch.head_dim, rotary_percent=1.0, rotary_base=arch.rope_theta,
+    rot = cast(RotaryEmbedding, model.rotary_pos_emb)
+    plain = RotaryEmbedding(kv_channels=arch.head_dim, rotary_percent=1.0,
+                            rotary_base=arch.rope_theta,  # pyright: ignore[reportArgumentType]  # a float works (typed int)
                             use_cpu_initialization=True).inv_freq
     rot.inv_freq = rot._apply_scaling(plain.to(rot.inv_freq.device), **args)
     rot.forward.cache_clear()  # forward is lru_cached on the sequence length
@@ -162,10 +163,12 @@ def _te_block_spec(config, vp_stage, pp_rank, *, unfused_norms: bool = False):
 
     from mlrl.trainer.rank.local_spec import _replace
 
+    assert block.layer_specs is not None  # always set by get_gpt_decoder_block_spec
     layer_specs = []
     for spec in block.layer_specs:
-        fused = spec.submodules.self_attention.submodules.linear_qkv is TELayerNormColumnParallelLinear
-        mlp = getattr(spec.submodules.mlp, "submodules", None)
+        # the spec tree's submodules are typed `object` in megatron-core
+        fused = spec.submodules.self_attention.submodules.linear_qkv is TELayerNormColumnParallelLinear  # pyright: ignore[reportAttributeAccessIssue]
+        mlp = getattr(spec.submodules.mlp, "submodules", None)  # pyright: ignore[reportAttributeAccessIssue]
         fused_mlp = getattr(mlp, "linear_fc1", None) is TELayerNormColumnParallelLinear
         spec = _replace(spec, TELayerNormColumnParallelLinear, TEColumnParallelLinear)
         changes = {}
@@ -204,8 +207,9 @@ def build_model_chunks(spec: ArchSpec, arch: ModelArch, config, layout: Layout, 
         first = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
         last = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
         with cpu_compat.cuda_tensor_methods():  # tied embeddings with PP call weight.data.cuda()
-            model = GPTModel(config=config, transformer_layer_spec=block, pre_process=first, post_process=last,
-                             parallel_output=True, vp_stage=vp_stage, **kwargs)
+            # a TransformerBlockSubmodules is accepted (typed as ModuleSpec)
+            model = GPTModel(config=config, transformer_layer_spec=block,  # pyright: ignore[reportArgumentType]
+                             pre_process=first, post_process=last, parallel_output=True, vp_stage=vp_stage, **kwargs)
         _apply_llama3_scaling(model, spec, arch)
         if use_te():
             model.cuda(torch.cuda.current_device())

@@ -65,7 +65,7 @@ def _allocated(devices: set[torch.device]) -> int:
 
 
 def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),))
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))
 
 
 def _storages(tensors: Iterable[torch.Tensor | None]) -> Iterator[torch.UntypedStorage]:

@@ -20,11 +20,11 @@ concatenating an empty pass-through part, leaving the 5 that rotate.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 
-_ORIGINAL = None
+_ORIGINAL: Optional[Callable[..., torch.Tensor]] = None  # megatron's, once installed
 
 
 def _positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -49,6 +49,7 @@ def apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, rotary_interleaved: bool = Fa
         if shared:
             raise ValueError("RoPE of a shared-prefix row (trainer.shared_prefix_packing) needs cp=1 and segments "
                              "covering the row")
+        assert _ORIGINAL is not None, "packed_rope.install() first"
         return _ORIGINAL(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
                          multi_latent_attention=multi_latent_attention, mscale=mscale, cp_group=cp_group)
     if multi_latent_attention:

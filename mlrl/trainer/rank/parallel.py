@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -118,7 +118,9 @@ def ranks() -> Ranks:
         dp=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
         cp=ps.get_context_parallel_rank(), cp_size=ps.get_context_parallel_world_size(),
         ep=ps.get_expert_model_parallel_rank(), ep_size=ps.get_expert_model_parallel_world_size(),
-        etp=ps.get_expert_tensor_parallel_rank(), etp_size=ps.get_expert_tensor_parallel_world_size(),
+        # megatron falls back to its TP values, None only before initialize_model_parallel
+        etp=cast(int, ps.get_expert_tensor_parallel_rank()),
+        etp_size=cast(int, ps.get_expert_tensor_parallel_world_size()),
         edp=ps.get_expert_data_parallel_rank(),
     )
 

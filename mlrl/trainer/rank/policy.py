@@ -38,7 +38,7 @@ import json
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,12 @@ from mlrl.trainer.rank.model import build_model_chunks, build_transformer_config
 from mlrl.trainer.rank.parallel import Ranks, device, init_parallel, ranks
 from mlrl.trainer.rank.weights import LocalParams
 from mlrl.weight_sync.sender import bucketize
+
+if TYPE_CHECKING:
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.transformer.module import MegatronModule
+
+    from mlrl.trainer.rank.router_replay import Mode
 
 LossFn = Callable[[MicroBatch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
 
@@ -113,7 +119,8 @@ class MegatronPolicy:
 
             self.config.moe_enable_routing_replay = True
             self.routing = RouterControl()
-        self.router_mode = None  # "replay": forwards use MicroBatch.routed_experts (algorithm.router_replay)
+        # "replay": forwards use MicroBatch.routed_experts (algorithm.router_replay)
+        self.router_mode: Optional[Mode] = None
         chunks = self._build_chunks()
         self.params = self._local_params(chunks)
         self.params.load_hf(ckpt)
@@ -135,7 +142,7 @@ class MegatronPolicy:
         if cpu_compat.needed():
             raise RuntimeError("model.bridge=megatron-bridge needs CUDA and Transformer Engine")
         self.spec, self.arch = None, generic_arch(self.hf_config)
-        self.ranks: Ranks = ranks()
+        self.ranks = ranks()
         self.device = device()
         self.mbridge = MBridge(self.hf_dir, layout_fields(self.arch, model_cfg, parallel, trainer_cfg, layout))
         self.config = self.mbridge.config
@@ -149,24 +156,26 @@ class MegatronPolicy:
         """DDP + optimizer (trainable) or a frozen eval model: the same on both bridge paths."""
         self.optimizer = self.scheduler = None
         if self.trainable:
-            self.model = self._wrap_ddp(chunks)
+            self.model: list[MegatronModule] = self._wrap_ddp(chunks)  # GPTModel chunks, DDP-wrapped
             self._build_optimizer()
         else:
             for c in chunks:
                 c.requires_grad_(False)
                 c.eval()
-            self.model = chunks
+            self.model = cast("list[MegatronModule]", chunks)
         self.optimizer_steps = 0
 
     # ---- construction ----------------------------------------------------------------------------
     def _build_chunks(self) -> list[torch.nn.Module]:
         """This rank's GPTModel chunks, before DDP (hook: the critic swaps in its value head)."""
+        assert self.spec is not None  # None only on the megatron-bridge path, which builds its own chunks
         return build_model_chunks(self.spec, self.arch, self.config, self.layout,
                                   unfused_norms=self.LORA and self.model_cfg.lora is not None)
 
     def _local_params(self, chunks: list[torch.nn.Module]) -> LocalParams:
         """The parameters that load from / export to the HF checkpoint (without the output layer
         when it is not the HF lm_head: `LM_HEAD`)."""
+        assert self.spec is not None  # None only on the megatron-bridge path (MBridgeParams)
         return LocalParams(chunks, self.spec, self.arch, self.ranks,
                            vpp=self.config.virtual_pipeline_model_parallel_size,
                            pp_split=self.parallel.pp_layer_split, lm_head=self.LM_HEAD)
@@ -177,7 +186,7 @@ class MegatronPolicy:
         return dict(lr=t.lr, min_lr=t.min_lr, lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps,
                     weight_decay=t.weight_decay, grad_clip=t.grad_clip)
 
-    def _wrap_ddp(self, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    def _wrap_ddp(self, chunks: list[torch.nn.Module]) -> list[MegatronModule]:
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
@@ -195,8 +204,9 @@ class MegatronPolicy:
             return finalize_model_grads(model_chunks, None, *args, **kwargs)
 
         self.config.finalize_model_grads_func = finalize
-        self.config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
-        return model
+        # one no_sync per chunk with VPP: megatron's schedules accept a list (the field is typed as one callable)
+        self.config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync  # pyright: ignore[reportAttributeAccessIssue]
+        return cast("list[MegatronModule]", model)
 
     def _build_optimizer(self) -> None:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -290,7 +300,7 @@ class MegatronPolicy:
         return get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iters,
-            model=self.model if len(self.model) > 1 else self.model[0],
+            model=cast("list[torch.nn.Module]", self.model) if len(self.model) > 1 else self.model[0],
             num_microbatches=len(items),
             seq_length=max(i.tokens.shape[1] for i in inputs),
             micro_batch_size=1,
@@ -298,16 +308,18 @@ class MegatronPolicy:
         )
 
     def compute_logprobs(
-        self, micro_batches: list[MicroBatch], temperature: float, *, router: Optional[str] = "default"
+        self, micro_batches: list[MicroBatch], temperature: float, *,
+        router: Optional[Mode | Literal["default"]] = "default"
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(logprobs [S], entropy [S]) per micro-batch (token-aligned, first token of each sample
         and padding 0), on every rank of this DP rank's model-parallel group. `router` (MoE):
         "default" = `self.router_mode`; "replay" / None; "record" = the trainer's own routing,
         compared with the engine's (`router_agreement_counts`)."""
         with self._routing(router):
-            return self._forward_token_values(micro_batches, temperature)
+            values = self._forward_token_values(micro_batches, temperature)
+        return cast("list[tuple[torch.Tensor, torch.Tensor]]", values)  # TOKEN_VALUES = 2: (logprob, entropy)
 
-    def _routing(self, router: Optional[str]):
+    def _routing(self, router: Optional[Mode | Literal["default"]]):
         mode = self.router_mode if router == "default" else router
         if self.routing is None:
             if mode is not None:
@@ -376,9 +388,7 @@ class MegatronPolicy:
             if self.ranks.pp_size > 1:
                 from megatron.core import parallel_state as ps
 
-                dist.broadcast(
-                    t, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
-                )
+                dist.broadcast(t, src=ps.get_pipeline_model_parallel_last_rank(), group=_pp_group())
             out.append(t.cpu())
         return out
 
@@ -393,9 +403,7 @@ class MegatronPolicy:
         else:
             flat = torch.empty(k * sum(lengths), dtype=torch.float32, device=self.device)
         if r.pp_size > 1:
-            dist.broadcast(
-                flat, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
-            )
+            dist.broadcast(flat, src=ps.get_pipeline_model_parallel_last_rank(), group=_pp_group())
         flat = flat.cpu()  # one device->host copy (and sync) for the whole call, not one per value
         out, off = [], 0
         for n in lengths:
@@ -414,13 +422,13 @@ class MegatronPolicy:
         `iter_hf_buckets(grads=True)`); the LR schedule does not advance then."""
         from megatron.core import parallel_state as ps
 
-        if self.optimizer is None:
+        if self.optimizer is None or self.scheduler is None:  # both built together
             raise RuntimeError("train_step on a frozen policy (trainable=False)")
         t0 = time.perf_counter()
         inputs = self._inputs(micro_batches)
         for m in self.model:
             m.train()
-            m.zero_grad_buffer()
+            cast("DistributedDataParallel", m).zero_grad_buffer()  # trainable: DDP-wrapped
         self.optimizer.zero_grad()
         if step:
             self.scheduler.step(1)
@@ -440,7 +448,8 @@ class MegatronPolicy:
         ok, grad_norm = True, None
         if step:
             with cpu_compat.cuda_tensor_methods():
-                ok, grad_norm, _ = self.optimizer.step()
+                # MegatronOptimizer.step is an abstract `pass`; every optimizer returns (ok, grad norm, zeros)
+                ok, grad_norm, _ = cast("tuple[bool, Optional[float], Optional[int]]", self.optimizer.step())
             self.optimizer_steps += 1
         t_done = time.perf_counter()
 
@@ -456,9 +465,7 @@ class MegatronPolicy:
         if self.ranks.pp_size > 1:
             if not self.ranks.is_last_stage:
                 sums = torch.zeros(len(keys) + 2, dtype=torch.float64, device=self.device)
-            dist.broadcast(
-                sums, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
-            )
+            dist.broadcast(sums, src=ps.get_pipeline_model_parallel_last_rank(), group=_pp_group())
         metrics = {k: float(v) for k, v in zip(keys, sums[: len(keys)].tolist())}
         metrics.update(
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
@@ -474,9 +481,7 @@ class MegatronPolicy:
         from megatron.core import parallel_state as ps
 
         obj = [keys]
-        dist.broadcast_object_list(
-            obj, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
-        )
+        dist.broadcast_object_list(obj, src=ps.get_pipeline_model_parallel_last_rank(), group=_pp_group())
         return obj[0]
 
     # ---- export / checkpoint hooks -----------------------------------------------------------------
@@ -514,9 +519,9 @@ class MegatronPolicy:
         local = {n: t.detach().cpu().clone() for n, t in self.iter_adapters()}
         if self.ranks.world == 1:
             return local
-        parts: list[Any] = [None] * self.ranks.world if self.ranks.rank == 0 else None
+        parts: Optional[list[Any]] = [None] * self.ranks.world if self.ranks.rank == 0 else None
         dist.gather_object(local, parts, dst=0)
-        if self.ranks.rank != 0:
+        if parts is None:  # not rank 0
             return None
         return {n: t for part in parts for n, t in part.items()}
 
@@ -534,7 +539,7 @@ class MegatronPolicy:
             sd: dict[str, Any] = {"model": self.model[0].sharded_state_dict()}
         else:
             sd = {f"model{i}": m.sharded_state_dict() for i, m in enumerate(self.model)}
-        if self.optimizer is not None:
+        if self.optimizer is not None and self.scheduler is not None:  # both built together (trainable)
             # dp_reshardable: the layout that loads back under another DP size and works with
             # gloo (the default fully_sharded_model_space needs flattened_range support)
             meta = {"distrib_optim_sharding_type": "dp_reshardable", **(metadata or {})}
@@ -546,7 +551,7 @@ class MegatronPolicy:
 def _cp_gather_nograd(x: torch.Tensor) -> torch.Tensor:
     from megatron.core import parallel_state as ps
 
-    group = ps.get_context_parallel_group()
+    group = cast("dist.ProcessGroup", ps.get_context_parallel_group())  # unannotated getter
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts)
@@ -564,8 +569,16 @@ class _CPGatherFn(torch.autograd.Function):
         return _cp_gather_nograd(x)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad):  # pyright: ignore[reportIncompatibleMethodOverride]  # torch's is (ctx, *grad_outputs)
         return grad[ctx.rank * ctx.n:(ctx.rank + 1) * ctx.n]
+
+
+def _pp_group() -> dist.ProcessGroup:
+    """Megatron's pipeline-parallel group (its getter is unannotated; a list only for ranks in
+    several PP groups, which mlrl's layouts never make)."""
+    from megatron.core import parallel_state as ps
+
+    return cast("dist.ProcessGroup", ps.get_pipeline_model_parallel_group())
 
 
 def _cp_gather(x: torch.Tensor) -> torch.Tensor:

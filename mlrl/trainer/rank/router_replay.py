@@ -21,23 +21,27 @@ Without replay the trainer's own choices can be recorded and compared with the e
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Literal, Optional
+from typing import TYPE_CHECKING, Iterator, Literal, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.moe.router_replay import RouterReplay
 
 Mode = Literal["replay", "record"]
 
 
-def moe_routers(chunk: torch.nn.Module) -> list[tuple[int, object]]:
+def moe_routers(chunk: torch.nn.Module) -> list[tuple[int, RouterReplay]]:
     """(global layer index, RouterReplay) of every MoE router of a model chunk, in layer order."""
     from megatron.core.transformer.moe.router import TopKRouter
 
-    out = []
+    out: list[tuple[int, RouterReplay]] = []
     for m in chunk.modules():
-        if isinstance(m, TopKRouter) and getattr(m, "router_replay", None) is not None:
+        rr = getattr(m, "router_replay", None) if isinstance(m, TopKRouter) else None
+        if isinstance(m, TopKRouter) and rr is not None:
             if m.layer_number is None:
                 raise RuntimeError("router replay: a MoE router without its layer_number")
-            out.append((int(m.layer_number) - 1, m.router_replay))
+            out.append((int(m.layer_number) - 1, rr))
     return sorted(out, key=lambda x: x[0])
 
 

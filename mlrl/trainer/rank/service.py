@@ -14,23 +14,37 @@ import argparse
 import os
 import sys
 import traceback
+from dataclasses import dataclass
 from multiprocessing.connection import Client
-from typing import Any
+from typing import Any, cast
 
+import torch
 import torch.distributed as dist
 
 from mlrl.algorithms.loss_metrics import finalize_loss_metrics
 from mlrl.algorithms.losses import make_loss_fn
-from mlrl.config import config_from_yaml, validate
+from mlrl.config import Config, config_from_yaml, validate
+from mlrl.experience.batch import MicroBatch
+from mlrl.interfaces import ResumeInfo
 from mlrl.trainer.rpc import TOKEN_ENV, no_delay, recv, send
 
 ADAPTER_DIR = "adapter"  # the PEFT folder inside a LoRA run's HF export
 
 
+@dataclass
+class RankRouterDiagnostics:
+    """One rank's part of `mlrl.interfaces.RouterDiagnostics` (its DP rank's micro-batches)."""
+
+    replay: list[torch.Tensor]
+    own: list[torch.Tensor]
+    matches: int
+    compared: int
+
+
 class TrainerService:
     """What one rank can do: built once, then called step after step."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: Config):
         from mlrl.modelzoo import resolve_model_dir
         from mlrl.trainer.rank.policy import MegatronPolicy, init_parallel
 
@@ -62,41 +76,46 @@ class TrainerService:
             from mlrl.algorithms.value import make_value_loss_fn
             from mlrl.trainer.rank.critic import MegatronCritic
 
-            critic_dir = resolve_model_dir(cfg.critic.hf_dir) if cfg.critic.hf_dir else hf_dir
+            critic_cfg = cfg.critic
+            assert critic_cfg is not None  # uses_critic implies a critic section
+            critic_dir = resolve_model_dir(critic_cfg.hf_dir) if critic_cfg.hf_dir else hf_dir
             self.critic = MegatronCritic(
-                cfg.model, cfg.critic, cfg.parallel, cfg.trainer, self.layout, hf_dir=critic_dir
+                cfg.model, critic_cfg, cfg.parallel, cfg.trainer, self.layout, hf_dir=critic_dir
             )
-            self.value_loss_fn = make_value_loss_fn(cfg.critic.value_clip)
+            self.value_loss_fn = make_value_loss_fn(critic_cfg.value_clip)
 
     def info(self) -> dict[str, Any]:
         return self.policy.rank_info()
 
-    def compute_logprobs(self, micro_batches, temperature: float, reference: bool = False):
+    def compute_logprobs(self, micro_batches: list[MicroBatch], temperature: float,
+                         reference: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if reference and self.policy.lora is not None:
             with self.policy.lora.disabled():
                 return self.policy.compute_logprobs(micro_batches, temperature)
         model = self.ref if reference else self.policy
+        if model is None:
+            raise RuntimeError("reference logprobs asked of a trainer without a reference model (algorithm.kl_coef=0)")
         return model.compute_logprobs(micro_batches, temperature)
 
-    def router_diagnostics(self, micro_batches, temperature: float) -> dict[str, Any]:
+    def router_diagnostics(self, micro_batches: list[MicroBatch], temperature: float) -> RankRouterDiagnostics:
         """MoE router replay, on the current weights: logprobs with the engine's routes replayed
         and with the trainer's own routing, and how often the trainer's own top-k sets equal the
         engine's (token x MoE layer)."""
         replay = self.policy.compute_logprobs(micro_batches, temperature, router="replay")
         own = self.policy.compute_logprobs(micro_batches, temperature, router="record")
         matches, compared = self.policy.router_agreement_counts()
-        return {"replay": [lp for lp, _ in replay], "own": [lp for lp, _ in own],
-                "matches": matches, "compared": compared}
+        return RankRouterDiagnostics(replay=[lp for lp, _ in replay], own=[lp for lp, _ in own],
+                                     matches=matches, compared=compared)
 
-    def train_step(self, micro_batches):
+    def train_step(self, micro_batches: list[MicroBatch]) -> dict[str, float]:
         temperature = self.cfg.rollout.sampling.temperature or 1.0
         sums = self.policy.train_step(micro_batches, self.loss_fn, temperature=temperature)
         return finalize_loss_metrics(sums)  # step sums -> means (token / sequence counts) per loss_metrics
 
-    def compute_values(self, micro_batches):
+    def compute_values(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
         return self._critic().compute_values(micro_batches)
 
-    def train_critic(self, micro_batches):
+    def train_critic(self, micro_batches: list[MicroBatch]) -> dict[str, float]:
         return finalize_loss_metrics(self._critic().train_step(micro_batches, self.value_loss_fn))
 
     def _critic(self):
@@ -151,10 +170,10 @@ class TrainerService:
 
         return finalize_async_saves(blocking=blocking)
 
-    def load_checkpoint(self, path: str, critic_path: str | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, path: str, critic_path: str | None = None) -> ResumeInfo:
         from mlrl.trainer.rank.checkpointing import load_checkpoint
 
-        out = load_checkpoint(self.policy, path)  # the reference policy stays the initial model
+        out = cast(ResumeInfo, load_checkpoint(self.policy, path))  # the reference stays the initial model
         if critic_path is not None:
             load_checkpoint(self._critic(), critic_path)
         return out

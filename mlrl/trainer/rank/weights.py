@@ -21,7 +21,7 @@ alias parameters: consume them before the next optimizer step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -52,7 +52,7 @@ class LocalParam:
 
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     while hasattr(chunk, "module"):
-        chunk = chunk.module
+        chunk = cast(torch.nn.Module, chunk.module)
     return chunk
 
 
@@ -75,7 +75,8 @@ class LocalParams:
         all_layers: set[int] = set()
         for c, chunk in enumerate(chunks):
             model = _unwrap(chunk)
-            layers = [layer.layer_number - 1 for layer in model.decoder.layers]
+            # Module.__getattr__ types the GPTModel's decoder as Tensor | Module
+            layers = [layer.layer_number - 1 for layer in model.decoder.layers]  # pyright: ignore[reportAttributeAccessIssue, reportGeneralTypeIssues]
             expected = stage_layers(
                 arch.num_layers, ranks.pp_size, ranks.pp, vpp=vpp, vp_stage=c if vpp else None, split=pp_split
             )
@@ -157,7 +158,8 @@ class LocalParams:
         r = self.ranks
         n_local = self.arch.num_experts // r.ep_size if self.arch.is_moe else 0
         for it in self.items:
-            p, local = it.spec, (it.param.main_grad if grads else it.param).detach()
+            # main_grad: set by megatron's DDP on every parameter
+            p, local = it.spec, (it.param.main_grad if grads else it.param).detach()  # pyright: ignore[reportAttributeAccessIssue]
             if p.is_expert:
                 if r.edp != 0:
                     continue
@@ -169,6 +171,7 @@ class LocalParams:
                     parts = [full]
                 if not r.is_stage_sender:
                     continue
+                assert p.expert is not None  # p.is_expert
                 j = p.expert - r.ep * n_local
                 for src, t in enumerate(parts):
                     e = src * n_local + j

@@ -80,9 +80,10 @@ class InteractionLog:
             t.reward = float(reward)
 
     def set_last_reward(self, reward: float) -> None:
-        if not self._items:
+        last = self.last
+        if last is None:
             raise ValueError("set_last_reward: the agent made no model call in this episode")
-        self.last.reward = float(reward)
+        last.reward = float(reward)
 
     def apply_reward_discount(self, turn_discount: float = 1.0) -> None:
         """r_i <- r_i + turn_discount * r_{i+1}, in reverse creation order (once per session)."""

@@ -85,7 +85,8 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
         finally:
             self.proxy.end_session(session.id)
         log = session.log
-        if len(log) == 0:
+        last = log.last
+        if last is None:
             return EpisodeOutput(status=EpisodeStatus.REJECTED, info={"reason": "the agent made no model call"})
         if isinstance(result, bool) or isinstance(result, (int, float)):
             log.set_last_reward(float(result))
@@ -103,7 +104,6 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
                     "agent returned no reward, set none through the proxy, and no reward function is configured: 0.0"
                 )
             else:
-                last = log.last
                 prompt = self.tokenizer.decode(last.model_response.input_tokens, skip_special_tokens=True)
                 r = await self.reward(
                     prompt,
@@ -113,7 +113,7 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
                     **reward_data(data),
                 )
                 log.set_last_reward(r)
-        final = float(log.last.reward or 0.0)
+        final = float(last.reward or 0.0)
         log.apply_reward_discount(self.turn_discount)
         return EpisodeOutput(samples=log.export_samples(self.export_style), is_correct=final > 0,
                              metrics={"num_model_calls": float(len(log))})

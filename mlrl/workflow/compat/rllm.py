@@ -36,7 +36,7 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from mlrl import types as _types
 from mlrl.reward import import_from_string
@@ -142,7 +142,7 @@ class BaseAgent(ABC):
     def reset(self) -> None:
         return
 
-    def get_current_state(self) -> Step | None:
+    def get_current_state(self) -> _types.Step | None:
         return self.trajectory.steps[-1] if self.trajectory.steps else None
 
 
@@ -301,6 +301,7 @@ class Workflow(ABC):
         if (agent is None) == (trajectory is None):
             raise ValueError("commit: give exactly one of agent or trajectory")
         traj = agent.trajectory if agent is not None else trajectory
+        assert traj is not None
         if name:
             traj.name = name
         if traj.steps:
@@ -376,7 +377,13 @@ class Workflow(ABC):
         return await asyncio.get_running_loop().run_in_executor(self.executor, partial(fn, *args, **kwargs))
 
 
-class TimingTrackingMixin:
+if TYPE_CHECKING:
+    _MixinBase = Workflow  # what the mixin is mixed into, so its attributes and super() calls type-check
+else:
+    _MixinBase = object
+
+
+class TimingTrackingMixin(_MixinBase):
     """rLLM's timing mixin, reduced: `timed_llm_call` / `timed_env_call` and totals in episode.info["timing"]."""
 
     def __init__(self, *args: Any, **kwargs: Any):
@@ -437,7 +444,10 @@ class MultiTurnWorkflow(TimingTrackingMixin, Workflow):
                 raise TerminationEvent(TerminationReason.ENV_DONE)
         raise TerminationEvent(TerminationReason.MAX_TURNS_EXCEEDED)
 
-    def reset(self, task: dict | None = None, uid: str | None = None) -> tuple[Any, dict]:
+    # rLLM's MultiTurnWorkflow.reset returns the environment's (observation, info), unlike Workflow.reset.
+    def reset(  # pyright: ignore[reportIncompatibleMethodOverride]
+        self, task: dict | None = None, uid: str | None = None
+    ) -> tuple[Any, dict]:
         super().reset(task, uid)
         return self.env.reset(task)
 
@@ -493,15 +503,16 @@ class RLLMWorkflowAdapter(RolloutWorkflow):
 
     async def arun_episode(self, engine: Any, data: dict[str, Any]) -> EpisodeOutput:
         wf = self._acquire()
+        rollout_engine = cast(MlrlRolloutEngine, wf.rollout_engine)  # built by _acquire
         calls: list[tuple[list[dict], ModelOutput]] = []
         try:
-            wf.rollout_engine.bind(engine)
+            rollout_engine.bind(engine)
             uid = f"{uuid.uuid4().hex[:12]}:0"
             wf.uid, wf.task, wf._completed_trajectories = uid, data, []
             episode = await wf.run_with_termination_handling(task=data, uid=uid)
-            calls = wf.rollout_engine.calls
+            calls = rollout_engine.calls
         finally:
-            wf.rollout_engine.bind(None)
+            rollout_engine.bind(None)
             self._idle.append(wf)
         attach_model_outputs(episode, calls)
         return self.episode_to_output(episode, wf)
@@ -557,7 +568,7 @@ def attach_model_outputs(episode: Episode, calls: list[tuple[list[dict], ModelOu
             st.prompt_ids, st.response_ids = list(mo.prompt_ids or []), list(mo.completion_ids or [])
             st.logprobs, st.versions = list(mo.logprobs or []), list(mo.versions or [])
             if getattr(st, "model_output", None) is None and hasattr(st, "model_output"):
-                st.model_output = mo
+                st.model_output = mo  # pyright: ignore[reportAttributeAccessIssue]  # a compat Step (hasattr above)
 
 
 def _same_messages(a: list[dict], b: list[dict]) -> bool:
@@ -591,8 +602,7 @@ def trajectory_to_samples(traj: Trajectory, steps: list[Any], mode: str) -> list
         prompt = [int(t) for t in st.prompt_ids]
         resp = [int(t) for t in st.response_ids]
         reward = float(st.reward) if mode == "step" else float(traj.reward or 0.0)
-        extends = chain is not None and mode == "trajectory" and prompt[: len(chain.tokens)] == chain.tokens
-        if extends:
+        if chain is not None and mode == "trajectory" and prompt[: len(chain.tokens)] == chain.tokens:
             extra = prompt[len(chain.tokens):]
             chain = Sample(
                 tokens=chain.tokens + extra + resp,

@@ -279,6 +279,7 @@ class ModelWrapper:
             coro.close()
             raise RuntimeError("synchronous model.chat/generate called from the event loop: async workflows "
                                "(is_async=True) must use chat_async / generate_async / get_openai_async_client")
+        assert self._loop is not None, "ModelWrapper used before _bind"
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def _gconfig(self, kw: dict[str, Any]) -> tuple[GenerationHyperparameters, int]:

@@ -10,7 +10,8 @@ Run B: resumes A's checkpoint with weight_sync.lora_mode=adapter: the engine sta
 crosses (a PEFT folder per version); its export is the adapter folder only
 (checkpoint.export_merged=false).
 Asserted in both: the canary after every sync and the train/rollout logprob gap <= 1e-3 (the
-engine serves exactly the trainer's policy), and B's sync moves < 5% of A's bytes.
+engine serves exactly the trainer's policy), the engine's canary logprobs moved > 1e-2 between
+syncs (it serves each new policy, not a stale one), and B's sync moves < 5% of A's bytes.
 """
 
 import json
@@ -47,6 +48,11 @@ def test_both_modes_serve_the_trainers_policy(runs):
         assert r["weight_sync/canary_max_abs_diff"] <= 1e-3, r
         assert r["train/mismatch/logprob_gap"] <= 1e-3, r
         assert r["weight_version"] == r["step"]
+    # ...and the engine's policy did change at each sync: its own canary logprobs moved since the
+    # previous sync by far more than the tolerance (a stale adapter, or the base, would not move)
+    for run in (a, b):
+        moved = [r["weight_sync/canary_moved"] for r in run if "weight_sync/canary_moved" in r]
+        assert moved and min(moved) > 1e-2, moved
     # adapter mode moves the adapter only: r * (in + out) fp32 values per adapted layer (tiny-llama:
     # hidden 128, 4 x 32 query / 2 x 32 kv heads, ffn 256, 2 layers), merged mode the whole model
     h, q, kv, f, r = 128, 128, 64, 256, 8

@@ -26,12 +26,19 @@ class RecordingGroup:
         self.rank_info = [{"dp_rank": d, "pp": p} for d, p in zip(dp_ranks, pp_ranks)]
         self.calls = []
 
-    def call(self, method, per_rank=None, **common):
+    def call(self, method, /, *args, **kwargs):
+        return self._record(method, None, args, kwargs)
+
+    def call_sharded(self, method, per_rank, /, *args, **kwargs):
+        assert len(per_rank) == len(self.rank_info)
+        return self._record(method, per_rank, args, kwargs)
+
+    def _record(self, method, per_rank, args, kwargs):
         assert getattr(TrainerService, method.__name__) is method
         for r in range(len(self.rank_info)):
-            kwargs = {**common, **(per_rank[r] if per_rank is not None else {})}
-            inspect.signature(method).bind(object(), **kwargs)  # raises TypeError on a mismatch
-        self.calls.append((method.__name__, per_rank, common))
+            head = (per_rank[r],) if per_rank is not None else ()
+            inspect.signature(method).bind(object(), *head, *args, **kwargs)  # raises TypeError on a mismatch
+        self.calls.append((method.__name__, per_rank, kwargs))
         if method is TrainerService.push_weights:  # only stage senders report; none here
             return [None] * len(self.rank_info)
         return [f"rank{r}" for r in range(len(self.rank_info))]
@@ -61,7 +68,7 @@ def test_every_client_method_binds_to_the_service_method_it_mirrors(tmp_path):
                      "export_hf", "compute_values", "train_critic", "push_weights"]
     # each rank got its own DP rank's micro-batches
     per_rank = g.calls[1][1]
-    assert [int(k["micro_batches"][0].tokens[0]) for k in per_rank] == [0, 1]
+    assert [int(mbs[0].tokens[0]) for mbs in per_rank] == [0, 1]
     for proto, obj in ((Policy, t), (Critic, c)):
         missing = [m for m in dir(proto) if not m.startswith("_") and not hasattr(obj, m)]
         assert not missing, f"{type(obj).__name__} lacks {missing} of {proto.__name__}"
@@ -114,3 +121,40 @@ def test_rank_side_service_has_no_public_method_the_client_does_not_reach():
     public = [m for m, _ in inspect.getmembers(TrainerService, inspect.isfunction) if not m.startswith("_")]
     unreached = [m for m in public if f"TrainerService.{m}" not in client_src and m != "info"]
     assert not unreached, unreached
+
+
+def test_group_binds_arguments_to_the_service_signature_before_sending():
+    """`call` / `call_sharded` bind their arguments to the service method's signature on the
+    driver: a misspelt or extra argument, or per-rank micro-batches for the wrong number of ranks,
+    fails there and no rank sees a request."""
+    g, ranks = _group_over_pipes(2)
+    with pytest.raises(TypeError, match="blocked"):
+        g.call(TrainerService.finalize_checkpoints, blocked=True)
+    with pytest.raises(TypeError):
+        g.call(TrainerService.export_hf, "a", "b")
+    with pytest.raises(ValueError, match="micro-batches for 1 ranks, the trainer has 2"):
+        g.call_sharded(TrainerService.train_step, [[_mb(0)]])
+    with pytest.raises(TypeError):
+        g.call_sharded(TrainerService.compute_logprobs, [[_mb(0)], [_mb(1)]], 1.0, temperature=1.0)
+    assert not any(c.poll(0.05) for c in ranks)
+
+
+def test_sharded_call_sends_each_rank_its_micro_batches_and_the_shared_arguments_by_name():
+    g, ranks = _group_over_pipes(2)
+    seen = {}
+
+    def rank(conn, r):
+        name, kwargs = recv(conn)
+        seen[r] = (name, kwargs)
+        send(conn, ("ok", [(torch.zeros(1), torch.zeros(1))]))
+
+    threads = [threading.Thread(target=rank, args=(c, r)) for r, c in enumerate(ranks)]
+    for th in threads:
+        th.start()
+    g.call_sharded(TrainerService.compute_logprobs, [[_mb(3)], [_mb(4)]], 0.7, reference=True)
+    for th in threads:
+        th.join(5)
+    assert {r: (name, sorted(kw)) for r, (name, kw) in seen.items()} == {
+        r: ("compute_logprobs", ["micro_batches", "reference", "temperature"]) for r in (0, 1)}
+    assert [int(seen[r][1]["micro_batches"][0].tokens[0]) for r in (0, 1)] == [3, 4]
+    assert seen[0][1]["temperature"] == 0.7 and seen[1][1]["reference"] is True

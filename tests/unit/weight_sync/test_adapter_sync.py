@@ -125,6 +125,8 @@ async def test_adapter_versions_load_serve_and_unload(setup):
         _move(trainer, seed=v)  # the trainer's adapters change every step
         rep = await ws.sync(v)
         assert rep.version == v and rep.canary_max_abs_diff <= 1e-4 and client.model == adapter_name(v)
+        # canary_moved: the engine's own canary logprobs against its previous check (none at v=1)
+        assert (rep.canary_moved is None) == (v == 1) and dict(rep).get("weight_sync/canary_moved", 1.0) > 1e-2
         assert client.version == v and pool.version == v
         served[v] = await client.prompt_logprobs(PROBE)
         with torch.no_grad():  # the engine serves the trainer's adapted model
