@@ -98,6 +98,22 @@ class InteractionLog:
             running = running * turn_discount + (inter.reward or 0.0)
             inter.reward = running
 
+    def template_splits(self) -> int:
+        """Completions after the first whose input does not extend any earlier completion's
+        prompt + output token for token. The agent's history was rendered into other tokens than
+        the engine produced (a chat template that is not append-only, e.g. Qwen3's, which drops
+        earlier reasoning blocks), so such a completion cannot continue an earlier sample: `concat`
+        starts a new sample with it rather than train on tokens the engine never saw."""
+        seen: list[list[int]] = []
+        splits = 0
+        for inter in self._items.values():
+            resp = inter.model_response
+            inp = list(resp.input_tokens)
+            if seen and not any(len(s) <= len(inp) and inp[: len(s)] == s for s in seen):
+                splits += 1
+            seen.append(inp + list(resp.output_tokens))
+        return splits
+
     def export_samples(self, style: str = "individual") -> list[Sample]:
         if style == "individual":
             return [interaction_to_sample(k, v) for k, v in self._items.items()]

@@ -116,7 +116,8 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
         final = float(last.reward or 0.0)
         log.apply_reward_discount(self.turn_discount)
         return EpisodeOutput(samples=log.export_samples(self.export_style), is_correct=final > 0,
-                             metrics={"num_model_calls": float(len(log))})
+                             metrics={"num_model_calls": float(len(log)),
+                                      "num_template_splits": float(log.template_splits())})
 
     async def aclose(self) -> None:
         if self._owns_proxy:

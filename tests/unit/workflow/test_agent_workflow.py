@@ -1,5 +1,7 @@
 """openai_agent: agents written against AsyncOpenAI become trainable samples through the proxy."""
 
+import copy
+
 import openai
 import pytest
 from _wf_helpers import last_user_word
@@ -115,6 +117,44 @@ async def test_concat_export(tok):
     # the tiny chat template re-renders "7 </s>" as "7 ." in the history, so the second call does not extend
     # the first token for token: concat falls back to two separate samples
     assert len(g.samples) == 2
+
+
+# Two chat templates over the tiny vocabulary. The model "reasons" in parentheses before its answer
+# and ends with EOS. APPEND_ONLY renders an earlier assistant turn exactly as the model produced it
+# (EOS included), so every next prompt extends the previous prompt + completion token for token.
+# DROPS_REASONING renders earlier assistant turns without their "( ... )" part, as Qwen3's template
+# drops earlier <think> blocks: the next prompt no longer extends what the engine produced.
+_TURN = "{{ m['role'] }} : {{ %s }}{%% if m['role'] == 'assistant' %%} </s> {%% else %%} . {%% endif %%}"
+_GEN = "{% endfor %}{% if add_generation_prompt %}assistant : {% endif %}"
+APPEND_ONLY = "{% for m in messages %}" + _TURN % "m['content']" + _GEN
+DROPS_REASONING = ("{% for m in messages %}" + _TURN % "m['content'].split(')')[-1] | trim" + _GEN)
+
+
+@pytest.mark.parametrize("template, samples, splits", [(APPEND_ONLY, 1, 0), (DROPS_REASONING, 2, 1)])
+async def test_multi_turn_tokens_are_the_engines_own_with_any_template(tok, template, samples, splits):
+    """Token in, token out: every concat sample is exactly what the engine saw and produced. With a
+    template that re-renders the history differently the episode is split where the tokens stop
+    extending each other (and the split is counted); with an append-only one it is one sample."""
+    t = copy.deepcopy(tok)
+    t.chat_template = template
+    eng = ScriptedEngine.from_text(t, lambda p: "( a b ) " + last_user_word(p))
+    g, m = await run(t, TwoTurnAgent, eng, n=1, export_style="concat")
+    assert [e.status for e in g.episodes] == [EpisodeStatus.COMPLETED] and len(g.samples) == samples
+    assert m["workflow/num_template_splits"] == splits
+    r1, r2 = eng.responses
+    first_seq = r1.input_tokens + r1.output_tokens
+    assert (r2.input_tokens[: len(first_seq)] == first_seq) == (splits == 0)
+    if samples == 1:  # one sequence: both completions trained, the history between them is not
+        (s,) = g.samples
+        assert s.tokens == r2.input_tokens + r2.output_tokens
+        assert [i for i, x in enumerate(s.loss_mask) if x] == (
+            [*range(len(r1.input_tokens), len(first_seq)), *range(len(r2.input_tokens), len(s.tokens))])
+    else:
+        assert [s.tokens for s in g.samples] == [first_seq, r2.input_tokens + r2.output_tokens]
+        for s, r in zip(g.samples, (r1, r2)):
+            assert s.prompt_len == len(r.input_tokens) and sum(s.loss_mask) == r.output_len
+            assert s.rollout_logprobs[s.prompt_len:] == r.output_logprobs
+    assert "( a b )" not in t.decode(r2.input_tokens) or splits == 0  # the dropped reasoning really is gone
 
 
 def test_agent_argument_checks(tok):
