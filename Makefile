@@ -18,7 +18,7 @@ test: setup
 # pyproject.toml ([tool.ruff], [tool.basedpyright]); .ci/run runs this before the tests
 lint: setup
 	$(PY) -m ruff check .
-	.venv/bin/basedpyright
+	.venv/bin/basedpyright --project pyproject.toml   # (explicit: a pyrightconfig.json in a parent folder would win)
 
 test-unit: setup
 	$(PY) -m pytest tests/unit

@@ -9,9 +9,14 @@ base URL (`http://host:port/s/<session>/v1`), and the session's API key (the sam
 the plain `/v1/...` paths, so concurrent episodes never mix their records. A session is bound to
 the engine of its episode; ending it returns the recorded `InteractionLog`.
 
-Not supported (clear 400 errors): streaming, `echo`, batched prompts, tool-call parsing of the
-output (tools are rendered into the prompt by the chat template; the model's text comes back as
-message content).
+Tool calls: a request's `tools` are rendered into the prompt by the chat template, and the model's
+text is parsed for calls in the format that template teaches (`tool_call_format`, default "auto":
+mlrl.workflow.agent_proxy.tool_calls), returned as `message.tool_calls` with finish_reason
+"tool_calls". A malformed call comes back as plain content and is counted on the session
+(`ProxySession.tool_call_failures`). `tool` role messages and assistant messages carrying
+`tool_calls` are passed to the chat template as they come (arguments as JSON objects).
+
+Not supported (clear 400 errors): streaming, `echo`, batched prompts.
 
 `shared_http_client()` is the one httpx.AsyncClient per process (per event loop) that agent code
 receives as `extra_kwargs["http_client"]`.
@@ -32,6 +37,12 @@ from aiohttp import web
 
 from mlrl.types import GenerationHyperparameters, ModelResponse, StopReason
 from mlrl.workflow.agent_proxy.interactions import Interaction, InteractionLog
+from mlrl.workflow.agent_proxy.tool_calls import (
+    ToolCallFormat,
+    arguments_as_objects,
+    parse_tool_calls,
+    resolve_format,
+)
 from mlrl.workflow.api import ModelRequest, apply_chat_template
 
 logger = logging.getLogger(__name__)
@@ -68,6 +79,7 @@ class ProxySession:
     base_url: str
     sampling_overrides: bool = True   # False: temperature/top_p/top_k of requests are ignored (the policy's own)
     log: InteractionLog = field(default_factory=InteractionLog)
+    tool_call_failures: list[str] = field(default_factory=list)  # why a tool call in the output did not parse
 
     @property
     def api_key(self) -> str:
@@ -94,8 +106,12 @@ class OpenAIProxy:
         port: int = 0,
         model_name: str = "mlrl-policy",
         default_gconfig: GenerationHyperparameters | None = None,
+        tool_call_format: str = "auto",
     ):
         self.tokenizer = tokenizer
+        # checked here, before any episode: an unknown name is a ValueError naming the choices
+        template = getattr(tokenizer, "chat_template", None)
+        self.tool_call_format: ToolCallFormat | None = resolve_format(tool_call_format, template)
         self.host, self.port = host, port
         self.model_name = model_name
         self.default_gconfig = default_gconfig or GenerationHyperparameters()
@@ -294,13 +310,23 @@ class OpenAIProxy:
         n = body.get("n", 1)
         resps = await self._generate(session, input_ids, gconfig, n)
         cid, choices = f"chatcmpl-{uuid.uuid4().hex}", []
+        fmt = self.tool_call_format if body.get("tools") else None
         for i, r in enumerate(resps):
             text = self._decode(r.output_tokens)
             self._record(session, cid, i, len(resps), r, text, gconfig, messages=msgs)
+            parsed = parse_tool_calls(text, fmt)
+            if parsed.error is not None:
+                session.tool_call_failures.append(parsed.error)
+                logger.info("session %s: tool call not parsed (%s); returned as text", session.id, parsed.error)
+            message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+            finish = _FINISH.get(r.stop_reason, "stop")
+            if parsed.calls:
+                message["tool_calls"] = parsed.calls
+                finish = "tool_calls" if finish == "stop" else finish
             choice: dict[str, Any] = {
                 "index": i,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": _FINISH.get(r.stop_reason, "stop"),
+                "message": message,
+                "finish_reason": finish,
                 "logprobs": None,
                 "token_ids": list(r.output_tokens),
             }
@@ -392,4 +418,4 @@ def _normalise_message(m: Any) -> dict[str, Any]:
         out["content"] = "".join(parts)
     elif content is None:
         out["content"] = ""
-    return out
+    return arguments_as_objects(out)

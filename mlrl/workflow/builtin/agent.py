@@ -47,7 +47,11 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
         proxy: OpenAIProxy | None = None,
         reward_timeout_s: float = 15.0,
         reward_workers: int | None = None,
+        tool_call_format: str = "auto",
     ):
+        """`tool_call_format`: how the proxy finds tool calls in the model's text when a request
+        has `tools` ("auto": the format the chat template renders, "hermes", "llama3_json", or
+        "none": the text only; mlrl.workflow.agent_proxy.tool_calls)."""
         if tokenizer is None:
             raise ValueError("openai_agent needs the model's tokenizer (the proxy applies the chat template)")
         if export_style not in ("individual", "concat"):
@@ -68,7 +72,7 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
         self.export_style = export_style
         self.turn_discount = turn_discount
         self.sampling_overrides = sampling_overrides
-        self.proxy = proxy or OpenAIProxy(tokenizer, default_gconfig=self.gconfig)
+        self.proxy = proxy or OpenAIProxy(tokenizer, default_gconfig=self.gconfig, tool_call_format=tool_call_format)
         self._owns_proxy = proxy is None
 
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> EpisodeOutput:
@@ -117,7 +121,8 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
         log.apply_reward_discount(self.turn_discount)
         return EpisodeOutput(samples=log.export_samples(self.export_style), is_correct=final > 0,
                              metrics={"num_model_calls": float(len(log)),
-                                      "num_template_splits": float(log.template_splits())})
+                                      "num_template_splits": float(log.template_splits()),
+                                      "num_tool_call_parse_failures": float(len(session.tool_call_failures))})
 
     async def aclose(self) -> None:
         if self._owns_proxy:
