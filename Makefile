@@ -15,10 +15,11 @@ test: setup
 	$(PY) -m pytest tests
 
 # ruff, then the type check (basedpyright, pyright's standard mode over mlrl/), both configured in
-# pyproject.toml ([tool.ruff], [tool.basedpyright]); .ci/run runs this before the tests
+# pyproject.toml ([tool.ruff], [tool.basedpyright]; --project: a pyrightconfig.json in a parent
+# folder would otherwise win); .ci/run runs this before the tests
 lint: setup
 	$(PY) -m ruff check .
-	.venv/bin/basedpyright --project pyproject.toml   # (explicit: a pyrightconfig.json in a parent folder would win)
+	.venv/bin/basedpyright --project pyproject.toml
 
 test-unit: setup
 	$(PY) -m pytest tests/unit
