@@ -11,9 +11,27 @@ from __future__ import annotations
 
 import pickle
 import socket
-from typing import Any, Protocol, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    import torch
 
 TOKEN_ENV = "MLRL_TRAINER_TOKEN"
+
+
+@dataclass
+class RankRouterDiagnostics:
+    """One rank's part of `mlrl.interfaces.RouterDiagnostics` (its DP rank's micro-batches).
+
+    Every class a `TrainerService` method returns lives outside `mlrl.trainer.rank.service`: that
+    module runs as `__main__` on the ranks, so a class defined there pickles as
+    `__main__.<name>`, which the driver cannot load."""
+
+    replay: list[torch.Tensor]
+    own: list[torch.Tensor]
+    matches: int
+    compared: int
 
 
 class _HasFileno(Protocol):

@@ -14,7 +14,6 @@ import argparse
 import os
 import sys
 import traceback
-from dataclasses import dataclass
 from multiprocessing.connection import Client
 from typing import Any, cast
 
@@ -26,19 +25,9 @@ from mlrl.algorithms.losses import make_loss_fn
 from mlrl.config import Config, config_from_yaml, validate
 from mlrl.experience.batch import MicroBatch
 from mlrl.interfaces import ResumeInfo
-from mlrl.trainer.rpc import TOKEN_ENV, no_delay, recv, send
+from mlrl.trainer.rpc import TOKEN_ENV, RankRouterDiagnostics, no_delay, recv, send
 
 ADAPTER_DIR = "adapter"  # the PEFT folder inside a LoRA run's HF export
-
-
-@dataclass
-class RankRouterDiagnostics:
-    """One rank's part of `mlrl.interfaces.RouterDiagnostics` (its DP rank's micro-batches)."""
-
-    replay: list[torch.Tensor]
-    own: list[torch.Tensor]
-    matches: int
-    compared: int
 
 
 class TrainerService:

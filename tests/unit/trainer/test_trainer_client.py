@@ -158,3 +158,30 @@ def test_sharded_call_sends_each_rank_its_micro_batches_and_the_shared_arguments
         r: ("compute_logprobs", ["micro_batches", "reference", "temperature"]) for r in (0, 1)}
     assert [int(seen[r][1]["micro_batches"][0].tokens[0]) for r in (0, 1)] == [3, 4]
     assert seen[0][1]["temperature"] == 0.7 and seen[1][1]["reference"] is True
+
+
+def test_no_service_result_type_is_defined_in_the_service_module():
+    """The service module runs as `__main__` on the ranks (`python -m mlrl.trainer.rank.service`):
+    a class defined there would pickle as `__main__.<name>`, which the driver cannot unpickle
+    (this broke router replay once). Every class a public method returns must live elsewhere."""
+    import typing
+
+    import mlrl.trainer.rank.service as service_module
+
+    def classes(tp):
+        origin = typing.get_origin(tp)
+        if origin is None:
+            return [tp] if isinstance(tp, type) else []
+        return [c for a in typing.get_args(tp) for c in classes(a)]
+
+    bad = []
+    for name, fn in inspect.getmembers(TrainerService, inspect.isfunction):
+        if name.startswith("_"):
+            continue
+        ret = typing.get_type_hints(fn, vars(service_module)).get("return")
+        bad += [f"{name} -> {c.__qualname__}" for c in classes(ret) if c.__module__ == service_module.__name__]
+    assert not bad, bad
+    # and the one that did: its class pickles by a name the driver can import
+    from mlrl.trainer.rpc import RankRouterDiagnostics
+
+    assert typing.get_type_hints(TrainerService.router_diagnostics)["return"] is RankRouterDiagnostics
