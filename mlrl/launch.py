@@ -66,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
             from mlrl.sft import run_sft
 
             return run_sft(cfg, layout)
+        if cfg.dpo is not None:  # preference optimisation (DPO / IPO): the trainer alone
+            from mlrl.dpo import run_dpo
+
+            return run_dpo(cfg, layout)
         return run(cfg, layout)
     except ConfigError as e:  # found by the runner's cheap checks (data, devices), before any process starts
         print(f"config error: {e}", file=sys.stderr)

@@ -189,10 +189,11 @@ async def _run(cfg: Config, layout: Layout) -> int:
     ckpts = CheckpointManager(cfg.checkpoint.dir or run_dir / "checkpoints", cfg.checkpoint.keep_last)
     resume = ckpts.resolve_resume(cfg.checkpoint.resume)
     state = read_state(resume) if resume else None
-    if state is not None and state.get("kind") == "sft":
-        raise ConfigError(f"checkpoint.resume: {resume} is a supervised fine-tuning checkpoint; start RL from it "
+    if state is not None and state.get("kind") in ("sft", "dpo"):
+        what = "a supervised fine-tuning" if state.get("kind") == "sft" else "a preference optimisation (DPO)"
+        raise ConfigError(f"checkpoint.resume: {resume} is {what} checkpoint; start RL from it "
                           f"in a new run directory with model.init_from={resume} (or from its HF export: "
-                          "model.hf_dir=<sft run>/hf/step_N)")
+                          f"model.hf_dir=<{state.get('kind')} run>/hf/step_N)")
     if resume:
         check_resume_has_critic(resume, cfg.uses_critic)
     check_model_init_from(cfg.model, hf_dir, resume=resume)

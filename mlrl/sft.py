@@ -17,24 +17,17 @@ or `model.hf_dir=<run>/hf/step_N`). An SFT run can itself start from another run
 from __future__ import annotations
 
 import logging
-import sys
-import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from mlrl.checkpoint import Checkpointer, CheckpointManager, read_state
-from mlrl.checkpoint.init_from import check_model_init_from
-from mlrl.config import Config, ConfigError, Layout, dump_yaml
+from mlrl.config import Config, ConfigError, Layout
 from mlrl.config.schema import SFTConfig
 from mlrl.data import get_dataset
 from mlrl.data.registry import SFTDataset
 from mlrl.data.rows import DatasetError
-from mlrl.data.sampler import PromptSampler
 from mlrl.experience.packing import pack_step
-from mlrl.metrics import MetricsLogger
-from mlrl.modelzoo import resolve_model_dir
+from mlrl.offline import run_offline
 from mlrl.trainer.driver.client import TrainerClient
-from mlrl.trainer.driver.group import TrainerGroup, rank_env
 from mlrl.types import Sample
 from mlrl.workflow import load_hf_tokenizer
 
@@ -99,83 +92,32 @@ def _sft_section(cfg: Config) -> SFTConfig:
     return cfg.sft
 
 
-def run_sft(cfg: Config, layout: Layout) -> int:
-    sft = _sft_section(cfg)
-    logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
-    from mlrl.run import Placement
+class SFTJob:
+    """Supervised fine-tuning for `mlrl.offline.run_offline`."""
 
-    run_dir = Path(cfg.logging.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    # 1. cheap checks first: model, chat template, data, checkpoint to resume
-    hf_dir = resolve_model_dir(cfg.model.hf_dir)
-    train, held_out = load_sft_data(cfg, hf_dir)
-    ckpts = CheckpointManager(cfg.checkpoint.dir or run_dir / "checkpoints", cfg.checkpoint.keep_last)
-    resume = ckpts.resolve_resume(cfg.checkpoint.resume)
-    state = read_state(resume) if resume else None
-    if state is not None and state.get("kind") != KIND:
-        raise ConfigError(f"checkpoint.resume: {resume} is an RL checkpoint; an SFT run resumes SFT checkpoints "
-                          f"(to fine-tune from its weights: model.init_from={resume} in a new run directory)")
-    check_model_init_from(cfg.model, hf_dir, resume=resume)
-    sampler = PromptSampler(train.examples, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
-    if state:
-        sampler = PromptSampler.from_state(train.examples, state["sampler"], seed=cfg.trainer.seed,
-                                           shuffle=cfg.data.shuffle)
-    log.info("SFT: %d training conversations (%d cut at sft.max_seq_tokens=%d), %s held out", len(train),
-             train.truncated, sft.max_seq_tokens, len(held_out) if held_out else "none")
-    # 2. the trainer ranks (no engines)
-    placement = Placement()  # this machine; on GPU the trainer ranks take every visible device (no engines)
-    group = logger = None
-    try:
-        group = TrainerGroup(dump_yaml(cfg), layout.trainer_devices, run_dir=run_dir, host=placement.host,
-                             env=rank_env(cfg, placement.trainer_env), spawn=placement.spawn_trainer)
-        policy = TrainerClient(group)
-        checkpointer = Checkpointer(ckpts, run_dir, policy)
-        start = 0
-        if resume and state is not None:
-            checkpointer.load(resume)
-            start = int(state["step"])
-            log.info("resumed from %s (step %d)", resume, start)
-        logger = MetricsLogger(run_dir, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard,
-                               wandb_project=cfg.logging.wandb_project, resume_step=start)
-        total, c = cfg.trainer.total_steps, cfg.checkpoint
-        for step in range(start + 1, total + 1):
-            t0 = time.perf_counter()
-            batch = sampler.next_batch(sft.batch_size)
-            per_dp, pack = pack_step(samples_of(batch), dp_size=policy.dp_size,
-                                     token_budget=cfg.trainer.micro_batch_tokens, loss_agg="token-mean")
-            m = policy.train_step(per_dp)
-            metrics: dict[str, Any] = {
-                "sft/loss": m["loss"], "sft/entropy": m.get("entropy", float("nan")),
-                "train/grad_norm": m["grad_norm"], "train/lr": m["lr"], "sft/loss_tokens": pack["pack/num_loss_tokens"],
-                "sft/tokens": pack["pack/num_tokens"], "sft/epoch": float(sampler.state()["epoch"]),
-                "timing/train": time.perf_counter() - t0,
-            }
-            last = step == total
-            if held_out is not None and cfg.data.eval_every and (step % cfg.data.eval_every == 0 or last):
-                t = time.perf_counter()
-                metrics["eval/loss"] = eval_loss(policy, held_out.examples, cfg.trainer.micro_batch_tokens)
-                metrics["timing/eval"] = time.perf_counter() - t
-            t = time.perf_counter()
-            if (c.save_every and step % c.save_every == 0) or (last and c.save_at_end):
-                checkpointer.save(step, {"kind": KIND, "step": step, "sampler": sampler.state()})
-            if (c.hf_export_every and step % c.hf_export_every == 0) or (last and c.hf_export_at_end):
-                checkpointer.export_hf(step)
-            metrics["timing/checkpoint"] = time.perf_counter() - t
-            metrics["timing/step"] = time.perf_counter() - t0
-            logger.log(step, metrics)
-            log.info("SFT step %d/%d: loss %.4f%s", step, total, metrics["sft/loss"],
-                     f", eval loss {metrics['eval/loss']:.4f}" if "eval/loss" in metrics else "")
-        checkpointer.finalize()
-        print(f"SFT finished: {total - start} steps, metrics in {run_dir / 'metrics.jsonl'}")
-        if checkpointer.last_saved:
-            print(f"checkpoint: {checkpointer.last_saved}  (start RL from it: model.init_from=<this folder>)")
-        if checkpointer.last_export:
-            print(f"Hugging Face export: {checkpointer.last_export}  (start RL from it: model.hf_dir=<this folder>)")
-        return 0
-    finally:
-        if logger is not None:
-            logger.close(plot=cfg.logging.plot)
-        if group is not None:
-            group.close()
-        placement.close()
+    kind, title = KIND, "SFT"
+
+    def __init__(self, cfg: Config, hf_dir: Path):
+        sft = _sft_section(cfg)
+        self.train, self.held_out = load_sft_data(cfg, hf_dir)
+        self.batch_size, self.token_budget = sft.batch_size, cfg.trainer.micro_batch_tokens
+        log.info("SFT: %d training conversations (%d cut at sft.max_seq_tokens=%d), %s held out", len(self.train),
+                 self.train.truncated, sft.max_seq_tokens, len(self.held_out) if self.held_out else "none")
+
+    def step(self, policy: TrainerClient, batch: list[Any]) -> dict[str, Any]:
+        per_dp, pack = pack_step(samples_of(batch), dp_size=policy.dp_size, token_budget=self.token_budget,
+                                 loss_agg="token-mean")
+        m = policy.train_step(per_dp)
+        return {"sft/loss": m["loss"], "sft/entropy": m.get("entropy", float("nan")),
+                "train/grad_norm": m["grad_norm"], "train/lr": m["lr"],
+                "sft/loss_tokens": pack["pack/num_loss_tokens"], "sft/tokens": pack["pack/num_tokens"]}
+
+    def evaluate(self, policy: TrainerClient) -> dict[str, float] | None:
+        if self.held_out is None:
+            return None
+        return {"eval/loss": eval_loss(policy, self.held_out.examples, self.token_budget)}
+
+
+def run_sft(cfg: Config, layout: Layout) -> int:
+    _sft_section(cfg)
+    return run_offline(cfg, layout, lambda hf_dir: SFTJob(cfg, hf_dir))

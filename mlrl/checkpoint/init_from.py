@@ -124,7 +124,7 @@ def _checkpoint(path: Path, hf_config: dict[str, Any]) -> InitSource:
         raise ConfigError(f"{FIELD}: the model of checkpoint {path} does not fit model.hf_dir's architecture: "
                           + "; ".join(diff))
     state = _read_json(path / STATE_FILE)
-    kind = "SFT" if state.get("kind") == "sft" else "RL"
+    kind = {"sft": "SFT", "dpo": "DPO"}.get(str(state.get("kind")), "RL")
     return InitSource("checkpoint", path, weights, f"{kind} checkpoint (step {state.get('step', '?')})")
 
 

@@ -356,6 +356,26 @@ class SFTConfig:
 
 
 @dataclass
+class DPOConfig:
+    """Direct preference optimisation instead of RL (`python -m mlrl.launch` with a `dpo:` section):
+    offline preference pairs (data.train, held out: data.eval) train the Megatron policy against a
+    frozen copy of its initial weights (the reference; with LoRA: the base, adapters off). Uses the
+    same sections as an SFT run (see SFTConfig); the RL sections must keep their defaults."""
+
+    batch_size: int = 32
+    """Preference pairs per optimizer step (split over the data-parallel ranks; each pair's chosen
+    and rejected sequences are packed into the same micro-batch of trainer.micro_batch_tokens)."""
+    max_seq_tokens: int = 1024
+    """Chosen / rejected sequences (prompt + completion) longer than this are cut (counted)."""
+    beta: float = 0.1
+    """Strength of the implicit KL constraint: sigmoid loss -log sigmoid(beta * h); IPO's target
+    margin is 1 / (2 beta). Larger beta: the policy stays closer to the reference."""
+    loss_type: str = "sigmoid"
+    """sigmoid (DPO, Rafailov et al. 2023) | ipo (IPO, Azar et al. 2023, on per-token mean
+    log-probabilities as in TRL)."""
+
+
+@dataclass
 class EvalConfig:
     samples_per_prompt: int = 1
     """Responses sampled per held-out prompt (k of pass@k)."""
@@ -498,6 +518,8 @@ class Config:
     carry it for gae runs). None = no critic section."""
     sft: Optional[SFTConfig] = None
     """Supervised fine-tuning run (None = an RL run): see SFTConfig."""
+    dpo: Optional[DPOConfig] = None
+    """Preference optimisation run, DPO / IPO (None = an RL run): see DPOConfig."""
     data: DataConfig = field(default_factory=DataConfig)
     workflow: WorkflowConfig = field(default_factory=WorkflowConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -511,11 +533,17 @@ class Config:
         return self.rollout.staleness > 0
 
     @property
+    def offline(self) -> Optional[str]:
+        """"sft" or "dpo" for a run of the trainer alone on a fixed dataset (no engines, no rollout);
+        None for an RL run."""
+        return "sft" if self.sft is not None else "dpo" if self.dpo is not None else None
+
+    @property
     def uses_shared_prefix_packing(self) -> bool:
         """trainer.shared_prefix_packing resolved: always, or auto in an RL run on a CPU trainer without
         router replay."""
         mode = self.trainer.shared_prefix_packing
-        return mode == "always" or (mode == "auto" and self.sft is None and self.cluster.gpus_per_node == 0
+        return mode == "always" or (mode == "auto" and self.offline is None and self.cluster.gpus_per_node == 0
                                 and not self.algorithm.router_replay)
 
     @property

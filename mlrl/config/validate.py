@@ -195,42 +195,58 @@ def _check_lora(cfg: Config, hf: dict[str, Any] | None = None) -> None:
                               "supported yet; adapt the attention only (q_proj, k_proj, v_proj, o_proj)")
 
 
-_SFT_UNUSED = ("rollout", "weight_sync", "algorithm", "workflow", "eval")
-_SFT_UNUSED_TRAINER = ("prompts_per_step", "samples_per_prompt", "mini_batches_per_step", "epochs_per_step")
+_OFFLINE_UNUSED = ("rollout", "weight_sync", "algorithm", "workflow", "eval")
+_OFFLINE_UNUSED_TRAINER = ("prompts_per_step", "samples_per_prompt", "mini_batches_per_step", "epochs_per_step")
 
 
-def _check_sft(cfg: Config) -> None:
-    """An SFT run: its own ranges, and no RL setting that it would silently ignore."""
+def _check_offline(cfg: Config) -> None:
+    """An SFT or DPO run (the trainer alone on a fixed dataset): its own ranges, and no RL setting
+    that it would silently ignore."""
     import dataclasses
 
-    s = cfg.sft
-    if s is None:
+    kind = cfg.offline
+    s = cfg.sft if cfg.sft is not None else cfg.dpo
+    if kind is None or s is None:
         return
-    _positive("sft.batch_size", s.batch_size)
-    _positive("sft.max_seq_tokens", s.max_seq_tokens)
-    if s.max_seq_tokens > cfg.trainer.micro_batch_tokens:
+    if cfg.sft is not None and cfg.dpo is not None:
+        raise ConfigError("sft and dpo: a run is supervised fine-tuning OR preference optimisation; keep one section")
+    run = "an SFT run (sft: section)" if kind == "sft" else "a DPO run (dpo: section)"
+    _positive(f"{kind}.batch_size", s.batch_size)
+    _positive(f"{kind}.max_seq_tokens", s.max_seq_tokens)
+    if kind == "sft" and s.max_seq_tokens > cfg.trainer.micro_batch_tokens:
         raise ConfigError(f"sft.max_seq_tokens={s.max_seq_tokens} exceeds trainer.micro_batch_tokens="
                           f"{cfg.trainer.micro_batch_tokens}: a conversation must fit one micro-batch")
+    if cfg.dpo is not None:
+        d = cfg.dpo
+        if 2 * d.max_seq_tokens > cfg.trainer.micro_batch_tokens:
+            raise ConfigError(f"dpo.max_seq_tokens={d.max_seq_tokens}: a pair (chosen + rejected, up to "
+                              f"{2 * d.max_seq_tokens} tokens) must fit one micro-batch, but "
+                              f"trainer.micro_batch_tokens={cfg.trainer.micro_batch_tokens}; raise it to >= "
+                              f"{2 * d.max_seq_tokens}")
+        if not d.beta > 0:
+            raise ConfigError(f"dpo.beta={d.beta}: expected > 0")
+        if d.loss_type not in ("sigmoid", "ipo"):
+            raise ConfigError(f"dpo.loss_type={d.loss_type!r}: expected sigmoid (DPO) or ipo (IPO)")
     if cfg.critic is not None:
-        raise ConfigError("critic: an SFT run (sft: section) trains no value model; remove the critic section")
+        raise ConfigError(f"critic: {run} trains no value model; remove the critic section")
     if cfg.cluster.nodes > 1:
-        raise ConfigError(f"cluster.nodes={cfg.cluster.nodes}: SFT runs on one machine (its trainer ranks) for now")
+        raise ConfigError(f"cluster.nodes={cfg.cluster.nodes}: {run} runs on one machine (its trainer ranks) for now")
     default = Config()
-    for section in _SFT_UNUSED:
+    for section in _OFFLINE_UNUSED:
         got, want = getattr(cfg, section), getattr(default, section)
         for f in dataclasses.fields(got):
             if getattr(got, f.name) != getattr(want, f.name):
-                raise ConfigError(f"{section}.{f.name}: an RL setting; an SFT run (sft: section) does not use it "
-                                  f"(remove it, or remove the sft section for an RL run)")
+                raise ConfigError(f"{section}.{f.name}: an RL setting; {run} does not use it "
+                                  f"(remove it, or remove the {kind} section for an RL run)")
     if cfg.trainer.shared_prefix_packing == "always":
-        raise ConfigError("trainer.shared_prefix_packing=always: an RL setting (one prompt shared by a group of "
-                          "sampled responses); an SFT run's conversations share no prompt group")
-    for name in _SFT_UNUSED_TRAINER:
+        raise ConfigError(f"trainer.shared_prefix_packing=always: an RL setting (one prompt shared by a group of "
+                          f"sampled responses); {run} packs no prompt groups")
+    unit = "conversations" if kind == "sft" else "preference pairs"
+    for name in _OFFLINE_UNUSED_TRAINER:
         if getattr(cfg.trainer, name) != getattr(default.trainer, name):
-            raise ConfigError(f"trainer.{name}: an RL setting; an SFT run takes sft.batch_size conversations per step")
+            raise ConfigError(f"trainer.{name}: an RL setting; {run} takes {kind}.batch_size {unit} per step")
     if cfg.data.max_prompt_tokens != default.data.max_prompt_tokens:
-        raise ConfigError("data.max_prompt_tokens: an RL setting; an SFT run cuts conversations at "
-                          "sft.max_seq_tokens")
+        raise ConfigError(f"data.max_prompt_tokens: an RL setting; {run} cuts sequences at {kind}.max_seq_tokens")
 
 
 def _check_colocate(cfg: Config) -> None:
@@ -247,8 +263,9 @@ def _check_colocate(cfg: Config) -> None:
     if co.sleep_level not in (1, 2):
         raise ConfigError(f"cluster.colocate.sleep_level={co.sleep_level}: vLLM's sleep levels are 1 (weights to "
                           "host memory, KV cache discarded) and 2 (both discarded)")
-    if cfg.sft is not None:
-        raise ConfigError("cluster.placement=colocated: an SFT run starts no engines; use the default placement")
+    if cfg.offline is not None:
+        raise ConfigError(f"cluster.placement=colocated: an {cfg.offline.upper()} run starts no engines; use the "
+                          "default placement")
     if cfg.rollout.staleness > 0:
         raise ConfigError(f"cluster.placement=colocated with rollout.staleness={cfg.rollout.staleness}: colocated "
                           "engines sleep while the trainer steps, so generation cannot overlap training; use "
@@ -274,8 +291,8 @@ def _check_mode(cfg: Config) -> None:
 def resolve_layout(cfg: Config) -> Layout:
     p, c = cfg.parallel, cfg.cluster
     total = c.nodes * c.gpus_per_node
-    # an SFT run starts no engines
-    rollout_devices = cfg.rollout.num_engines * cfg.rollout.engine_tp if c.gpus_per_node and cfg.sft is None else 0
+    # an SFT / DPO run starts no engines
+    rollout_devices = cfg.rollout.num_engines * cfg.rollout.engine_tp if c.gpus_per_node and cfg.offline is None else 0
     model_par = p.tp * p.pp * p.cp
     devices = c.trainer_devices
     if devices is not None:
@@ -359,9 +376,10 @@ def _check_model(cfg: Config, hf: dict[str, Any], layout: Layout) -> None:
     if cfg.rollout.engine_tp > 1 and heads % cfg.rollout.engine_tp:
         raise ConfigError(f"rollout.engine_tp={cfg.rollout.engine_tp} must divide num_attention_heads={heads}")
     max_len = hf.get("max_position_embeddings")
-    if cfg.sft is not None:
-        if max_len and cfg.sft.max_seq_tokens > max_len:
-            raise ConfigError(f"sft.max_seq_tokens={cfg.sft.max_seq_tokens} exceeds the model's "
+    offline = cfg.sft if cfg.sft is not None else cfg.dpo
+    if offline is not None:
+        if max_len and offline.max_seq_tokens > max_len:
+            raise ConfigError(f"{cfg.offline}.max_seq_tokens={offline.max_seq_tokens} exceeds the model's "
                               f"max_position_embeddings={max_len}")
         return
     need = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_new_tokens
@@ -453,8 +471,9 @@ def _check_router_replay(cfg: Config, hf: dict[str, Any], *, has_cuda: bool) -> 
     if not experts:
         raise ConfigError(f"algorithm.router_replay=true needs an MoE model; model.hf_dir ({cfg.model.hf_dir}, "
                           f"model_type={hf.get('model_type')!r}) has no experts")
-    if cfg.sft is not None:
-        raise ConfigError("algorithm.router_replay=true: an SFT run has no rollout engines to replay")
+    if cfg.offline is not None:
+        raise ConfigError(f"algorithm.router_replay=true: an {cfg.offline.upper()} run has no rollout engines to "
+                          "replay")
     if cfg.parallel.cp > 1:
         raise ConfigError(f"algorithm.router_replay=true with parallel.cp={cfg.parallel.cp}: replaying routes "
                           "into context-parallel slices is not implemented (use cp=1)")
@@ -538,8 +557,7 @@ def validate(cfg: Config, *, has_cuda: bool | None = None, has_te: bool | None =
     if has_cuda is None:
         has_cuda = dry_run or _cuda_available()  # a dry run never needs the local GPU (and skips importing torch)
     _check_ranges(cfg)
-    if cfg.sft is not None:
-        _check_sft(cfg)
+    _check_offline(cfg)
     _check_critic(cfg)
     _check_lora(cfg)
     _check_mode(cfg)

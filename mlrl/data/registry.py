@@ -10,7 +10,9 @@
 `kind="rl"` returns an `RLDataset` of prompt rows; with a tokenizer and `max_length`, prompts whose
 chat-templated length exceeds it are dropped and counted. `kind="sft"` returns an `SFTDataset` of
 `{"input_ids", "loss_mask"}` (a tokenizer is required; sequences longer than `max_length` are cut
-and counted).
+and counted). `kind="dpo"` returns a `PreferenceDataset` of `{"chosen": (input_ids, loss_mask),
+"rejected": (...)}` pairs (`mlrl.data.preference`: TRL's preference formats; a synthetic task gives
+pairs whose rejected side is a wrong answer); sides longer than `max_length` are cut and counted.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any, Literal, overload
 
 from mlrl.data import synthetic
 from mlrl.data.files import find_split_file, read_rows
+from mlrl.data.preference import Side, preference_example, synthetic_pairs
 from mlrl.data.rows import DatasetError, RLDataset, normalise_rl_row
 from mlrl.data.sft import NoAssistantTurn, sft_example
 from mlrl.data.tokenizer import apply_chat_template
@@ -60,6 +63,23 @@ class SFTDataset(Sequence):
     skipped: list[str] = field(default_factory=list)
     truncated: int = 0
     no_assistant: list[str] = field(default_factory=list)  # rows without an assistant turn: always skipped
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i: Any) -> Any:
+        return self.examples[i]
+
+
+@dataclass
+class PreferenceDataset(Sequence):
+    """Tokenised preference pairs: each `{"chosen": (input_ids, loss_mask), "rejected": (...)}`."""
+
+    examples: list[dict[str, Side]]
+    name: str = ""
+    split: str = "train"
+    skipped: list[str] = field(default_factory=list)
+    truncated: int = 0  # pairs with a side cut at max_length
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -109,9 +129,14 @@ def get_dataset(name_or_path: str, split: str, kind: Literal["sft"], tokenizer: 
                 max_length: int | None = ..., *, skip_malformed: bool = ..., require_answer: bool = ...,
                 seed: int = ..., num_rows: int | None = ..., **kwargs: Any) -> SFTDataset: ...
 @overload
+def get_dataset(name_or_path: str, split: str, kind: Literal["dpo"], tokenizer: Any = ...,
+                max_length: int | None = ..., *, skip_malformed: bool = ..., require_answer: bool = ...,
+                seed: int = ..., num_rows: int | None = ..., **kwargs: Any) -> PreferenceDataset: ...
+@overload
 def get_dataset(name_or_path: str, split: str = ..., kind: str = ..., tokenizer: Any = ...,
                 max_length: int | None = ..., *, skip_malformed: bool = ..., require_answer: bool = ...,
-                seed: int = ..., num_rows: int | None = ..., **kwargs: Any) -> RLDataset | SFTDataset: ...
+                seed: int = ..., num_rows: int | None = ...,
+                **kwargs: Any) -> RLDataset | SFTDataset | PreferenceDataset: ...
 def get_dataset(
     name_or_path: str,
     split: str = "train",
@@ -124,15 +149,16 @@ def get_dataset(
     seed: int = 0,
     num_rows: int | None = None,
     **kwargs: Any,
-) -> RLDataset | SFTDataset:
-    """Load a dataset for RL prompts (`kind="rl"`) or supervised fine-tuning (`kind="sft"`).
+) -> RLDataset | SFTDataset | PreferenceDataset:
+    """Load a dataset for RL prompts (`kind="rl"`), supervised fine-tuning (`kind="sft"`) or
+    preference optimisation (`kind="dpo"`).
 
     `seed` / `num_rows` apply to synthetic tasks (num_rows also caps other sources); extra kwargs go
     to the registered loader or the synthetic generator."""
-    if kind not in ("rl", "sft"):
-        raise ValueError(f"get_dataset: kind must be 'rl' or 'sft', got {kind!r}")
-    if kind == "sft" and tokenizer is None:
-        raise ValueError("get_dataset: kind='sft' needs the model's tokenizer")
+    if kind not in ("rl", "sft", "dpo"):
+        raise ValueError(f"get_dataset: kind must be 'rl', 'sft' or 'dpo', got {kind!r}")
+    if kind in ("sft", "dpo") and tokenizer is None:
+        raise ValueError(f"get_dataset: kind={kind!r} needs the model's tokenizer")
     skipped: list[str] = []
     raw, reward = _raw_rows(str(name_or_path), split, skip_malformed, skipped, seed, num_rows, kwargs)
     if num_rows is not None and not str(name_or_path).startswith("synthetic:"):
@@ -141,6 +167,10 @@ def get_dataset(
         return _build_rl(
             raw, str(name_or_path), split, skipped, skip_malformed, require_answer, tokenizer, max_length, reward
         )
+    if kind == "dpo":
+        if str(name_or_path).startswith("synthetic:"):
+            raw = list(zip([w for w, _ in raw], synthetic_pairs([r for _, r in raw], str(name_or_path)[10:])))
+        return _build_dpo(raw, str(name_or_path), split, skipped, skip_malformed, tokenizer, max_length)
     return _build_sft(raw, str(name_or_path), split, skipped, skip_malformed, tokenizer, max_length)
 
 
@@ -191,6 +221,29 @@ def _build_sft(raw, name, split, skipped, skip_malformed, tokenizer, max_length)
                            f"{len(no_assistant)} without an assistant turn)")
     return SFTDataset(examples, name=name, split=split, skipped=skipped, truncated=truncated,
                       no_assistant=no_assistant)
+
+
+def _build_dpo(raw, name, split, skipped, skip_malformed, tokenizer, max_length) -> PreferenceDataset:
+    examples, truncated = [], 0
+    for where, row in raw:
+        try:
+            sides = preference_example(tokenizer, row, where)
+        except DatasetError as e:
+            if not skip_malformed:
+                raise
+            skipped.append(str(e))
+            continue
+        if max_length is not None and any(len(ids) > max_length for ids, _ in sides):
+            sides = tuple((ids[:max_length], mask[:max_length]) for ids, mask in sides)
+            truncated += 1
+        if not all(any(mask) for _, mask in sides):
+            skipped.append(f"{where}: a side has no completion token left (after truncation to {max_length})")
+            continue
+        examples.append({"chosen": sides[0], "rejected": sides[1]})
+    if not examples:
+        raise DatasetError(f"dataset {name!r} split {split!r}: no usable preference pairs ({len(skipped)} skipped; "
+                           f"e.g. {skipped[0] if skipped else '-'})")
+    return PreferenceDataset(examples, name=name, split=split, skipped=skipped, truncated=truncated)
 
 
 def dataset_from_config(data: Any, which: str = "train", *, tokenizer: Any = None, seed: int = 0) -> RLDataset:

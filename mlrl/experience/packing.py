@@ -112,6 +112,22 @@ def shared_prefix_length(samples: Sequence[Sample]) -> int:
     return n
 
 
+def _whole_groups(samples: Sequence[Sample], budget: int) -> list[_Unit]:
+    groups: dict[str, list[int]] = {}
+    for i, s in enumerate(samples):
+        if not s.group_id:
+            raise ValueError(f"pack_step(whole_groups=True): samples[{i}] has no group_id")
+        groups.setdefault(s.group_id, []).append(i)
+    units = [_Unit(tuple(ids), 0, sum(len(samples[i].tokens) for i in ids)) for ids in groups.values()]
+    for u in units:
+        if u.length > budget:
+            raise ValueError(
+                f"pack_step: the group of samples {list(u.ids)} has {u.length} tokens together, more than "
+                f"token_budget={budget} (trainer.micro_batch_tokens), and must be packed whole: raise the budget "
+                "or lower the sequence limit")
+    return sorted(units, key=lambda u: u.ids[0])
+
+
 def _units(samples: Sequence[Sample], shared_prefix: bool, budget: int) -> list[_Unit]:
     lengths = [len(s.tokens) for s in samples]
     if not shared_prefix:
@@ -238,6 +254,7 @@ def pack_step(
     norm_len: Optional[int] = None,
     pad_token_id: int = 0,
     shared_prefix: bool = False,
+    whole_groups: bool = False,
 ) -> tuple[list[list[MicroBatch]], dict[str, float]]:
     """Pack one step: returns (micro_batches[rank][k], metrics); every rank has the same count.
 
@@ -250,6 +267,8 @@ def pack_step(
     shared_prefix: pack each prompt group around one copy of its common prefix (module docstring);
     pack/num_tokens then counts the packed tokens, pack/shared_prefix_saved_frac the share of the
     samples' tokens that sharing left out.
+    whole_groups: the samples of one group_id go to one micro-batch together, in sample order (DPO's
+    chosen / rejected pairs); no prefix is shared, and a group longer than token_budget is an error.
     """
     if dp_size < 1:
         raise ValueError(f"pack_step: dp_size={dp_size}, expected >= 1")
@@ -272,7 +291,9 @@ def pack_step(
                 "(trainer.micro_batch_tokens): raise the budget or lower the prompt / response limits"
             )
     weights = loss_agg_weights([s.num_loss_tokens for s in samples], loss_agg, norm_len)
-    units = _units(samples, shared_prefix, token_budget)
+    if whole_groups and shared_prefix:
+        raise ValueError("pack_step: whole_groups and shared_prefix cannot be combined")
+    units = _whole_groups(samples, token_budget) if whole_groups else _units(samples, shared_prefix, token_budget)
     sizes = [u.length for u in units]
     bins = [_first_fit_decreasing(r, sizes, token_budget) for r in _balance_ranks(sizes, dp_size)]
     per_rank = max(1, max(len(b) for b in bins))

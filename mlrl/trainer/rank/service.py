@@ -43,7 +43,8 @@ class TrainerService:
         hf_dir = resolve_model_dir(cfg.model.hf_dir)
         self.policy = MegatronPolicy(cfg.model, cfg.parallel, cfg.trainer, self.layout, hf_dir=hf_dir, trainable=True)
         self.ref = None
-        if cfg.algorithm.kl_coef > 0 and self.policy.lora is None:  # LoRA: the reference is the base, adapters off
+        # the frozen reference (KL, and DPO's reference policy); LoRA: the base, adapters off
+        if (cfg.algorithm.kl_coef > 0 or cfg.dpo is not None) and self.policy.lora is None:
             self.ref = MegatronPolicy(cfg.model, cfg.parallel, cfg.trainer, self.layout, hf_dir=hf_dir, trainable=False)
         if cfg.model.init_from:  # the run starts from another run's weights: the policy AND the KL reference
             from mlrl.trainer.rank.checkpointing import init_weights_from
@@ -60,6 +61,10 @@ class TrainerService:
             from mlrl.algorithms.sft import sft_loss
 
             self.loss_fn = sft_loss
+        if cfg.dpo is not None:  # preference optimisation (mlrl.dpo): DPO / IPO on whole pairs
+            from mlrl.algorithms.dpo import make_dpo_loss_fn
+
+            self.loss_fn = make_dpo_loss_fn(cfg.dpo.beta, cfg.dpo.loss_type)
         self.critic = None
         if cfg.uses_critic:  # the value model shares the trainer ranks and their parallel layout
             from mlrl.algorithms.value import make_value_loss_fn
@@ -83,7 +88,8 @@ class TrainerService:
                 return self.policy.compute_logprobs(micro_batches, temperature)
         model = self.ref if reference else self.policy
         if model is None:
-            raise RuntimeError("reference logprobs asked of a trainer without a reference model (algorithm.kl_coef=0)")
+            raise RuntimeError("reference logprobs asked of a trainer without a reference model (algorithm.kl_coef=0 "
+                               "and no dpo section)")
         return model.compute_logprobs(micro_batches, temperature)
 
     def router_diagnostics(self, micro_batches: list[MicroBatch], temperature: float) -> RankRouterDiagnostics:

@@ -1,0 +1,123 @@
+"""The loop of a run of the trainer alone on a fixed dataset: supervised fine-tuning (mlrl.sft) and
+preference optimisation (mlrl.dpo). What differs between them is an `OfflineJob` (its data, one
+step, its held-out evaluation); the rest is here, once:
+
+    cheap checks (model folder, data, checkpoint to resume, model.init_from) before any process ->
+    the trainer ranks (no engines) -> per step: job.step(batch) -> held-out eval every
+    data.eval_every steps -> checkpoints (exact resume: weights, optimizer, data position) and HF
+    exports on schedule -> metrics.
+
+A checkpoint records its kind ("sft" / "dpo"): a run resumes only checkpoints of its own kind.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Protocol, Sequence
+
+from mlrl.checkpoint import Checkpointer, CheckpointManager, read_state
+from mlrl.checkpoint.init_from import check_model_init_from
+from mlrl.config import Config, ConfigError, Layout, dump_yaml
+from mlrl.data.sampler import PromptSampler
+from mlrl.metrics import MetricsLogger
+from mlrl.modelzoo import resolve_model_dir
+from mlrl.trainer.driver.client import TrainerClient
+from mlrl.trainer.driver.group import TrainerGroup, rank_env
+
+log = logging.getLogger("mlrl.offline")
+
+
+class OfflineJob(Protocol):
+    kind: str                        # "sft" | "dpo": recorded in checkpoints, names the metrics
+    title: str                       # for messages: "SFT", "DPO"
+    train: Sequence[Any]             # the training examples (the sampler's items)
+    batch_size: int                  # examples per optimizer step
+
+    def step(self, policy: TrainerClient, batch: list[Any]) -> dict[str, Any]:
+        """One optimizer step on `batch`; its metrics ("<kind>/loss" among them)."""
+        ...
+
+    def evaluate(self, policy: TrainerClient) -> dict[str, float] | None:
+        """The held-out metrics ("eval/..."), or None without held-out data."""
+        ...
+
+
+def run_offline(cfg: Config, layout: Layout, make_job: Callable[[Path], OfflineJob]) -> int:
+    """Run `make_job(hf_dir)`'s job to trainer.total_steps; 0 on success."""
+    logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    from mlrl.run import Placement
+
+    run_dir = Path(cfg.logging.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # 1. cheap checks first: model, data, checkpoint to resume
+    hf_dir = resolve_model_dir(cfg.model.hf_dir)
+    job = make_job(hf_dir)
+    ckpts = CheckpointManager(cfg.checkpoint.dir or run_dir / "checkpoints", cfg.checkpoint.keep_last)
+    resume = ckpts.resolve_resume(cfg.checkpoint.resume)
+    state = read_state(resume) if resume else None
+    if state is not None and state.get("kind") != job.kind:
+        named = {"sft": "an SFT", "dpo": "a DPO"}
+        raise ConfigError(f"checkpoint.resume: {resume} is {named.get(str(state.get('kind')), 'an RL')} checkpoint; "
+                          f"{named[job.kind]} run resumes {job.title} checkpoints (to fine-tune from its weights: "
+                          f"model.init_from={resume} in a new run directory)")
+    check_model_init_from(cfg.model, hf_dir, resume=resume)
+    sampler = PromptSampler(job.train, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
+    if state:
+        sampler = PromptSampler.from_state(job.train, state["sampler"], seed=cfg.trainer.seed,
+                                           shuffle=cfg.data.shuffle)
+    # 2. the trainer ranks (no engines)
+    placement = Placement()  # this machine; on GPU the trainer ranks take every visible device (no engines)
+    group = logger = None
+    try:
+        group = TrainerGroup(dump_yaml(cfg), layout.trainer_devices, run_dir=run_dir, host=placement.host,
+                             env=rank_env(cfg, placement.trainer_env), spawn=placement.spawn_trainer)
+        policy = TrainerClient(group)
+        checkpointer = Checkpointer(ckpts, run_dir, policy)
+        start = 0
+        if resume and state is not None:
+            checkpointer.load(resume)
+            start = int(state["step"])
+            log.info("resumed from %s (step %d)", resume, start)
+        logger = MetricsLogger(run_dir, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard,
+                               wandb_project=cfg.logging.wandb_project, resume_step=start)
+        total, c, kind = cfg.trainer.total_steps, cfg.checkpoint, job.kind
+        for step in range(start + 1, total + 1):
+            t0 = time.perf_counter()
+            metrics = job.step(policy, sampler.next_batch(job.batch_size))
+            metrics[f"{kind}/epoch"] = float(sampler.state()["epoch"])
+            metrics.setdefault("timing/train", time.perf_counter() - t0)
+            last = step == total
+            if cfg.data.eval_every and (step % cfg.data.eval_every == 0 or last):
+                t = time.perf_counter()
+                held_out = job.evaluate(policy)
+                if held_out is not None:
+                    metrics.update(held_out)
+                    metrics["timing/eval"] = time.perf_counter() - t
+            t = time.perf_counter()
+            if (c.save_every and step % c.save_every == 0) or (last and c.save_at_end):
+                checkpointer.save(step, {"kind": kind, "step": step, "sampler": sampler.state()})
+            if (c.hf_export_every and step % c.hf_export_every == 0) or (last and c.hf_export_at_end):
+                checkpointer.export_hf(step)
+            metrics["timing/checkpoint"] = time.perf_counter() - t
+            metrics["timing/step"] = time.perf_counter() - t0
+            logger.log(step, metrics)
+            evals = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith("eval/"))
+            log.info("%s step %d/%d: loss %.4f%s", job.title, step, total, metrics[f"{kind}/loss"],
+                     f", {evals}" if evals else "")
+        checkpointer.finalize()
+        print(f"{job.title} finished: {total - start} steps, metrics in {run_dir / 'metrics.jsonl'}")
+        if checkpointer.last_saved:
+            print(f"checkpoint: {checkpointer.last_saved}  (start RL from it: model.init_from=<this folder>)")
+        if checkpointer.last_export:
+            print(f"Hugging Face export: {checkpointer.last_export}  (start RL from it: model.hf_dir=<this folder>)")
+        return 0
+    finally:
+        if logger is not None:
+            logger.close(plot=cfg.logging.plot)
+        if group is not None:
+            group.close()
+        placement.close()
