@@ -195,6 +195,7 @@ def _check_lora(cfg: Config, hf: dict[str, Any] | None = None) -> None:
                               "supported yet; adapt the attention only (q_proj, k_proj, v_proj, o_proj)")
 
 
+_RUN_NAMES = {"sft": "an SFT run", "dpo": "a DPO run"}
 _OFFLINE_UNUSED = ("rollout", "weight_sync", "algorithm", "workflow", "eval")
 _OFFLINE_UNUSED_TRAINER = ("prompts_per_step", "samples_per_prompt", "mini_batches_per_step", "epochs_per_step")
 
@@ -210,7 +211,7 @@ def _check_offline(cfg: Config) -> None:
         return
     if cfg.sft is not None and cfg.dpo is not None:
         raise ConfigError("sft and dpo: a run is supervised fine-tuning OR preference optimisation; keep one section")
-    run = "an SFT run (sft: section)" if kind == "sft" else "a DPO run (dpo: section)"
+    run = f"{_RUN_NAMES[kind]} ({kind}: section)"
     _positive(f"{kind}.batch_size", s.batch_size)
     _positive(f"{kind}.max_seq_tokens", s.max_seq_tokens)
     if kind == "sft" and s.max_seq_tokens > cfg.trainer.micro_batch_tokens:
@@ -264,7 +265,7 @@ def _check_colocate(cfg: Config) -> None:
         raise ConfigError(f"cluster.colocate.sleep_level={co.sleep_level}: vLLM's sleep levels are 1 (weights to "
                           "host memory, KV cache discarded) and 2 (both discarded)")
     if cfg.offline is not None:
-        raise ConfigError(f"cluster.placement=colocated: an {cfg.offline.upper()} run starts no engines; use the "
+        raise ConfigError(f"cluster.placement=colocated: {_RUN_NAMES[cfg.offline]} starts no engines; use the "
                           "default placement")
     if cfg.rollout.staleness > 0:
         raise ConfigError(f"cluster.placement=colocated with rollout.staleness={cfg.rollout.staleness}: colocated "
@@ -472,7 +473,7 @@ def _check_router_replay(cfg: Config, hf: dict[str, Any], *, has_cuda: bool) -> 
         raise ConfigError(f"algorithm.router_replay=true needs an MoE model; model.hf_dir ({cfg.model.hf_dir}, "
                           f"model_type={hf.get('model_type')!r}) has no experts")
     if cfg.offline is not None:
-        raise ConfigError(f"algorithm.router_replay=true: an {cfg.offline.upper()} run has no rollout engines to "
+        raise ConfigError(f"algorithm.router_replay=true: {_RUN_NAMES[cfg.offline]} has no rollout engines to "
                           "replay")
     if cfg.parallel.cp > 1:
         raise ConfigError(f"algorithm.router_replay=true with parallel.cp={cfg.parallel.cp}: replaying routes "
