@@ -31,10 +31,25 @@ log = logging.getLogger("mlrl.offline")
 
 
 class OfflineJob(Protocol):
-    kind: str                        # "sft" | "dpo": recorded in checkpoints, names the metrics
-    title: str                       # for messages: "SFT", "DPO"
-    train: Sequence[Any]             # the training examples (the sampler's items)
-    batch_size: int                  # examples per optimizer step
+    @property
+    def kind(self) -> str:
+        """"sft" | "dpo": recorded in checkpoints, names the metrics."""
+        ...
+
+    @property
+    def title(self) -> str:
+        """For messages: "SFT", "DPO"."""
+        ...
+
+    @property
+    def train(self) -> Sequence[Any]:
+        """The training examples (the sampler's items)."""
+        ...
+
+    @property
+    def batch_size(self) -> int:
+        """Examples per optimizer step."""
+        ...
 
     def step(self, policy: TrainerClient, batch: list[Any]) -> dict[str, Any]:
         """One optimizer step on `batch`; its metrics ("<kind>/loss" among them)."""

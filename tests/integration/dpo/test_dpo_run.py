@@ -10,7 +10,6 @@ theory says.
 """
 
 import math
-from pathlib import Path
 
 import pytest
 from helpers.launching import launch, metrics

@@ -74,7 +74,8 @@ def test_a_bad_row_stops_the_run_before_any_process_starts(tmp_path):
                     + json.dumps({"prompt": "copy 4", "chosen": "4"}) + "\n")
     out = _launch(tmp_path, f"data.train={data}", "data.eval=null")
     assert out.returncode == 2, out.stderr[-2000:]
-    assert "config error: data.train:" in out.stderr and "prefs.jsonl:2: a preference row needs 'rejected'" in out.stderr
+    assert "config error: data.train:" in out.stderr
+    assert "prefs.jsonl:2: a preference row needs 'rejected'" in out.stderr
     assert "trainer" not in out.stderr.lower().split("config error")[0]  # no rank was started
 
 
