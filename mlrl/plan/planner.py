@@ -38,6 +38,8 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     critic_params: list[mem.StageParams] | None = None  # per pipeline rank, the critic's (None = no critic)
     sync_buffers: list[mem.SyncBuffers] = field(default_factory=list)  # per pipeline rank (colocated GPU runs)
+    samples: int = 0                             # sequences per optimizer step
+    num_engines: int = 0                         # rollout engines (0: an SFT / DPO run starts none)
 
     @property
     def fits(self) -> bool:
@@ -87,8 +89,13 @@ def make_plan(cfg: Config, layout: Layout) -> Plan:
     shape = model_shape(hf, cfg.model.arch or cfg.model.hf_dir)
     c, t, r, p = cfg.cluster, cfg.trainer, cfg.rollout, cfg.parallel
     cpu = c.gpus_per_node == 0
-    seq_len = cfg.data.max_prompt_tokens + r.sampling.max_new_tokens
-    samples = t.prompts_per_step * t.samples_per_prompt // t.mini_batches_per_step
+    offline = cfg.sft if cfg.sft is not None else cfg.dpo  # SFT / DPO: the trainer alone on a fixed dataset
+    if offline is not None:
+        seq_len = offline.max_seq_tokens
+        samples = offline.batch_size * (2 if cfg.dpo is not None else 1)  # DPO: chosen + rejected per pair
+    else:
+        seq_len = cfg.data.max_prompt_tokens + r.sampling.max_new_tokens
+        samples = t.prompts_per_step * t.samples_per_prompt // t.mini_batches_per_step
     micro = max(1, math.ceil(samples * seq_len / layout.dp / t.micro_batch_tokens))
     layers = mem.stage_layers(shape.layers, layout.pp, layout.vpp, p.pp_layer_split)
     lora = cfg.model.lora  # the policy's adapters; the critic trains its full weights
@@ -110,14 +117,20 @@ def make_plan(cfg: Config, layout: Layout) -> Plan:
         tmem.append(mem.trainer_memory(
             params[k], precision=precision, optimizer=t.optimizer, distributed_optimizer=t.use_distributed_optimizer,
             dp_cp=layout.dp * layout.cp, edp=expert_dp(layout), fp8=t.fp8_recipe != "none",
-            reference=cfg.algorithm.kl_coef > 0, activations=acts, critic=critic[k] if critic else None))
+            reference=(cfg.algorithm.kl_coef > 0 or cfg.dpo is not None), activations=acts, critic=critic[k] if critic else None))
     plan = Plan(cfg, layout, shape, cpu, [], layers, params, tmem, None, [], micro, seq_len, c.gpu_memory_gb * mem.GIB,
-                critic_params=critic)
-    if seq_len > t.micro_batch_tokens:
+                critic_params=critic, samples=samples, num_engines=0 if offline is not None else r.num_engines)
+    if offline is None and seq_len > t.micro_batch_tokens:
         plan.warnings.append(
             f"a full-length sample ({seq_len} tokens = data.max_prompt_tokens + rollout.sampling.max_new_tokens) "
             f"exceeds trainer.micro_batch_tokens={t.micro_batch_tokens}")
     if cpu:
+        return plan
+    if offline is not None:  # no engines: every GPU of the plan is a trainer rank's
+        plan.slots, problems = place(layout, c.nodes, c.gpus_per_node, 0, 1, False)
+        plan.reasons.extend(problems)
+        plan.warnings.extend(tp_groups_spanning_nodes(layout, c.gpus_per_node))
+        _check_memory(plan)
         return plan
     max_len = r.max_model_len or shape.max_positions or seq_len
     plan.engine_memory = mem.engine_memory(

@@ -46,7 +46,8 @@ def _header(plan: Plan) -> list[str]:
     ]
     if plan.cpu:
         lines.append(
-            "cluster  this machine, CPU only (cluster.gpus_per_node=0): trainer processes and engines share the cores"
+            "cluster  this machine, CPU only (cluster.gpus_per_node=0): trainer processes "
+            f"{'and engines ' if plan.num_engines else ''}share the cores"
         )
     else:
         lines.append(f"cluster  {c.nodes} node(s) x {c.gpus_per_node} GPUs = {L.total_devices} GPUs of "
@@ -74,11 +75,21 @@ def _header(plan: Plan) -> list[str]:
                      f"{_count(sp.total)} parameters{adapters}{critic} per {'process' if plan.cpu else 'GPU'}")
     if s.experts:
         lines.append(f"         experts: {s.experts} per MoE layer, {plan.experts_per_rank} per EP rank")
-    samples = t.prompts_per_step * t.samples_per_prompt // t.mini_batches_per_step
-    lines.append(f"batch    {t.prompts_per_step} prompts x {t.samples_per_prompt} samples / {t.mini_batches_per_step} "
-                 f"mini-batch(es) = {samples} samples per optimizer step, <= {plan.seq_len} tokens each; "
-                 f"micro-batch {t.micro_batch_tokens} tokens -> {plan.micro_batches} micro-batches per DP rank")
-    if plan.cpu:
+    micro = f"micro-batch {t.micro_batch_tokens} tokens -> {plan.micro_batches} micro-batches per DP rank"
+    if cfg.sft is not None:
+        lines.append(f"batch    SFT: {cfg.sft.batch_size} conversations per optimizer step, <= {plan.seq_len} tokens "
+                     f"each; {micro}")
+    elif cfg.dpo is not None:
+        lines.append(f"batch    DPO ({cfg.dpo.loss_type}, beta {cfg.dpo.beta:g}): {cfg.dpo.batch_size} preference pairs "
+                     f"= {plan.samples} sequences per optimizer step, <= {plan.seq_len} tokens each, each pair in one "
+                     f"micro-batch; {micro}; a frozen reference copy on every rank")
+    else:
+        lines.append(f"batch    {t.prompts_per_step} prompts x {t.samples_per_prompt} samples / "
+                     f"{t.mini_batches_per_step} mini-batch(es) = {plan.samples} samples per optimizer step, "
+                     f"<= {plan.seq_len} tokens each; {micro}")
+    if plan.num_engines == 0:
+        lines.append(f"engines  none: {'an SFT' if cfg.sft is not None else 'a DPO'} run trains on a fixed dataset")
+    elif plan.cpu:
         lines.append(
             f"engines  {r.num_engines} vLLM CPU server(s), engine_tp={r.engine_tp}, KV cache {r.cpu_kv_cache_gb:g} "
             "GiB each"
@@ -95,7 +106,7 @@ def _cpu_processes(plan: Plan) -> list[str]:
     lines = ["", "processes (this machine):"]
     for tr in plan.trainer_ranks():
         lines.append(f"  {tr.describe(plan.shape.is_moe)}   (torchrun, gloo)")
-    for e in range(plan.cfg.rollout.num_engines):
+    for e in range(plan.num_engines):
         lines.append(f"  engine {e:>3}: vLLM CPU server at {plan.cfg.rollout.host} (OpenAI API)")
     lines.append("")
     lines.append("host memory per trainer process (GiB, rough; no GPU memory to fit on a CPU run):")

@@ -442,3 +442,21 @@ def test_engine_lora_slots_are_the_servers():
 
     # the planner counts the slots the engines are started with; the adapter sync fills exactly those
     assert ENGINE_LORA_SLOTS == MAX_LORAS == KEEP_LOADED
+
+
+def test_offline_runs_plan_no_engines_and_dpo_counts_its_reference():
+    """An SFT / DPO run starts no engines: every GPU is a trainer rank's. DPO holds a frozen
+    reference (one more copy of the parameters), SFT none; the batch is pairs x 2 sequences."""
+    gpus = ["cluster.gpus_per_node=8", "model.hf_dir=/shared/models/Qwen3-8B", "model.arch=Qwen/Qwen3-8B"]
+    dpo = plan_for(ROOT / "launch" / "dpo_cpu.yaml", *gpus, "dpo.batch_size=64", "trainer.micro_batch_tokens=4096")
+    sft = plan_for(ROOT / "launch" / "sft_cpu.yaml", *gpus, "sft.batch_size=64", "trainer.micro_batch_tokens=4096",
+                   "sft.max_seq_tokens=256")
+    for plan in (dpo, sft):
+        assert plan.num_engines == 0 and plan.engine_memory is None and plan.layout.trainer_devices == 8
+        assert all(s.trainer and not s.engine for s in plan.slots) and len(plan.slots) == 8
+    assert dpo.samples == 128 and sft.samples == 64
+    assert dpo.trainer_memory[0].reference == dpo.trainer_memory[0].params > 0 and sft.trainer_memory[0].reference == 0
+    text = format_plan(dpo)
+    assert "engines  none: a DPO run" in text and "64 preference pairs = 128 sequences" in text
+    cpu = format_plan(plan_for(ROOT / "launch" / "dpo_cpu.yaml"))
+    assert "engine   0" not in cpu and "reference 0.50" in cpu
