@@ -34,6 +34,7 @@ from mlrl.data.sampler import PromptSampler
 from mlrl.interfaces import Checkpointer, Critic, LoopState, Policy, RolloutPool, WeightSync
 from mlrl.metrics import MetricsLogger, StepTimer
 from mlrl.metrics.pass_at_k import mean_pass_at_k
+from mlrl.reward.model import active_judge
 from mlrl.types import Row, Sample, SampleStatus
 from mlrl.update import train_on
 from mlrl.workflow.api import EpisodeStatus
@@ -408,6 +409,9 @@ def loop_state(ctx: RunContext) -> LoopState:
 
 def finish_step(ctx: RunContext, step: int, metrics: dict[str, float]) -> None:
     metrics["weight_version"] = float(ctx.version)
+    judge = active_judge()
+    if judge is not None:  # reward_model: the served judge's calls since the last step
+        metrics.update(judge.metrics())
     if "timing/train" in metrics:
         rank_side = sum(metrics.get(f"timing/train/{k}", 0.0) for k in ("forward_backward", "optimizer"))
         metrics["timing/train/driver"] = metrics["timing/train"] - rank_side

@@ -9,6 +9,7 @@ on resume, brings the engines to the checkpoint's weights) before the first step
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import json
 import logging
@@ -30,6 +31,7 @@ from mlrl.loop import RunContext, train_async, train_sync
 from mlrl.metrics import MetricsLogger
 from mlrl.metrics.timer import timing_table
 from mlrl.modelzoo import resolve_model_dir
+from mlrl.reward.model import ModelJudge, set_active_judge
 from mlrl.rollout.pool import EnginePool
 from mlrl.rollout.server import ServerSpec
 from mlrl.trainer.driver.client import CriticClient, MegatronWeightSource, TrainerClient
@@ -211,6 +213,13 @@ async def _run(cfg: Config, layout: Layout) -> int:
     workflow = build_workflow_from_config(
         cfg.workflow, tokenizer=tokenizer, gconfig=gconfig_from_sampling(cfg.rollout.sampling)
     )
+    judge_dir = judge_tokenizer = None
+    if cfg.reward_model is not None:  # the judge's folder and tokenizer, before any process starts
+        try:
+            judge_dir = resolve_model_dir(cfg.reward_model.hf_dir)
+            judge_tokenizer = load_hf_tokenizer(str(judge_dir))
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"reward_model.hf_dir={cfg.reward_model.hf_dir}: {e}") from None
     # 2. processes: where they go (this machine, or the reserved Ray nodes), then engines and
     #    trainer ranks start concurrently
     if cfg.cluster.nodes > 1:
@@ -220,16 +229,27 @@ async def _run(cfg: Config, layout: Layout) -> int:
         reclaim_sigterm()  # ray.init in that thread took it: SIGTERM would abort, not tear down
     else:
         placement = local_placement(cfg, layout)
-    pool = group = policy = weight_sync = runner = logger = None
+    pool = judge_pool = group = policy = weight_sync = runner = logger = None
     try:
         adapters = cfg.model.lora is not None and cfg.weight_sync.lora_mode == "adapter"
+        devices = placement.engine_devices  # local GPUs: the policy's engines, then the judge's
+        n = cfg.rollout.num_engines
         pool = EnginePool(cfg.rollout, hf_dir, dtype=cfg.model.dtype, run_dir=run_dir,
-                          cuda_devices=placement.engine_devices, server_factory=placement.engine_server,
+                          cuda_devices=devices[:n] if devices is not None else None,
+                          server_factory=placement.engine_server,
                           lora_rank=cfg.model.lora.rank if adapters and cfg.model.lora is not None else None,
                           sleep_mode=cfg.cluster.placement == "colocated",
                           capture_routing=cfg.algorithm.router_replay)
+        if cfg.reward_model is not None and judge_dir is not None:
+            rm = cfg.reward_model
+            judge_cfg = dataclasses.replace(cfg.rollout, num_engines=rm.num_engines, engine_tp=rm.engine_tp,
+                                            cpu_kv_cache_gb=rm.cpu_kv_cache_gb, max_model_len=rm.max_model_len,
+                                            gpu_memory_utilization=rm.gpu_memory_utilization)
+            judge_pool = EnginePool(judge_cfg, judge_dir, dtype=cfg.model.dtype, run_dir=run_dir / "reward_model",
+                                    cuda_devices=devices[n:] if devices is not None else None)
         clock.mark("checks")
         pool_started = asyncio.create_task(clock.span("engines", pool.start()))
+        judge_started = asyncio.create_task(judge_pool.start()) if judge_pool is not None else None
         try:
             group = await clock.span("trainer", asyncio.to_thread(
                 TrainerGroup,
@@ -242,6 +262,13 @@ async def _run(cfg: Config, layout: Layout) -> int:
             ))
         finally:
             await pool_started
+            if judge_started is not None:
+                await judge_started
+        if judge_pool is not None and cfg.reward_model is not None:
+            rm = cfg.reward_model
+            set_active_judge(ModelJudge(judge_pool, judge_tokenizer, prompt_template=rm.prompt_template,
+                                        score_pattern=rm.score_pattern, max_score=rm.max_score,
+                                        max_tokens=rm.max_tokens))
         clock.mark("processes")
         policy = TrainerClient(group)
         checkpointer = Checkpointer(ckpts, run_dir, policy, with_critic=cfg.uses_critic,
@@ -303,6 +330,9 @@ async def _run(cfg: Config, layout: Layout) -> int:
             await weight_sync.close()
         if pool is not None:
             await pool.shutdown()
+        set_active_judge(None)
+        if judge_pool is not None:
+            await judge_pool.shutdown()
         if group is not None:
             await asyncio.to_thread(group.close)
         await asyncio.to_thread(placement.close)

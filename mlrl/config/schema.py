@@ -401,6 +401,38 @@ class DataConfig:
     """Rows generated for a synthetic task."""
 
 
+JUDGE_TEMPLATE = ("Rate the answer to the question from 0 to 10.\nQuestion: {question}\nReference answer: {answer}\n"
+                  "Answer: {response}\nReply with 'Score: <0-10>'.")
+
+
+@dataclass
+class RewardModelConfig:
+    """A reward model served in the pool beside the policy's engines (`reward_model:`; None = none):
+    its own vLLM engines, never synced, scored through `workflow.reward=reward_model`.
+    kind=generative: an LLM judge. Each (prompt, response) is rendered into `prompt_template`
+    (placeholders {question}, {response}, {answer}) as one user turn of the judge's chat template,
+    the judge answers greedily in at most `max_tokens` tokens, and the first match of
+    `score_pattern` (its first group) divided by `max_score` is the reward; a reply without a match
+    scores 0 and counts as a reward failure of that episode."""
+
+    hf_dir: str = ""
+    """The judge's Hugging Face folder (or builtin:<name>)."""
+    kind: str = "generative"
+    """generative (an LLM judge on vLLM engines). A sequence-classification reward model is not
+    served by this version (validation says so)."""
+    num_engines: int = 1
+    engine_tp: int = 1
+    prompt_template: str = JUDGE_TEMPLATE
+    score_pattern: str = r"(?i)score\s*[:=]?\s*([-+]?\d+(?:\.\d+)?)"
+    max_score: float = 10.0
+    """The parsed score is divided by this (rewards in [0, 1] for a 0-10 judge)."""
+    max_tokens: int = 16
+    """The judge's reply budget (greedy)."""
+    cpu_kv_cache_gb: float = 1.0
+    gpu_memory_utilization: float = 0.85
+    max_model_len: Optional[int] = None
+
+
 @dataclass
 class WorkflowConfig:
     name: str = "rlvr"
@@ -520,6 +552,8 @@ class Config:
     """Supervised fine-tuning run (None = an RL run): see SFTConfig."""
     dpo: Optional[DPOConfig] = None
     """Preference optimisation run, DPO / IPO (None = an RL run): see DPOConfig."""
+    reward_model: Optional[RewardModelConfig] = None
+    """A judge served on its own engines (workflow.reward=reward_model): see RewardModelConfig."""
     data: DataConfig = field(default_factory=DataConfig)
     workflow: WorkflowConfig = field(default_factory=WorkflowConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)

@@ -250,6 +250,54 @@ def _check_offline(cfg: Config) -> None:
         raise ConfigError(f"data.max_prompt_tokens: an RL setting; {run} cuts sequences at {kind}.max_seq_tokens")
 
 
+def _check_reward_model(cfg: Config) -> None:
+    """reward_model: (a judge on its own engines) and workflow.reward=reward_model go together."""
+    import re
+
+    rm = cfg.reward_model
+    uses = cfg.workflow.reward == "reward_model"
+    if rm is None:
+        if uses and cfg.offline is None:
+            raise ConfigError("workflow.reward=reward_model scores with a served judge: add a reward_model: section "
+                              "(hf_dir, kind: generative, num_engines, ...)")
+        return
+    if cfg.offline is not None:
+        raise ConfigError(f"reward_model: an RL setting; {_RUN_NAMES[cfg.offline]} scores nothing (remove the section)")
+    if not uses:
+        raise ConfigError(f"reward_model: the served judge scores only through workflow.reward=reward_model, but "
+                          f"workflow.reward={cfg.workflow.reward}; set it, or remove the reward_model section")
+    if rm.kind != "generative":
+        raise ConfigError(f"reward_model.kind={rm.kind!r}: this version serves generative judges (an LLM on vLLM "
+                          "engines, kind: generative); a sequence-classification reward model is not served yet")
+    if not rm.hf_dir:
+        raise ConfigError("reward_model.hf_dir: the judge's Hugging Face folder (or builtin:<name>) is required")
+    for name in ("num_engines", "engine_tp", "max_tokens"):
+        _positive(f"reward_model.{name}", getattr(rm, name))
+    if not rm.max_score > 0:
+        raise ConfigError(f"reward_model.max_score={rm.max_score}: expected > 0")
+    try:
+        groups = re.compile(rm.score_pattern).groups
+    except re.error as e:
+        raise ConfigError(f"reward_model.score_pattern={rm.score_pattern!r}: not a regular expression ({e})") from None
+    if groups < 1:
+        raise ConfigError(f"reward_model.score_pattern={rm.score_pattern!r}: needs a group capturing the number")
+    try:
+        rm.prompt_template.format(question="q", response="r", answer="a")
+    except (KeyError, IndexError, ValueError) as e:
+        raise ConfigError(f"reward_model.prompt_template: {type(e).__name__} {e}; the placeholders are {{question}}, "
+                          "{response} and {answer} (write {{ and }} for braces)") from None
+    if cfg.cluster.nodes > 1:
+        raise ConfigError(f"reward_model with cluster.nodes={cfg.cluster.nodes}: the judge's engines are placed on "
+                          "one machine for now")
+    if cfg.cluster.gpus_per_node:
+        if cfg.cluster.placement == "colocated":
+            raise ConfigError("reward_model with cluster.placement=colocated: the judge's engines need GPUs of their "
+                              "own; use disaggregated placement")
+        if rm.engine_tp != cfg.rollout.engine_tp:
+            raise ConfigError(f"reward_model.engine_tp={rm.engine_tp}: on GPUs the judge's engines take slots of "
+                              f"rollout.engine_tp={cfg.rollout.engine_tp} GPUs each; use the same value")
+
+
 def _check_colocate(cfg: Config) -> None:
     """cluster.placement=colocated (mlrl.colocation). On CPU it runs the whole state machine (the
     engines get vLLM's sleep / wake calls, which pause their scheduling and clear their prefix cache,
@@ -294,6 +342,8 @@ def resolve_layout(cfg: Config) -> Layout:
     total = c.nodes * c.gpus_per_node
     # an SFT / DPO run starts no engines
     rollout_devices = cfg.rollout.num_engines * cfg.rollout.engine_tp if c.gpus_per_node and cfg.offline is None else 0
+    if c.gpus_per_node and cfg.reward_model is not None and cfg.offline is None:  # the judge's engines
+        rollout_devices += cfg.reward_model.num_engines * cfg.reward_model.engine_tp
     model_par = p.tp * p.pp * p.cp
     devices = c.trainer_devices
     if devices is not None:
@@ -304,10 +354,12 @@ def resolve_layout(cfg: Config) -> Layout:
         devices, source = total, "colocated: all GPUs"
     else:
         devices, source = total - rollout_devices, "disaggregated: the GPUs left after the engines"
+        judge = " + reward_model.num_engines x reward_model.engine_tp" if cfg.reward_model is not None else ""
         if devices <= 0:
             raise ConfigError(
                 f"cluster: {c.nodes} node(s) x {c.gpus_per_node} GPUs = {total} GPUs leave none for the trainer after "
-                f"rollout.num_engines x rollout.engine_tp = {rollout_devices} engine GPUs (disaggregated placement)")
+                f"rollout.num_engines x rollout.engine_tp{judge} = {rollout_devices} engine GPUs (disaggregated "
+                "placement)")
     if devices % model_par:
         raise ConfigError(f"parallel: tp*pp*cp = {p.tp}*{p.pp}*{p.cp} = {model_par} does not divide the trainer's "
                           f"{devices} devices ({source}); the data-parallel size is cluster.trainer_devices / "
@@ -559,6 +611,7 @@ def validate(cfg: Config, *, has_cuda: bool | None = None, has_te: bool | None =
         has_cuda = dry_run or _cuda_available()  # a dry run never needs the local GPU (and skips importing torch)
     _check_ranges(cfg)
     _check_offline(cfg)
+    _check_reward_model(cfg)
     _check_critic(cfg)
     _check_lora(cfg)
     _check_mode(cfg)

@@ -13,6 +13,7 @@ Two clocks:
     timing/rollout     sync: seconds the engines were generating during the rollout phase;
                        async: seconds the trainer waited for samples (generation overlaps training)
     timing/reward      sync: seconds reward functions ran while no generation was in flight
+                       (sub-key /model: seconds a served judge, reward_model, had a call in flight)
     timing/logprobs    old / reference logprobs, critic values (trainer forward passes)
     timing/train       the optimizer updates (sub-keys timing/train/forward_backward, /optimizer
                        measured on the trainer ranks, /driver = the rest: packing, RPC, pickling)
@@ -141,6 +142,9 @@ class StepTimer:
             out["timing/rollout"] = _length(gen)
             out["timing/reward"] = _length(rew) - _length(_intersect(rew, gen))
             out["timing/rollout/phase"] = self.totals["rollout"]
+        judge = self.clock.intervals("reward_model", self.start, end)
+        if judge:  # reward_model: seconds a served judge had a call in flight (part of rollout / reward)
+            out["timing/reward/model"] = _length(judge)
         if overlapped_rollout:
             busy = [w for k in ("logprobs", "train") for w in self.windows.get(k, [])]
             gen = self.clock.intervals("generate", self.start, end)

@@ -40,6 +40,7 @@ class Plan:
     sync_buffers: list[mem.SyncBuffers] = field(default_factory=list)  # per pipeline rank (colocated GPU runs)
     samples: int = 0                             # sequences per optimizer step
     num_engines: int = 0                         # rollout engines (0: an SFT / DPO run starts none)
+    judge_engines: int = 0                       # reward_model's engines: placed after the rollout engines
 
     @property
     def fits(self) -> bool:
@@ -117,9 +118,11 @@ def make_plan(cfg: Config, layout: Layout) -> Plan:
         tmem.append(mem.trainer_memory(
             params[k], precision=precision, optimizer=t.optimizer, distributed_optimizer=t.use_distributed_optimizer,
             dp_cp=layout.dp * layout.cp, edp=expert_dp(layout), fp8=t.fp8_recipe != "none",
-            reference=(cfg.algorithm.kl_coef > 0 or cfg.dpo is not None), activations=acts, critic=critic[k] if critic else None))
+            reference=(cfg.algorithm.kl_coef > 0 or cfg.dpo is not None), activations=acts,
+            critic=critic[k] if critic else None))
     plan = Plan(cfg, layout, shape, cpu, [], layers, params, tmem, None, [], micro, seq_len, c.gpu_memory_gb * mem.GIB,
-                critic_params=critic, samples=samples, num_engines=0 if offline is not None else r.num_engines)
+                critic_params=critic, samples=samples, num_engines=0 if offline is not None else r.num_engines,
+                judge_engines=cfg.reward_model.num_engines if cfg.reward_model is not None and offline is None else 0)
     if offline is None and seq_len > t.micro_batch_tokens:
         plan.warnings.append(
             f"a full-length sample ({seq_len} tokens = data.max_prompt_tokens + rollout.sampling.max_new_tokens) "
@@ -138,8 +141,8 @@ def make_plan(cfg: Config, layout: Layout) -> Plan:
         utilization=r.gpu_memory_utilization, max_model_len=max_len, enforce_eager=r.enforce_eager,
         lora_rank=_engine_lora_rank(cfg))
     plan.sync_buffers = _sync_buffers(cfg, shape, layers)
-    plan.slots, problems = place(
-        layout, c.nodes, c.gpus_per_node, r.num_engines, r.engine_tp, c.placement == "colocated"
+    plan.slots, problems = place(  # the judge's engines (reward_model) take the slots after the policy's
+        layout, c.nodes, c.gpus_per_node, r.num_engines + plan.judge_engines, r.engine_tp, c.placement == "colocated"
     )
     plan.reasons.extend(problems)
     plan.warnings.extend(tp_groups_spanning_nodes(layout, c.gpus_per_node))

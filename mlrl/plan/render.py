@@ -80,7 +80,8 @@ def _header(plan: Plan) -> list[str]:
         lines.append(f"batch    SFT: {cfg.sft.batch_size} conversations per optimizer step, <= {plan.seq_len} tokens "
                      f"each; {micro}")
     elif cfg.dpo is not None:
-        lines.append(f"batch    DPO ({cfg.dpo.loss_type}, beta {cfg.dpo.beta:g}): {cfg.dpo.batch_size} preference pairs "
+        d = cfg.dpo
+        lines.append(f"batch    DPO ({d.loss_type}, beta {d.beta:g}): {d.batch_size} preference pairs "
                      f"= {plan.samples} sequences per optimizer step, <= {plan.seq_len} tokens each, each pair in one "
                      f"micro-batch; {micro}; a frozen reference copy on every rank")
     else:
@@ -99,6 +100,12 @@ def _header(plan: Plan) -> list[str]:
         lines.append(f"engines  {r.num_engines} x engine_tp {r.engine_tp} = {r.num_engines * r.engine_tp} GPUs "
                      f"(vLLM, {cfg.model.dtype}, gpu_memory_utilization {r.gpu_memory_utilization}, "
                      f"max_model_len {e.max_model_len if e else '-'})")
+    rm = cfg.reward_model
+    if plan.judge_engines and rm is not None:
+        gpus = rm.num_engines * rm.engine_tp
+        where = "vLLM CPU server(s)" if plan.cpu else f"x engine_tp {rm.engine_tp} = {gpus} GPUs"
+        lines.append(f"judge    reward_model {rm.hf_dir} ({rm.kind}): {rm.num_engines} {where}, frozen (never "
+                     f"synced); engine {plan.num_engines}{'+' if plan.judge_engines > 1 else ''} below")
     return lines
 
 
@@ -106,8 +113,9 @@ def _cpu_processes(plan: Plan) -> list[str]:
     lines = ["", "processes (this machine):"]
     for tr in plan.trainer_ranks():
         lines.append(f"  {tr.describe(plan.shape.is_moe)}   (torchrun, gloo)")
-    for e in range(plan.num_engines):
-        lines.append(f"  engine {e:>3}: vLLM CPU server at {plan.cfg.rollout.host} (OpenAI API)")
+    for e in range(plan.num_engines + plan.judge_engines):
+        what = "the judge (reward_model)" if e >= plan.num_engines else "OpenAI API"
+        lines.append(f"  engine {e:>3}: vLLM CPU server at {plan.cfg.rollout.host} ({what})")
     lines.append("")
     lines.append("host memory per trainer process (GiB, rough; no GPU memory to fit on a CPU run):")
     for k, m in enumerate(plan.trainer_memory):
@@ -122,8 +130,9 @@ def _cpu_processes(plan: Plan) -> list[str]:
 def _placement(plan: Plan) -> list[str]:
     lines = ["", "placement (node -> GPU -> role), estimated peak GiB:"]
     for slot, used in zip(plan.slots, plan.gpu_bytes):
+        judge = slot.engine is not None and slot.engine.engine >= plan.num_engines
         roles = ([slot.trainer.describe(plan.shape.is_moe)] if slot.trainer else []) + \
-            ([slot.engine.describe()] if slot.engine else [])
+            ([slot.engine.describe() + (" (judge)" if judge else "")] if slot.engine else [])
         roles = roles or ["idle"]
         lines.append(f"  node {slot.node:>3} GPU {slot.gpu}  {'  +  '.join(roles):<78} {_g(used):>7}")
     return lines

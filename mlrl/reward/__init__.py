@@ -9,6 +9,7 @@ Signature of every reward function (AReaL's):
 from typing import TYPE_CHECKING
 
 from mlrl.reward import builtin as _builtin  # noqa: F401  (registers the built-ins)
+from mlrl.reward import model as _model  # noqa: F401  (registers reward_model, the served judge)
 from mlrl.reward.builtin import extract_boxed, extract_final_number, final_answer_text, math_equal, parse_number
 from mlrl.reward.registry import get_reward_fn, import_from_string, list_rewards, register_reward, reward_data
 from mlrl.reward.wrapper import (

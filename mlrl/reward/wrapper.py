@@ -14,6 +14,8 @@ Invariants kept here:
 - a function registered with `inline=True` (mlrl.reward.registry: pure and cheap, e.g.
   `exact_match`) is called in this thread, without the pool: its round trip would cost more than
   the function;
+- a coroutine function (e.g. `reward_model`, which asks the judge's engines) is awaited on the
+  event loop with the timeout, never sent to the pool; `score_many` runs its calls concurrently;
 - pools are shared per (max_workers, start method) inside one process, like AReaL's, and use the
   `forkserver` start method by default: forking a process that holds tokenizer / HTTP / OpenMP
   threads can deadlock the child. Like vLLM's spawned engine, this re-imports the main script in
@@ -26,18 +28,19 @@ import asyncio
 import atexit
 import contextlib
 import contextvars
+import inspect
 import logging
 import multiprocessing
 import os
 import pickle
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 from mlrl.metrics.timer import ACTIVITY
 from mlrl.reward.registry import is_inline
@@ -186,7 +189,8 @@ class AsyncRewardWrapper:
         self.stats = RewardStats()
         self._key = (self.max_workers, mp_context or default_start_method())
         self.inline = is_inline(reward_fn)  # called here, no pool (register_reward(inline=True))
-        if self.max_workers > 0 and not self.inline:
+        self.is_async = inspect.iscoroutinefunction(reward_fn)  # awaited on the event loop, no pool
+        if self.max_workers > 0 and not self.inline and not self.is_async:
             try:
                 pickle.dumps(reward_fn)
             except Exception as e:
@@ -243,9 +247,25 @@ class AsyncRewardWrapper:
                 return "raised", e
         return "broken", None  # unreachable
 
+    async def _await(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, Any]:
+        """A coroutine reward function, awaited here with the timeout: ("ok", value), ("timeout",
+        None) or ("raised", exception)."""
+        try:
+            call = cast("Coroutine[Any, Any, Any]", self.reward_fn(*args, **kwargs))  # is_async: a coroutine
+            return "ok", await asyncio.wait_for(call, timeout=self.timeout)
+        except (TimeoutError, asyncio.TimeoutError):
+            return "timeout", None
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the user's function raised
+            return "raised", e
+
     async def _call(self, *args: Any, **kwargs: Any) -> float:
         self._bump("calls")
-        status, value = await self._run(partial(self.reward_fn, *args, **kwargs), self.timeout)
+        if self.is_async:
+            status, value = await self._await(args, kwargs)
+        else:
+            status, value = await self._run(partial(self.reward_fn, *args, **kwargs), self.timeout)
         if status == "timeout":
             self._bump("timeouts")
             logger.warning("reward %s timed out after %.1fs; reward 0.0", self.name, self.timeout)
@@ -274,6 +294,9 @@ class AsyncRewardWrapper:
         counts as a timeout."""
         if not calls:
             return []
+        if self.is_async:  # each call its own task and timeout; the engines batch them
+            with ACTIVITY.busy("reward"):
+                return list(await asyncio.gather(*(self._call(*a, **k) for a, k in calls)))
         with ACTIVITY.busy("reward"):
             for _ in calls:
                 self._bump("calls")

@@ -1,0 +1,122 @@
+"""A reward model served in the pool: an LLM judge on its own vLLM engines (`reward_model:` in the
+config, `workflow.reward=reward_model`).
+
+`ModelJudge.score` renders (question, response, reference answer) into the judge's prompt template
+as one user turn of the judge's chat template, asks the judge's engines for a greedy reply of at
+most `max_tokens` tokens, and returns the first group of `score_pattern`'s first match divided by
+`max_score`. A reply without a score, or an engine error, raises `JudgeError`: the reward wrapper
+records it as a failure of that episode's reward (reward 0.0), and the run goes on.
+
+The engines are the rollout package's `EnginePool` (mlrl.run starts them beside the policy's and
+calls `set_active_judge`); this module sees only `InferenceEngine.agenerate`, so it imports neither
+vLLM nor the rollout package. The judge's engines are never weight-synced: the judge is frozen.
+
+Measured per step (`ModelJudge.metrics`, logged as `reward_model/*`): calls, unparsable replies,
+mean reply length, and the seconds at least one judge call was in flight (`timing/reward_model`,
+a sub-phase of the rollout: it overlaps generation).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import TYPE_CHECKING, Any
+
+from mlrl.metrics.timer import ACTIVITY
+from mlrl.reward.registry import register_reward
+from mlrl.types import GenerationHyperparameters, ModelRequest, StopReason
+
+if TYPE_CHECKING:
+    from mlrl.interfaces import InferenceEngine
+
+
+class JudgeError(RuntimeError):
+    """The judge gave no usable score for one response (recorded as a reward failure)."""
+
+
+class ModelJudge:
+    def __init__(self, engine: "InferenceEngine", tokenizer: Any, *, prompt_template: str, score_pattern: str,
+                 max_score: float = 10.0, max_tokens: int = 16):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.template = prompt_template
+        self.pattern = re.compile(score_pattern)
+        if self.pattern.groups < 1:
+            raise ValueError(f"reward_model.score_pattern={score_pattern!r} needs a group capturing the number")
+        if max_score <= 0:
+            raise ValueError(f"reward_model.max_score={max_score}: expected > 0")
+        self.max_score = float(max_score)
+        self.gconfig = GenerationHyperparameters(max_new_tokens=max_tokens, greedy=True, temperature=0.0)
+        self.reset_metrics()
+
+    def reset_metrics(self) -> None:
+        self.calls = self.unparsed = self.errors = self.reply_tokens = 0
+
+    def metrics(self) -> dict[str, float]:
+        """Since the last call: reward_model/{calls, unparsed, engine_errors, reply_tokens_mean}; resets."""
+        out = {"reward_model/calls": float(self.calls), "reward_model/unparsed": float(self.unparsed),
+               "reward_model/engine_errors": float(self.errors)}
+        if self.calls:
+            out["reward_model/reply_tokens_mean"] = self.reply_tokens / self.calls
+        self.reset_metrics()
+        return out
+
+    def prompt_ids(self, question: str, response: str, answer: Any = None) -> list[int]:
+        text = self.template.format(question=question, response=response, answer="" if answer is None else answer)
+        # (mlrl.data.tokenizer.apply_chat_template does the same; mlrl.data imports this package, not back)
+        out = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                                 add_generation_prompt=True, return_dict=False)
+        return list(out if isinstance(out, list) else out["input_ids"])
+
+    def parse(self, reply: str) -> float:
+        m = self.pattern.search(reply)
+        if m is None:
+            raise JudgeError(f"the judge's reply {reply[:80]!r} has no score (reward_model.score_pattern "
+                             f"{self.pattern.pattern!r})")
+        return float(m.group(1)) / self.max_score
+
+    async def score(self, question: str, response: str, answer: Any = None) -> float:
+        self.calls += 1
+        with ACTIVITY.busy("reward_model"):
+            t0 = time.perf_counter()
+            resp = await self.engine.agenerate(ModelRequest(self.prompt_ids(question, response, answer),
+                                                            gconfig=self.gconfig))
+        if resp.stop_reason == StopReason.ERROR:
+            self.errors += 1
+            raise JudgeError(f"the judge's engine failed after {time.perf_counter() - t0:.1f}s: {resp.error}")
+        self.reply_tokens += len(resp.output_tokens)
+        try:
+            return self.parse(self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True))
+        except JudgeError:
+            self.unparsed += 1
+            raise
+
+
+_ACTIVE: list[ModelJudge] = []
+
+
+def set_active_judge(judge: ModelJudge | None) -> None:
+    """The judge `workflow.reward=reward_model` scores with (mlrl.run sets it while the engines run)."""
+    _ACTIVE[:] = [judge] if judge is not None else []
+
+
+def active_judge() -> ModelJudge | None:
+    return _ACTIVE[0] if _ACTIVE else None
+
+
+def _question(prompt: str, data: dict[str, Any]) -> str:
+    """The last user turn of the row's messages (what the policy was asked), else the prompt text."""
+    for m in reversed(data.get("messages") or []):
+        if isinstance(m, dict) and m.get("role") == "user" and isinstance(m.get("content"), str):
+            return m["content"]
+    return prompt
+
+
+@register_reward("reward_model")
+async def reward_model(prompt: str, completions: str, prompt_ids: Any = None, completion_ids: Any = None,
+                       **data: Any) -> float:
+    """The served reward model's score of `completions` (see ModelJudge)."""
+    judge = active_judge()
+    if judge is None:
+        raise JudgeError("workflow.reward=reward_model, but no reward model is running (add a reward_model: section)")
+    return await judge.score(_question(prompt, data), completions, data.get("answer"))
