@@ -31,7 +31,7 @@ from mlrl.loop import RunContext, train_async, train_sync
 from mlrl.metrics import MetricsLogger
 from mlrl.metrics.timer import timing_table
 from mlrl.modelzoo import resolve_model_dir
-from mlrl.reward.model import ModelJudge, set_active_judge
+from mlrl.reward.model import ClassifierJudge, ModelJudge, set_active_judge
 from mlrl.rollout.pool import EnginePool
 from mlrl.rollout.server import ServerSpec
 from mlrl.trainer.driver.client import CriticClient, MegatronWeightSource, TrainerClient
@@ -246,7 +246,8 @@ async def _run(cfg: Config, layout: Layout) -> int:
                                             cpu_kv_cache_gb=rm.cpu_kv_cache_gb, max_model_len=rm.max_model_len,
                                             gpu_memory_utilization=rm.gpu_memory_utilization)
             judge_pool = EnginePool(judge_cfg, judge_dir, dtype=cfg.model.dtype, run_dir=run_dir / "reward_model",
-                                    cuda_devices=devices[n:] if devices is not None else None)
+                                    cuda_devices=devices[n:] if devices is not None else None,
+                                    runner="pooling" if rm.kind == "classifier" else None)
         clock.mark("checks")
         pool_started = asyncio.create_task(clock.span("engines", pool.start()))
         judge_started = asyncio.create_task(judge_pool.start()) if judge_pool is not None else None
@@ -266,9 +267,10 @@ async def _run(cfg: Config, layout: Layout) -> int:
                 await judge_started
         if judge_pool is not None and cfg.reward_model is not None:
             rm = cfg.reward_model
-            set_active_judge(ModelJudge(judge_pool, judge_tokenizer, prompt_template=rm.prompt_template,
-                                        score_pattern=rm.score_pattern, max_score=rm.max_score,
-                                        max_tokens=rm.max_tokens))
+            set_active_judge(
+                ClassifierJudge(judge_pool, judge_tokenizer) if rm.kind == "classifier" else
+                ModelJudge(judge_pool, judge_tokenizer, prompt_template=rm.prompt_template,
+                           score_pattern=rm.score_pattern, max_score=rm.max_score, max_tokens=rm.max_tokens))
         clock.mark("processes")
         policy = TrainerClient(group)
         checkpointer = Checkpointer(ckpts, run_dir, policy, with_critic=cfg.uses_critic,

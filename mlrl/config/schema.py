@@ -418,8 +418,11 @@ class RewardModelConfig:
     hf_dir: str = ""
     """The judge's Hugging Face folder (or builtin:<name>)."""
     kind: str = "generative"
-    """generative (an LLM judge on vLLM engines). A sequence-classification reward model is not
-    served by this version (validation says so)."""
+    """generative: an LLM judge (the fields below). classifier: an HF *ForSequenceClassification
+    reward model on vLLM engines with --runner pooling; the reward is the probability of its last
+    label for the conversation (question as the user turn, response as the assistant turn) in the
+    reward model's chat template (one label: the sigmoid of its score); the template / pattern /
+    max_score / max_tokens fields are generative-only."""
     num_engines: int = 1
     engine_tp: int = 1
     prompt_template: str = JUDGE_TEMPLATE

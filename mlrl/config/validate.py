@@ -266,9 +266,15 @@ def _check_reward_model(cfg: Config) -> None:
     if not uses:
         raise ConfigError(f"reward_model: the served judge scores only through workflow.reward=reward_model, but "
                           f"workflow.reward={cfg.workflow.reward}; set it, or remove the reward_model section")
-    if rm.kind != "generative":
-        raise ConfigError(f"reward_model.kind={rm.kind!r}: this version serves generative judges (an LLM on vLLM "
-                          "engines, kind: generative); a sequence-classification reward model is not served yet")
+    if rm.kind not in ("generative", "classifier"):
+        raise ConfigError(f"reward_model.kind={rm.kind!r}: expected generative (an LLM judge) or classifier (a "
+                          "sequence-classification reward model)")
+    if rm.kind == "classifier":
+        default = type(rm)()
+        for name in ("prompt_template", "score_pattern", "max_score", "max_tokens"):
+            if getattr(rm, name) != getattr(default, name):
+                raise ConfigError(f"reward_model.{name}: a generative judge's setting; a classifier reward model "
+                                  "scores the conversation itself (remove it, or use kind: generative)")
     if not rm.hf_dir:
         raise ConfigError("reward_model.hf_dir: the judge's Hugging Face folder (or builtin:<name>) is required")
     for name in ("num_engines", "engine_tp", "max_tokens"):

@@ -1,5 +1,6 @@
-"""A reward model served in the pool: an LLM judge on its own vLLM engines (`reward_model:` in the
-config, `workflow.reward=reward_model`).
+"""A reward model served in the pool on its own vLLM engines (`reward_model:` in the config,
+`workflow.reward=reward_model`): an LLM judge (kind=generative, `ModelJudge`) or a
+sequence-classification reward model (kind=classifier, `ClassifierJudge`).
 
 `ModelJudge.score` renders (question, response, reference answer) into the judge's prompt template
 as one user turn of the judge's chat template, asks the judge's engines for a greedy reply of at
@@ -35,6 +36,8 @@ class JudgeError(RuntimeError):
 
 
 class ModelJudge:
+    generates = True  # the judge writes a reply (reward_model/reply_tokens_mean)
+
     def __init__(self, engine: "InferenceEngine", tokenizer: Any, *, prompt_template: str, score_pattern: str,
                  max_score: float = 10.0, max_tokens: int = 16):
         self.engine = engine
@@ -56,7 +59,7 @@ class ModelJudge:
         """Since the last call: reward_model/{calls, unparsed, engine_errors, reply_tokens_mean}; resets."""
         out = {"reward_model/calls": float(self.calls), "reward_model/unparsed": float(self.unparsed),
                "reward_model/engine_errors": float(self.errors)}
-        if self.calls:
+        if self.calls and self.generates:
             out["reward_model/reply_tokens_mean"] = self.reply_tokens / self.calls
         self.reset_metrics()
         return out
@@ -90,6 +93,39 @@ class ModelJudge:
         except JudgeError:
             self.unparsed += 1
             raise
+
+
+class ClassifierJudge(ModelJudge):
+    """kind=classifier: a sequence-classification reward model (an HF `*ForSequenceClassification`
+    folder) on vLLM engines with `--runner pooling`. The conversation (the question as a user turn,
+    the response as the assistant turn) is rendered with the reward model's chat template and the
+    reward is the probability of its last label (one label: the sigmoid of the model's score)."""
+
+    generates = False
+
+    def __init__(self, engine: Any, tokenizer: Any):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.reset_metrics()
+
+    def conversation_ids(self, question: str, response: str) -> list[int]:
+        out = self.tokenizer.apply_chat_template([{"role": "user", "content": question},
+                                                  {"role": "assistant", "content": response}],
+                                                 tokenize=True, return_dict=False)
+        return list(out if isinstance(out, list) else out["input_ids"])
+
+    async def score(self, question: str, response: str, answer: Any = None) -> float:
+        self.calls += 1
+        with ACTIVITY.busy("reward_model"):
+            try:
+                probs = await self.engine.aclassify(self.conversation_ids(question, response))
+            except Exception as e:  # the engine's error, recorded on this episode's reward
+                self.errors += 1
+                raise JudgeError(f"the reward model's engine failed: {type(e).__name__}: {e}") from None
+        if not probs:
+            self.unparsed += 1
+            raise JudgeError("the reward model returned no class probabilities")
+        return float(probs[-1])
 
 
 _ACTIVE: list[ModelJudge] = []

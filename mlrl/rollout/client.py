@@ -392,6 +392,18 @@ class EngineClient:
             raise EngineUnavailableError(f"{self.name}: expected {len(token_ids) - 1} prompt logprobs, got {len(out)}")
         return out
 
+    async def classify(self, token_ids: list[int]) -> list[float]:
+        """A pooling engine's (`--runner pooling`) class probabilities for one sequence (vLLM's
+        /classify; one label: the sigmoid of the reward model's score)."""
+        body: dict[str, Any] = {"input": [list(token_ids)]}
+        if self.model is not None:
+            body["model"] = self.model
+        js = await self._post("/classify", json=body)
+        try:
+            return [float(p) for p in js["data"][0]["probs"]]
+        except (KeyError, IndexError, TypeError, ValueError):
+            raise EngineError(f"{self.name}: /classify answered {str(js)[:200]}") from None
+
     async def tokenize_chat(
         self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, **template_kwargs: Any
     ) -> list[int]:

@@ -121,7 +121,7 @@ class EnginePool:
                  run_dir: str | Path | None = None, initial_version: int = 0,
                  cuda_devices: Sequence[Sequence[int]] | None = None, max_restarts: int = 3,
                  command: list[str] | None = None, lora_rank: int | None = None, sleep_mode: bool = False,
-                 capture_routing: bool = False,
+                 capture_routing: bool = False, runner: str | None = None,
                  server_factory: Callable[[int, ServerSpec], EngineServer] | None = None) -> None:
         if cfg.num_engines < 1:
             raise ValueError(f"rollout.num_engines must be >= 1, got {cfg.num_engines}")
@@ -150,7 +150,8 @@ class EnginePool:
                                           routed_experts=capture_routing,
                                           log_path=str(self.run_dir / "engines" / f"engine-{i}.log"),
                                           cuda_devices=None if cuda_devices is None else list(cuda_devices[i]),
-                                          command=command, lora_rank=lora_rank, sleep_mode=sleep_mode)
+                                          command=command, lora_rank=lora_rank, sleep_mode=sleep_mode,
+                                          runner=runner)
             self.engines.append(EngineHandle(i, server_factory(i, spec) if server_factory else EngineServer(spec)))
         self._version = initial_version
         self._cond = asyncio.Condition()
@@ -402,6 +403,22 @@ class EnginePool:
         except (EngineRequestError, EngineUnavailableError) as err:
             return _failed(ModelResponse(input_tokens=[], rid=req.rid), str(err), time.monotonic())
         return await self.agenerate(req)
+
+    async def aclassify(self, token_ids: list[int]) -> list[float]:
+        """Class probabilities of one sequence from a pooling engine (`runner="pooling"`: a served
+        sequence-classification reward model), on the least busy engine; EngineError when it fails."""
+        req = ModelRequest(list(token_ids))
+        e = await self._acquire(req)
+        if e is None or e.client is None:
+            raise EngineUnavailableError("no engine to classify on")
+        try:
+            self.stats["requests"] += 1
+            return await asyncio.wait_for(e.client.classify(req.input_ids), timeout=self.cfg.request_timeout_s)
+        except asyncio.TimeoutError:
+            raise EngineUnavailableError(f"{e.name}: /classify timed out after {self.cfg.request_timeout_s:.0f} s "
+                                         "(rollout.request_timeout_s)") from None
+        finally:
+            await self._release(e)
 
     async def abort(self, rid: str) -> bool:
         """Abort one request: its `agenerate` returns ABORT with the tokens produced so far. False if unknown."""

@@ -95,6 +95,7 @@ class ServerSpec:
     seed: int = 0
     lora_rank: int | None = None  # serve LoRA adapters up to this rank, loaded at runtime (lora_mode=adapter)
     sleep_mode: bool = False      # colocated placement: --enable-sleep-mode on GPU (vLLM's CPU build refuses it)
+    runner: str | None = None     # vLLM's --runner: "pooling" serves a sequence-classification reward model
     routed_experts: bool = False  # router replay: on GPU vLLM's own capture (--enable-return-routed-experts,
     #                               Model Runner V2); on CPU the worker extension captures (mlrl.rollout.routing)
     command: list[str] | None = (
@@ -171,6 +172,8 @@ def server_command(spec: ServerSpec, port: int) -> list[str]:
            # last, runs first, then the batched-generate route (batch_route.py)
            "--middleware", BATCH_MIDDLEWARE, "--middleware", MIDDLEWARE,
            "--served-model-name", "mlrl-policy", "--uvicorn-log-level", "warning"]
+    if spec.runner:
+        cmd += ["--runner", spec.runner]
     if spec.max_model_len:
         cmd += ["--max-model-len", str(spec.max_model_len)]
     if spec.enforce_eager:

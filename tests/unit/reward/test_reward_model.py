@@ -123,7 +123,9 @@ RECIPE = Path(__file__).resolve().parents[3] / "launch" / "cpu_default.yaml"
 @pytest.mark.parametrize("overrides, message", [
     ([JUDGE], "reward_model: the served judge scores only through workflow.reward=reward_model"),
     (["workflow.reward=reward_model"], "workflow.reward=reward_model scores with a served judge: add a reward_model"),
-    ([JUDGE, "workflow.reward=reward_model", "reward_model.kind=classifier"], "reward_model.kind='classifier'"),
+    ([JUDGE, "workflow.reward=reward_model", "reward_model.kind=scalar"], "reward_model.kind='scalar': expected"),
+    ([JUDGE, "workflow.reward=reward_model", "reward_model.kind=classifier", "reward_model.max_tokens=4"],
+     "reward_model.max_tokens: a generative judge's setting"),
     (["reward_model={num_engines: 1}", "workflow.reward=reward_model"], "reward_model.hf_dir: .* is required"),
     ([JUDGE, "workflow.reward=reward_model", "reward_model.num_engines=0"], "reward_model.num_engines"),
     ([JUDGE, "workflow.reward=reward_model", "reward_model.score_pattern='[0-9]'"], "needs a group capturing"),
