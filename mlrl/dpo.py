@@ -28,16 +28,13 @@ from mlrl.algorithms.dpo import make_dpo_loss_fn
 from mlrl.algorithms.loss_metrics import combine_loss_metrics, finalize_loss_metrics
 from mlrl.config import Config, ConfigError, Layout
 from mlrl.config.schema import DPOConfig
-from mlrl.data import get_dataset
 from mlrl.data.preference import Side
 from mlrl.data.registry import PreferenceDataset
-from mlrl.data.rows import DatasetError
 from mlrl.experience.packing import pack_step
 from mlrl.interfaces import PerDP
-from mlrl.offline import run_offline
+from mlrl.offline import load_splits, run_offline
 from mlrl.trainer.driver.client import TrainerClient
 from mlrl.types import Sample
-from mlrl.workflow import load_hf_tokenizer
 
 log = logging.getLogger("mlrl.dpo")
 KIND = "dpo"  # recorded in the checkpoint's loop state
@@ -54,25 +51,9 @@ def _dpo_section(cfg: Config) -> DPOConfig:
 def load_preference_data(cfg: Config, hf_dir: Path) -> tuple[PreferenceDataset, PreferenceDataset | None]:
     """The tokenised train (and eval) pairs; bad rows are a ConfigError naming the row (skipped with a
     warning under data.skip_malformed)."""
-    d = _dpo_section(cfg)
-    tokenizer = load_hf_tokenizer(str(hf_dir))
     out: list[PreferenceDataset | None] = []
-    for which, name, split in (("train", cfg.data.train, "train"), ("eval", cfg.data.eval, "test")):
-        if not name:
-            out.append(None)
-            continue
-        synthetic = str(name).startswith("synthetic:")
-        try:
-            ds = get_dataset(name, split, "dpo", tokenizer, d.max_seq_tokens, skip_malformed=cfg.data.skip_malformed,
-                             seed=cfg.trainer.seed, num_rows=cfg.data.num_synthetic if synthetic else None)
-        except DatasetError as e:
-            raise ConfigError(f"data.{which}: {e}") from None
-        except ValueError as e:
-            if "chat template" in str(e).lower() or "chat_template" in str(e):
-                raise ConfigError(f"model.hf_dir: the tokenizer of {hf_dir} has no chat template, which renders the "
-                                  f"conversations of data.{which} ({name})") from None
-            raise
-        if ds.skipped:
+    for which, ds in load_splits(cfg, hf_dir, "dpo", _dpo_section(cfg).max_seq_tokens):
+        if ds is not None and ds.skipped:
             log.warning("data.%s: skipped %d malformed pair(s), e.g. %s", which, len(ds.skipped), ds.skipped[0])
         out.append(ds)
     train = out[0]

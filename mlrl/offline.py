@@ -16,18 +16,48 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Literal, Protocol, Sequence
 
 from mlrl.checkpoint import Checkpointer, CheckpointManager, read_state
 from mlrl.checkpoint.init_from import check_model_init_from
 from mlrl.config import Config, ConfigError, Layout, dump_yaml
+from mlrl.data import get_dataset
+from mlrl.data.rows import DatasetError
 from mlrl.data.sampler import PromptSampler
 from mlrl.metrics import MetricsLogger
 from mlrl.modelzoo import resolve_model_dir
 from mlrl.trainer.driver.client import TrainerClient
 from mlrl.trainer.driver.group import TrainerGroup, rank_env
+from mlrl.workflow import load_hf_tokenizer
 
 log = logging.getLogger("mlrl.offline")
+
+
+def load_splits(cfg: Config, hf_dir: Path, kind: Literal["sft", "dpo"],
+                max_seq_tokens: int) -> list[tuple[str, Any]]:
+    """[("train", dataset), ("eval", dataset or None)]: data.train and data.eval (its "test" split)
+    tokenised for `kind` with the model's tokenizer. A bad row or a tokenizer without a chat
+    template is a ConfigError naming the field, before any process starts."""
+    tokenizer = load_hf_tokenizer(str(hf_dir))
+    out: list[tuple[str, Any]] = []
+    for which, name, split in (("train", cfg.data.train, "train"), ("eval", cfg.data.eval, "test")):
+        if not name:
+            out.append((which, None))
+            continue
+        synthetic = str(name).startswith("synthetic:")
+        try:
+            ds = get_dataset(name, split, kind, tokenizer, max_seq_tokens, skip_malformed=cfg.data.skip_malformed,
+                             seed=cfg.trainer.seed, num_rows=cfg.data.num_synthetic if synthetic else None)
+        except DatasetError as e:
+            raise ConfigError(f"data.{which}: {e}") from None
+        except ValueError as e:
+            if "chat template" in str(e).lower() or "chat_template" in str(e):
+                raise ConfigError(f"model.hf_dir: the tokenizer of {hf_dir} has no chat template, which renders the "
+                                  f"conversations of data.{which} ({name}); add one (chat_template in "
+                                  "tokenizer_config.json or chat_template.jinja)") from None
+            raise
+        out.append((which, ds))
+    return out
 
 
 class OfflineJob(Protocol):

@@ -9,7 +9,6 @@ on resume, brings the engines to the checkpoint's weights) before the first step
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import gc
 import json
 import logging
@@ -242,10 +241,8 @@ async def _run(cfg: Config, layout: Layout) -> int:
                           capture_routing=cfg.algorithm.router_replay)
         if cfg.reward_model is not None and judge_dir is not None:
             rm = cfg.reward_model
-            judge_cfg = dataclasses.replace(cfg.rollout, num_engines=rm.num_engines, engine_tp=rm.engine_tp,
-                                            cpu_kv_cache_gb=rm.cpu_kv_cache_gb, max_model_len=rm.max_model_len,
-                                            gpu_memory_utilization=rm.gpu_memory_utilization)
-            judge_pool = EnginePool(judge_cfg, judge_dir, dtype=cfg.model.dtype, run_dir=run_dir / "reward_model",
+            judge_pool = EnginePool(rm.engines(cfg.rollout), judge_dir, dtype=cfg.model.dtype,
+                                    run_dir=run_dir / "reward_model",
                                     cuda_devices=devices[n:] if devices is not None else None,
                                     runner="pooling" if rm.kind == "classifier" else None)
         clock.mark("checks")

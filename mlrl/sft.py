@@ -22,14 +22,11 @@ from typing import Any, Sequence
 
 from mlrl.config import Config, ConfigError, Layout
 from mlrl.config.schema import SFTConfig
-from mlrl.data import get_dataset
 from mlrl.data.registry import SFTDataset
-from mlrl.data.rows import DatasetError
 from mlrl.experience.packing import pack_step
-from mlrl.offline import run_offline
+from mlrl.offline import load_splits, run_offline
 from mlrl.trainer.driver.client import TrainerClient
 from mlrl.types import Sample
-from mlrl.workflow import load_hf_tokenizer
 
 log = logging.getLogger("mlrl.sft")
 KIND = "sft"  # recorded in the checkpoint's loop state: an RL run does not resume an SFT checkpoint
@@ -38,30 +35,12 @@ KIND = "sft"  # recorded in the checkpoint's loop state: an RL run does not resu
 def load_sft_data(cfg: Config, hf_dir: Path) -> tuple[SFTDataset, SFTDataset | None]:
     """The tokenised train (and eval) examples; rows without an assistant turn are skipped with a
     warning naming them; a tokenizer without a chat template is a ConfigError."""
-    sft = _sft_section(cfg)
-    tokenizer = load_hf_tokenizer(str(hf_dir))
     out = []
-    for which, name, split in (("train", cfg.data.train, "train"), ("eval", cfg.data.eval, "test")):
-        if not name:
-            out.append(None)
-            continue
-        synthetic = str(name).startswith("synthetic:")
-        try:
-            ds = get_dataset(name, split, "sft", tokenizer, sft.max_seq_tokens,
-                             skip_malformed=cfg.data.skip_malformed, seed=cfg.trainer.seed,
-                             num_rows=cfg.data.num_synthetic if synthetic else None)
-        except DatasetError as e:
-            raise ConfigError(f"data.{which}: {e}") from None
-        except ValueError as e:
-            if "chat template" in str(e).lower() or "chat_template" in str(e):
-                raise ConfigError(f"model.hf_dir: the tokenizer of {hf_dir} has no chat template, which renders the "
-                                  f"conversations of data.{which} ({name}); add one (chat_template in "
-                                  "tokenizer_config.json or chat_template.jinja)") from None
-            raise
-        if ds.no_assistant:
+    for which, ds in load_splits(cfg, hf_dir, "sft", _sft_section(cfg).max_seq_tokens):
+        if ds is not None and ds.no_assistant:
             log.warning("data.%s: skipped %d row(s) without an assistant turn, e.g. %s", which, len(ds.no_assistant),
                         "; ".join(ds.no_assistant[:3]))
-        if ds.skipped:
+        if ds is not None and ds.skipped:
             log.warning("data.%s: skipped %d malformed row(s), e.g. %s", which, len(ds.skipped), ds.skipped[0])
         out.append(ds)
     return out[0], out[1]

@@ -7,7 +7,7 @@ that need the model's HF config or the machine live in `validate.py`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Optional, Union
 
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -434,6 +434,12 @@ class RewardModelConfig:
     cpu_kv_cache_gb: float = 1.0
     gpu_memory_utilization: float = 0.85
     max_model_len: Optional[int] = None
+
+    def engines(self, rollout: RolloutConfig) -> RolloutConfig:
+        """The judge's engine-pool settings: the rollout's, with this section's engine fields."""
+        return replace(rollout, num_engines=self.num_engines, engine_tp=self.engine_tp,
+                                   cpu_kv_cache_gb=self.cpu_kv_cache_gb, max_model_len=self.max_model_len,
+                                   gpu_memory_utilization=self.gpu_memory_utilization)
 
 
 @dataclass

@@ -31,6 +31,14 @@ if TYPE_CHECKING:
     from mlrl.interfaces import InferenceEngine
 
 
+def _chat_ids(tokenizer: Any, messages: list[dict[str, str]], *, add_generation_prompt: bool = False) -> list[int]:
+    """The token ids of `messages` in the tokenizer's chat template. (mlrl.data.tokenizer's
+    apply_chat_template does the same; mlrl.data imports this package, so it cannot be imported here.)"""
+    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
+                                        return_dict=False)
+    return list(out if isinstance(out, list) else out["input_ids"])
+
+
 class JudgeError(RuntimeError):
     """The judge gave no usable score for one response (recorded as a reward failure)."""
 
@@ -66,10 +74,7 @@ class ModelJudge:
 
     def prompt_ids(self, question: str, response: str, answer: Any = None) -> list[int]:
         text = self.template.format(question=question, response=response, answer="" if answer is None else answer)
-        # (mlrl.data.tokenizer.apply_chat_template does the same; mlrl.data imports this package, not back)
-        out = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
-                                                 add_generation_prompt=True, return_dict=False)
-        return list(out if isinstance(out, list) else out["input_ids"])
+        return _chat_ids(self.tokenizer, [{"role": "user", "content": text}], add_generation_prompt=True)
 
     def parse(self, reply: str) -> float:
         m = self.pattern.search(reply)
@@ -109,10 +114,8 @@ class ClassifierJudge(ModelJudge):
         self.reset_metrics()
 
     def conversation_ids(self, question: str, response: str) -> list[int]:
-        out = self.tokenizer.apply_chat_template([{"role": "user", "content": question},
-                                                  {"role": "assistant", "content": response}],
-                                                 tokenize=True, return_dict=False)
-        return list(out if isinstance(out, list) else out["input_ids"])
+        return _chat_ids(self.tokenizer, [{"role": "user", "content": question},
+                                          {"role": "assistant", "content": response}])
 
     async def score(self, question: str, response: str, answer: Any = None) -> float:
         self.calls += 1

@@ -157,3 +157,30 @@ def test_the_judges_gpus_are_taken_from_the_trainers():
     with pytest.raises(ConfigError, match="reward_model.engine_tp=1"):
         validate(load_config(RECIPE, [*base, "reward_model={hf_dir: builtin:tiny-llama}",
                                     "workflow.reward=reward_model"]), dry_run=True)
+
+
+def test_the_judges_engine_fields_reach_its_servers(monkeypatch):
+    """Each engine field of reward_model changes the judge's server (two values each), and none of
+    the policy's: the judge's pool is built from `RewardModelConfig.engines(rollout)`."""
+    from mlrl.config.schema import RewardModelConfig, RolloutConfig
+    from mlrl.rollout import server
+
+    rollout = RolloutConfig(num_engines=3, engine_tp=1, cpu_kv_cache_gb=1.0, max_model_len=256)
+
+    def launch(rm: RewardModelConfig, gpu: bool) -> tuple[list[str], dict[str, str], int]:
+        monkeypatch.setattr(server, "_on_gpu", lambda: gpu)
+        cfg = rm.engines(rollout)
+        spec = server.ServerSpec.from_config(cfg, "engine-0", "/judge", "float32", "t")
+        return server.server_command(spec, 1), server.server_env(spec, {}), cfg.num_engines
+
+    a = launch(RewardModelConfig(hf_dir="/judge", num_engines=1, cpu_kv_cache_gb=2.0, max_model_len=128), False)
+    b = launch(RewardModelConfig(hf_dir="/judge", num_engines=2, cpu_kv_cache_gb=4.0, max_model_len=512), False)
+    assert (a[2], b[2]) == (1, 2)  # not the rollout's 3
+    assert (a[1]["VLLM_CPU_KVCACHE_SPACE"], b[1]["VLLM_CPU_KVCACHE_SPACE"]) == ("2", "4")
+    assert "128" in a[0] and "512" in b[0] and "256" not in a[0] + b[0]
+    tp = launch(RewardModelConfig(hf_dir="/judge", engine_tp=2), False)[0]
+    assert tp[tp.index("--tensor-parallel-size") + 1] == "2"
+    g1 = launch(RewardModelConfig(hf_dir="/judge", gpu_memory_utilization=0.5), True)[0]
+    g2 = launch(RewardModelConfig(hf_dir="/judge", gpu_memory_utilization=0.7), True)[0]
+    flag = "--gpu-memory-utilization"
+    assert g1[g1.index(flag) + 1] == "0.5" and g2[g2.index(flag) + 1] == "0.7"
