@@ -492,9 +492,11 @@ def _check_devices(cfg: Config, has_cuda: bool) -> None:
         )
 
 
-# router replay: vLLM releases whose MoE routers accept a capture callback (BaseRouter.set_capture_fn) and whose
-# generate endpoint returns routed_experts; both paths below rely on them
-MIN_VLLM_ROUTING = (0, 31)
+# router replay, the oldest vLLM each capture path runs on. CPU: mlrl's own capture, through MoE routers that
+# accept a capture callback (BaseRouter.set_capture_fn), 0.31. GPU: vLLM's --enable-return-routed-experts on its
+# V1 model runner, whose generate endpoint returns routed_experts, 0.26 (mlrl.rollout.vllm_compat keeps 0.26 on
+# that runner).
+MIN_VLLM_ROUTING = {"cpu": (0, 31), "gpu": (0, 26)}
 
 
 def routing_capture_problem(*, gpu: bool, lora_adapter: bool = False) -> str | None:
@@ -517,9 +519,11 @@ def routing_capture_problem(*, gpu: bool, lora_adapter: bool = False) -> str | N
         parsed = tuple(int(x) for x in version.split("+")[0].split(".")[:2])
     except ValueError:
         return None  # a development build: assume current
-    if parsed < MIN_VLLM_ROUTING:
-        need = ".".join(map(str, MIN_VLLM_ROUTING))
-        return f"{dist} {version} cannot capture routed experts (needs >= {need}: routers with capture callbacks)"
+    least = MIN_VLLM_ROUTING["gpu" if gpu else "cpu"]
+    if parsed < least:
+        need = ".".join(map(str, least))
+        how = "--enable-return-routed-experts" if gpu else "routers with capture callbacks"
+        return f"{dist} {version} cannot capture routed experts (needs >= {need}: {how})"
     return None
 
 

@@ -23,6 +23,8 @@ import asyncio
 import json
 from typing import Any, Awaitable, Callable
 
+from mlrl.rollout import vllm_compat
+
 PATH = "/mlrl/generate_batch"
 
 Scope = dict[str, Any]
@@ -53,7 +55,7 @@ def _exception_answer(exc: Exception) -> dict[str, Any]:
     """What vLLM's exception handlers would answer for `exc` raised by the route (a validation
     error is a 400 naming the parameter, an engine failure a 5xx)."""
     try:
-        from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+        create_error_response = vllm_compat.error_response_factory()
     except ImportError:  # another vLLM layout: keep the status the exception carries, else 500
         return _error(int(getattr(exc, "status_code", 500)), f"{type(exc).__name__}: {exc}")
     err = create_error_response(exc)

@@ -5,7 +5,9 @@ Generation uses vLLM's token-in/token-out endpoint `POST /inference/v1/generate`
 token ids with the logprob of every sampled token, and — unlike /v1/completions — the weight
 version that produced each token (`weight_versions` spans recorded by the engine core, set by
 `/finish_weight_update`). One call = one `Segment`; the pool stitches segments of an
-interrupted request together.
+interrupted request together. vLLM 0.26 has no weight versions (mlrl.rollout.vllm_compat): every
+token then carries the `default_version` of the call, the pool's version when it was made, which
+is the version that produced it since the pool only updates paused, drained engines.
 
 Requests made in the same event-loop pass (the prompt groups of a step start together) travel in
 ONE HTTP round trip, `POST /mlrl/generate_batch` (mlrl.rollout.batch_route, loaded into the
@@ -37,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Literal, Sequence
 
 import aiohttp
 
+from mlrl.rollout import vllm_compat
 from mlrl.types import GenerationHyperparameters, ModelRequest, ModelResponse, StopReason
 
 if TYPE_CHECKING:  # (mlrl.interfaces imports torch: importing mlrl.rollout stays light)
@@ -158,9 +161,11 @@ class EngineClient:
         timeout_s: float = 600.0,
         max_connections: int = 256,
         name: str = "engine",
+        vllm: vllm_compat.VllmRelease | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.name = name
+        self.vllm = vllm or vllm_compat.release()  # the engine's vLLM: the one installed here unless told
         self._timeout_s = timeout_s
         self._max_connections = max_connections
         self._headers = {"Authorization": f"Bearer {token}"}
@@ -447,15 +452,21 @@ class EngineClient:
         (vLLM resumes scheduling then)."""
         params = [("tags", t) for t in tags] if tags else None
         js = await self._post("/wake_up", params=params)
-        return (js or {}).get("status") == "awake"
+        if isinstance(js, dict) and "status" in js:
+            return js["status"] == "awake"
+        return not await self.is_sleeping()  # vLLM 0.26 answers an empty body
 
     async def is_sleeping(self) -> bool:
         return bool((await self._get("/is_sleeping"))["is_sleeping"])
 
     async def set_weight_version(self, version: int) -> None:
-        await self._post("/update_weight_version", json={"new_version": str(version)})
+        """Label the engine's next tokens with `version` (vLLM 0.26 has no labels: a no-op, see the
+        module docstring)."""
+        if self.vllm.has(vllm_compat.Feature.WEIGHT_VERSIONS):
+            await self._post("/update_weight_version", json={"new_version": str(version)})
 
     async def weight_version(self) -> str:
+        self.vllm.require(vllm_compat.Feature.WEIGHT_VERSIONS)
         return str((await self._get("/weight_info"))["weight_version"])
 
     async def reset_prefix_cache(self) -> bool:
@@ -465,7 +476,10 @@ class EngineClient:
         await self._post("/init_weight_transfer_engine", json={"init_info": init_info}, timeout=timeout)
 
     async def shutdown_weight_transfer(self) -> None:
-        await self._post("/shutdown_weight_transfer_engine")
+        if self.vllm.has(vllm_compat.Feature.SHUTDOWN_WEIGHT_TRANSFER_ROUTE):
+            await self._post("/shutdown_weight_transfer_engine")
+        else:  # the worker extension does what the route does (mlrl.rollout.worker_ext)
+            await self.collective_rpc("mlrl_shutdown_weight_transfer")
 
     async def start_weight_update(self) -> None:
         await self._post("/start_weight_update")

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Literal, Sequence
 
 from mlrl.config.schema import RolloutConfig
+from mlrl.rollout import vllm_compat
 from mlrl.rollout.client import (
     EngineAuthError,
     EngineClient,
@@ -133,6 +134,9 @@ class EnginePool:
             raise ValueError(
                 f"cuda_devices lists {len(cuda_devices)} engines, rollout.num_engines is {cfg.num_engines}"
             )
+        if capture_routing and command is None and not _gpu_engines():
+            # CPU engines capture in the worker extension (GPU: vLLM's own capture, any release)
+            vllm_compat.release().require(vllm_compat.Feature.CPU_ROUTING_CAPTURE)
         self.cfg = cfg
         self.model_dir = str(model_dir)
         self.dtype = dtype

@@ -32,7 +32,8 @@ environment sets either variable.
 
 Also set: `VLLM_SERVER_DEV_MODE=1` (pause/resume, collective_rpc, weight-transfer endpoints),
 `--enable-scale-out` (the token-in/token-out `/inference/v1/generate` endpoint, which reports the
-weight version of every output token), `--logprobs-mode processed_logprobs` (logprobs after
+weight version of every output token; vLLM 0.26 serves it without the flag and refuses the flag,
+see mlrl.rollout.vllm_compat), `--logprobs-mode processed_logprobs` (logprobs after
 temperature, which is what the trainer recomputes), `--weight-transfer-config {"backend":"mlrl"}`
 and `--worker-extension-cls mlrl.rollout.worker_ext.MlrlWorkerExtension` (weight sync receiver).
 """
@@ -57,6 +58,7 @@ from typing import Sequence
 import httpx
 
 from mlrl.config.schema import RolloutConfig
+from mlrl.rollout import vllm_compat
 from mlrl.rollout.auth import TOKEN_ENV
 from mlrl.rollout.client import SERVER_KEEPALIVE_S
 
@@ -162,10 +164,14 @@ def server_command(spec: ServerSpec, port: int) -> list[str]:
     """The vLLM command line (without the supervisor prefix). No secret appears in it."""
     if spec.command is not None:
         return [a.format(host=spec.host, port=port) for a in spec.command]
+    vllm = vllm_compat.release()
+    vllm.check_supported()
     cmd = [sys.executable, "-m", SERVER_MAIN,
            "--model", spec.model_dir, "--dtype", spec.dtype, "--host", spec.host, "--port", str(port),
            "--tensor-parallel-size", str(spec.engine_tp), "--seed", str(spec.seed),
-           "--logprobs-mode", "processed_logprobs", "--enable-scale-out",
+           "--logprobs-mode", "processed_logprobs",
+           # vLLM 0.26 serves /inference/v1/generate without the flag (and refuses it)
+           *(["--enable-scale-out"] if vllm.has(vllm_compat.Feature.SCALE_OUT_FLAG) else []),
            "--worker-extension-cls", WORKER_EXTENSION,
            "--weight-transfer-config", json.dumps({"backend": WEIGHT_TRANSFER_BACKEND}),
            # vLLM adds middleware in order, each wrapping the app so far: the token check, listed
@@ -213,7 +219,10 @@ def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str
         if spec.cuda_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in spec.cuda_devices)
         if spec.routed_experts:
-            env["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # vLLM: "AuxOutput Connector requires Model Runner V2"
+            # vLLM 0.32: "AuxOutput Connector requires Model Runner V2"; 0.26 captures on V1 only (its
+            # V2 refuses: "Model Runner V2 does not yet support: routed experts capture")
+            v2 = vllm_compat.release().has(vllm_compat.Feature.ROUTED_EXPERTS_ON_V2_RUNNER)
+            env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if v2 else "0"
     else:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(spec.kv_cache_gb))))
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")

@@ -11,7 +11,8 @@ Two pieces, both loaded by every mlrl engine (see mlrl.rollout.server):
   torch-only code (mlrl.weight_sync.wire / .receiver): gloo on CPU, NCCL on GPU, safetensors
   on disk, and JSON-encoded CUDA IPC handles.
 - `MlrlWorkerExtension` (`--worker-extension-cls`): small `collective_rpc` methods the
-  framework has no endpoint for: the last update's report (checksums), one hook for
+  framework has no endpoint for: the last update's report (checksums), leaving the groups on
+  vLLM 0.26 (which lacks /shutdown_weight_transfer_engine, see mlrl.rollout.vllm_compat), one hook for
   tools/bench_weight_sync.py's reference measurements (mlrl.weight_sync.bench_reference,
   imported only when the benchmark calls it), and the CPU capture of routed experts for MoE
   router replay (`mlrl_routing_enable` / `mlrl_routing_take`, see mlrl.rollout.routing).
@@ -42,6 +43,7 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+from mlrl.rollout import vllm_compat
 from mlrl.weight_sync.receiver import Receiver
 
 if TYPE_CHECKING:
@@ -151,25 +153,25 @@ class MlrlWeightTransferEngine(WeightTransferEngine[MlrlInitInfo, MlrlUpdateInfo
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         expected = {n for n, _ in self.model.named_parameters()}
-        initialize_layerwise_reload(self.model)
+        with vllm_compat.weight_update_config(self.vllm_config):
+            initialize_layerwise_reload(self.model)
         self._update = {"t0": time.perf_counter(), "expected": expected, "loaded": set(), "streams": [], "recv_s": 0.0,
                         "deferred": defer_embedding_kernels(self.model)}
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # the base class ends with torch.accelerator.synchronize(), which raises on a CPU-only machine
-        self.receive_weights(self.parse_update_info(update_info))
+        with vllm_compat.weight_update_config(self.vllm_config):
+            self.receive_weights(self.parse_update_info(update_info))
         if torch.accelerator.is_available():
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: MlrlUpdateInfo) -> None:
-        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
-
         if self._update is None:
             raise RuntimeError("mlrl weight transfer: update_weights before start_weight_update")
         loaded = self._update["loaded"]
 
         def apply(bucket):
-            with disable_mtp_completeness_check():
+            with vllm_compat.mtp_completeness_check_disabled():
                 # every vLLM model defines load_weights; WeightTransferEngine types the model as nn.Module
                 names = self.model.load_weights(bucket)  # pyright: ignore[reportCallIssue]
             if names:
@@ -195,6 +197,10 @@ class MlrlWeightTransferEngine(WeightTransferEngine[MlrlInitInfo, MlrlUpdateInfo
         self._update["transport"], self._update["version"] = rep["transport"], rep["version"]
 
     def finish_weight_update(self) -> None:
+        with vllm_compat.weight_update_config(self.vllm_config):
+            self._finish_weight_update()
+
+    def _finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         u, self._update = self._update, None
@@ -221,6 +227,13 @@ class MlrlWeightTransferEngine(WeightTransferEngine[MlrlInitInfo, MlrlUpdateInfo
 
     def shutdown(self) -> None:
         self.receiver.close()
+
+    @staticmethod
+    def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:
+        """vLLM 0.26 declares this trainer-side hook abstract (0.32 dropped it from the worker-side
+        engine): without it the engine cannot be instantiated on 0.26. mlrl's senders are its own
+        (mlrl.weight_sync.sender)."""
+        raise NotImplementedError("mlrl sends weights with mlrl.weight_sync.sender, not through vLLM")
 
 
 try:
@@ -249,6 +262,11 @@ class MlrlWorkerExtension:
         """Report of the last finished update on this worker (JSON)."""
         return dict(self._mlrl_engine().last_report)
 
+    def mlrl_shutdown_weight_transfer(self) -> None:
+        """Leave the joined groups (what vLLM >= 0.32's /shutdown_weight_transfer_engine does; 0.26 has
+        no such route, see mlrl.rollout.vllm_compat)."""
+        self._mlrl_engine().shutdown()
+
     def mlrl_bench_reference(self, call_json: str) -> dict[str, Any]:
         """Benchmark only (tools/bench_weight_sync.py): this worker's side of a reference measurement
         on its joined group, see mlrl.weight_sync.bench_reference.on_worker."""
@@ -265,6 +283,7 @@ class MlrlWorkerExtension:
         a wrapper around `model_runner.execute_model` then hands the step's rows to the
         `RoutingStore`, split by request in the batch's order, at the positions the scheduler
         output gives (prefix-cache hits: see mlrl.rollout.routing)."""
+        vllm_compat.release().require(vllm_compat.Feature.CPU_ROUTING_CAPTURE)  # (EnginePool checks it first)
         from vllm.model_executor.layers.fused_moe.routed_experts_capturer import RoutedExpertsCapturer
 
         from mlrl.rollout.routing import RoutingStore

@@ -152,6 +152,19 @@ def test_capture_problem():
     assert "lora_mode=adapter" in routing_capture_problem(gpu=False, lora_adapter=True)
 
 
+@pytest.mark.parametrize(("gpu", "version", "ok"), [(True, "0.26.0", True), (True, "0.25.1", False),
+                                                    (False, "0.26.0", False), (False, "0.31.0", True)])
+def test_capture_needs_a_vllm_per_path(monkeypatch, gpu, version, ok):
+    """The GPU path (vLLM's own capture) runs on 0.26, the CPU path (mlrl's router callbacks) needs 0.31."""
+    from importlib import metadata
+
+    monkeypatch.setattr(metadata, "version", lambda dist: version)
+    problem = routing_capture_problem(gpu=gpu)
+    assert (problem is None) == ok, problem
+    if not ok:
+        assert version in problem and ("--enable-return-routed-experts" if gpu else "capture callbacks") in problem
+
+
 @pytest.mark.parametrize("bad", [0, -1])
 def test_block_size_checked(bad):
     with pytest.raises(ValueError, match="block_size"):
