@@ -19,7 +19,7 @@ K=${KIT_DIR:-/root/g}
 S=${SITE:-/root/site}
 O=${OUT:-$PWD/gpu_out}
 DEADLINE_S=${DEADLINE_S:-570}
-BENCH_ARGS=${BENCH_ARGS:---model-shape qwen3-1.7b --prompts 64 --group-size 8 --max-new-tokens 512 --warmup 1 --steps 2 rollout.enforce_eager=true}
+BENCH_ARGS=${BENCH_ARGS:---model-shape qwen3-1.7b --prompts 64 --group-size 8 --max-new-tokens 512 --warmup 1 --steps 2 --timeout 240 rollout.enforce_eager=true}
 mkdir -p "$O" "$K"
 T0=$(date +%s)
 failed=0
