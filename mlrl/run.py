@@ -9,6 +9,7 @@ on resume, brings the engines to the checkpoint's weights) before the first step
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import json
 import logging
@@ -277,7 +278,9 @@ async def _run(cfg: Config, layout: Layout) -> int:
             await asyncio.to_thread(checkpointer.load, resume)
             version = int(state["weight_version"])
             log.info("resumed from %s (step %d, weight version %d)", resume, state["step"], version)
-        weight_sync = make_weight_sync(cfg.weight_sync, pool, MegatronWeightSource(policy), model_dir=hf_dir,
+        tolerance = cfg.weight_sync.canary_tolerance_for(cfg.model.dtype)  # None: by dtype
+        ws_cfg = dataclasses.replace(cfg.weight_sync, canary_tolerance=tolerance)
+        weight_sync = make_weight_sync(ws_cfg, pool, MegatronWeightSource(policy), model_dir=hf_dir,
                                        engine_tp=cfg.rollout.engine_tp, host=placement.host or cfg.rollout.host,
                                        run_dir=run_dir, backend=placement.sync_backend, lora=cfg.model.lora)
         pool.refresher = weight_sync.refresh  # an engine restarted after a crash is re-synced before it serves

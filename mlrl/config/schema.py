@@ -229,6 +229,10 @@ class RolloutConfig:
     CPU demo's rollouts."""
 
 
+# weight_sync.canary_tolerance's default per model.dtype (see there)
+CANARY_TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 5e-2}
+
+
 @dataclass
 class WeightSyncConfig:
     transport: Literal["broadcast", "disk", "cuda_ipc"] = "broadcast"
@@ -238,8 +242,18 @@ class WeightSyncConfig:
     """Size of one broadcast bucket in MiB."""
     verify_checksums: bool = True
     """Compare checksums of what each engine received with what was sent."""
-    canary_tolerance: float = 1e-3
-    """Max |trainer - engine| logprob on the canary prompt after a sync (<= 0 = off)."""
+    canary_tolerance: Optional[float] = None
+    """Max |trainer - engine| logprob on the canary prompt after a sync (<= 0 = off). None = by
+    model.dtype (`CANARY_TOLERANCE`): 1e-3 in float32; 5e-2 in bfloat16 / float16, where the
+    trainer's and the engine's kernels round differently (a random-weight Qwen3-1.7B shape, Megatron
+    + Transformer Engine vs vLLM 0.26 on an H200: 0.0197 right after the first, exact, sync). The
+    checksums verify every transfer bit for bit whatever this is."""
+    def canary_tolerance_for(self, dtype: str) -> float:
+        """canary_tolerance resolved for model.dtype `dtype`."""
+        if self.canary_tolerance is not None:
+            return self.canary_tolerance
+        return CANARY_TOLERANCE.get(dtype, CANARY_TOLERANCE["bfloat16"])
+
     canary_every: int = 1
     """Run the canary on every Nth weight version (1 = every sync, the safe default). The first sync
     of a run, every refresh of a restarted engine and every retried attempt always run it; the

@@ -48,7 +48,7 @@ def _check_lr(section: str, o: OptimizerConfig) -> None:
 def _check_ranges(cfg: Config) -> None:
     p, t, r, a, s = cfg.parallel, cfg.trainer, cfg.rollout, cfg.algorithm, cfg.rollout.sampling
     _positive("weight_sync.canary_every", cfg.weight_sync.canary_every)
-    if cfg.weight_sync.canary_every != 1 and cfg.weight_sync.canary_tolerance <= 0:
+    if cfg.weight_sync.canary_every != 1 and cfg.weight_sync.canary_tolerance_for(cfg.model.dtype) <= 0:
         raise ConfigError(f"weight_sync.canary_every={cfg.weight_sync.canary_every} with the canary off "
                           "(weight_sync.canary_tolerance <= 0): set a tolerance or leave canary_every at 1")
     for name in ("tp", "pp", "ep", "cp"):

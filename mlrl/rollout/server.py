@@ -41,6 +41,7 @@ and `--worker-extension-cls mlrl.rollout.worker_ext.MlrlWorkerExtension` (weight
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import json
 import logging
 import os
@@ -216,6 +217,11 @@ def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str
     if spec.lora_rank:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # /v1/load_lora_adapter, /v1/unload_lora_adapter
     if _on_gpu():
+        if importlib.util.find_spec("flashinfer") is None:
+            # vLLM's top-k / top-p sampler imports FlashInfer unless told not to, and its CUDA
+            # requirements list it, but an install without it (tools/gpu_kit leaves it out: it
+            # JIT-compiles its kernels on first use) must then use the torch sampler
+            env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         if spec.cuda_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in spec.cuda_devices)
         if spec.routed_experts:

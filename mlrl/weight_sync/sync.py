@@ -179,6 +179,8 @@ class WeightSync(abc.ABC):
         if cfg.bucket_mb <= 0:
             raise ValueError(f"weight_sync.bucket_mb must be > 0, got {cfg.bucket_mb}")
         self.cfg = cfg
+        # mlrl.run resolves the tolerance by model.dtype; built directly, unset means float32's
+        self.tolerance = cfg.canary_tolerance_for("float32")
         self.pool = pool
         self.source = source
         self.bucket_bytes = int(cfg.bucket_mb * (1 << 20))
@@ -229,7 +231,7 @@ class WeightSync(abc.ABC):
         async with self._lock:
             t0 = time.perf_counter()
             # the canary on every canary_every-th version, the first sync and every refresh / retry
-            canary = self.cfg.canary_tolerance > 0 and (
+            canary = self.tolerance > 0 and (
                 not self.history or version % max(1, self.cfg.canary_every) == 0 or version == self.pool.version)
             # the trainer's canary logprobs need only the trainer: they are computed while the engines
             # drain and pause (vLLM's pause alone sleeps 20 ms), or, when the pool is already paused
@@ -326,9 +328,9 @@ class WeightSync(abc.ABC):
             rep.canary_max_abs_diff, got = await self._canary(engines, want)
             if self._last_canary is not None:
                 rep.canary_moved = max(abs(a - b) for a, b in zip(got, self._last_canary))
-            if rep.canary_max_abs_diff > self.cfg.canary_tolerance:
+            if rep.canary_max_abs_diff > self.tolerance:
                 raise _Mismatch(f"canary logprobs differ from the trainer's by {rep.canary_max_abs_diff:.3g} "
-                                f"> weight_sync.canary_tolerance={self.cfg.canary_tolerance:g}")
+                                f"> weight_sync.canary_tolerance={self.tolerance:g}")
             self._last_canary = got
         rep.engines = len(engines)
         rep.sender_reports, rep.engine_reports = senders, [w for ws in reports for w in ws]

@@ -41,9 +41,19 @@ def test_vllm_returns_the_routes_hf_would_take(tmp_path):
     with torch.no_grad():
         logits = hf(torch.tensor([seq]), output_router_logits=True).router_logits
     k = rows.shape[-1]
-    want = np.stack([torch.topk(r.float(), k, dim=-1).indices.cpu().numpy() for r in logits], axis=1)[: len(seq) - 1]
-    agree = (np.sort(rows.astype(np.int64), -1) == np.sort(want, -1)).all(-1).mean()
-    assert agree >= 0.99, agree
+    n = len(seq) - 1
+    want = np.stack([torch.topk(r.float(), k, dim=-1).indices.cpu().numpy() for r in logits], axis=1)[:n]
+    # how clear each of HF's decisions is: the gap between its k-th and (k+1)-th router logit
+    top = np.stack([torch.topk(r.float(), k + 1, dim=-1).values.cpu().numpy() for r in logits], axis=1)[:n]
+    margin = top[..., k - 1] - top[..., k]
+    same = (np.sort(rows.astype(np.int64), -1) == np.sort(want, -1)).all(-1)
+    # vLLM's fp32 engine runs its attention and MoE GEMMs in Triton, whose fp32 dots use TF32
+    # (~1e-3 relative): a near-tie may go either way (an H200 run: 1 of 94 decisions, 0.989 agreement).
+    # Every clear decision must be the same; a capture that misaligned tokens or layers would fail
+    # far more than the near-ties, which are few.
+    clear = margin > 1e-2
+    assert same[clear].all(), (np.argwhere(~same & clear), margin[~same])
+    assert same.mean() >= 0.95 and clear.mean() >= 0.9, (same.mean(), clear.mean())
 
 
 def _replays(recs: list[dict]) -> None:

@@ -13,7 +13,6 @@ from mlrl.rollout import EnginePool
 from mlrl.weight_sync import HFWeightSource, make_weight_sync
 from mlrl.weight_sync.sender import push_from_rank
 from mlrl.weight_sync.source import PushRequest
-from mlrl.weight_sync.transports import receive_ipc
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -25,14 +24,40 @@ def _perturb(model, seed):
             p.add_((torch.randn(p.shape, generator=g) * 0.05).to(p.device))
 
 
-def test_ipc_handles_round_trip_in_process():
+# The importing side of the round trip, in its own process as in a real engine: CUDA refuses to open
+# an IPC handle in the process that exported it (an H200 run of the in-process version of this test:
+# "CUDA error: invalid device context" in cudaIpcOpenMemHandle).
+_RECEIVER = """
+import json, sys, torch
+from mlrl.weight_sync.transports import receive_ipc
+got = {}
+streams = receive_ipc(json.loads(sys.stdin.read()), lambda b: got.update(dict(b)), torch.device("cuda", 0))
+w = got["w"]
+print(json.dumps({"digest": streams[0]["digest"], "values": w.cpu().tolist(), "ptr_device": str(w.device)}))
+w.add_(1.0)  # written through the mapping: the exporter sees it
+torch.cuda.synchronize()
+"""
+
+
+def test_ipc_handles_round_trip_through_another_process():
+    import json
+    import subprocess
+    import sys
+
     t = torch.randn(1000, device="cuda")
+    want = t.cpu().tolist()
     rep = push_from_rank(PushRequest("cuda_ipc", 1), lambda n: iter([[("w", t)]]), 0)
-    got = {}
-    # rebuilding in the exporting process maps the same memory
-    streams = receive_ipc([rep.ipc], lambda b: got.update(dict(b)), torch.device("cuda", 0))
-    assert torch.equal(got["w"], t) and streams[0]["digest"] == rep.digest
-    push_from_rank(PushRequest("cuda_ipc", 1, phase="release"), lambda n: iter(()), 0)
+    try:
+        out = subprocess.run([sys.executable, "-c", _RECEIVER], input=json.dumps([rep.ipc]), capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-3000:]
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+        # the receiver read the exporter's memory (same values, same checksum digest) and wrote into it
+        assert got["values"] == want and got["digest"] == rep.digest and got["ptr_device"] == "cuda:0"
+        torch.cuda.synchronize()
+        assert torch.equal(t.cpu(), torch.tensor(want) + 1.0)
+    finally:
+        push_from_rank(PushRequest("cuda_ipc", 1, phase="release"), lambda n: iter(()), 0)
 
 
 @pytest.mark.parametrize("transport", ["broadcast", "cuda_ipc"])

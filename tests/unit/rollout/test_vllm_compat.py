@@ -270,3 +270,19 @@ def test_the_weight_transfer_engine_is_concrete_on_both():
 def test_a_release_is_a_value():
     assert dataclasses.replace(VllmRelease(OLD), version=NEW) == VllmRelease(NEW)
     assert str(VllmRelease(OLD)) == "vLLM 0.26" and str(VllmRelease(None)) == "vLLM (current)"
+
+
+@pytest.mark.parametrize("installed", [True, False], ids=["flashinfer", "no-flashinfer"])
+def test_gpu_engines_without_flashinfer_use_the_torch_sampler(tmp_path, monkeypatch, installed):
+    """vLLM 0.26's samplers import FlashInfer unless VLLM_USE_FLASHINFER_SAMPLER=0 (an H200 run of
+    the kit, which leaves FlashInfer out, failed every engine start with ModuleNotFoundError)."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: (object() if installed else None) if name == "flashinfer" else real(name, *a))
+    env = server_env(_gpu_spec(tmp_path, monkeypatch), base={})
+    assert env.get("VLLM_USE_FLASHINFER_SAMPLER") == (None if installed else "0")
+    # a user's own setting wins
+    env = server_env(_gpu_spec(tmp_path, monkeypatch), base={"VLLM_USE_FLASHINFER_SAMPLER": "1"})
+    assert env["VLLM_USE_FLASHINFER_SAMPLER"] == "1"

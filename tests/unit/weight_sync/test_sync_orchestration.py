@@ -2,6 +2,7 @@
 failure leaves the pool paused, the refresh hook; HFWeightSource (tied weights sent once, canary
 logprobs); transport names resolved in one place (the registry)."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -376,3 +377,25 @@ async def test_canary_every_n_versions(tmp_path, every, checked):
     assert all(("weight_sync/canary_max_abs_diff" in dict(r)) == r.canary_checked for r in reps)
     assert all(r.tensors == 3 for r in reps)  # every sync still verified what arrived
     assert len(client.canary_values) == 4 - len(checked)  # the engines were asked exactly that often
+
+
+@pytest.mark.parametrize(("dtype", "passes"), [("float32", False), ("bfloat16", True)])
+async def test_the_default_canary_tolerance_follows_the_model_dtype(tmp_path, dtype, passes):
+    """The bf16 gap an H200 showed between Megatron+TE and vLLM right after an exact first sync
+    (0.0197 on a random Qwen3-1.7B shape) fails a float32 run's default tolerance (1e-3: there it
+    is a real mismatch) and passes a bf16 run's (5e-2, mlrl.config.schema.CANARY_TOLERANCE), as
+    mlrl.run resolves it; an explicit tolerance wins over either."""
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": VOCAB}))
+    src = HFWeightSource(TinyLM())
+    off = [v + 0.0197 for v in src.canary_logprobs(*canary_tokens(VOCAB))]
+    cfg = WeightSyncConfig(transport="disk")
+    assert cfg.canary_tolerance is None
+    resolved = dataclasses.replace(cfg, canary_tolerance=cfg.canary_tolerance_for(dtype))
+    pool = FakePool(FakeClient([[0.0] * 8 + off, [0.0] * 8 + off]))
+    ws = make_weight_sync(resolved, pool, src, model_dir=tmp_path, run_dir=tmp_path)
+    if passes:
+        assert (await ws.sync(1)).canary_max_abs_diff == pytest.approx(0.0197, abs=1e-6)
+    else:
+        with pytest.raises(WeightSyncError, match=r"by 0\.0197 > weight_sync\.canary_tolerance=0\.001"):
+            await ws.sync(1)
+    assert WeightSyncConfig(canary_tolerance=0.3).canary_tolerance_for(dtype) == 0.3
