@@ -1,9 +1,8 @@
-"""`--nodes 2` on real GPUs (skipped without CUDA): a Ray cluster simulated on one GPU machine, each
-worker node reporting one GPU. Both simulated raylets number their GPU 0, so every process lands on
-physical GPU 0 (engines at gpu_memory_utilization=0.3 leave room for the trainer). The trainer ranks
-take the TE / NCCL path, the engines the CUDA build of vLLM, and the weight sync NCCL between them,
-with the same placement code as a real cluster. Written against the real APIs; never run: the
-development machines have no GPU."""
+"""`--nodes 2` on real GPUs (skipped below 2 GPUs): a Ray cluster simulated on one GPU machine, each
+worker node owning one physical GPU (its raylet's CUDA_VISIBLE_DEVICES). The trainer ranks take the
+TE / NCCL path, the engines the CUDA build of vLLM, and the weight sync NCCL between them (which
+refuses two ranks on one GPU, hence two), with the same placement code as a real cluster. Written
+against the real APIs; never run: the GPU machines lent so far have one GPU and no Ray."""
 
 import json
 import os
@@ -12,10 +11,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ray = pytest.importorskip("ray")
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.timeout(1800)
+GPUS = torch.cuda.device_count()
+# Both runs sync by NCCL broadcast (cuda_ipc is single-node), and NCCL refuses two ranks of one
+# communicator on the same GPU ("Duplicate GPU detected"): the trainer and the engine need a GPU each.
+pytestmark = [pytest.mark.timeout(1800),
+              pytest.mark.skipif(GPUS < 2, reason=f"needs 2 GPUs (NCCL sync between trainer and engine), found {GPUS}")]
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +28,8 @@ def cluster():
 
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
     try:
-        for _ in range(2):
-            c.add_node(num_cpus=4, num_gpus=1)
+        for gpu in range(2):  # each simulated node owns its own physical GPU (the raylet's CUDA_VISIBLE_DEVICES)
+            c.add_node(num_cpus=4, num_gpus=1, env_vars={"CUDA_VISIBLE_DEVICES": str(gpu)})
         c.wait_for_nodes()
         yield c
     finally:
