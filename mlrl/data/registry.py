@@ -28,29 +28,21 @@ from mlrl.data.preference import Side, preference_example, synthetic_pairs
 from mlrl.data.rows import DatasetError, RLDataset, normalise_rl_row
 from mlrl.data.sft import NoAssistantTurn, sft_example
 from mlrl.data.tokenizer import apply_chat_template
+from mlrl.registry import Registry
 
 Loader = Callable[..., list[dict[str, Any]]]
-_DATASETS: dict[str, Loader] = {}
+_DATASETS: Registry[Loader] = Registry("dataset")
 
 
 def register_dataset(name: str) -> Callable[[Loader], Loader]:
     """Decorator: `@register_dataset("my_data")` on `fn(split: str, **kwargs) -> list[dict]` (RL rows)."""
-    if not isinstance(name, str) or not name or name.startswith("synthetic:"):
-        raise ValueError(f"register_dataset: invalid name {name!r}")
-
-    def deco(fn: Loader) -> Loader:
-        if name in _DATASETS and _DATASETS[name] is not fn:
-            raise ValueError(f"dataset {name!r} is already registered")
-        _DATASETS[name] = fn
-        return fn
-
-    return deco
+    return _DATASETS.register(name, check_name=lambda n: not n.startswith("synthetic:"))
 
 
 def list_datasets() -> list[str]:
     from mlrl.data import gsm8k  # noqa: F401  (registers itself)
 
-    return sorted(_DATASETS) + [f"synthetic:{t}" for t in sorted(synthetic.TASKS)]
+    return _DATASETS.names() + [f"synthetic:{t}" for t in sorted(synthetic.TASKS)]
 
 
 @dataclass

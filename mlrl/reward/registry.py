@@ -15,12 +15,14 @@ import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
+from mlrl.registry import Registry
+
 if TYPE_CHECKING:  # (mlrl.interfaces imports torch; reward worker processes stay light)
     from mlrl.interfaces import RewardFn
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_REWARDS: dict[str, RewardFn] = {}
+_REWARDS: Registry[RewardFn] = Registry("reward")
 
 RESERVED_ARGS = ("prompt", "completions", "prompt_ids", "completion_ids")
 
@@ -42,14 +44,10 @@ def register_reward(name: str, *, inline: bool = False) -> Callable[[F], F]:
     the reward process pool, whose round trip costs far more than such a function (measured on
     the CPU demo: ~0.6 ms of IPC per group, 0.04 s per step). No timeout applies to an inline call;
     an exception still scores 0.0 and counts as a failure."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"register_reward: name must be a non-empty string, got {name!r}")
+    register = _REWARDS.register(name)
 
     def deco(fn: F) -> F:
-        prev = _REWARDS.get(name)
-        if prev is not None and prev is not fn and _qualname(prev) != _qualname(fn):
-            raise ValueError(f"reward {name!r} is already registered to {_qualname(prev)}")
-        _REWARDS[name] = cast("RewardFn", fn)
+        register(fn)
         if inline:
             setattr(fn, INLINE_ATTR, True)
         return fn
@@ -60,10 +58,6 @@ def register_reward(name: str, *, inline: bool = False) -> Callable[[F], F]:
 def is_inline(fn: Any) -> bool:
     """Whether `fn` was registered with `inline=True` (see register_reward)."""
     return bool(getattr(fn, INLINE_ATTR, False))
-
-
-def _qualname(fn: Any) -> str:
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
 def import_from_string(path: str) -> Any:
@@ -92,8 +86,9 @@ def get_reward_fn(name_or_path: str | RewardFn) -> RewardFn:
         return name_or_path
     if not isinstance(name_or_path, str) or not name_or_path:
         raise ValueError(f"workflow.reward: expected a reward name or dotted path, got {name_or_path!r}")
-    if name_or_path in _REWARDS:
-        return _REWARDS[name_or_path]
+    fn = _REWARDS.get(name_or_path)
+    if fn is not None:
+        return fn
     if "." in name_or_path or ":" in name_or_path:
         fn = import_from_string(name_or_path)
         if not callable(fn):
@@ -103,4 +98,4 @@ def get_reward_fn(name_or_path: str | RewardFn) -> RewardFn:
 
 
 def list_rewards() -> list[str]:
-    return sorted(_REWARDS)
+    return _REWARDS.names()

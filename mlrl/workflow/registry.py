@@ -20,36 +20,24 @@ import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from mlrl.registry import Registry
+from mlrl.registry import qualified_name as _qual
 from mlrl.reward import get_reward_fn, import_from_string
 from mlrl.types import GenerationHyperparameters
 
 T = TypeVar("T")
 
-_WORKFLOWS: dict[str, Any] = {}
+_WORKFLOWS: Registry[Any] = Registry("workflow")
 
 
 def register_workflow(name: str) -> Callable[[T], T]:
     """Decorator: `@register_workflow("my_flow")` on a workflow class (or an agent class)."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"register_workflow: name must be a non-empty string, got {name!r}")
-
-    def deco(obj: T) -> T:
-        prev = _WORKFLOWS.get(name)
-        if prev is not None and prev is not obj and _qual(prev) != _qual(obj):
-            raise ValueError(f"workflow {name!r} is already registered to {_qual(prev)}")
-        _WORKFLOWS[name] = obj
-        return obj
-
-    return deco
-
-
-def _qual(obj: Any) -> str:
-    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
+    return _WORKFLOWS.register(name)
 
 
 def list_workflows() -> list[str]:
     _ensure_builtins()
-    return sorted(_WORKFLOWS)
+    return _WORKFLOWS.names()
 
 
 def _ensure_builtins() -> None:
@@ -60,15 +48,16 @@ def _ensure_builtins() -> None:
 def get_workflow(name_or_path: str) -> Any:
     """The registered class/object for `name_or_path`, or the object at a dotted path."""
     _ensure_builtins()
-    if name_or_path in _WORKFLOWS:
-        return _WORKFLOWS[name_or_path]
+    found = _WORKFLOWS.get(name_or_path)
+    if found is not None:
+        return found
     from mlrl.workflow.compat.trinity import WORKFLOWS as TRINITY_WORKFLOWS
 
     if TRINITY_WORKFLOWS.get(name_or_path) is not None:  # @WORKFLOWS.register_module("name") of ported Trinity code
         return TRINITY_WORKFLOWS.get(name_or_path)
     if "." in name_or_path or ":" in name_or_path:
         return import_from_string(name_or_path)
-    raise ValueError(f"workflow.name: unknown workflow {name_or_path!r}; registered: {', '.join(sorted(_WORKFLOWS))}")
+    raise ValueError(f"workflow.name: unknown workflow {name_or_path!r}; registered: {', '.join(_WORKFLOWS.names())}")
 
 
 def _accepts(fn: Any, name: str) -> bool:
