@@ -51,7 +51,7 @@ def train_on(cfg: Config, policy: Policy, critic: Critic | None, samples: list[S
              step: int) -> dict[str, float]:
     """All updates of one RL step (blocking trainer calls). Returns the step's train/critic metrics."""
     a, t = cfg.algorithm, cfg.trainer
-    temperature = cfg.rollout.sampling.temperature or 1.0
+    temperature = cfg.rollout.sampling.logprob_temperature
     kl_in_loss = a.kl_coef > 0 and not a.kl_in_reward
     adv_needs_forward = (a.kl_in_reward and a.kl_coef > 0) or critic is not None
     if not adv_needs_forward:

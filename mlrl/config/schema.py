@@ -175,11 +175,24 @@ class TrainerConfig(OptimizerConfig):
     it costs nothing), off on GPU; true on GPU costs speed and memory (TE's deterministic
     attention backward; README: GPU). false is refused on CPU (nothing to turn off there)."""
 
+    @property
+    def total_updates(self) -> int:
+        """Optimizer updates of the whole run: total_steps * mini_batches_per_step * epochs_per_step
+        (what the LR schedules of the policy and the critic count)."""
+        return self.total_steps * self.mini_batches_per_step * self.epochs_per_step
+
 
 @dataclass
 class SamplingConfig:
     temperature: float = 1.0
     """Sampling temperature (0 = greedy); the trainer applies the same temperature to its logprobs."""
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature the trainer divides its logits by: the sampling one, 1.0 for greedy (the
+        engine's processed logprobs of a greedy request are those of the plain softmax)."""
+        return self.temperature or 1.0
+
     top_p: float = 1.0
     """Nucleus sampling (1.0 = off)."""
     top_k: int = -1

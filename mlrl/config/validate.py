@@ -63,7 +63,7 @@ def _check_ranges(cfg: Config) -> None:
     _check_lr("trainer", t)
     for name in ("warmup_steps",):
         _positive(f"trainer.{name}", getattr(t, name), 0)
-    updates = t.total_steps * t.mini_batches_per_step * t.epochs_per_step
+    updates = t.total_updates
     if t.warmup_steps and t.warmup_steps >= updates:
         raise ConfigError(
             f"trainer.warmup_steps={t.warmup_steps} must be smaller than the optimizer updates of the run "
@@ -151,7 +151,7 @@ def _check_critic(cfg: Config) -> None:
     if c.warmup_steps >= t.total_steps:
         raise ConfigError(f"critic.warmup_steps={c.warmup_steps} (critic-only RL steps) must be smaller than "
                           f"trainer.total_steps={t.total_steps}")
-    if c.lr_warmup_steps and c.lr_warmup_steps >= t.total_steps * t.mini_batches_per_step * t.epochs_per_step:
+    if c.lr_warmup_steps and c.lr_warmup_steps >= t.total_updates:
         raise ConfigError(
             f"critic.lr_warmup_steps={c.lr_warmup_steps} must be smaller than the critic's updates of the run"
         )

@@ -224,7 +224,7 @@ class MegatronPolicy:
         with cpu_compat.cuda_tensor_methods():
             self.optimizer = get_megatron_optimizer(opt_cfg, self.model)
         self.config.grad_scale_func = self.optimizer.scale_loss
-        total = max(1, t.total_steps * t.mini_batches_per_step * t.epochs_per_step)
+        total = max(1, t.total_updates)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0, max_lr=h["lr"], min_lr=h["min_lr"], lr_warmup_steps=h["warmup_steps"],
             lr_decay_steps=max(total, h["warmup_steps"]), lr_decay_style=h["lr_schedule"], start_wd=h["weight_decay"],

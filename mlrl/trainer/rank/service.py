@@ -103,7 +103,7 @@ class TrainerService:
                                      matches=matches, compared=compared)
 
     def train_step(self, micro_batches: list[MicroBatch]) -> dict[str, float]:
-        temperature = self.cfg.rollout.sampling.temperature or 1.0
+        temperature = self.cfg.rollout.sampling.logprob_temperature
         sums = self.policy.train_step(micro_batches, self.loss_fn, temperature=temperature)
         return finalize_loss_metrics(sums)  # step sums -> means (token / sequence counts) per loss_metrics
 

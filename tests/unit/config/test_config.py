@@ -357,3 +357,19 @@ def test_multi_node_run_without_a_ray_cluster_fails_clearly_before_starting_anyt
     assert out.returncode == 4, out.stderr[-2000:]
     assert f"cluster error: cluster.ray_address='127.0.0.1:{port}': nothing accepts connections there" in out.stderr
     assert not (tmp_path / "run" / "trainer.log").exists() and not (tmp_path / "run" / "engines").exists()
+
+
+def test_derived_quantities_have_one_home_on_the_config():
+    """The run's optimizer updates (both LR schedules and both warm-up checks count them) and the
+    trainer's logprob temperature are each one property, not a formula repeated at each use."""
+    from mlrl.config.schema import SamplingConfig, TrainerConfig
+
+    assert TrainerConfig(total_steps=10).total_updates == 10
+    assert TrainerConfig(total_steps=10, mini_batches_per_step=4, epochs_per_step=2).total_updates == 80
+    assert SamplingConfig(temperature=0.7).logprob_temperature == 0.7
+    assert SamplingConfig(temperature=0.0).logprob_temperature == 1.0  # greedy: the plain softmax
+    cfg = load_config(DEFAULT, ["trainer.total_steps=3", "trainer.mini_batches_per_step=2", "trainer.warmup_steps=5"])
+    validate(cfg)  # 5 < 6 updates
+    with pytest.raises(ConfigError, match=r"trainer.warmup_steps=6 .* = 6\)"):
+        validate(load_config(DEFAULT, ["trainer.total_steps=3", "trainer.mini_batches_per_step=2",
+                                    "trainer.warmup_steps=6"]))
