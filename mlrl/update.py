@@ -14,7 +14,7 @@ Order kept, and why:
 3. the samples are split by prompt group into mini-batches; each mini-batch is packed with its
    own loss normalisation and makes one optimizer update, for every epoch. From the second
    update on, the current policy differs from the behaviour policy: ratio != 1, clipping acts.
-   The critic, when there is one, makes one update per mini-batch too (after `critic.warmup_steps`
+   The critic, when there is one, makes one update per mini-batch too (after `critic.critic_only_steps`
    RL steps of critic-only updates, the policy updates as well).
 
 Metrics of the updates are combined into one value per step (`combine_update_metrics`).
@@ -79,7 +79,7 @@ def train_on(cfg: Config, policy: Policy, critic: Critic | None, samples: list[S
         returns = [torch.tensor(s.metadata[RETURNS_KEY], dtype=torch.float32) for s in samples]
     values = values or []
 
-    actor_updates = critic is None or cfg.critic is None or step > cfg.critic.warmup_steps
+    actor_updates = critic is None or cfg.critic is None or step > cfg.critic.critic_only_steps
     parts = split_groups(samples, t.mini_batches_per_step)
     policy_metrics: list[dict[str, float]] = []
     critic_metrics: list[dict[str, float]] = []

@@ -42,7 +42,7 @@ What is NOT identical:
   micro-batch size is chosen here so that it holds about the same token budget);
 - small loss details: TRL divides advantages by (std + 1e-4), mlrl by (std + 1e-6); TRL's KL term is used
   without its importance-ratio weighting (use_bias_correction_kl=False) to match mlrl; HF's warm-up
-  ramps from lr 0 at the first update where Megatron's starts at lr/warmup_steps;
+  ramps from lr 0 at the first update where Megatron's starts at lr/lr_warmup_steps;
 - randomness: mlrl seeds each vLLM request (rollout.sampling.seed, when the recipe sets it); TRL has no
   per-request seed and samples from the torch RNG seeded with trainer.seed. Both runs are reproducible,
   but their samples differ, so the reward curves (and steps to threshold) are alike, not equal.
@@ -178,7 +178,7 @@ def grpo_config_kwargs(cfg, steps: int, micro_batch: int, output_dir: str) -> di
     n = t.prompts_per_step * t.samples_per_prompt
     ga = n // micro_batch
     if t.lr_schedule == "constant":
-        sched = "constant_with_warmup" if t.warmup_steps else "constant"
+        sched = "constant_with_warmup" if t.lr_warmup_steps else "constant"
     elif t.lr_schedule == "cosine" and t.min_lr:
         sched = "cosine_with_min_lr"
     else:
@@ -203,7 +203,7 @@ def grpo_config_kwargs(cfg, steps: int, micro_batch: int, output_dir: str) -> di
         optim="adamw_torch",
         learning_rate=t.lr,
         lr_scheduler_type=sched,
-        warmup_steps=t.warmup_steps,
+        warmup_steps=t.lr_warmup_steps,
         weight_decay=t.weight_decay,
         adam_beta1=t.adam_beta1,
         adam_beta2=t.adam_beta2,

@@ -49,6 +49,10 @@ REMOVED: dict[str, str] = {
     "trainer.precision": "set model.dtype (float32|bfloat16|float16), the trainer's precision follows it",
     "mode": "asynchronous training is on exactly when rollout.staleness > 0 (set rollout.staleness=N for "
             "async, 0 for sync)",
+    "trainer.warmup_steps": "renamed trainer.lr_warmup_steps (the linear LR warm-up, in optimizer updates; "
+                            "the same name as the critic's)",
+    "critic.warmup_steps": "renamed critic.critic_only_steps (the first RL steps that train only the critic); "
+                           "the critic's LR warm-up is critic.lr_warmup_steps",
 }
 """Config keys that no longer exist -> what to set instead. A recipe or override that still uses one
 fails on load with `<name> was removed: <this>` (before the unknown-key error and anything else)."""

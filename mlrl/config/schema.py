@@ -126,17 +126,18 @@ class OptimizerConfig:
     """Decoupled weight decay (0 = off)."""
     grad_clip: float = 1.0
     """Global grad-norm clip (0 = off)."""
+    lr_warmup_steps: int = 0
+    """Linear LR warm-up, in this model's optimizer updates (0 = off)."""
 
 
 @dataclass
 class TrainerConfig(OptimizerConfig):
-    """The policy's Megatron trainer (lr / min_lr / lr_schedule / weight_decay / grad_clip: see
+    """The policy's Megatron trainer (lr / min_lr / lr_schedule / weight_decay / grad_clip /
+    lr_warmup_steps: see
     OptimizerConfig). Its precision follows model.dtype (ModelConfig.precision)."""
 
     optimizer: Literal["adam", "sgd"] = "adam"
     """Optimizer (Megatron's get_megatron_optimizer); the critic uses the same kind."""
-    warmup_steps: int = 0
-    """Linear LR warm-up, in optimizer updates (0 = off)."""
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
@@ -351,18 +352,17 @@ class AlgorithmConfig:
 class CriticConfig(OptimizerConfig):
     """The value model for PPO + GAE (algorithm.advantage=gae): the policy's architecture with a
     scalar value head, on the trainer ranks (same parallel layout), with its own optimizer
-    (lr / min_lr / lr_schedule / weight_decay / grad_clip: see OptimizerConfig; the optimizer kind,
+    (lr / min_lr / lr_schedule / weight_decay / grad_clip / lr_warmup_steps: see OptimizerConfig; the optimizer kind,
     betas, eps and the distributed optimizer are trainer's, the precision model.dtype's)."""
 
     hf_dir: Optional[str] = None
     """Initial weights of the critic's body (None = model.hf_dir, the policy's initial model); the
     value head starts at zero."""
-    lr_warmup_steps: int = 0
-    """Linear LR warm-up of the critic, in critic optimizer updates (0 = off)."""
     value_clip: float = 0.2
     """PPO value clipping: V is kept within +-value_clip of the values before the update (0 = off)."""
-    warmup_steps: int = 0
-    """First RL steps that update only the critic (the policy is not updated; 0 = off)."""
+    critic_only_steps: int = 0
+    """First RL steps that update only the critic (the policy is not updated; 0 = off). Not an LR
+    warm-up: that is critic.lr_warmup_steps."""
 
 
 @dataclass

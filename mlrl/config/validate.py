@@ -61,12 +61,12 @@ def _check_ranges(cfg: Config) -> None:
         _positive(f"trainer.{name}", getattr(t, name))
     _positive("cluster.trainer_devices", cfg.cluster.trainer_devices)
     _check_lr("trainer", t)
-    for name in ("warmup_steps",):
+    for name in ("lr_warmup_steps",):
         _positive(f"trainer.{name}", getattr(t, name), 0)
     updates = t.total_updates
-    if t.warmup_steps and t.warmup_steps >= updates:
+    if t.lr_warmup_steps and t.lr_warmup_steps >= updates:
         raise ConfigError(
-            f"trainer.warmup_steps={t.warmup_steps} must be smaller than the optimizer updates of the run "
+            f"trainer.lr_warmup_steps={t.lr_warmup_steps} must be smaller than the optimizer updates of the run "
             f"(trainer.total_steps * mini_batches_per_step * epochs_per_step = {updates})"
         )
     if t.grad_clip < 0:
@@ -146,10 +146,10 @@ def _check_critic(cfg: Config) -> None:
     if c is None or not cfg.uses_critic:
         return
     _check_lr("critic", c)
-    for name in ("lr_warmup_steps", "warmup_steps"):
+    for name in ("lr_warmup_steps", "critic_only_steps"):
         _positive(f"critic.{name}", getattr(c, name), 0)
-    if c.warmup_steps >= t.total_steps:
-        raise ConfigError(f"critic.warmup_steps={c.warmup_steps} (critic-only RL steps) must be smaller than "
+    if c.critic_only_steps >= t.total_steps:
+        raise ConfigError(f"critic.critic_only_steps={c.critic_only_steps} (critic-only RL steps) must be smaller "
                           f"trainer.total_steps={t.total_steps}")
     if c.lr_warmup_steps and c.lr_warmup_steps >= t.total_updates:
         raise ConfigError(

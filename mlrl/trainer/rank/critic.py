@@ -108,7 +108,7 @@ class MegatronCritic(MegatronPolicy):
 
     def _optimizer_hparams(self) -> dict[str, Any]:
         c = self.critic_cfg
-        return dict(lr=c.lr, min_lr=c.min_lr, lr_schedule=c.lr_schedule, warmup_steps=c.lr_warmup_steps,
+        return dict(lr=c.lr, min_lr=c.min_lr, lr_schedule=c.lr_schedule, lr_warmup_steps=c.lr_warmup_steps,
                     weight_decay=c.weight_decay, grad_clip=c.grad_clip)
 
     def _token_values(self, output: torch.Tensor, inp: ModelInputs, temperature: float) -> tuple[torch.Tensor, ...]:

@@ -22,7 +22,7 @@ each micro-batch loss by the number of micro-batches and averages gradients over
 so it does not rescale by 1 / tokens: the result is exactly the sum.
 
 Learning rate: optimizer step k (1-based) uses Megatron's OptimizerParamScheduler at
-num_steps = k (linear warm-up from 0 reaches trainer.lr at k = warmup_steps; no step runs at
+num_steps = k (linear warm-up from 0 reaches trainer.lr at k = trainer.lr_warmup_steps; no step runs at
 lr 0); decay over trainer.total_steps * trainer.mini_batches_per_step * trainer.epochs_per_step
 optimizer steps (the updates of the whole run).
 
@@ -183,7 +183,7 @@ class MegatronPolicy:
     def _optimizer_hparams(self) -> dict[str, Any]:
         """Learning-rate schedule and regularisation of this model's optimizer (hook: the critic has its own)."""
         t = self.trainer_cfg
-        return dict(lr=t.lr, min_lr=t.min_lr, lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps,
+        return dict(lr=t.lr, min_lr=t.min_lr, lr_schedule=t.lr_schedule, lr_warmup_steps=t.lr_warmup_steps,
                     weight_decay=t.weight_decay, grad_clip=t.grad_clip)
 
     def _wrap_ddp(self, chunks: list[torch.nn.Module]) -> list[MegatronModule]:
@@ -226,9 +226,9 @@ class MegatronPolicy:
         self.config.grad_scale_func = self.optimizer.scale_loss
         total = max(1, t.total_updates)
         self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0, max_lr=h["lr"], min_lr=h["min_lr"], lr_warmup_steps=h["warmup_steps"],
-            lr_decay_steps=max(total, h["warmup_steps"]), lr_decay_style=h["lr_schedule"], start_wd=h["weight_decay"],
-            end_wd=h["weight_decay"], wd_incr_steps=total, wd_incr_style="constant")
+            self.optimizer, init_lr=0.0, max_lr=h["lr"], min_lr=h["min_lr"], lr_warmup_steps=h["lr_warmup_steps"],
+            lr_decay_steps=max(total, h["lr_warmup_steps"]), lr_decay_style=h["lr_schedule"],
+            start_wd=h["weight_decay"], end_wd=h["weight_decay"], wd_incr_steps=total, wd_incr_style="constant")
 
     # ---- forward ---------------------------------------------------------------------------------
     def _inputs(self, micro_batches: list[MicroBatch]) -> list[ModelInputs]:

@@ -43,7 +43,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer"))
 from hf_reference import make_step, pg_loss
 
-TRAIN = dict(lr=1e-3, warmup_steps=2, weight_decay=0.01, grad_clip=0.5, total_steps=10, use_distributed_optimizer=True)
+TRAIN = dict(lr=1e-3, lr_warmup_steps=2, weight_decay=0.01, grad_clip=0.5, total_steps=10,
+             use_distributed_optimizer=True)
 
 
 def build_cfg(args, model=None, **trainer):

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer"))
 from hf_reference import make_step, pg_loss
 
 LORA = {"rank": 8, "alpha": 16.0}
-TRAIN = dict(lr=2e-2, warmup_steps=0, grad_clip=0.0, total_steps=10, use_distributed_optimizer=True)
+TRAIN = dict(lr=2e-2, lr_warmup_steps=0, grad_clip=0.0, total_steps=10, use_distributed_optimizer=True)
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ from helpers.launching import launch, metrics
 
 COMMON = ["--config", "launch/dpo_cpu.yaml", "logging.progress_bar=false", "model.hf_dir=builtin:tiny-llama",
           "dpo.max_seq_tokens=64", "data.train=synthetic:copy_digit", "data.eval=synthetic:copy_digit",
-          "data.num_synthetic=128", "dpo.batch_size=16", "trainer.lr=1e-3", "trainer.warmup_steps=1",
+          "data.num_synthetic=128", "dpo.batch_size=16", "trainer.lr=1e-3", "trainer.lr_warmup_steps=1",
           "data.eval_every=4"]
 
 

@@ -38,7 +38,7 @@ sys.path.insert(0, str(TESTS / "integration" / "trainer"))  # trainer_harness
 from helpers.launching import launch, metrics  # noqa: E402
 
 SFT = ["--config", "launch/sft_cpu.yaml", "logging.progress_bar=false", "sft.batch_size=32", "data.num_synthetic=128",
-       "data.eval=null", "trainer.total_steps=4", "trainer.warmup_steps=1", "trainer.lr=5e-3"]
+       "data.eval=null", "trainer.total_steps=4", "trainer.lr_warmup_steps=1", "trainer.lr=5e-3"]
 RL = ["--config", "launch/cpu_default.yaml", "logging.progress_bar=false", "trainer.total_steps=1",
       "trainer.prompts_per_step=4", "trainer.samples_per_prompt=4", "checkpoint.save_at_end=true",
       "checkpoint.hf_export_at_end=true", "rollout.startup_timeout_s=600"]

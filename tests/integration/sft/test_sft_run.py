@@ -15,7 +15,7 @@ import pytest
 from helpers.launching import launch, metrics
 
 COMMON = ["--config", "launch/sft_cpu.yaml", "logging.progress_bar=false", "sft.batch_size=32",
-          "data.eval_every=2", "data.num_synthetic=128", "trainer.warmup_steps=1"]
+          "data.eval_every=2", "data.num_synthetic=128", "trainer.lr_warmup_steps=1"]
 
 
 def _launch(run_dir: Path, *overrides: str):

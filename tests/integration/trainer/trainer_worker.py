@@ -227,17 +227,17 @@ def check_adam(ctx: Ctx) -> dict:
     # adam_eps 1e-5: Adam's update is most sensitive to a gradient element's value, lr / eps per
     # unit, where |g| << eps; with the default 1e-8 fp32 reduction-order noise (~1e-9) in a near-zero
     # gradient element moves its update by up to ~10% of lr and hides real mismatches.
-    kw = dict(lr=1e-3, warmup_steps=2, weight_decay=0.01, grad_clip=0.5, total_steps=10, use_distributed_optimizer=True,
-              adam_eps=1e-5)
+    kw = dict(lr=1e-3, lr_warmup_steps=2, weight_decay=0.01, grad_clip=0.5, total_steps=10,
+              use_distributed_optimizer=True, adam_eps=1e-5)
     steps = [make_step(ctx.vocab, n_samples=6, n_micro=2 * ctx.ranks.dp_size, seed=20 + k) for k in range(3)]
     pol = ctx.policy(trainable=True, **kw)
     metrics = [pol.train_step(ctx.my_micro_batches(s), pg_loss) for s in steps]
     got = {n: t.clone().cpu() for b in pol.iter_hf_buckets(1 << 30) for n, t in b}
-    ref = hf_adamw_steps(copy.deepcopy(ctx.hf_model()).train(), steps, lr=kw["lr"], warmup=kw["warmup_steps"],
+    ref = hf_adamw_steps(copy.deepcopy(ctx.hf_model()).train(), steps, lr=kw["lr"], warmup=kw["lr_warmup_steps"],
                          weight_decay=kw["weight_decay"], clip=kw["grad_clip"], eps=kw["adam_eps"])
     # the reference's own noise floor: the same steps packed into one micro-batch each
     alt = [make_step(ctx.vocab, n_samples=6, n_micro=1, seed=20 + k) for k in range(3)]
-    ref_alt = hf_adamw_steps(copy.deepcopy(ctx.hf_model()).train(), alt, lr=kw["lr"], warmup=kw["warmup_steps"],
+    ref_alt = hf_adamw_steps(copy.deepcopy(ctx.hf_model()).train(), alt, lr=kw["lr"], warmup=kw["lr_warmup_steps"],
                              weight_decay=kw["weight_decay"], clip=kw["grad_clip"], eps=kw["adam_eps"])
     init = _hf_tensors(ctx)
     return {
@@ -279,23 +279,23 @@ def check_optim_knobs(ctx: Ctx) -> dict:
 
     base = dict(lr=1e-3, warmup=0, weight_decay=0.0, clip=0.0, eps=1e-5)
     # betas: (0.5, 0.9) against the defaults (0.9, 0.999)
-    got, _ = megatron(lr=1e-3, warmup_steps=0, weight_decay=0.0, grad_clip=0.0, adam_eps=1e-5,
+    got, _ = megatron(lr=1e-3, lr_warmup_steps=0, weight_decay=0.0, grad_clip=0.0, adam_eps=1e-5,
                       adam_beta1=0.5, adam_beta2=0.9)
     with_knob, without = ref(**base, betas=(0.5, 0.9)), ref(**base)
     res["betas_err"], res["betas_effect"] = gap(got, with_knob), gap(with_knob, without)
     # grad_clip far below the gradient norm: Adam divides the clipped gradient by sqrt(v) + eps, so
     # with adam_eps comparable to the clipped elements the update shrinks (without eps Adam is
     # scale-invariant and clipping would not show in the weights)
-    got, metrics = megatron(lr=1e-3, warmup_steps=0, weight_decay=0.0, grad_clip=1e-4, adam_eps=1e-5)
+    got, metrics = megatron(lr=1e-3, lr_warmup_steps=0, weight_decay=0.0, grad_clip=1e-4, adam_eps=1e-5)
     with_knob, without = ref(**{**base, "clip": 1e-4}), ref(**base)
     res["clip_err"], res["clip_effect"] = gap(got, with_knob), gap(with_knob, without)
     res["clip_grad_norms"] = [m["grad_norm"] for m in metrics]  # before clipping: far above 1e-4
     # lr_schedule cosine from lr to min_lr over total_steps * updates (10) after 2 warm-up steps
-    _, metrics = megatron(lr=1e-3, warmup_steps=2, lr_schedule="cosine", min_lr=1e-4, weight_decay=0.0)
+    _, metrics = megatron(lr=1e-3, lr_warmup_steps=2, lr_schedule="cosine", min_lr=1e-4, weight_decay=0.0)
     res["cosine_lrs"] = [m["lr"] for m in metrics]
     res["cosine_want"] = [1e-3 * k / 2 if k <= 2 else
                           1e-4 + 0.9e-3 * 0.5 * (1 + math.cos(math.pi * (k - 2) / 8)) for k in (1, 2, 3)]
-    _, metrics = megatron(lr=1e-3, warmup_steps=2, lr_schedule="constant", min_lr=1e-4, weight_decay=0.0)
+    _, metrics = megatron(lr=1e-3, lr_warmup_steps=2, lr_schedule="constant", min_lr=1e-4, weight_decay=0.0)
     res["constant_lrs"] = [m["lr"] for m in metrics]
     return res
 

@@ -64,7 +64,7 @@ def test_precision_follows_model_dtype():
 
 def test_optimizer_fields_declared_once_for_trainer_and_critic():
     shared = {f.name for f in dataclasses.fields(OptimizerConfig)}
-    assert shared == {"lr", "min_lr", "lr_schedule", "weight_decay", "grad_clip"}
+    assert shared == {"lr", "min_lr", "lr_schedule", "weight_decay", "grad_clip", "lr_warmup_steps"}
     assert issubclass(TrainerConfig, OptimizerConfig) and issubclass(CriticConfig, OptimizerConfig)
     # same defaults and same YAML keys as before the fields were shared
     for cls in (TrainerConfig, CriticConfig):
@@ -91,6 +91,12 @@ REMOVED_NAMES = [
      "set cluster.trainer_devices=N"),
     ("trainer", "precision", "bf16",
      "trainer.precision was removed: set model.dtype (float32|bfloat16|float16), the trainer's precision follows it"),
+    ("trainer", "warmup_steps", 2,
+     "trainer.warmup_steps was removed: renamed trainer.lr_warmup_steps (the linear LR warm-up, in optimizer "
+     "updates; the same name as the critic's)"),
+    ("critic", "warmup_steps", 1,
+     "critic.warmup_steps was removed: renamed critic.critic_only_steps (the first RL steps that train only the "
+     "critic); the critic's LR warm-up is critic.lr_warmup_steps"),
 ]
 
 
@@ -178,18 +184,18 @@ BAD = [
     (["cluster.trainer_devices=2", "parallel.pp=2", "parallel.vpp=2"], "virtual pipeline stages are GPU only"),
     (["checkpoint.async_save=true"], "checkpoint.async_save needs GPUs"),
     (
-        ["trainer.warmup_steps=5", "trainer.total_steps=5"],
-        "trainer.warmup_steps=5 must be smaller than the optimizer updates",
+        ["trainer.lr_warmup_steps=5", "trainer.total_steps=5"],
+        "trainer.lr_warmup_steps=5 must be smaller than the optimizer updates",
     ),
     (
-        ["trainer.warmup_steps=10", "trainer.total_steps=5", "trainer.epochs_per_step=2"],
+        ["trainer.lr_warmup_steps=10", "trainer.total_steps=5", "trainer.epochs_per_step=2"],
         "(trainer.total_steps * mini_batches_per_step * epochs_per_step = 10)",
     ),
     (["algorithm.advantage=gae", "critic=null"], "algorithm.advantage=gae needs a critic: add a `critic:` section"),
     (["algorithm.advantage=gae", "critic.lr=0"], "critic.lr: got 0.0, expected > 0"),
     (
-        ["algorithm.advantage=gae", "critic.warmup_steps=10", "trainer.total_steps=10"],
-        "critic.warmup_steps=10 (critic-only RL steps) must be smaller",
+        ["algorithm.advantage=gae", "critic.critic_only_steps=10", "trainer.total_steps=10"],
+        "critic.critic_only_steps=10 (critic-only RL steps) must be smaller",
     ),
     (
         ["algorithm.advantage=gae", "critic.value_clip=-1"],
@@ -368,8 +374,9 @@ def test_derived_quantities_have_one_home_on_the_config():
     assert TrainerConfig(total_steps=10, mini_batches_per_step=4, epochs_per_step=2).total_updates == 80
     assert SamplingConfig(temperature=0.7).logprob_temperature == 0.7
     assert SamplingConfig(temperature=0.0).logprob_temperature == 1.0  # greedy: the plain softmax
-    cfg = load_config(DEFAULT, ["trainer.total_steps=3", "trainer.mini_batches_per_step=2", "trainer.warmup_steps=5"])
+    cfg = load_config(DEFAULT, ["trainer.total_steps=3", "trainer.mini_batches_per_step=2",
+                                "trainer.lr_warmup_steps=5"])
     validate(cfg)  # 5 < 6 updates
-    with pytest.raises(ConfigError, match=r"trainer.warmup_steps=6 .* = 6\)"):
+    with pytest.raises(ConfigError, match=r"trainer.lr_warmup_steps=6 .* = 6\)"):
         validate(load_config(DEFAULT, ["trainer.total_steps=3", "trainer.mini_batches_per_step=2",
-                                    "trainer.warmup_steps=6"]))
+                                    "trainer.lr_warmup_steps=6"]))

@@ -189,9 +189,9 @@ def test_value_clip_changes_the_critic_update():
     assert a.m["critic/value_clipfrac"] > b.m["critic/value_clipfrac"] == 0
 
 
-def test_critic_warmup_steps_update_only_the_critic():
-    warm = run([*CRITIC, "critic.warmup_steps=1"], step=1)
-    after = run([*CRITIC, "critic.warmup_steps=1"], step=2)
+def test_critic_only_steps_update_only_the_critic():
+    warm = run([*CRITIC, "critic.critic_only_steps=1"], step=1)
+    after = run([*CRITIC, "critic.critic_only_steps=1"], step=2)
     assert warm.m["train/updates"] == 0 and warm.norm == 0.0 and warm.m["critic/updates"] == 2
     assert after.m["train/updates"] == 2 and after.norm > 0
     assert float(warm.critic.w.detach().abs().sum()) > 0
