@@ -229,17 +229,19 @@ def _materialise_in_child(spec: str) -> None:
         raise ModelSpecError(f"model.hf_dir: materialising {spec} in a child process failed:\n{done.stderr[-3000:]}")
 
 
-def build_word_tokenizer(out_dir: Path) -> None:
-    """A word-level fast tokenizer over SPECIALS + WORDS with a chat template."""
+def build_word_tokenizer(out_dir: Path, vocab: list[str] | None = None, bos_token: str = "<s>",
+                         eos_token: str = "</s>") -> None:
+    """A word-level fast tokenizer with a chat template, over `vocab` (default SPECIALS + WORDS; a
+    longer list, e.g. padded to a public model's vocab_size, must start with SPECIALS)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {w: i for i, w in enumerate(SPECIALS + WORDS)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    ids = {w: i for i, w in enumerate(vocab or SPECIALS + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab=ids, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
+        tokenizer_object=tok, bos_token=bos_token, eos_token=eos_token, unk_token="<unk>", pad_token="<pad>",
         chat_template=CHAT_TEMPLATE,
     )
     fast.save_pretrained(out_dir)

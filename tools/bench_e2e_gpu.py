@@ -172,10 +172,7 @@ def write_tokenizer(out: Path, vocab_size: int, bos_id: int | None, eos_id: int 
     """mlrl's word-level tokenizer (modelzoo.SPECIALS + WORDS, its chat template) padded with
     `<unusedN>` to exactly vocab_size entries; BOS / EOS at the given ids (renamed `<|bos|>` /
     `<|eos|>` when they fall among the padding, the word tokenizer's `<s>` / `</s>` otherwise)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from mlrl.modelzoo import CHAT_TEMPLATE, SPECIALS, WORDS
+    from mlrl.modelzoo import SPECIALS, WORDS, build_word_tokenizer
 
     names = SPECIALS + WORDS
     if vocab_size < len(names):
@@ -189,12 +186,7 @@ def write_tokenizer(out: Path, vocab_size: int, bos_id: int | None, eos_id: int 
             special[role] = vocab[tid]
         else:
             vocab[tid] = special[role] = f"<|{role}|>"
-    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=special["bos"], eos_token=special["eos"],
-                                   unk_token="<unk>", pad_token="<pad>", chat_template=CHAT_TEMPLATE)
-    fast.save_pretrained(out)
+    build_word_tokenizer(out, vocab, bos_token=special["bos"], eos_token=special["eos"])
 
 
 def write_model(shape: str, out: Path) -> Path:

@@ -208,14 +208,17 @@ def download(row: dict, out: Path) -> Path:
 
 def _lzma_pays(data: bytes, deflated: int, min_gain: float, sample: int = 1 << 22) -> bool:
     """Whether LZMA would shrink this member by `min_gain` of its deflate size, judged on a
-    sample from its middle (compressing a 150 MB library twice costs minutes on 2 cores)."""
+    sample from its middle (compressing a 150 MB library twice costs minutes on 2 cores); members
+    under 1 MB deflated are left as they are (thousands of small files, nothing to gain)."""
     import lzma
     import zlib
 
+    if deflated <= (1 << 20):
+        return False
     mid = max(0, len(data) // 2 - sample // 2)
     chunk = data[mid : mid + sample]
     lz = len(lzma.compress(chunk, format=lzma.FORMAT_RAW, filters=[{"id": lzma.FILTER_LZMA1, "preset": 6}]))
-    return lz < (1 - min_gain) * len(zlib.compress(chunk, 6)) and deflated > (1 << 20)
+    return lz < (1 - min_gain) * len(zlib.compress(chunk, 6))
 
 
 def slim_wheel(src: Path, dst: Path, drop: tuple[str, ...] = VLLM_DROP, min_gain: float = LZMA_MIN_GAIN) -> dict:
