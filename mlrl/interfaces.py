@@ -9,7 +9,7 @@ consumers make; keep each small (about six members at most).
     Critic       the value model (mlrl.trainer.driver.CriticClient), PPO with GAE only
     RolloutPool  the engines as the runner and the weight sync see them (mlrl.rollout.EnginePool)
     EngineHandle one engine of the pool, with the control calls a weight sync makes on it
-    WeightSync   trainer -> engines weight update (mlrl.weight_sync.WeightSync)
+    WeightSync   trainer -> engines weight sync (mlrl.weight_sync.WeightSync)
     Checkpointer atomic training checkpoints and HF exports (mlrl.checkpoint.Checkpointer)
     RewardFn     scores one completion against its dataset row (mlrl.reward)
     Workflow     turns one dataset row into scored samples (mlrl.workflow.RolloutWorkflow)
@@ -17,7 +17,7 @@ consumers make; keep each small (about six members at most).
 
 The values that cross a seam are typed too: dataclasses where the driver builds them
 (`RouterDiagnostics`, `PendingSave`), TypedDicts where they travel as plain dicts through a
-pickle or a JSON file (`ResumeInfo`, `LoopState`), `JSONObject` for vLLM's own HTTP payloads. The
+pickle or a JSON file (`ResumeInfo`, `SavedLoopState`), `JSONObject` for vLLM's own HTTP payloads. The
 one `Any` left is a dataset row's values (`mlrl.types.Row`): those are the user's own columns.
 
 This module imports only the plain data types (mlrl.types, mlrl.experience.batch) so that every
@@ -68,8 +68,8 @@ class ResumeInfo(TypedDict):
     scheduler_overrides: dict[str, object]   # scheduler fields the config changed since the save
 
 
-class LoopState(TypedDict):
-    """What a checkpoint records besides the trainer state (mlrl.loop.loop_state), for resume."""
+class SavedLoopState(TypedDict):
+    """What a checkpoint records besides the trainer state (mlrl.loop.saved_loop_state), for resume."""
 
     weight_version: int
     sampler: dict[str, int]
@@ -83,7 +83,7 @@ class PendingSave:
 
     tmp: Path                          # its temporary folder, renamed on commit
     step: int
-    loop_state: Mapping[str, object]   # a LoopState (RL), or the SFT run's own
+    loop_state: Mapping[str, object]   # a SavedLoopState (RL), or the SFT run's own
 
 
 class Policy(Protocol):
@@ -97,7 +97,7 @@ class Policy(Protocol):
         """[dp][micro-batch] -> (token logprobs [S], entropy [S]); `reference`: the frozen initial model."""
         ...
 
-    def train_step(self, per_dp: PerDP) -> dict[str, float]:
+    def update(self, per_dp: PerDP) -> dict[str, float]:
         """One optimizer update on the micro-batches (advantages etc. attached); loss metrics."""
         ...
 
@@ -138,7 +138,7 @@ class Critic(Protocol):
         """[dp][micro-batch] -> values [S], token-aligned like logprobs."""
         ...
 
-    def train_step(self, per_dp: PerDP) -> dict[str, float]:
+    def update(self, per_dp: PerDP) -> dict[str, float]:
         """One critic update on the micro-batches (old_values / returns attached)."""
         ...
 
@@ -222,7 +222,7 @@ class RolloutPool(GroupInferenceEngine, Protocol):
         ...
 
     async def pause(self) -> None:
-        """Stop routing; in-flight requests finish or are interrupted (rollout.interrupt_on_update)."""
+        """Stop routing; in-flight requests finish or are interrupted (rollout.interrupt_on_sync)."""
         ...
 
     def commit_version(self, version: int, engines: Sequence[EngineHandle]) -> None: ...
@@ -248,7 +248,7 @@ class SyncHooks(Protocol):
 
 
 class WeightSync(Protocol):
-    """Trainer -> engines: one verified weight update per call (transport chosen by config)."""
+    """Trainer -> engines: one verified weight sync per call (transport chosen by config)."""
 
     async def sync(self, version: int, hooks: SyncHooks | None = None) -> Mapping[str, float]:
         """Bring every live engine to the trainer's current weights, tagged `version`; metrics."""

@@ -6,7 +6,8 @@
     python -m mlrl.launch ... --dry-run [--nodes N]        # plan placement and memory, start nothing
     python -m mlrl.launch --nodes 16 --config ...          # on a Ray cluster (cluster.ray_address, default "auto")
 
-Order kept: parse -> load -> validate (all before any process starts) -> plan -> run.
+Order kept: parse -> load -> validate (all before any process starts) -> plan -> the job
+(mlrl.jobs: rl, sft or dpo, chosen by the config).
 """
 
 from __future__ import annotations
@@ -59,18 +60,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"dry-run: does not fit: {why}", file=sys.stderr)
         return 0 if plan.fits else 3
     from mlrl.cluster import ClusterError
-    from mlrl.run import run
+    from mlrl.jobs import job_for
 
-    try:
-        if cfg.sft is not None:  # supervised fine-tuning: the trainer alone
-            from mlrl.sft import run_sft
-
-            return run_sft(cfg, layout)
-        if cfg.dpo is not None:  # preference optimisation (DPO / IPO): the trainer alone
-            from mlrl.dpo import run_dpo
-
-            return run_dpo(cfg, layout)
-        return run(cfg, layout)
+    try:  # RL, SFT or DPO (mlrl.jobs): siblings, only the chosen one is imported
+        return job_for(cfg)(cfg, layout)
     except ConfigError as e:  # found by the runner's cheap checks (data, devices), before any process starts
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -1,21 +1,20 @@
 """The RL loop, in straight-line calls (read this file first).
 
 One step:  prompts -> episodes (engines + workflow + reward) -> trainable samples (DAPO
-filtering refills the batch) -> trainer logprobs (old, reference) / critic values -> advantages
--> mini-batch updates (mlrl/update.py) -> weight sync to the engines (versioned, verified) ->
-checkpoint / export -> metrics. With cluster.placement=colocated (sync mode only), the engines
-sleep while the trainer steps and the trainer offloads while they generate (mlrl/colocation.py).
+filtering refills the batch) -> the train phase: trainer logprobs (old, reference) / critic values
+-> advantages -> the step's optimizer updates (mlrl/update.py) -> weight sync to the engines
+(versioned, verified) -> metrics -> checkpoint / export when due (mlrl/checkpoint/schedule.py).
+With cluster.placement=colocated (sync mode only), the engines sleep while the trainer steps and
+the trainer offloads while they generate (mlrl/colocation.py).
 
 Two modes:
-- sync (`train_sync`): on-policy; generation and training alternate; every sample of step k
+- sync (`train_sync`, here): on-policy; generation and training alternate; every sample of step k
   was produced by weight version k-1.
-- async (`train_async`): a producer keeps `staleness` (eta) steps of generation in flight while
-  the trainer trains; a sample whose oldest token is more than eta versions behind the current
-  weights is dropped or re-weighted (rollout.stale_policy); the importance-sampling correction
-  (algorithm.rollout_is) handles the rest. Weight updates pause the engines (in-flight requests
-  finish first or are interrupted and resumed, per rollout.interrupt_on_update).
+- async (`train_async`, mlrl/loop_async.py): a producer keeps `staleness` (eta) steps of
+  generation in flight while the trainer trains; it reuses this file's step parts.
 
-The components come ready-made in `RunContext` (built and torn down by mlrl/run.py).
+A run's fixed parts come ready-made in `RunContext` (built and torn down by mlrl/jobs/rl.py); what
+the loop changes as it goes is its small `LoopState`.
 """
 
 from __future__ import annotations
@@ -28,10 +27,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from mlrl.algorithms.sampling import apply_overlong_shaping, filter_groups
+from mlrl.checkpoint.schedule import SaveSchedule
 from mlrl.colocation import Colocation
 from mlrl.config import Config, dump_yaml
 from mlrl.data.sampler import PromptSampler
-from mlrl.interfaces import Checkpointer, Critic, LoopState, Policy, RolloutPool, WeightSync
+from mlrl.interfaces import Checkpointer, Critic, Policy, RolloutPool, SavedLoopState, WeightSync
 from mlrl.metrics import MetricsLogger, StepTimer
 from mlrl.metrics.pass_at_k import mean_pass_at_k
 from mlrl.reward.model import active_judge
@@ -53,7 +53,21 @@ class Progress(Protocol):
 
 
 @dataclass
+class LoopState:
+    """What the loop changes as it runs (the rest of a checkpoint's loop record is the sampler's position)."""
+
+    start_step: int = 0          # last completed step when the loop started (0 = fresh run)
+    version: int = 0             # weight version the engines hold
+    history: list[dict[str, float]] = field(default_factory=list)  # every step's metrics line
+    step_end: float | None = None  # perf_counter() when the previous step ended (its metrics line written)
+    in_flight: dict[int, Row] = field(default_factory=dict)  # async: rows started, not yet trained on
+    resume_rows: list[Row] = field(default_factory=list)     # rows in flight when the resumed checkpoint was saved
+
+
+@dataclass
 class RunContext:
+    """The fixed parts of a run (each typed by the interface the loop uses) and its `LoopState`."""
+
     cfg: Config
     policy: Policy               # the trainer ranks (mlrl.trainer.driver.TrainerClient)
     engines: RolloutPool         # mlrl.rollout.pool.EnginePool
@@ -62,26 +76,13 @@ class RunContext:
     sampler: PromptSampler
     logger: MetricsLogger
     checkpoint: Checkpointer     # mlrl.checkpoint.Checkpointer (save / commit / export)
+    saves: SaveSchedule | None   # when checkpoints / exports are due (None: never, e.g. a unit test's loop)
     critic: Critic | None = None  # the value model (algorithm.advantage=gae), else None
     eval_rows: list[Row] | None = None
-    start_step: int = 0          # last completed step (0 = fresh run)
-    version: int = 0             # weight version the engines hold
     progress: Progress | None = None
-    history: list[dict[str, float]] = field(default_factory=list)
-    version_changed: asyncio.Condition | None = None  # async mode: wakes the producer after a weight update
-    # async mode: set while the producer waits for the next weight version with none of its groups
-    # running, i.e. the engines are idle until the next weight sync
-    producer_idle: asyncio.Event | None = None
-    in_flight: dict[int, Row] = field(default_factory=dict)  # async mode: rows started, not yet trained on
-    resume_rows: list[Row] = field(default_factory=list)    # rows in flight when the resumed checkpoint was saved
-    extra_prompts: int = 0  # async mode: groups dropped by dynamic sampling; the producer starts as many more
-    step_end: float | None = None  # perf_counter() when the previous step ended (its metrics line written)
-    checkpoint_s: float = 0.0      # the previous step's save / export, reported in the next step's timing
     colocation: Colocation | None = None  # cluster.placement=colocated: engines sleep while the trainer steps
-    # colocated: a checkpoint / export due at a step, made in the next step's training phase
-    # (step, loop state, save, export)
-    deferred_save: tuple[int, LoopState, bool, bool] | None = None
     failures: FailureGuard | None = None  # stops the run when a step's episodes fail (made on first use)
+    state: LoopState = field(default_factory=LoopState)
 
     def check_failures(self, step: int, groups: Sequence[GroupResult]) -> None:
         """Raise EpisodeFailures before anything trains on a step whose episodes failed
@@ -94,25 +95,26 @@ class RunContext:
     def step_timer(self) -> StepTimer:
         """The next step's timer: it starts where the previous step ended, and carries the
         previous step's checkpoint time (saved after its metrics line) as timing/checkpoint."""
-        timer = StepTimer(start=self.step_end)
-        if self.checkpoint_s:
-            timer.add("checkpoint", self.checkpoint_s)
-            self.checkpoint_s = 0.0
+        timer = StepTimer(start=self.state.step_end)
+        seconds = self.saves.take_seconds() if self.saves is not None else 0.0
+        if seconds:
+            timer.add("checkpoint", seconds)
         return timer
 
 
 async def train_sync(ctx: RunContext) -> None:
     cfg = ctx.cfg
-    for step in range(ctx.start_step + 1, cfg.trainer.total_steps + 1):
+    for step in range(ctx.state.start_step + 1, cfg.trainer.total_steps + 1):
         timer = ctx.step_timer()
         with timer("rollout"):
             samples, rollout_metrics = await rollout_sync(ctx, step)
         if ctx.colocation is not None:  # engines sleep, the trainer's state comes back
             await ctx.colocation.to_trainer(timer)
-            await save_deferred(ctx, timer)
-            metrics = await asyncio.to_thread(train_step, ctx, samples, timer, step)
+            if ctx.saves is not None:
+                await ctx.saves.run_deferred(timer)
+            metrics = await asyncio.to_thread(train_phase, ctx, samples, timer, step)
         else:  # the idle engines pause while the trainer trains: the weight sync finds them paused
-            metrics, _ = await asyncio.gather(asyncio.to_thread(train_step, ctx, samples, timer, step),
+            metrics, _ = await asyncio.gather(asyncio.to_thread(train_phase, ctx, samples, timer, step),
                                               ctx.engines.pause())
         sync_metrics = await sync_weights(ctx, step, timer)
         eval_metrics = await evaluate_if_due(ctx, step, timer)
@@ -121,77 +123,9 @@ async def train_sync(ctx: RunContext) -> None:
         await save_if_due(ctx, step)
 
 
-async def train_async(ctx: RunContext) -> None:
-    """Bounded-staleness asynchronous training: generation of up to eta steps ahead overlaps training."""
-    cfg = ctx.cfg
-    eta = cfg.rollout.staleness
-    groups: asyncio.PriorityQueue = asyncio.PriorityQueue()  # (start index, group): oldest finished prompt first
-    ctx.version_changed = asyncio.Condition()
-    ctx.producer_idle = asyncio.Event()
-    producer = asyncio.create_task(_produce(ctx, groups, eta))
-    try:
-        for step in range(ctx.start_step + 1, cfg.trainer.total_steps + 1):
-            timer = ctx.step_timer()
-            with timer("rollout"):  # the wait for samples: generation itself runs in the background
-                samples, rollout_metrics, stale = await _collect(ctx, groups, eta, step)
-            # engines keep generating; once the producer has run up to the staleness bound and its
-            # groups finished, they pause while the trainer still trains (the sync finds them paused)
-            metrics = await _train_and_pause_when_idle(ctx, samples, timer, step)
-            with timer("sync"):
-                ctx.version = step
-                sync_metrics = await ctx.weight_sync.sync(ctx.version)
-            await _wake_producer(ctx)
-            eval_metrics = await evaluate_if_due(ctx, step, timer)
-            timing = timer.finish(overlapped_rollout=True, details=sync_timing(sync_metrics) | train_timing(metrics))
-            finish_step(ctx, step, {**rollout_metrics, **metrics, **sync_metrics, **eval_metrics,
-                                    "async/stale_dropped": float(stale), **timing})
-            await save_if_due(ctx, step)
-    finally:
-        producer.cancel()
-        await asyncio.gather(producer, return_exceptions=True)
-
-
-def _version_changed(ctx: RunContext) -> asyncio.Condition:
-    """The async producer's condition (set by `train_async` before the producer starts)."""
-    if ctx.version_changed is None:
-        raise RuntimeError("RunContext.version_changed is unset: train_async sets it before the producer starts")
-    return ctx.version_changed
-
-
-async def _wake_producer(ctx: RunContext) -> None:
-    """Tell the producer its bound moved (a new weight version, or a group dropped to refill). The
-    idle flag is cleared here, not only by the producer once it runs: a step whose groups are all
-    queued already never yields to it before training, and a stale flag would pause the engines
-    while the producer is about to start prompts."""
-    cond = _version_changed(ctx)
-    async with cond:
-        if ctx.producer_idle is not None:
-            ctx.producer_idle.clear()
-        cond.notify_all()
-
-
-async def _train_and_pause_when_idle(ctx: RunContext, samples: list[Sample], timer: StepTimer,
-                                     step: int) -> dict[str, float]:
-    """Async mode: the step's training, and the engines' pause (vLLM's /pause sleeps 20 ms) moved off
-    the weight sync's path when the producer goes idle during training. After `_collect` only a
-    weight update can give the producer work again, so an idle producer stays idle until the sync."""
-    train = asyncio.create_task(asyncio.to_thread(train_step, ctx, samples, timer, step))
-    if ctx.producer_idle is None:
-        raise RuntimeError("RunContext.producer_idle is unset: train_async sets it before the producer starts")
-    idle = asyncio.create_task(ctx.producer_idle.wait())
-    try:
-        await asyncio.wait({train, idle}, return_when=asyncio.FIRST_COMPLETED)
-        if idle.done() and not train.done():
-            await ctx.engines.pause()
-    finally:  # the trainer call always completes before the step goes on (or fails)
-        idle.cancel()
-        await asyncio.gather(idle, train, return_exceptions=True)
-    return train.result()
-
-
 async def sync_weights(ctx: RunContext, step: int, timer: StepTimer) -> Mapping[str, float]:
     """The engines get the weights of `step` (colocated: the trainer offloads and the engines wake around it)."""
-    ctx.version = step
+    ctx.state.version = step
     if ctx.colocation is not None:
         return await ctx.colocation.sync(ctx.weight_sync, step, timer)
     with timer("sync"):
@@ -275,7 +209,7 @@ class Selection:
         m = {"samples/trainable": float(len(self.samples)), "samples/total": float(self.total)}
         versions = [x.oldest_version for x in self.samples]
         if versions:
-            m["samples/staleness_max"] = float(self.ctx.version - min(versions))
+            m["samples/staleness_max"] = float(self.ctx.state.version - min(versions))
         if self.ctx.cfg.algorithm.overlong_buffer:
             m["samples/overlong_penalised"] = float(self.overlong)
         if self.ctx.cfg.algorithm.router_replay:
@@ -314,10 +248,11 @@ async def attach_routing(ctx: RunContext, samples: list[Sample]) -> int:
     return missing
 
 
-def train_step(ctx: RunContext, samples: list[Sample], timer: StepTimer, step: int) -> dict[str, float]:
-    """Advantages, behaviour / reference logprobs, critic values, then the step's updates
-    (mlrl/update.py). A step left with nothing to train on (every episode failed, or dynamic
-    sampling kept no group within its rounds) makes no update and says so."""
+def train_phase(ctx: RunContext, samples: list[Sample], timer: StepTimer, step: int) -> dict[str, float]:
+    """The step's train phase (blocking trainer calls, run in a thread): behaviour / reference
+    logprobs and critic values, advantages, then the step's optimizer updates (mlrl/update.py). A
+    step left with nothing to train on (every episode failed, or dynamic sampling kept no group
+    within its rounds) makes no update and says so."""
     if not samples:
         log.warning("step %d: no trainable samples (every episode failed, had no policy tokens or was filtered): "
                     "no update this step", step)
@@ -359,56 +294,20 @@ def pass_metrics(groups: Sequence[GroupResult], k: int, threshold: float) -> dic
 
 
 async def save_if_due(ctx: RunContext, step: int) -> None:
-    """Checkpoint / HF export when due. Runs after the step's metrics are written, so a checkpoint
-    never exists for a step whose metrics line is missing (its time is reported in the next step's
-    line as timing/checkpoint). An async save still being written (GPU) is committed here once
-    every rank has finalized it (a non-blocking poll)."""
-    cfg = ctx.cfg
-    t0 = time.perf_counter()
-    if ctx.checkpoint.pending is not None:  # (a thread hop costs ~10 ms while the async producer runs)
-        await asyncio.to_thread(ctx.checkpoint.finalize, blocking=False)
-    last = step == cfg.trainer.total_steps
-    save = bool(cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0) or (
-        last and cfg.checkpoint.save_at_end)
-    export = bool(cfg.checkpoint.hf_export_every and step % cfg.checkpoint.hf_export_every == 0) or (
-        last and cfg.checkpoint.hf_export_at_end)
-    if ctx.colocation is not None and (save or export):
-        # the trainer's state is off its devices and the engines hold them: save at the next step's
-        # training phase (engines asleep), or now, after putting the engines to sleep, at the end
-        if not last:
-            ctx.deferred_save = (step, loop_state(ctx), save, export)
-            return
-        await ctx.colocation.to_trainer(None)
-    if save:
-        await asyncio.to_thread(ctx.checkpoint.save, step, loop_state(ctx))
-    if export:
-        await asyncio.to_thread(ctx.checkpoint.export_hf, step)
-    ctx.checkpoint_s += time.perf_counter() - t0
+    """Checkpoint / HF export when due (mlrl.checkpoint.schedule), after the step's metrics line."""
+    if ctx.saves is not None:
+        await ctx.saves.after_step(step, lambda: saved_loop_state(ctx))
 
 
-async def save_deferred(ctx: RunContext, timer: StepTimer) -> None:
-    """Colocated: the checkpoint / export the previous step deferred, with the trainer resident (its
-    weights are still that step's: this step has not trained yet)."""
-    if ctx.deferred_save is None:
-        return
-    step, state, save, export = ctx.deferred_save
-    ctx.deferred_save = None
-    with timer("checkpoint"):
-        if save:
-            await asyncio.to_thread(ctx.checkpoint.save, step, state)
-        if export:
-            await asyncio.to_thread(ctx.checkpoint.export_hf, step)
-
-
-def loop_state(ctx: RunContext) -> LoopState:
+def saved_loop_state(ctx: RunContext) -> SavedLoopState:
     """What a checkpoint records besides the trainer state, for resume: the weight version, the
     sampler position, the config, and (async) the rows in flight, re-issued first on resume."""
-    return {"weight_version": ctx.version, "sampler": ctx.sampler.state(), "config": dump_yaml(ctx.cfg),
-            "in_flight_rows": [*ctx.in_flight.values(), *ctx.resume_rows]}
+    return {"weight_version": ctx.state.version, "sampler": ctx.sampler.state(), "config": dump_yaml(ctx.cfg),
+            "in_flight_rows": [*ctx.state.in_flight.values(), *ctx.state.resume_rows]}
 
 
 def finish_step(ctx: RunContext, step: int, metrics: dict[str, float]) -> None:
-    metrics["weight_version"] = float(ctx.version)
+    metrics["weight_version"] = float(ctx.state.version)
     judge = active_judge()
     if judge is not None:  # reward_model: the served judge's calls since the last step
         metrics.update(judge.metrics())
@@ -416,88 +315,9 @@ def finish_step(ctx: RunContext, step: int, metrics: dict[str, float]) -> None:
         rank_side = sum(metrics.get(f"timing/train/{k}", 0.0) for k in ("forward_backward", "optimizer"))
         metrics["timing/train/driver"] = metrics["timing/train"] - rank_side
     ctx.logger.log(step, metrics)
-    ctx.history.append({"step": step, **metrics})
+    ctx.state.history.append({"step": step, **metrics})
     if ctx.progress is not None:
         ctx.progress.update(1)
         ctx.progress.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}",
                                  gap=f"{metrics.get('train/mismatch/logprob_gap', float('nan')):.1e}")
-    ctx.step_end = time.perf_counter()  # the next step's wall time starts here
-
-
-# --------------------------------------------------------------------------- async producer
-
-
-async def _produce(ctx: RunContext, out: asyncio.Queue, eta: int) -> None:
-    """Start prompts while the staleness bound allows (AReaL's rule): the prompts of the step that
-    will train on weights v+1 may start once the engines hold version >= v - eta, i.e. at most
-    (version - version_at_start + eta + 1) * prompts_per_step prompts are ever started."""
-    per_step = ctx.cfg.trainer.prompts_per_step
-    base = ctx.version
-    started = 0
-    tasks: set[asyncio.Task] = set()
-    blocked = False  # waiting for the bound to move
-    idle = ctx.producer_idle if ctx.producer_idle is not None else asyncio.Event()
-
-    async def one(key: int, row: Row) -> None:
-        out.put_nowait((key, await ctx.runner.run_group(row, ctx.cfg.trainer.samples_per_prompt)))
-
-    def finished(t: asyncio.Task) -> None:
-        tasks.discard(t)
-        if blocked and not tasks:
-            idle.set()
-
-    def may_start() -> bool:
-        return started < (ctx.version - base + eta + 1) * per_step + ctx.extra_prompts
-
-    cond = _version_changed(ctx)
-    try:
-        while True:
-            async with cond:
-                blocked = not may_start()
-                if blocked and not tasks:
-                    idle.set()
-                # the predicate is re-evaluated while we wait, within this iteration: it reads the
-                # current `started`
-                await cond.wait_for(may_start)
-                blocked = False
-                idle.clear()
-            # rows that were in flight when the checkpoint we resumed from was saved come first:
-            # with the sampler position saved after them, no prompt is skipped or seen twice
-            row = ctx.resume_rows.pop(0) if ctx.resume_rows else ctx.sampler.next_batch(1)[0]
-            ctx.in_flight[started] = row
-            t = asyncio.create_task(one(started, row))
-            started += 1
-            tasks.add(t)
-            t.add_done_callback(finished)
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _collect(ctx: RunContext, groups: asyncio.Queue, eta: int,
-                   step: int = 0) -> tuple[list[Sample], dict[str, float], int]:
-    """Take `prompts_per_step` groups (with dynamic sampling: until that many informative groups
-    are kept, at most max_rounds * prompts_per_step groups; each dropped group lets the producer
-    start one more prompt); drop (or keep for re-weighting) samples older than eta versions.
-    Returns (trainable samples, metrics, stale samples dropped)."""
-    cfg, ds = ctx.cfg, ctx.cfg.algorithm.dynamic_sampling
-    want = cfg.trainer.prompts_per_step
-    limit = ds.max_rounds * want if ds.enabled else want
-    sel, taken, stale = Selection(ctx), [], 0
-    while len(taken) < want or (ds.enabled and sel.groups_kept < want and len(taken) < limit):
-        key, group = await groups.get()
-        ctx.in_flight.pop(key)
-        taken.append(group)
-        fresh = []
-        for s in group.samples:
-            if ctx.version - s.oldest_version > eta and s.oldest_version >= 0 and cfg.rollout.stale_policy == "drop":
-                stale += 1
-            else:
-                fresh.append(s)
-        sel.routing_missing += await attach_routing(ctx, fresh)
-        if not sel.add(fresh) and ds.enabled:
-            ctx.extra_prompts += 1
-            await _wake_producer(ctx)
-    ctx.check_failures(step, taken)
-    return sel.samples, {**summarize(taken), **sel.metrics(len(taken) / want)}, stale
+    ctx.state.step_end = time.perf_counter()  # the next step's wall time starts here

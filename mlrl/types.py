@@ -7,7 +7,7 @@ fields are plain `list[int]` / `list[float]` of one length per sample; shapes ar
 
 Invariants kept here:
 - a `ModelResponse` records the weight version of every output token (`output_versions`,
-  [R]); partial rollouts interrupted by a weight update therefore carry mixed versions;
+  [R]); partial rollouts interrupted by a weight sync therefore carry mixed versions;
 - a `Sample` has `len(tokens) == len(loss_mask) == len(rollout_logprobs) == len(versions)`;
   prompt positions have loss_mask 0, logprob 0.0 and version -1.
 """
@@ -38,7 +38,7 @@ class StopReason(str, enum.Enum):
     STOP = "stop"            # EOS or a stop string / token
     LENGTH = "length"        # max_new_tokens or context length reached
     ABORT = "abort"          # aborted by the caller
-    INTERRUPT = "interrupt"  # interrupted by a weight update; may be resumed as a partial rollout
+    INTERRUPT = "interrupt"  # interrupted by a weight sync; may be resumed as a partial rollout
     ERROR = "error"          # the request failed (message in ModelResponse.error)
 
 

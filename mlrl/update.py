@@ -31,7 +31,13 @@ from mlrl.algorithms.advantages import RETURNS_KEY, compute_advantages
 from mlrl.algorithms.value import explained_variance
 from mlrl.config import Config
 from mlrl.experience.minibatch import split_groups
-from mlrl.experience.packing import attach_per_sample, pack_step, token_advantages, unpack_per_sample
+from mlrl.experience.packing import (
+    attach_per_sample,
+    pack_step,
+    set_advantages,
+    token_advantages,
+    unpack_per_sample,
+)
 from mlrl.interfaces import Critic, PerDP, Policy
 from mlrl.metrics import StepTimer
 from mlrl.types import Sample
@@ -53,10 +59,9 @@ def train_on(cfg: Config, policy: Policy, critic: Critic | None, samples: list[S
     a, t = cfg.algorithm, cfg.trainer
     temperature = cfg.rollout.sampling.logprob_temperature
     kl_in_loss = a.kl_coef > 0 and not a.kl_in_reward
-    adv_needs_forward = (a.kl_in_reward and a.kl_coef > 0) or critic is not None
-    if not adv_needs_forward:
-        compute_advantages(samples, a)
+    # the step's samples, packed once (advantages are set on the packing below, once they exist)
     whole, pack_metrics = _pack(cfg, policy, samples)
+    # 1. the forward phase
     old = ref = values = None
     with timer("logprobs"):
         if a.router_replay:
@@ -70,15 +75,19 @@ def train_on(cfg: Config, policy: Policy, critic: Critic | None, samples: list[S
             values = unpack_per_sample([mb for r in whole for mb in r], [v for r in out for v in r], len(samples))
     if a.use_rollout_logprobs:
         old = [torch.tensor(s.rollout_logprobs, dtype=torch.float32) for s in samples]
-    if adv_needs_forward:
+    # 2. advantages, once, over the whole step (the KL-in-reward and GAE estimators read the forward phase)
+    if (a.kl_in_reward and a.kl_coef > 0) or critic is not None:
         compute_advantages(samples, a, ref_logprobs=ref, policy_logprobs=old, values=values)
-        whole = None  # packed before the advantages existed
+    else:
+        compute_advantages(samples, a)
+    set_advantages([mb for r in whole for mb in r], samples)
     returns: list[torch.Tensor] = []
     if critic is not None:
         assert values is not None and cfg.critic is not None  # both exist whenever there is a critic
         returns = [torch.tensor(s.metadata[RETURNS_KEY], dtype=torch.float32) for s in samples]
     values = values or []
 
+    # 3. the optimizer updates
     actor_updates = critic is None or cfg.critic is None or step > cfg.critic.critic_only_steps
     parts = split_groups(samples, t.mini_batches_per_step)
     policy_metrics: list[dict[str, float]] = []
@@ -87,7 +96,7 @@ def train_on(cfg: Config, policy: Policy, critic: Critic | None, samples: list[S
         for _epoch in range(t.epochs_per_step):
             for idx in parts:
                 mb_samples = [samples[i] for i in idx]
-                per_dp = whole if whole is not None and len(parts) == 1 else _pack(cfg, policy, mb_samples)[0]
+                per_dp = whole if len(parts) == 1 else _pack(cfg, policy, mb_samples)[0]
                 flat = [mb for r in per_dp for mb in r]
                 if old is not None:
                     attach_per_sample(flat, "old_logprobs", [old[i] for i in idx])
@@ -96,9 +105,9 @@ def train_on(cfg: Config, policy: Policy, critic: Critic | None, samples: list[S
                 if critic is not None:
                     attach_per_sample(flat, "old_values", [values[i] for i in idx])
                     attach_per_sample(flat, "returns", [returns[i] for i in idx])
-                    critic_metrics.append(critic.train_step(per_dp))
+                    critic_metrics.append(critic.update(per_dp))
                 if actor_updates:
-                    policy_metrics.append(policy.train_step(per_dp))
+                    policy_metrics.append(policy.update(per_dp))
     metrics = {**pack_metrics, **{f"train/{k}": v for k, v in combine_update_metrics(policy_metrics).items()}}
     metrics["train/updates"] = float(len(policy_metrics))
     if critic is not None:
@@ -148,7 +157,7 @@ def _per_sample(per_dp: PerDP, out: list[list[tuple[torch.Tensor, Any]]], n: int
     return unpack_per_sample(flat, [lp for rank in out for lp, _ in rank], n)
 
 
-# the critic's train_step returns the policy's bookkeeping keys too: "loss" repeats value_loss and
+# the critic's update returns the policy's bookkeeping keys too: "loss" repeats value_loss and
 # the token / micro-batch counts repeat the policy's
 _CRITIC_QUIET = {"loss", "tokens", "loss_tokens", "n_tokens", "num_micro_batches", "skipped"}
 

@@ -8,7 +8,7 @@ same batch, measured side by side in one run; prints the ratio.
 
 Both sides do the full step: forward, token logprobs + entropy, a policy-gradient loss
 normalised over the step, backward, grad clipping, AdamW. Megatron runs the packed
-micro-batches through `MegatronPolicy.train_step` (tp*pp processes, launched here with
+micro-batches through `MegatronPolicy.update` (tp*pp processes, launched here with
 torchrun), then times the forward-only pass of the reference / old policy
 (`compute_logprobs`); HF runs on rank 0 afterwards with the samples of each micro-batch as one
 unpadded batch (all samples have the same length, so neither side wastes work on padding). The
@@ -362,7 +362,7 @@ def worker(args) -> int:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     policy = MegatronPolicy(cfg.model, cfg.parallel, cfg.trainer, layout, hf_dir=hf_dir, trainable=True)
-    mg_time = _timed(partial(policy.train_step, mbs, pg_loss), args.warmup, args.steps, sync)
+    mg_time = _timed(partial(policy.update, mbs, pg_loss), args.warmup, args.steps, sync)
     fwd_time = _timed(partial(policy.compute_logprobs, mbs, 1.0), args.warmup, args.steps, sync)
     mg_mem = _peak_gb(cuda, across_ranks=True)
     del policy

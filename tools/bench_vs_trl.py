@@ -510,7 +510,7 @@ def run_mlrl(args: argparse.Namespace, steps: int, work: Path, *, done: RewardsD
     recs = [r for r, _ in records]
     times = [_step_time(r) for r in recs]
     t_train_begin = records[0][1] - times[0]  # step 1 started its own duration before its line arrived
-    startup = run_dir / "startup.json"  # mlrl's own start-up breakdown (mlrl.run.StartupClock)
+    startup = run_dir / "startup.json"  # mlrl's own start-up breakdown (mlrl.jobs.rl.StartupClock)
     return {
         "cmd": " ".join(cmd), "steps": [r["step"] for r in recs], "rewards": [float(r["reward/mean"]) for r in recs],
         "step_times": times, "startup_s": t_train_begin - t0,

@@ -4,13 +4,13 @@
     python tools/bench_weight_sync.py --lora [--lora-rank 16]     # adapter sync vs full sync, same model
 
 Starts the engines (mlrl.rollout.EnginePool), loads the model in HF transformers in this process
-as the sender (mlrl.weight_sync.HFWeightSource), runs one warm-up sync (which also builds the
+as the sender (tools/hf_weight_source.py), runs one warm-up sync (which also builds the
 gloo group), then `--repeats` times, side by side over the SAME group:
   raw        the same tensor byte sizes broadcast with no protocol: no headers, no checksums,
              nothing applied (the wire's speed on this machine);
   protocol   the full wire protocol (headers, checksums on both ends, verification) received
              and dropped by the engines: the transfer without vLLM's load;
-  transfer   a full weight update: headers + CRC-32 on both ends + vLLM's load_weights and
+  transfer   a full weight sync: headers + CRC-32 on both ends + vLLM's load_weights and
              layer-wise finalize + LM-head refresh (`start` -> `finish` on the engines);
   sync       `WeightSync.sync(version)` end to end: pause, transfer, checksum comparison,
              prefix-cache reset, canary logprobs, resume.
@@ -21,9 +21,9 @@ Median over repeats. With `--lora`: a full sync of the model (broadcast, plain e
 adapter sync (weight_sync.lora_mode=adapter: a PEFT folder of a rank-r all-linear adapter loaded by
 an engine started with --enable-lora) of the same model, bytes and seconds of each; the last line
 is the bytes ratio (goal < 0.05 at rank 16 on SmolLM2-135M).
-raw and protocol are the benchmark's references (mlrl.weight_sync.bench_reference,
-reached in the engines through the worker extension's one benchmark hook); transfer and sync are the
-production path.
+raw and protocol are the benchmark's references (tools/weight_sync_reference.py, reached in the
+engines through the hook that its worker extension, tools/weight_sync_reference_ext.py, adds to
+mlrl's); transfer and sync are the production path.
 """
 
 from __future__ import annotations
@@ -35,12 +35,16 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # hf_weight_source, weight_sync_reference, tool_errors
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
+
+import weight_sync_reference
+from hf_weight_source import HFWeightSource
 
 from mlrl.config.schema import LoRAConfig, RolloutConfig, WeightSyncConfig
 from mlrl.modelzoo import resolve_model_dir
 from mlrl.rollout import EnginePool
-from mlrl.weight_sync import HFWeightSource, SyncSetup, bench_reference
+from mlrl.weight_sync import SyncSetup
 from mlrl.weight_sync.transports import BroadcastWeightSync
 
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -72,17 +76,19 @@ async def run(args: argparse.Namespace) -> dict:
     sizes = [t.numel() * t.element_size() for _, t in src.named_tensors()]
     total = sum(sizes)
     cfg = RolloutConfig(num_engines=args.engines, startup_timeout_s=600, max_model_len=args.max_model_len)
-    async with EnginePool(cfg, model_dir, run_dir=args.run_dir) as pool:
+    # engines with the reference hook (weight_sync_reference_ext.ReferenceWorkerExtension)
+    async with EnginePool(cfg, model_dir, run_dir=args.run_dir,
+                          server_factory=weight_sync_reference.engine_server) as pool:
         ws = BroadcastWeightSync(WeightSyncConfig(bucket_mb=args.bucket_mb, canary_tolerance=args.canary_tolerance,
                                                   verify_checksums=not args.no_verify), pool, src,
                                  SyncSetup(model_dir=model_dir, engine_tp=cfg.engine_tp, host=cfg.host))
         first = await ws.sync(1)  # warm-up: builds the group
         raw_s, proto_s, transfer_s, sync_s, apply_s, canary = [], [], [], [], [], []
         for i in range(args.repeats):
-            s, n = await bench_reference.raw_broadcast(ws, sizes)
+            s, n = await weight_sync_reference.raw_broadcast(ws, sizes)
             assert n == total
             raw_s.append(s)
-            proto_s.append(await bench_reference.protocol_only(ws, 1000 + i))
+            proto_s.append(await weight_sync_reference.protocol_only(ws, 1000 + i))
             rep = await ws.sync(2 + i)
             transfer_s.append(rep.transfer_s)
             sync_s.append(rep.seconds)
@@ -122,7 +128,7 @@ async def run_lora(args: argparse.Namespace) -> dict:
     import torch
     from peft import get_peft_model
 
-    from mlrl.checkpoint.peft_export import peft_config
+    from mlrl.ckpt_files.peft_adapter import peft_config
     from mlrl.weight_sync.lora_adapter import AdapterWeightSync
 
     torch.set_num_threads(args.threads)

@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
 def resolve_ckpt(path: str) -> Path:
     """model_optim/ folder of a checkpoint given as that folder, step_N/ or a checkpoint root."""
     from mlrl.checkpoint import CheckpointManager
-    from mlrl.trainer.rank.checkpointing import META_FILE
+    from mlrl.ckpt_files.layout import META_FILE
 
     p = Path(path)
     if not p.exists():
@@ -166,7 +166,7 @@ def lora_base(meta: dict, ckpt: Path, base: Optional[str]) -> Path:
     from dataclasses import asdict
 
     from mlrl.bridge import BridgeError, HFCheckpoint, spec_for
-    from mlrl.trainer.rank.checkpointing import lora_meta_base
+    from mlrl.trainer.rank.dist_ckpt import lora_meta_base
 
     recorded = lora_meta_base(meta)
     if base is None:
@@ -211,7 +211,7 @@ def prepare(args) -> dict[str, Any]:
     """Validate the inputs; returns the job description the ranks run."""
     from mlrl.bridge import BridgeError, HFCheckpoint, spec_for
     from mlrl.bridge.select import resolve_bridge
-    from mlrl.checkpoint import CheckpointError
+    from mlrl.ckpt_files.errors import CheckpointError
     from mlrl.trainer.rank.conversion import check_output_dir
 
     job: dict[str, Any] = {"command": args.command, "out": str(Path(args.out).resolve()), "verify": args.verify,
@@ -236,7 +236,7 @@ def prepare(args) -> dict[str, Any]:
             dtype = dtype if dtype in _dtypes() else "float32"
         job.update(hf=str(hf), dtype=dtype, bridge=bridge)
     else:
-        from mlrl.trainer.rank.checkpointing import HF_FILES_DIR, read_meta
+        from mlrl.trainer.rank.dist_ckpt import HF_FILES_DIR, read_meta
 
         max_shard_bytes = parse_size(args.max_shard_size)
         path = resolve_ckpt(args.ckpt)
@@ -411,7 +411,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         _rank_main(Path(args.job))
         return 0
     from mlrl.bridge import BridgeError
-    from mlrl.checkpoint import CheckpointError
+    from mlrl.ckpt_files.errors import CheckpointError
 
     try:
         job = prepare(args)

@@ -39,7 +39,7 @@ DENOMINATORS: dict[str, str] = {
     "values": "n_tokens",                  # critic: mean value over loss tokens (before this update's step)
     "returns": "n_tokens",                 # critic: mean GAE return (the regression target)
     "value_clipfrac": "n_tokens",          # critic: fraction of loss tokens where the clipped value loss was larger
-    # DPO / IPO (mlrl.algorithms.dpo): means over the step's preference pairs
+    # DPO / IPO (mlrl.algorithms.dpo_loss): means over the step's preference pairs
     "chosen_reward": "n_pairs",            # beta * (log pi - log ref) of the chosen completions
     "rejected_reward": "n_pairs",          # the same for the rejected ones
     "reward_margin": "n_pairs",            # chosen minus rejected implicit reward

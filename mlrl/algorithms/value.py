@@ -1,6 +1,6 @@
 """The critic's value loss (PPO + GAE) on one packed micro-batch, and explained variance.
 
-Contract with the trainer (mlrl.trainer.rank.critic.MegatronCritic.train_step), the same as the
+Contract with the trainer (mlrl.trainer.rank.critic.MegatronCritic.update), the same as the
 policy loss's (mlrl.algorithms.losses): the trainer computes the token-aligned values of one
 MicroBatch (values[t] = V(tokens[<t]), the alignment of mlrl.experience.batch) and calls
 
@@ -54,7 +54,7 @@ def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor | None, re
 
 
 def make_value_loss_fn(value_clip: float) -> ValueLossFn:
-    """`value_loss_fn(mb, values [S]) -> (loss, metrics)` for MegatronCritic.train_step; needs
+    """`value_loss_fn(mb, values [S]) -> (loss, metrics)` for MegatronCritic.update; needs
     mb.returns, and mb.old_values when value_clip > 0 (critic.value_clip; 0 = off)."""
     if value_clip < 0:
         raise ValueError(f"critic.value_clip={value_clip}: expected >= 0 (0 = off)")

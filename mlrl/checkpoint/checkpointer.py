@@ -19,13 +19,11 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from mlrl.checkpoint.manager import CheckpointManager
+from mlrl.ckpt_files.layout import CRITIC_DIR, TRAINER_DIR
 from mlrl.config import ConfigError
 from mlrl.interfaces import PendingSave, Policy, ResumeInfo
 
 log = logging.getLogger(__name__)
-
-CRITIC_DIR = "critic"          # step_N/critic/: the value model's training state (PPO with GAE)
-TRAINER_DIR = "model_optim"    # step_N/model_optim/: the policy's training state
 
 
 def check_resume_has_critic(resume: Path, uses_critic: bool) -> None:

@@ -13,34 +13,27 @@ Ordering kept (crash safety): write everything into `.tmp-*`, write COMPLETE, re
 to `step_N` (atomic on one filesystem), then replace `latest` (write + os.replace), and only
 then delete checkpoints beyond keep-last-k and stale temporary folders. A process killed at any
 point leaves the previous checkpoint loadable, and a folder without COMPLETE is never picked.
+
+The names and the read-only side (what is complete, which is latest) are mlrl.ckpt_files.layout's,
+shared with the trainer ranks' model.init_from check; this module is the driver's writing side.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import secrets
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-COMPLETE = "COMPLETE"
-STATE_FILE = "trainer_state.json"
-_STEP_RE = re.compile(r"^step_(\d{6,})$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, incomplete or does not fit this run; the message says which."""
+from mlrl.ckpt_files.errors import CheckpointError
+from mlrl.ckpt_files.layout import COMPLETE, STATE_FILE, STEP_RE, complete_checkpoints, is_complete, latest_checkpoint
 
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:06d}"
-
-
-def is_complete(path: Path) -> bool:
-    return (path / COMPLETE).is_file() and (path / STATE_FILE).is_file()
 
 
 class CheckpointManager:
@@ -81,20 +74,11 @@ class CheckpointManager:
                 shutil.rmtree(p, ignore_errors=True)
 
     def complete_checkpoints(self) -> list[Path]:
-        if not self.root.is_dir():
-            return []
-        found = [(int(m.group(1)), p) for p in self.root.iterdir() if (m := _STEP_RE.match(p.name)) and is_complete(p)]
-        return [p for _, p in sorted(found, key=lambda sp: sp[0])]
+        return complete_checkpoints(self.root)
 
     def latest(self) -> Path | None:
         """Newest complete checkpoint: the `latest` pointer if valid, else the newest complete folder."""
-        ptr = self.root / "latest"
-        if ptr.is_file():
-            cand = self.root / ptr.read_text().strip()
-            if is_complete(cand):
-                return cand
-        complete = self.complete_checkpoints()
-        return complete[-1] if complete else None
+        return latest_checkpoint(self.root)
 
     def resolve_resume(self, spec: str) -> Path | None:
         """`auto` -> latest complete or None; `none` -> None; a path -> that checkpoint (validated)."""
@@ -105,7 +89,7 @@ class CheckpointManager:
         path = Path(spec)
         if not path.exists():
             raise CheckpointError(f"checkpoint.resume: {spec!r} does not exist")
-        if path.is_dir() and not _STEP_RE.match(path.name) and (path / "latest").is_file():
+        if path.is_dir() and not STEP_RE.match(path.name) and (path / "latest").is_file():
             found = CheckpointManager(path).latest()
             if found is None:
                 raise CheckpointError(f"checkpoint.resume: {spec!r} holds no complete checkpoint")

@@ -53,6 +53,8 @@ REMOVED: dict[str, str] = {
                             "the same name as the critic's)",
     "critic.warmup_steps": "renamed critic.critic_only_steps (the first RL steps that train only the critic); "
                            "the critic's LR warm-up is critic.lr_warmup_steps",
+    "rollout.interrupt_on_update": "renamed rollout.interrupt_on_sync (an update is an optimizer update; "
+                                   "putting the weights into the engines is the weight sync)",
 }
 """Config keys that no longer exist -> what to set instead. A recipe or override that still uses one
 fails on load with `<name> was removed: <this>` (before the unknown-key error and anything else)."""

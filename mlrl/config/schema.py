@@ -220,8 +220,8 @@ class RolloutConfig:
     """Async bound eta: a sample may be at most this many weight versions old (0 = synchronous)."""
     stale_policy: Literal["drop", "reweight"] = "drop"
     """What happens to a sample older than `staleness` versions."""
-    interrupt_on_update: bool = False
-    """On a weight update interrupt in-flight requests and resume them afterwards (False = let them finish first)."""
+    interrupt_on_sync: bool = False
+    """On a weight sync interrupt in-flight requests and resume them afterwards (False = let them finish first)."""
     host: str = "127.0.0.1"
     """Interface the engines' HTTP servers listen on (loopback by default)."""
     startup_timeout_s: float = 300.0

@@ -6,9 +6,9 @@ verifiable tasks (`synthetic:copy_digit`, `synthetic:add_digits`, `synthetic:ari
 (`apply_chat_template`, `load_hf_tokenizer`). `mlrl.data` is the lower layer: `mlrl.workflow` may
 import it, nothing here imports `mlrl.workflow`."""
 
+from mlrl.data.chat_tokens import sft_example, tokenize_messages
 from mlrl.data.registry import SFTDataset, dataset_from_config, get_dataset, list_datasets, register_dataset
 from mlrl.data.rows import DatasetError, RLDataset, normalise_rl_row
-from mlrl.data.sft import sft_example, tokenize_messages
 from mlrl.data.synthetic import TASKS as SYNTHETIC_TASKS
 
 __all__ = [

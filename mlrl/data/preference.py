@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from mlrl.data.chat_tokens import tokenize_messages
 from mlrl.data.rows import DatasetError, _short, normalise_messages
-from mlrl.data.sft import tokenize_messages
 from mlrl.data.tokenizer import apply_chat_template
 
 Side = tuple[list[int], list[int]]  # (input_ids, loss_mask)

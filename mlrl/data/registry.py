@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any, Literal, overload
 
 from mlrl.data import synthetic
+from mlrl.data.chat_tokens import NoAssistantTurn, sft_example
 from mlrl.data.files import find_split_file, read_rows
 from mlrl.data.preference import Side, preference_example, synthetic_pairs
 from mlrl.data.rows import DatasetError, RLDataset, normalise_rl_row
-from mlrl.data.sft import NoAssistantTurn, sft_example
 from mlrl.data.tokenizer import apply_chat_template
 from mlrl.registry import Registry
 

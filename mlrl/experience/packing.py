@@ -385,6 +385,17 @@ def attach_per_sample(
         setattr(mb, name, gather_per_sample(mb, per_sample).detach().to(torch.float32))
 
 
+def set_advantages(micro_batches: Iterable[MicroBatch], samples: Sequence[Sample]) -> None:
+    """Refresh mb.advantages of packed micro-batches from the samples' advantages (computed after
+    the packing, e.g. from a forward pass over it): the values `pack_step` would have written,
+    each token's advantage times its loss mask."""
+    per_sample = [torch.tensor(token_advantages(s, i), dtype=torch.float32)
+                  * torch.tensor([1.0 if x else 0.0 for x in s.loss_mask], dtype=torch.float32)
+                  for i, s in enumerate(samples)]
+    for mb in micro_batches:
+        mb.advantages = gather_per_sample(mb, per_sample)
+
+
 def unpack_per_sample(
     micro_batches: Sequence[MicroBatch], per_token: Sequence[torch.Tensor], num_samples: Optional[int] = None
 ) -> list[torch.Tensor]:

@@ -8,7 +8,7 @@ most `max_tokens` tokens, and returns the first group of `score_pattern`'s first
 `max_score`. A reply without a score, or an engine error, raises `JudgeError`: the reward wrapper
 records it as a failure of that episode's reward (reward 0.0), and the run goes on.
 
-The engines are the rollout package's `EnginePool` (mlrl.run starts them beside the policy's and
+The engines are the rollout package's `EnginePool` (mlrl.jobs.rl starts them beside the policy's and
 calls `set_active_judge`); this module sees only `InferenceEngine.agenerate`, so it imports neither
 vLLM nor the rollout package. The judge's engines are never weight-synced: the judge is frozen.
 
@@ -135,7 +135,7 @@ _ACTIVE: list[ModelJudge] = []
 
 
 def set_active_judge(judge: ModelJudge | None) -> None:
-    """The judge `workflow.reward=reward_model` scores with (mlrl.run sets it while the engines run)."""
+    """The judge `workflow.reward=reward_model` scores with (mlrl.jobs.rl sets it while the engines run)."""
     _ACTIVE[:] = [judge] if judge is not None else []
 
 

@@ -14,7 +14,7 @@ It owns N vLLM servers (`EngineServer`) and routes requests to them. Invariants:
   prefix cache holds the conversation) while that engine is healthy.
 - **versions**: every output token carries the weight version the engine recorded for it
   (engine core spans, set at `/finish_weight_update`).
-- **pause / resume around weight updates**: `pause("wait")` lets in-flight requests finish,
+- **pause / resume around weight syncs**: `pause("wait")` lets in-flight requests finish,
   `pause("abort")` interrupts them; interrupted requests wait inside `agenerate` and continue
   after `resume()` as partial rollouts — the new call's prompt is the original prompt plus the
   tokens generated so far, so the continuation is computed by the new weights on a prefix
@@ -22,7 +22,7 @@ It owns N vLLM servers (`EngineServer`) and routes requests to them. Invariants:
   interruption keep their old version. vLLM's own `pause(mode="keep")` was not used: it would
   continue on a KV cache computed by the old weights, which matches neither weight version.
 - an engine restarted while the pool's version is newer than the model folder's holds stale
-  weights: it is not routed to until the weight sync (the `refresher` hook, which mlrl/run.py
+  weights: it is not routed to until the weight sync (the `refresher` hook, which mlrl/jobs/rl.py
   sets to `WeightSync.refresh`) brings it to the current version.
 
 Construction: `EnginePool(cfg.rollout, model_dir, dtype=cfg.model.dtype, token=job_token,
@@ -312,14 +312,14 @@ class EnginePool:
                 if req.rid in self._user_aborted:
                     return _finish(resp, StopReason.ABORT, t0)
                 self.stats["interrupted"] += 1
-                continue  # interrupted by a weight update: resumes after `resume()` (acquire waits)
+                continue  # interrupted by a weight sync: resumes after `resume()` (acquire waits)
             return _finish(resp, _FINISH.get(seg.finish, StopReason.STOP), t0)
 
     async def agenerate_group(self, req: ModelRequest) -> list[ModelResponse]:
         """`req.gconfig.n_samples` samples of one prompt (a GRPO group) in ONE engine request:
         the prompt is prefilled once and the HTTP, routing and engine overhead is paid once, not n
         times. Returns n responses (rids `<rid>:<i>`), each with the same contract as `agenerate`'s.
-        A sample interrupted by a weight update continues alone (an `agenerate` continuation);
+        A sample interrupted by a weight sync continues alone (an `agenerate` continuation);
         the group counts as one request under rollout.max_concurrent_requests."""
         t0 = time.monotonic()
         n = req.gconfig.n_samples
@@ -383,7 +383,7 @@ class EnginePool:
                 return _finish(resp, _FINISH.get(seg.finish, StopReason.STOP), t0)
             if req.rid in self._user_aborted:
                 return _finish(resp, StopReason.ABORT, t0)
-            self.stats["interrupted"] += 1  # interrupted by a weight update: this sample continues alone
+            self.stats["interrupted"] += 1  # interrupted by a weight sync: this sample continues alone
             return await self._run(dataclasses.replace(req, rid=resp.rid), resp, t0)
 
         return list(await asyncio.gather(*(settle(r, s) for r, s in zip(resps, segs))))
@@ -562,12 +562,12 @@ class EnginePool:
                     out[i] = r
         return out
 
-    # ------------------------------------------------------------------ weight updates
+    # ------------------------------------------------------------------ weight syncs
 
     async def pause(self, mode: PauseMode | None = None) -> None:
         """Stop dispatching; "wait": let in-flight requests finish, "abort": interrupt them (they resume
         after `resume()`). Returns when no request is running on any engine; engines are paused too."""
-        mode = mode or ("abort" if self.cfg.interrupt_on_update else "wait")
+        mode = mode or ("abort" if self.cfg.interrupt_on_sync else "wait")
         if mode not in ("wait", "abort"):
             raise ValueError(f"pause mode must be 'wait' or 'abort', got {mode!r}")
         async with self._cond:

@@ -22,7 +22,7 @@ over them, so its record starts at position c. The store therefore also keeps th
 complete KV block it saw, keyed by the chain hash of the block's tokens and of all tokens before
 it (vLLM's own block-hash scheme), and fills a new record's cached prefix from there. A prefix
 whose rows were evicted leaves the record incomplete: `lookup` then answers None for it and the
-sample is recorded as failed rather than replayed with wrong experts. Every weight update resets
+sample is recorded as failed rather than replayed with wrong experts. Every weight sync resets
 vLLM's prefix cache, and the store's block rows with it (`reset_blocks`).
 
 Pure numpy: imported by the worker extension and by unit tests, never imports vllm.
@@ -152,14 +152,14 @@ class RoutingStore:
         self._evict()
 
     def reset_blocks(self) -> None:
-        """The engine's prefix cache was reset (weight update): its block rows are stale."""
+        """The engine's prefix cache was reset (weight sync): its block rows are stale."""
         self.blocks.clear()
 
     # ------------------------------------------------------------------ driver side
     def lookup(self, query: Sequence[int], *, take: bool = True) -> Optional[np.ndarray]:
         """Rows [m, L, k] for the longest complete record whose computed tokens are a prefix of
         `query` (m = its number of computed positions, normally len(query) - 1), else None.
-        Newest first: a sequence generated again after a weight update (the same tokens) must get
+        Newest first: a sequence generated again after a weight sync (the same tokens) must get
         the routes of its own generation. `take` removes the record, so two samples with the same
         tokens each get the record of their own request.
 

@@ -35,7 +35,8 @@ Also set: `VLLM_SERVER_DEV_MODE=1` (pause/resume, collective_rpc, weight-transfe
 weight version of every output token; vLLM 0.26 serves it without the flag and refuses the flag,
 see mlrl.rollout.vllm_compat), `--logprobs-mode processed_logprobs` (logprobs after
 temperature, which is what the trainer recomputes), `--weight-transfer-config {"backend":"mlrl"}`
-and `--worker-extension-cls mlrl.rollout.worker_ext.MlrlWorkerExtension` (weight sync receiver).
+and `--worker-extension-cls mlrl.rollout.worker_ext.MlrlWorkerExtension` (weight sync receiver;
+`ServerSpec.worker_extension` names a subclass instead, for a benchmark's extra hooks).
 """
 
 from __future__ import annotations
@@ -101,6 +102,8 @@ class ServerSpec:
     runner: str | None = None     # vLLM's --runner: "pooling" serves a sequence-classification reward model
     routed_experts: bool = False  # router replay: on GPU vLLM's own capture (--enable-return-routed-experts,
     #                               Model Runner V2); on CPU the worker extension captures (mlrl.rollout.routing)
+    worker_extension: str = WORKER_EXTENSION  # --worker-extension-cls: MlrlWorkerExtension or a subclass of it
+    #                                           (tools/bench_weight_sync.py's adds its reference hook)
     command: list[str] | None = (
         None  # replaces the vLLM command ("{host}", "{port}" substituted): tests, custom launchers
     )
@@ -173,7 +176,7 @@ def server_command(spec: ServerSpec, port: int) -> list[str]:
            "--logprobs-mode", "processed_logprobs",
            # vLLM 0.26 serves /inference/v1/generate without the flag (and refuses it)
            *(["--enable-scale-out"] if vllm.has(vllm_compat.Feature.SCALE_OUT_FLAG) else []),
-           "--worker-extension-cls", WORKER_EXTENSION,
+           "--worker-extension-cls", spec.worker_extension,
            "--weight-transfer-config", json.dumps({"backend": WEIGHT_TRANSFER_BACKEND}),
            # vLLM adds middleware in order, each wrapping the app so far: the token check, listed
            # last, runs first, then the batched-generate route (batch_route.py)

@@ -12,10 +12,10 @@ Two pieces, both loaded by every mlrl engine (see mlrl.rollout.server):
   on disk, and JSON-encoded CUDA IPC handles.
 - `MlrlWorkerExtension` (`--worker-extension-cls`): small `collective_rpc` methods the
   framework has no endpoint for: the last update's report (checksums), leaving the groups on
-  vLLM 0.26 (which lacks /shutdown_weight_transfer_engine, see mlrl.rollout.vllm_compat), one hook for
-  tools/bench_weight_sync.py's reference measurements (mlrl.weight_sync.bench_reference,
-  imported only when the benchmark calls it), and the CPU capture of routed experts for MoE
-  router replay (`mlrl_routing_enable` / `mlrl_routing_take`, see mlrl.rollout.routing).
+  vLLM 0.26 (which lacks /shutdown_weight_transfer_engine, see mlrl.rollout.vllm_compat), and the
+  CPU capture of routed experts for MoE router replay (`mlrl_routing_enable` /
+  `mlrl_routing_take`, see mlrl.rollout.routing). Benchmark-only hooks live in subclasses outside
+  the package, named by `ServerSpec.worker_extension` (tools/weight_sync_reference_ext.py).
 
 Applying the weights (the CPU reload problem, ../shared/DESIGN.md): `start_weight_update` opens
 vLLM's layer-wise reload (`initialize_layerwise_reload`), every received bucket goes through
@@ -112,7 +112,7 @@ def restore_embedding_kernels(deferred: list[Any]) -> None:
 
 
 def refresh_moe_kernels(model: torch.nn.Module) -> list[str]:
-    """CPU: re-prepack every MoE layer's expert weights after a weight update.
+    """CPU: re-prepack every MoE layer's expert weights after a weight sync.
 
     vLLM's CPU experts (vllm/model_executor/layers/fused_moe/experts/cpu_moe.py) repack w13 / w2
     into their grouped-GEMM layout in `process_weights_after_loading`, which the unquantized MoE
@@ -266,13 +266,6 @@ class MlrlWorkerExtension:
         """Leave the joined groups (what vLLM >= 0.32's /shutdown_weight_transfer_engine does; 0.26 has
         no such route, see mlrl.rollout.vllm_compat)."""
         self._mlrl_engine().shutdown()
-
-    def mlrl_bench_reference(self, call_json: str) -> dict[str, Any]:
-        """Benchmark only (tools/bench_weight_sync.py): this worker's side of a reference measurement
-        on its joined group, see mlrl.weight_sync.bench_reference.on_worker."""
-        from mlrl.weight_sync import bench_reference
-
-        return bench_reference.on_worker(self._mlrl_engine().receiver, json.loads(call_json))
 
     # ------------------------------------------------------------------ routed experts (router replay)
     def mlrl_routing_enable(self, max_bytes: str = str(256 << 20)) -> dict[str, Any]:

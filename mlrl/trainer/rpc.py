@@ -55,7 +55,7 @@ def no_delay(conn: C) -> C:
     `Connection.send_bytes` writes a message over 16 KiB as two writes, its 4-byte length then
     the body. With Nagle on, a body shorter than one segment waits until the length's segment is
     acknowledged, and the receiver delays that ACK (~40 ms on Linux): measured on the CPU demo, a
-    58 KB train_step request reached the rank ~45 ms after it was sent (driver round trip 0.11 s,
+    58 KB update request reached the rank ~45 ms after it was sent (driver round trip 0.11 s,
     the rank's own work 0.065 s). The same connection carries every trainer call."""
     sock = socket.socket(fileno=conn.fileno())
     try:

@@ -34,7 +34,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Protocol, Sequence, cast
 
-from mlrl.checkpoint.peft_export import write_peft_adapter
+from mlrl.ckpt_files.peft_adapter import write_peft_adapter
 from mlrl.config.schema import LoRAConfig, WeightSyncConfig
 from mlrl.interfaces import EngineControl, EngineHandle, RolloutPool
 from mlrl.weight_sync.source import PushRequest, WeightSource

@@ -23,7 +23,7 @@ from mlrl.weight_sync.wire import Channel, GroupSpec, join_as_receiver
 
 
 class Receiver:
-    """Receives weight updates for one worker; holds the broadcast channels between syncs."""
+    """Receives weight syncs for one worker; holds the broadcast channels between syncs."""
 
     def __init__(self, device: torch.device | None = None) -> None:
         self.device = device or torch.device("cpu")

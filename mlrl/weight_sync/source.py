@@ -10,7 +10,8 @@ Two levels, because the trainer is usually other processes:
   `canary_logprobs` computes the trainer's logprobs of a fixed token sequence, to compare with
   the engines' after every sync.
 
-`mlrl.weight_sync.hf_source.HFWeightSource` implements both levels in one process.
+Runs use `mlrl.trainer.driver.client.MegatronWeightSource`; tools/hf_weight_source.py implements
+both levels in one process (tests, tools/bench_weight_sync.py).
 """
 
 from __future__ import annotations

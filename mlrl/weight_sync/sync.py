@@ -1,4 +1,4 @@
-"""`WeightSync.sync(version) -> SyncReport`: one verified weight update of every live engine.
+"""`WeightSync.sync(version) -> SyncReport`: one verified weight sync of every live engine.
 
 The loop calls only `await weight_sync.sync(version)`; the transport (broadcast / disk / CUDA
 IPC, see mlrl.weight_sync.transports) is chosen once by `mlrl.weight_sync.registry.make_weight_sync`.
@@ -7,7 +7,7 @@ retry, commit), its report and the facts it is built from (`SyncSetup`). The poo
 are seen only through the Protocols of mlrl.interfaces (`RolloutPool`, `EngineHandle`).
 
 Order of one sync (the same for every transport):
-    pool.pause()            in-flight requests finish first or are interrupted (rollout.interrupt_on_update);
+    pool.pause()            in-flight requests finish first or are interrupted (rollout.interrupt_on_sync);
                             the engines are idle and paused (vLLM /pause) — updates never race generation
     [hooks.before_transfer] colocated placement (mlrl.colocation): engine weights awake, trainer params resident
     canary reference        the trainer's logprobs of a fixed token sequence (`source.canary_logprobs`);
@@ -105,7 +105,7 @@ class SyncReport(Mapping):
 @dataclass(frozen=True)
 class SyncSetup:
     """What a weight sync needs to know about the engines besides the pool (given by the caller,
-    e.g. mlrl.run from the config and the placement)."""
+    e.g. mlrl.jobs.rl from the config and the placement)."""
 
     model_dir: str | Path          # the engines' HF model folder: vocab_size for the canary prompt
     engine_tp: int = 1             # workers per engine (broadcast: receivers per engine)
@@ -179,7 +179,7 @@ class WeightSync(abc.ABC):
         if cfg.bucket_mb <= 0:
             raise ValueError(f"weight_sync.bucket_mb must be > 0, got {cfg.bucket_mb}")
         self.cfg = cfg
-        # mlrl.run resolves the tolerance by model.dtype; built directly, unset means float32's
+        # mlrl.jobs.rl resolves the tolerance by model.dtype; built directly, unset means float32's
         self.tolerance = cfg.canary_tolerance_for("float32")
         self.pool = pool
         self.source = source
@@ -221,7 +221,7 @@ class WeightSync(abc.ABC):
 
     async def refresh(self) -> None:
         """A full sync to the pool's current version: the pool's `refresher` hook (wired by the caller,
-        e.g. mlrl.run), so that an engine restarted after a crash serves the current weights again."""
+        e.g. mlrl.jobs.rl), so that an engine restarted after a crash serves the current weights again."""
         await self.sync(self.pool.version)
 
     async def sync(self, version: int, hooks: SyncHooks | None = None) -> SyncReport:

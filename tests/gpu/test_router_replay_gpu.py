@@ -69,7 +69,7 @@ def _replays(recs: list[dict]) -> None:
 
 def test_router_replay_colocated_on_one_gpu(tmp_path):
     """One GPU: trainer and engine colocated (vLLM sleep mode between the phases, CUDA IPC sync), so
-    the engine's routed-experts capture survives sleep / wake and weight updates."""
+    the engine's routed-experts capture survives sleep / wake and weight syncs."""
     run = tmp_path / "run"
     launch(run, *RUN, "cluster.gpus_per_node=1", "cluster.placement=colocated", "weight_sync.transport=cuda_ipc",
            "trainer.total_steps=2")

@@ -6,13 +6,16 @@ import asyncio
 
 import pytest
 import torch
+from helpers.tools import load_tool
 
 from mlrl.config.schema import RolloutConfig, WeightSyncConfig
 from mlrl.modelzoo import resolve_model_dir
 from mlrl.rollout import EnginePool
-from mlrl.weight_sync import HFWeightSource, make_weight_sync
+from mlrl.weight_sync import make_weight_sync
 from mlrl.weight_sync.sender import push_from_rank
 from mlrl.weight_sync.source import PushRequest
+
+HFWeightSource = load_tool("hf_weight_source").HFWeightSource  # shared with tools/bench_weight_sync.py
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -4,6 +4,9 @@
 - the driver half of the trainer (trainer/driver) imports no megatron, and of the rank half only
   the RPC definition (trainer/rank/service.py);
 - interfaces.py (the seams) depends on nothing but the plain data types;
+- checkpoints cross the driver/rank boundary only through files: nothing under trainer/ imports
+  the driver's checkpoint/ package, and ckpt_files/ (the files both sides read and write) imports
+  neither checkpoint/ nor trainer/;
 - no two packages import each other, directly or through others (no cycles). Every import counts:
   module level, inside functions, and under TYPE_CHECKING.
 """
@@ -128,6 +131,57 @@ def test_trainer_driver_side_stays_light():
         if rank:
             offenders.append(f"{rel} imports rank-side modules {sorted(rank)} (only the RPC definition, rank.service)")
     assert not offenders, "\n".join(offenders)
+
+
+def _relative_modules(path: Path, root: Path, name: str = "mlrl") -> set[str]:
+    """Full dotted names of the relative imports in `path` (`from ..checkpoint import manager` in
+    trainer/rank/x.py -> mlrl.checkpoint, mlrl.checkpoint.manager); `_modules` sees only absolute ones."""
+    package = [name, *path.relative_to(root).parent.parts]
+    mods = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level > 0:
+            mod = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+            mods.add(mod)
+            mods.update(f"{mod}.{a.name}" for a in node.names)
+    return mods
+
+
+def imports_of(root: Path, folder: str, packages: tuple[str, ...], name: str = "mlrl") -> list[str]:
+    """'file imports module' for every import (any level: module, function, TYPE_CHECKING; absolute
+    or relative) by a module under `root/folder` of one of `packages` (e.g. "checkpoint") or below."""
+    found = []
+    for f in sorted((root / folder).rglob("*.py")):
+        for mod in sorted(_modules(f) | _relative_modules(f, root, name)):
+            if any(mod == f"{name}.{p}" or mod.startswith(f"{name}.{p}.") for p in packages):
+                found.append(f"{f.relative_to(root)} imports {mod}")
+    return found
+
+
+def test_trainer_never_imports_the_driver_checkpoint_package():
+    """The ranks write and read checkpoints through mlrl.ckpt_files (names, HF / PEFT writers,
+    CheckpointError, the init_from check); mlrl.checkpoint is the driver's (commit, keep-last-k)."""
+    assert list((PKG / "trainer").rglob("*.py"))
+    offenders = imports_of(PKG, "trainer", ("checkpoint",))
+    assert not offenders, "\n".join(offenders) + "\n(use mlrl.ckpt_files, the neutral home)"
+
+
+def test_ckpt_files_is_neutral():
+    assert list((PKG / "ckpt_files").rglob("*.py"))
+    offenders = imports_of(PKG, "ckpt_files", ("checkpoint", "trainer"))
+    offenders += [f"ckpt_files/{f.name} imports megatron or vllm" for f in (PKG / "ckpt_files").rglob("*.py")
+                  if _imports(f) & {"megatron", "vllm"}]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_checkpoint_import_checker_sees_function_local_and_relative_imports(tmp_path):
+    root = tmp_path / "mlrl"
+    (root / "trainer" / "rank").mkdir(parents=True)
+    (root / "trainer" / "rank" / "a.py").write_text("def f():\n    from mlrl.checkpoint.manager import X\n")
+    (root / "trainer" / "rank" / "b.py").write_text("from ...checkpoint import init_from\n")
+    (root / "trainer" / "rank" / "c.py").write_text("import mlrl.checkpointing_other\nfrom mlrl.ckpt_files import x\n")
+    assert imports_of(root, "trainer", ("checkpoint",)) == [
+        "trainer/rank/a.py imports mlrl.checkpoint.manager", "trainer/rank/a.py imports mlrl.checkpoint.manager.X",
+        "trainer/rank/b.py imports mlrl.checkpoint", "trainer/rank/b.py imports mlrl.checkpoint.init_from"]
 
 
 def test_interfaces_depend_only_on_plain_data_types():

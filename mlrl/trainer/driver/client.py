@@ -2,7 +2,7 @@
 `CriticClient` (its `Critic`) and `MegatronWeightSource` (the weight sync's `WeightSource`).
 
 Each method mirrors one method of the rank-side `mlrl.trainer.rank.service.TrainerService` and
-calls it by reference (`group.call_sharded(TrainerService.train_step, ...)`): a renamed or removed
+calls it by reference (`group.call_sharded(TrainerService.update, ...)`): a renamed or removed
 service method fails at import time, and an argument of the wrong name or type fails the type
 check of `make lint` (`TrainerGroup.call`'s ParamSpec is the service method's own parameters).
 
@@ -65,8 +65,8 @@ class TrainerClient:
         return RouterDiagnostics(replay=[r.replay for r in first], own=[r.own for r in first],
                                  matches=res[0].matches, compared=res[0].compared)
 
-    def train_step(self, per_dp: PerDP) -> dict[str, float]:
-        return self.group.call_sharded(TrainerService.train_step, self.per_rank(per_dp))[0]
+    def update(self, per_dp: PerDP) -> dict[str, float]:
+        return self.group.call_sharded(TrainerService.update, self.per_rank(per_dp))[0]
 
     def save_checkpoint(self, path: Path, critic_path: Path | None = None) -> None:
         """The policy's training state into `path`, and the critic's into `critic_path` (if any)."""
@@ -121,10 +121,10 @@ class CriticClient:
         t = self.trainer
         return t.first_per_dp(t.group.call_sharded(TrainerService.compute_values, t.per_rank(per_dp)))
 
-    def train_step(self, per_dp: PerDP) -> dict[str, float]:
+    def update(self, per_dp: PerDP) -> dict[str, float]:
         """One critic optimizer update on the micro-batches (old_values / returns attached)."""
         t = self.trainer
-        return t.group.call_sharded(TrainerService.train_critic, t.per_rank(per_dp))[0]
+        return t.group.call_sharded(TrainerService.update_critic, t.per_rank(per_dp))[0]
 
 
 class MegatronWeightSource:

@@ -10,8 +10,8 @@ buckets into size-capped safetensors files. Only `--verify` loads the whole HF m
 process (rank 0, transformers), as any HF-side comparison must.
 
 Outputs appear atomically: the Megatron checkpoint is written under a temporary name and renamed
-by rank 0 when every rank has finished; the HF export does the same (mlrl.checkpoint.hf_export),
-and so does the PEFT adapter folder (mlrl.checkpoint.peft_export).
+by rank 0 when every rank has finished; the HF export does the same (mlrl.ckpt_files.hf_folder),
+and so does the PEFT adapter folder (mlrl.ckpt_files.peft_adapter).
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ from typing import Any, Callable, Iterator, Literal, Optional, cast
 import torch
 import torch.distributed as dist
 
-from mlrl.checkpoint.manager import CheckpointError
+from mlrl.ckpt_files.errors import CheckpointError
 from mlrl.config.schema import PRECISION, Dtype
-from mlrl.trainer.rank import checkpointing as ckpt
+from mlrl.trainer.rank import dist_ckpt as ckpt
+from mlrl.trainer.rank.hf_export import export_hf, export_peft
 
 Progress = Callable[[str], None]
 
@@ -188,12 +189,12 @@ def mcore_to_hf(path: str | Path, out: str | Path, *, tp: int, pp: int, ep: int,
     t1 = time.perf_counter()
     if lora:
         progress("writing the PEFT adapter")
-        ckpt.export_peft(policy, out, dtype=dtype)
+        export_peft(policy, out, dtype=dtype)
     hf_out = merged_out if lora else out  # LoRA: the merged model only when asked for
     if hf_out is not None:
         progress("writing HF safetensors")
-        ckpt.export_hf(policy, hf_out, max_shard_bytes=max_shard_bytes, dtype=dtype,
-                       files_from=path / ckpt.HF_FILES_DIR)
+        export_hf(policy, hf_out, max_shard_bytes=max_shard_bytes, dtype=dtype,
+                  files_from=path / ckpt.HF_FILES_DIR)
     t2 = time.perf_counter()
     report: dict[str, Any] = {"load_s": t1 - t0, "export_s": t2 - t1, "world": layout.trainer_devices}
     if verify:

@@ -9,7 +9,7 @@ micro-batches, the ranks of one DP rank's model-parallel group the same list).
 
     MegatronCritic(model_cfg, critic_cfg, parallel, trainer_cfg, layout, *, hf_dir)
       .compute_values(micro_batches) -> [values [S] fp32 per micro-batch]
-      .train_step(micro_batches, value_loss_fn, *, step=True) -> metrics dict
+      .update(micro_batches, value_loss_fn, *, step=True) -> metrics dict
       .iter_hf_buckets(bucket_bytes) -> the body's HF tensors (the value head is not an HF tensor)
       .rank_info() / .sharded_state_dict() / .optimizer / .scheduler / .optimizer_steps
 
@@ -33,7 +33,7 @@ Invariants:
   weight_decay / grad_clip; optimizer kind, betas, eps and the distributed optimizer come from
   trainer, the precision from model.dtype; decay over trainer.total_steps * mini_batches_per_step *
   epochs_per_step.
-- Checkpoints: mlrl.trainer.rank.checkpointing.save_checkpoint / load_checkpoint take a critic as
+- Checkpoints: mlrl.trainer.rank.dist_ckpt.save_checkpoint / load_checkpoint take a critic as
   they take a policy; its role is recorded, so neither loads into the other.
 """
 
@@ -121,14 +121,14 @@ class MegatronCritic(MegatronPolicy):
         micro-batch, on every rank of this DP rank's model-parallel group."""
         return [v for (v,) in self._forward_token_values(micro_batches, 1.0)]
 
-    def train_step(self, micro_batches: list[MicroBatch], value_loss_fn: ValueLossFn, *,  # type: ignore[override]
+    def update(self, micro_batches: list[MicroBatch], value_loss_fn: ValueLossFn, *,  # type: ignore[override]
                    step: bool = True) -> dict[str, float]:
         """One critic optimizer update; `value_loss_fn(mb, values [S]) -> (loss, metrics)`
         (mlrl.algorithms.value.make_value_loss_fn). Returns, identical on every rank, loss and
         the loss metrics summed over micro-batches and DP ranks, grad_norm, lr, tokens,
-        loss_tokens, num_micro_batches, skipped, time_s (as MegatronPolicy.train_step)."""
+        loss_tokens, num_micro_batches, skipped, time_s (as MegatronPolicy.update)."""
         # called as value_loss_fn(mb, values): one per-token output (TOKEN_VALUES = 1)
-        return super().train_step(micro_batches, cast(LossFn, value_loss_fn), step=step)
+        return super().update(micro_batches, cast(LossFn, value_loss_fn), step=step)
 
     def compute_logprobs(self, micro_batches, temperature, *, router="default"):  # not a distribution
         raise TypeError("MegatronCritic has no token distribution: use compute_values")

@@ -5,7 +5,7 @@ Runs inside every torchrun rank, SPMD: every method is a collective over all tra
     init_parallel(parallel, layout, seed) -> Ranks
     MegatronPolicy(model_cfg, parallel, trainer_cfg, layout, *, hf_dir, trainable=True)
       .compute_logprobs(micro_batches, temperature) -> [(logprobs [S], entropy [S]) per micro-batch]
-      .train_step(micro_batches, loss_fn, *, temperature=1.0) -> metrics dict
+      .update(micro_batches, loss_fn, *, temperature=1.0) -> metrics dict
       .iter_hf_buckets(bucket_bytes) -> Iterator[list[(hf_name, tensor)]]
       .rank_info() -> dict;  .model / .optimizer / .scheduler;  .sharded_state_dict()
 
@@ -412,7 +412,7 @@ class MegatronPolicy:
         return out
 
     # ---- train -----------------------------------------------------------------------------------
-    def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn, *, temperature: float = 1.0,
+    def update(self, micro_batches: list[MicroBatch], loss_fn: LossFn, *, temperature: float = 1.0,
                    step: bool = True) -> dict[str, float]:
         """One optimizer step over this DP rank's micro-batches. Returns (identical on every rank)
         loss and loss_fn metrics summed over micro-batches and DP ranks, grad_norm (before
@@ -423,7 +423,7 @@ class MegatronPolicy:
         from megatron.core import parallel_state as ps
 
         if self.optimizer is None or self.scheduler is None:  # both built together
-            raise RuntimeError("train_step on a frozen policy (trainable=False)")
+            raise RuntimeError("update on a frozen policy (trainable=False)")
         t0 = time.perf_counter()
         inputs = self._inputs(micro_batches)
         for m in self.model:
@@ -492,7 +492,7 @@ class MegatronPolicy:
         tensors (embedding on the first stage, final norm / lm_head on the last, the stage's
         layers with all experts). Tensors may alias parameters until the next optimizer step.
         `grads=True` yields the accumulated gradients instead (Megatron's main_grad; complete
-        after a `train_step(step=False)` without the distributed optimizer, which leaves each
+        after a `update(step=False)` without the distributed optimizer, which leaves each
         DP rank only its own reduced shard).
         With LoRA the adapted weights are W + (alpha / r) B A, computed into new tensors (the
         frozen base is untouched): the merged model, e.g. for a weight sync into plain engines."""

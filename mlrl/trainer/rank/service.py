@@ -47,7 +47,7 @@ class TrainerService:
         if (cfg.algorithm.kl_coef > 0 or cfg.dpo is not None) and self.policy.lora is None:
             self.ref = MegatronPolicy(cfg.model, cfg.parallel, cfg.trainer, self.layout, hf_dir=hf_dir, trainable=False)
         if cfg.model.init_from:  # the run starts from another run's weights: the policy AND the KL reference
-            from mlrl.trainer.rank.checkpointing import init_weights_from
+            from mlrl.trainer.rank.dist_ckpt import init_weights_from
 
             for model in (self.policy, self.ref):  # (on resume the checkpoint then replaces the policy's)
                 if model is not None:
@@ -57,12 +57,12 @@ class TrainerService:
                 if model is not None:
                     model.router_mode = "replay"
         self.loss_fn = make_loss_fn(cfg.algorithm)
-        if cfg.sft is not None:  # supervised fine-tuning (mlrl.sft): NLL of the assistant tokens
-            from mlrl.algorithms.sft import sft_loss
+        if cfg.sft is not None:  # supervised fine-tuning (mlrl.jobs.sft): NLL of the assistant tokens
+            from mlrl.algorithms.sft_loss import sft_loss
 
             self.loss_fn = sft_loss
-        if cfg.dpo is not None:  # preference optimisation (mlrl.dpo): DPO / IPO on whole pairs
-            from mlrl.algorithms.dpo import make_dpo_loss_fn
+        if cfg.dpo is not None:  # preference optimisation (mlrl.jobs.dpo): DPO / IPO on whole pairs
+            from mlrl.algorithms.dpo_loss import make_dpo_loss_fn
 
             self.loss_fn = make_dpo_loss_fn(cfg.dpo.beta, cfg.dpo.loss_type)
         self.critic = None
@@ -102,16 +102,16 @@ class TrainerService:
         return RankRouterDiagnostics(replay=[lp for lp, _ in replay], own=[lp for lp, _ in own],
                                      matches=matches, compared=compared)
 
-    def train_step(self, micro_batches: list[MicroBatch]) -> dict[str, float]:
+    def update(self, micro_batches: list[MicroBatch]) -> dict[str, float]:
         temperature = self.cfg.rollout.sampling.logprob_temperature
-        sums = self.policy.train_step(micro_batches, self.loss_fn, temperature=temperature)
+        sums = self.policy.update(micro_batches, self.loss_fn, temperature=temperature)
         return finalize_loss_metrics(sums)  # step sums -> means (token / sequence counts) per loss_metrics
 
     def compute_values(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
         return self._critic().compute_values(micro_batches)
 
-    def train_critic(self, micro_batches: list[MicroBatch]) -> dict[str, float]:
-        return finalize_loss_metrics(self._critic().train_step(micro_batches, self.value_loss_fn))
+    def update_critic(self, micro_batches: list[MicroBatch]) -> dict[str, float]:
+        return finalize_loss_metrics(self._critic().update(micro_batches, self.value_loss_fn))
 
     def _critic(self):
         if self.critic is None:
@@ -150,7 +150,7 @@ class TrainerService:
         return self._offload
 
     def save_checkpoint(self, path: str, critic_path: str | None = None) -> None:
-        from mlrl.trainer.rank.checkpointing import save_checkpoint
+        from mlrl.trainer.rank.dist_ckpt import save_checkpoint
 
         save_checkpoint(self.policy, path, async_save=self.cfg.checkpoint.async_save)
         if critic_path is not None:
@@ -161,12 +161,12 @@ class TrainerService:
         `blocking`): megatron-core's metadata and our mlrl_checkpoint.json get written. Returns how
         many saves are still pending; every rank returns the same count (megatron-core agrees on
         "done" over all ranks), and 0 means every save so far is complete on every rank."""
-        from mlrl.trainer.rank.checkpointing import finalize_async_saves
+        from mlrl.trainer.rank.dist_ckpt import finalize_async_saves
 
         return finalize_async_saves(blocking=blocking)
 
     def load_checkpoint(self, path: str, critic_path: str | None = None) -> ResumeInfo:
-        from mlrl.trainer.rank.checkpointing import load_checkpoint
+        from mlrl.trainer.rank.dist_ckpt import load_checkpoint
 
         out = cast(ResumeInfo, load_checkpoint(self.policy, path))  # the reference stays the initial model
         if critic_path is not None:
@@ -177,7 +177,7 @@ class TrainerService:
         """Stream the HF tensors of every pipeline stage into one Hugging Face folder. With LoRA:
         the PEFT adapter folder at `out_dir/adapter`, and the merged model (W + s B A) at `out_dir`
         when checkpoint.export_merged."""
-        from mlrl.trainer.rank.checkpointing import export_hf, export_peft
+        from mlrl.trainer.rank.hf_export import export_hf, export_peft
 
         if self.policy.lora is None or self.cfg.checkpoint.export_merged:
             export_hf(self.policy, out_dir)

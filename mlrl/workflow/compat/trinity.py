@@ -336,7 +336,7 @@ class ModelWrapper:
 
     def convert_messages_to_experience(self, messages: list[dict]) -> Experience:
         """A conversation as one Experience whose action mask covers the assistant turns."""
-        from mlrl.data.sft import tokenize_messages
+        from mlrl.data.chat_tokens import tokenize_messages
 
         ids, mask = tokenize_messages(self.tokenizer, messages)
         p = next((i for i, m in enumerate(mask) if m), len(mask))

@@ -117,15 +117,16 @@ def digest(w: dict) -> dict:
 
 
 def phase_train_save(ctx: Ctx, tag: str) -> dict:
-    from mlrl.trainer.rank.checkpointing import export_hf, save_checkpoint
+    from mlrl.trainer.rank.dist_ckpt import save_checkpoint
+    from mlrl.trainer.rank.hf_export import export_hf
 
     a = ctx.policy()
-    straight = [a.train_step(ctx.step_batches(a, k), pg_loss)["loss"] for k in range(4)]
+    straight = [a.update(ctx.step_batches(a, k), pg_loss)["loss"] for k in range(4)]
     export_hf(a, ctx.work / f"{tag}_straight_hf")
     straight_digest = digest(weights(a))
     del a
     b = ctx.policy()
-    first = [b.train_step(ctx.step_batches(b, k), pg_loss)["loss"] for k in range(2)]
+    first = [b.update(ctx.step_batches(b, k), pg_loss)["loss"] for k in range(2)]
     t0 = time.perf_counter()
     save_checkpoint(b, ctx.work / f"{tag}_fr")
     save_s = time.perf_counter() - t0
@@ -140,14 +141,15 @@ def probe_batch(vocab: int):
 
 
 def phase_resume(ctx: Ctx, tag: str) -> dict:
-    from mlrl.trainer.rank.checkpointing import export_hf, load_checkpoint
+    from mlrl.trainer.rank.dist_ckpt import load_checkpoint
+    from mlrl.trainer.rank.hf_export import export_hf
 
     pol = ctx.policy()
     t0 = time.perf_counter()
     info = load_checkpoint(pol, ctx.work / f"{tag}_fr")
     load_s = time.perf_counter() - t0
     draws = rng_draws()
-    losses = [pol.train_step(ctx.step_batches(pol, k), pg_loss)["loss"] for k in (2, 3)]
+    losses = [pol.update(ctx.step_batches(pol, k), pg_loss)["loss"] for k in (2, 3)]
     out = ctx.work / f"{tag}_resumed_{ctx.tag_layout}_hf"
     export_hf(pol, out)
     probe = probe_batch(pol.arch.vocab_size)
@@ -169,7 +171,7 @@ def _error(fn) -> str | None:
 def phase_errors(ctx: Ctx, tag: str) -> dict:
     import shutil
 
-    from mlrl.trainer.rank.checkpointing import load_checkpoint
+    from mlrl.trainer.rank.dist_ckpt import load_checkpoint
 
     pol = ctx.policy()
     before = digest(weights(pol))
@@ -196,19 +198,19 @@ def phase_kill_save(ctx: Ctx, tag: str) -> dict:
     from megatron.core.dist_checkpointing import serialization
 
     from mlrl.checkpoint import CheckpointManager
-    from mlrl.trainer.rank.checkpointing import save_checkpoint
+    from mlrl.trainer.rank.dist_ckpt import save_checkpoint
 
     root = ctx.work / f"{tag}_run"
     manager = CheckpointManager(root, keep_last=2)
     pol = ctx.policy()
-    pol.train_step(ctx.step_batches(pol, 0), pg_loss)
+    pol.update(ctx.step_batches(pol, 0), pg_loss)
     tmp = manager.begin(1) if ctx.ranks.rank == 0 else None
     tmp = _bcast(tmp)
     save_checkpoint(pol, tmp / "model_optim")
     dist.barrier()
     if ctx.ranks.rank == 0:
         manager.commit(tmp, 1, {"weight_version": 1})
-    pol.train_step(ctx.step_batches(pol, 1), pg_loss)
+    pol.update(ctx.step_batches(pol, 1), pg_loss)
     tmp = manager.begin(2) if ctx.ranks.rank == 0 else None
     tmp = _bcast(tmp)
 
@@ -224,13 +226,13 @@ def phase_kill_save(ctx: Ctx, tag: str) -> dict:
 
 def phase_kill_resume(ctx: Ctx, tag: str) -> dict:
     from mlrl.checkpoint import CheckpointManager, read_state
-    from mlrl.trainer.rank.checkpointing import load_checkpoint
+    from mlrl.trainer.rank.dist_ckpt import load_checkpoint
 
     manager = CheckpointManager(ctx.work / f"{tag}_run", keep_last=2)
     ckpt = manager.resolve_resume("auto")
     pol = ctx.policy()
     info = load_checkpoint(pol, ckpt / "model_optim")
-    loss = pol.train_step(ctx.step_batches(pol, 1), pg_loss)["loss"]
+    loss = pol.update(ctx.step_batches(pol, 1), pg_loss)["loss"]
     killed = next(manager.root.glob(".tmp-step_000002-*")) / "model_optim"
     return {"resumed_from": ckpt.name, "state": read_state(ckpt), "info": info, "loss": loss,
             "load_killed": _error(lambda: load_checkpoint(pol, killed))}
@@ -238,19 +240,20 @@ def phase_kill_resume(ctx: Ctx, tag: str) -> dict:
 
 def phase_async_save(ctx: Ctx, tag: str) -> dict:
     from mlrl.checkpoint import CheckpointManager
-    from mlrl.trainer.rank import checkpointing
-    from mlrl.trainer.rank.checkpointing import META_FILE, finalize_async_saves, load_checkpoint, save_checkpoint
+    from mlrl.ckpt_files.layout import META_FILE
+    from mlrl.trainer.rank import dist_ckpt
+    from mlrl.trainer.rank.dist_ckpt import finalize_async_saves, load_checkpoint, save_checkpoint
 
     manager = CheckpointManager(ctx.work / f"{tag}_async_run", keep_last=2)
     a = ctx.policy()
     for k in range(2):
-        a.train_step(ctx.step_batches(a, k), pg_loss)
+        a.update(ctx.step_batches(a, k), pg_loss)
     at_save = digest(weights(a))
     tmp = _bcast(manager.begin(2) if ctx.ranks.rank == 0 else None)
     save_checkpoint(a, tmp / "model_optim", async_save=True)
-    out = {"async_queue_used": checkpointing._ASYNC_QUEUE is not None,
+    out = {"async_queue_used": dist_ckpt._ASYNC_QUEUE is not None,
            "meta_before_finalize": (tmp / "model_optim" / META_FILE).exists()}
-    loss_a3 = a.train_step(ctx.step_batches(a, 2), pg_loss)["loss"]  # training goes on while the shards are written
+    loss_a3 = a.update(ctx.step_batches(a, 2), pg_loss)["loss"]  # training goes on while the shards are written
     found = manager.resolve_resume("auto")
     out["resume_before_finalize"] = found.name if found else None
     out["pending_after_blocking_finalize"] = finalize_async_saves(blocking=True)
@@ -263,7 +266,7 @@ def phase_async_save(ctx: Ctx, tag: str) -> dict:
     b = ctx.policy()
     info = load_checkpoint(b, ckpt / "model_optim")
     resumed = digest(weights(b))
-    loss_b3 = b.train_step(ctx.step_batches(b, 2), pg_loss)["loss"]
+    loss_b3 = b.update(ctx.step_batches(b, 2), pg_loss)["loss"]
     return {
         **out,
         "resumed_from": ckpt.name,

@@ -50,8 +50,8 @@ def run(work: Path) -> dict:
     from mlrl.config.schema import Config, LoRAConfig
     from mlrl.config.validate import resolve_layout
     from mlrl.modelzoo import resolve_model_dir
-    from mlrl.trainer.rank.checkpointing import save_checkpoint
     from mlrl.trainer.rank.conversion import probe_micro_batch
+    from mlrl.trainer.rank.dist_ckpt import save_checkpoint
     from mlrl.trainer.rank.policy import MegatronPolicy, init_parallel
 
     cfg = Config()
@@ -67,7 +67,7 @@ def run(work: Path) -> dict:
     cfg.model.lora = LoRAConfig(**LORA)
     policy = MegatronPolicy(cfg.model, cfg.parallel, cfg.trainer, layout, hf_dir=hf_dir, trainable=True)
     vocab = policy.arch.vocab_size
-    losses = [policy.train_step(make_step(vocab, n_samples=6, n_micro=2, seed=20 + k), pg_loss)["loss"]
+    losses = [policy.update(make_step(vocab, n_samples=6, n_micro=2, seed=20 + k), pg_loss)["loss"]
               for k in range(2)]
     save_checkpoint(policy, work / "lora_ckpt")
     probe = [probe_micro_batch(vocab)]

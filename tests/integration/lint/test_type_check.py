@@ -24,7 +24,7 @@ def calls(g: TrainerGroup, mbs) -> None:
     g.call_sharded(TrainerService.compute_logprobs, mbs, temperature="hot")  # 12: wrong type
     ok: list[int] = g.call(TrainerService.finalize_checkpoints, blocking=True)
     bad: list[str] = g.call(TrainerService.finalize_checkpoints, blocking=True)  # 14: wrong result
-    g.call_sharded(TrainerService.train_step, mbs)
+    g.call_sharded(TrainerService.update, mbs)
 
 
 class NotAPolicy:

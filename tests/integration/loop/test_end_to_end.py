@@ -129,7 +129,7 @@ def test_sync_run(run_a):
     hf = run_dir / "hf" / "step_000003"
     assert (hf / "config.json").is_file() and list(hf.glob("*.safetensors"))
     assert "run finished: 3 steps" in out.stdout
-    # where start-up went (mlrl.run.StartupClock): marks in order, the concurrent starts inside them
+    # where start-up went (mlrl.jobs.rl.StartupClock): marks in order, the concurrent starts inside them
     up = json.loads((run_dir / "startup.json").read_text())
     marks = [up[k] for k in ("launch_s", "checks_s", "processes_s", "first_sync_s", "ready_s")]
     assert 0 < marks[0] and marks == sorted(marks), up

@@ -27,12 +27,15 @@ import pytest
 import pytest_asyncio
 import torch
 import transformers
+from helpers.tools import load_tool
 from rollout_reference import hf_token_logprobs
 
 from mlrl.config.schema import RolloutConfig, WeightSyncConfig
 from mlrl.rollout import EngineClient, EnginePool, EngineServer, EngineState, ServerSpec
 from mlrl.types import GenerationHyperparameters, ModelRequest, StopReason
-from mlrl.weight_sync import HFWeightSource, make_weight_sync, push_from_rank
+from mlrl.weight_sync import make_weight_sync, push_from_rank
+
+HFWeightSource = load_tool("hf_weight_source").HFWeightSource  # shared with tools/bench_weight_sync.py
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(900)]
 
@@ -84,7 +87,7 @@ async def env(vllm_tiny_llama, tmp_path_factory):
 
 
 def _weight_sync(cfg: WeightSyncConfig, pool: EnginePool, src):
-    """A weight sync over `pool`, installed as its refresher (as mlrl.run wires it)."""
+    """A weight sync over `pool`, installed as its refresher (as mlrl.jobs.rl wires it)."""
     ws = make_weight_sync(cfg, pool, src, model_dir=pool.model_dir, engine_tp=pool.cfg.engine_tp, host=pool.cfg.host,
                           run_dir=pool.run_dir)
     pool.refresher = ws.refresh
@@ -378,7 +381,7 @@ async def test_interrupted_requests_resume_with_versions(env):
     pool, src = env.pool, env.src
     prompts = [_prompt(env.tok, f"copy {i}") for i in range(12)]
     g = GenerationHyperparameters(max_new_tokens=180, min_new_tokens=180)  # EOS suppressed: long, fixed length
-    pool.cfg.interrupt_on_update = True
+    pool.cfg.interrupt_on_sync = True
     try:
         tasks = [asyncio.create_task(pool.agenerate(ModelRequest(input_ids=p, gconfig=g))) for p in prompts]
         # sync once every engine is generating (a fixed sleep lets a fast machine finish them all first)
@@ -392,7 +395,7 @@ async def test_interrupted_requests_resume_with_versions(env):
         assert rep.canary_max_abs_diff <= TOL
         resps = await asyncio.gather(*tasks)
     finally:
-        pool.cfg.interrupt_on_update = False
+        pool.cfg.interrupt_on_sync = False
     env.snapshots[3] = copy.deepcopy(src.model)
     mixed = 0
     for p, resp in zip(prompts, resps):

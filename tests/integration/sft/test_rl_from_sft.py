@@ -120,7 +120,7 @@ def _worker(sft: Path) -> dict:
     from mlrl.config.schema import Config, LoRAConfig
     from mlrl.config.validate import resolve_layout
     from mlrl.modelzoo import resolve_model_dir
-    from mlrl.trainer.rank.checkpointing import _base_hf_dir, init_weights_from
+    from mlrl.trainer.rank.dist_ckpt import _base_hf_dir, init_weights_from
     from mlrl.trainer.rank.policy import MegatronPolicy, init_parallel
 
     ckpt, export = sft / "checkpoints" / "step_000004", sft / "hf" / "step_000004"

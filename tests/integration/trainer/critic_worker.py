@@ -124,7 +124,7 @@ def sgd_update(ph: Phase, mbs) -> dict:
     c = ph.critic(optimizer="sgd", lr=SGD_LR, grad_clip=1.0)
     set_head(c, head_weight(c))
     before = c.compute_values(mbs)
-    m = c.train_step(ph.mine(with_old_values(mbs, before)), make_value_loss_fn(0.2))
+    m = c.update(ph.mine(with_old_values(mbs, before)), make_value_loss_fn(0.2))
     after = c.compute_values(mbs)
     return {"before": before, "after": after, "loss": m["loss"], "grad_norm": m["grad_norm"],
             "clipfrac": m["value_clipfrac"] / m["n_tokens"]}
@@ -142,7 +142,7 @@ def optimizer_knobs(ph: Phase, mbs) -> dict:
         c = ph.critic(optimizer="sgd", **{"lr": SGD_LR, "grad_clip": 0.0, **opts})
         set_head(c, head_weight(c))
         before = c.compute_values(mbs)
-        lrs = [c.train_step(ph.mine(with_old_values(mbs, before)), fn)["lr"] for _ in range(3)]
+        lrs = [c.update(ph.mine(with_old_values(mbs, before)), fn)["lr"] for _ in range(3)]
         return max_diff(c.compute_values(mbs), before), lrs
 
     out = {}
@@ -156,8 +156,8 @@ def optimizer_knobs(ph: Phase, mbs) -> dict:
 
 def reference_phase(ph: Phase, tmp: Path) -> tuple[dict, dict]:
     from mlrl.algorithms.value import make_value_loss_fn
-    from mlrl.checkpoint.manager import CheckpointError
-    from mlrl.trainer.rank.checkpointing import load_checkpoint, save_checkpoint
+    from mlrl.ckpt_files.errors import CheckpointError
+    from mlrl.trainer.rank.dist_ckpt import load_checkpoint, save_checkpoint
 
     res: dict = {}
     mbs = make_critic_step(ph.vocab)
@@ -184,18 +184,18 @@ def reference_phase(ph: Phase, tmp: Path) -> tuple[dict, dict]:
     fn = make_value_loss_fn(0.0)
     mine = ph.mine(with_old_values(mbs, v0))
     ckpt = tmp / "critic_ckpt"
-    m1 = c.train_step(mine, fn)
+    m1 = c.update(mine, fn)
     save_checkpoint(c, ckpt)
-    m2 = c.train_step(mine, fn)
+    m2 = c.update(mine, fn)
     v2 = c.compute_values(mbs)
-    m3 = c.train_step(mine, fn)
+    m3 = c.update(mine, fn)
     v3 = c.compute_values(mbs)
     res["train"] = {"losses": [m1["loss"], m2["loss"], m3["loss"]], "final_loss": step_loss(fn, mbs, v3),
                     "value_loss_1": m1["value_loss"], "lrs": [m1["lr"], m2["lr"], m3["lr"]],
                     "n_tokens": m1["n_tokens"], "loss_tokens": m1["loss_tokens"], "moved": max_diff(v3, v0)}
     b = ph.critic(lr=ADAM_LR)
     info = load_checkpoint(b, ckpt)
-    b2 = b.train_step(mine, fn)
+    b2 = b.update(mine, fn)
     vb2 = b.compute_values(mbs)
     res["resume"] = {"optimizer_loaded": info["optimizer_loaded"], "optimizer_steps": info["optimizer_steps"],
                      "loss_equal": b2["loss"] == m2["loss"], "grad_norm_equal": b2["grad_norm"] == m2["grad_norm"],

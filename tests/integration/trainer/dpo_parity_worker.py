@@ -9,8 +9,8 @@ perturbed copy of the HF model (so that policy != reference and the loss is not 
 get the same ones, computed once in plain PyTorch.
 
 Megatron side, per layout (`ref` = tp1 / dp2, `tp2`, `pp2`): the DPO driver's own packing
-(`mlrl.dpo.pack_pairs`, a token budget giving >= 2 micro-batches per DP rank) -> ref_logprobs
-attached per sample -> `policy.train_step(make_dpo_loss_fn(beta, type), step=False)` -> loss
+(`mlrl.jobs.dpo.pack_pairs`, a token budget giving >= 2 micro-batches per DP rank) -> ref_logprobs
+attached per sample -> `policy.update(make_dpo_loss_fn(beta, type), step=False)` -> loss
 (summed over micro-batches and DP ranks: the step's mean over pairs) and the gradients in HF names.
 
 Reference (every rank): for each pair and side, log_softmax of the HF logits gathered at the next
@@ -87,14 +87,14 @@ def plain_dpo(model, examples, ref_tokens, loss_type: str) -> tuple[float, dict[
 
 
 def megatron_dpo(policy, examples, ref_tokens, dp_rank: int, dp_size: int, loss_type: str) -> dict:
-    from mlrl.algorithms.dpo import make_dpo_loss_fn
-    from mlrl.dpo import pack_pairs
+    from mlrl.algorithms.dpo_loss import make_dpo_loss_fn
     from mlrl.experience.packing import attach_per_sample
+    from mlrl.jobs.dpo import pack_pairs
 
     per_dp, _ = pack_pairs(examples, dp_size, TOKEN_BUDGET)
     mine = per_dp[dp_rank]
     attach_per_sample(mine, "ref_logprobs", ref_tokens)
-    m = policy.train_step(mine, make_dpo_loss_fn(BETA, loss_type), temperature=1.0, step=False)
+    m = policy.update(mine, make_dpo_loss_fn(BETA, loss_type), temperature=1.0, step=False)
     grads = {n: t.clone().cpu() for b in policy.iter_hf_buckets(1 << 30, grads=True) for n, t in b}
     return {"loss": m["loss"], "pairs": m["n_pairs"], "margin": m["reward_margin"], "accuracy": m["reward_accuracy"],
             "micro_batches": len(mine), "grads": grads}

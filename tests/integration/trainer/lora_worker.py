@@ -68,7 +68,7 @@ def peft_check(ph: LoRAPhase, adapters: dict[str, torch.Tensor], folder: Path, m
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from mlrl.checkpoint.peft_export import write_peft_adapter
+    from mlrl.ckpt_files.peft_adapter import write_peft_adapter
     from mlrl.config.schema import LoRAConfig
 
     write_peft_adapter(folder, adapters, LoRAConfig(**LORA), base_model=str(ph.hf_dir))
@@ -85,8 +85,9 @@ def peft_check(ph: LoRAPhase, adapters: dict[str, torch.Tensor], folder: Path, m
 
 
 def reference_phase(ph: LoRAPhase, tmp: Path) -> tuple[dict, dict]:
-    from mlrl.checkpoint.manager import CheckpointError
-    from mlrl.trainer.rank.checkpointing import export_hf, load_checkpoint, save_checkpoint
+    from mlrl.ckpt_files.errors import CheckpointError
+    from mlrl.trainer.rank.dist_ckpt import load_checkpoint, save_checkpoint
+    from mlrl.trainer.rank.hf_export import export_hf
 
     res: dict = {}
     mbs = make_step(ph.vocab, n_samples=6, n_micro=2, seed=7)
@@ -100,12 +101,12 @@ def reference_phase(ph: LoRAPhase, tmp: Path) -> tuple[dict, dict]:
     res["n_frozen_with_grad"] = sum(int(q.requires_grad) for q in p.lora.base)
     before = base_tensors(p)
     ckpt = tmp / "lora_ckpt"
-    m1 = p.train_step(mine, pg_loss)
+    m1 = p.update(mine, pg_loss)
     save_checkpoint(p, ckpt)
     a1 = adapter_tensors(p)
-    m2 = p.train_step(mine, pg_loss)
+    m2 = p.update(mine, pg_loss)
     a2 = adapter_tensors(p)
-    m3 = p.train_step(mine, pg_loss)
+    m3 = p.update(mine, pg_loss)
     after = base_tensors(p)
     res["base_unchanged"] = sorted(before) == sorted(after) and all(torch.equal(before[n], after[n]) for n in before)
     res["adapters_moved"] = {n: float((a2[n] - a1[n]).abs().max()) for n in a1}
@@ -138,7 +139,7 @@ def reference_phase(ph: LoRAPhase, tmp: Path) -> tuple[dict, dict]:
     q = ph.lora_policy()
     info = load_checkpoint(q, ckpt)
     res["resume_loaded_adapters"] = all(torch.equal(t, a1[n]) for n, t in adapter_tensors(q).items())
-    q2 = q.train_step(mine, pg_loss)
+    q2 = q.update(mine, pg_loss)
     res["resume"] = {"optimizer_loaded": info["optimizer_loaded"], "loss_equal": q2["loss"] == m2["loss"],
                      "grad_norm_equal": q2["grad_norm"] == m2["grad_norm"],
                      "adapters_equal": all(torch.equal(t, a2[n]) for n, t in adapter_tensors(q).items())}
@@ -162,7 +163,7 @@ def knobs_phase(ph: LoRAPhase) -> dict:
     def one_step(**lora) -> tuple[list[torch.Tensor], list[str]]:
         p = ph.lora_policy(optimizer="sgd", lr=SGD_LR, **lora)
         before = logits(p, mbs)
-        p.train_step(ph.mine(mbs), pg_loss)
+        p.update(ph.mine(mbs), pg_loss)
         names = sorted({a.spec.module for a in p.lora.adapters()})
         return [x - y for x, y in zip(logits(p, mbs), before)], names
 
@@ -180,14 +181,14 @@ def sgd_run(ph: LoRAPhase, mbs) -> dict:
     """The same initial adapters, two SGD updates: logits before / after, merged gap."""
     p = ph.lora_policy(optimizer="sgd", lr=SGD_LR)
     before = logits(p, mbs)
-    ms = [p.train_step(ph.mine(mbs), pg_loss) for _ in range(2)]
+    ms = [p.update(ph.mine(mbs), pg_loss) for _ in range(2)]
     after = logits(p, mbs)
     return {"before": before, "after": after, "losses": [m["loss"] for m in ms],
             "grad_norms": [m["grad_norm"] for m in ms], "policy": p}
 
 
 def layout_phase(ph: LoRAPhase, ref: dict, tmp: Path) -> dict:
-    from mlrl.trainer.rank.checkpointing import export_hf
+    from mlrl.trainer.rank.hf_export import export_hf
 
     mbs = make_step(ph.vocab, n_samples=6, n_micro=2, seed=7)
     got = sgd_run(ph, mbs)

@@ -78,7 +78,7 @@ def run_layout(ph: Phase, name: str) -> dict:
     critic = MegatronCritic(cfg.model, CriticConfig(), cfg.parallel, cfg.trainer, layout, hf_dir=ph.hf_dir)
     mbs = ph.mine(make_step(ph.vocab, n_samples=6, n_micro=2, seed=7))
     for p in (pol, twin):
-        p.train_step(mbs, pg_loss)
+        p.update(mbs, pg_loss)
     models = [pol, ref, critic]
     off = Offloader(models)
 
@@ -97,7 +97,7 @@ def run_layout(ph: Phase, name: str) -> dict:
     identical = snapshot(models) == before
 
     # the next step: the offloaded policy vs its twin
-    m1, m2 = pol.train_step(mbs, pg_loss), twin.train_step(mbs, pg_loss)
+    m1, m2 = pol.update(mbs, pg_loss), twin.update(mbs, pg_loss)
     same_params = snapshot([pol]) == snapshot([twin])
     return {"partial": partial.to_json(), "stream_ok": stream_ok, "resident": resident, "after_offload": after_offload,
             "offload": rep.to_json(), "again": again.to_json(), "reload": back.to_json(), "identical": identical,

@@ -7,8 +7,8 @@ word then the template's " ."), plus one hand-built conversation with two assist
 tokens each, so that its loss mask has two separate spans.
 
 Megatron side, per layout (`ref` = tp1 / dp2, `tp2` = tp2 / dp1, `tp2+sp`): the batch goes through
-the SFT driver's own path (`mlrl.sft.samples_of` -> `pack_step(loss_agg="token-mean")` with a token
-budget giving >= 2 micro-batches per DP rank -> `policy.train_step(sft_loss, step=False)`) and
+the SFT driver's own path (`mlrl.jobs.sft.samples_of` -> `pack_step(loss_agg="token-mean")` with a token
+budget giving >= 2 micro-batches per DP rank -> `policy.update(sft_loss, step=False)`) and
 metrics["loss"] (summed over micro-batches and DP ranks) is the step's token-mean NLL. The
 multi-turn conversation alone is a second step.
 
@@ -45,8 +45,8 @@ MULTI_TURN = [
 
 def conversations(tokenizer) -> list[dict[str, list[int]]]:
     """The batch: synthetic SFT examples of varying length, then the multi-turn conversation (last)."""
+    from mlrl.data.chat_tokens import tokenize_messages
     from mlrl.data.registry import get_dataset
-    from mlrl.data.sft import tokenize_messages
 
     out = []
     for task, n in SYNTHETIC.items():
@@ -93,12 +93,12 @@ def hf_reference(hf_dir: Path, examples: list[dict[str, list[int]]]) -> dict:
 
 def megatron_loss(policy, examples: list[dict[str, list[int]]], dp_rank: int, dp_size: int) -> dict:
     """The SFT driver's path for one step, without the optimizer update."""
-    from mlrl.algorithms.sft import sft_loss
+    from mlrl.algorithms.sft_loss import sft_loss
     from mlrl.experience.packing import pack_step
-    from mlrl.sft import samples_of
+    from mlrl.jobs.sft import samples_of
 
     per_dp, pack = pack_step(samples_of(examples), dp_size=dp_size, token_budget=TOKEN_BUDGET, loss_agg="token-mean")
-    m = policy.train_step(per_dp[dp_rank], sft_loss, temperature=1.0, step=False)
+    m = policy.update(per_dp[dp_rank], sft_loss, temperature=1.0, step=False)
     return {"loss": m["loss"], "loss_tokens": m["loss_tokens"], "micro_batches": len(per_dp[dp_rank]),
             "pack_loss_tokens": pack["pack/num_loss_tokens"]}
 

@@ -148,7 +148,7 @@ def check_grads(ctx: Ctx) -> dict:
     for n_micro in (1, 4):
         step = make_step(ctx.vocab, n_samples=8, n_micro=n_micro * ctx.ranks.dp_size, seed=11)
         pol = ctx.policy(trainable=True, use_distributed_optimizer=False, grad_clip=0.0)
-        metrics = pol.train_step(ctx.my_micro_batches(step), pg_loss, step=False)
+        metrics = pol.update(ctx.my_micro_batches(step), pg_loss, step=False)
         grads = _export_grads(pol)
         ref_loss, ref_grads = hf_loss_and_grads(copy.deepcopy(hf).train(), step)
         res[f"loss_{n_micro}"] = metrics["loss"]
@@ -208,7 +208,7 @@ def check_shared_prefix(ctx: Ctx) -> dict:
         out = pol.compute_logprobs(mbs, 0.8)
         lps[shared] = unpack_per_sample(mbs, [lp for lp, _ in out], len(samples))
         ents[shared] = unpack_per_sample(mbs, [e for _, e in out], len(samples))
-        res[f"loss_{shared}"] = pol.train_step(mbs, pg_loss, temperature=0.8, step=False)["loss"]
+        res[f"loss_{shared}"] = pol.update(mbs, pg_loss, temperature=0.8, step=False)["loss"]
         grads[shared] = _export_grads(pol)
         del pol
     masks = [torch.tensor(s.loss_mask, dtype=torch.bool) for s in samples]
@@ -231,7 +231,7 @@ def check_adam(ctx: Ctx) -> dict:
               use_distributed_optimizer=True, adam_eps=1e-5)
     steps = [make_step(ctx.vocab, n_samples=6, n_micro=2 * ctx.ranks.dp_size, seed=20 + k) for k in range(3)]
     pol = ctx.policy(trainable=True, **kw)
-    metrics = [pol.train_step(ctx.my_micro_batches(s), pg_loss) for s in steps]
+    metrics = [pol.update(ctx.my_micro_batches(s), pg_loss) for s in steps]
     got = {n: t.clone().cpu() for b in pol.iter_hf_buckets(1 << 30) for n, t in b}
     ref = hf_adamw_steps(copy.deepcopy(ctx.hf_model()).train(), steps, lr=kw["lr"], warmup=kw["lr_warmup_steps"],
                          weight_decay=kw["weight_decay"], clip=kw["grad_clip"], eps=kw["adam_eps"])
@@ -266,7 +266,7 @@ def check_optim_knobs(ctx: Ctx) -> dict:
 
     def megatron(**kw):
         pol = ctx.policy(trainable=True, use_distributed_optimizer=True, total_steps=10, **kw)
-        metrics = [pol.train_step(ctx.my_micro_batches(s), pg_loss) for s in steps]
+        metrics = [pol.update(ctx.my_micro_batches(s), pg_loss) for s in steps]
         got = {n: t.clone().cpu() for b in pol.iter_hf_buckets(1 << 30) for n, t in b}
         del pol
         return got, metrics
@@ -367,7 +367,7 @@ def check_state(ctx: Ctx) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     pol = ctx.policy(trainable=True)
-    pol.train_step(ctx.my_micro_batches(make_step(ctx.vocab, n_samples=4, n_micro=ctx.ranks.dp_size, seed=3)), pg_loss)
+    pol.update(ctx.my_micro_batches(make_step(ctx.vocab, n_samples=4, n_micro=ctx.ranks.dp_size, seed=3)), pg_loss)
     sd = pol.sharded_state_dict()
     model_sd = sd["model"]
     sharded = [k for k, v in model_sd.items() if isinstance(v, ShardedTensor)]

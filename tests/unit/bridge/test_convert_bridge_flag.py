@@ -34,7 +34,8 @@ def test_hf_to_mcore_builtin_on_an_unknown_architecture_names_the_supported_ones
 
 
 def test_a_megatron_bridge_checkpoint_is_refused_without_it(tmp_path, capsys):
-    from mlrl.trainer.rank.checkpointing import FORMAT, HF_FILES_DIR, MEGATRON_META
+    from mlrl.ckpt_files.layout import FORMAT
+    from mlrl.trainer.rank.dist_ckpt import HF_FILES_DIR, MEGATRON_META
 
     ck = tmp_path / "ck"
     (ck / HF_FILES_DIR).mkdir(parents=True)

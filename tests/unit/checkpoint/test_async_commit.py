@@ -7,9 +7,9 @@ a finalize call after the background write has ended writes the shard folder's m
 from pathlib import Path
 
 from mlrl.checkpoint import Checkpointer, CheckpointManager, read_state
-from mlrl.checkpoint.manager import is_complete
+from mlrl.ckpt_files.layout import is_complete
 
-META = "mlrl_checkpoint.json"  # written by the trainer's finalize step (mlrl.trainer.rank.checkpointing)
+META = "mlrl_checkpoint.json"  # written by the trainer's finalize step (mlrl.trainer.rank.dist_ckpt)
 
 
 class AsyncTrainer:

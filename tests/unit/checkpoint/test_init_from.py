@@ -1,4 +1,5 @@
-"""`model.init_from` checked before any process starts (mlrl.checkpoint.init_from): every bad input
+"""`model.init_from` checked before any process starts (mlrl.ckpt_files.init_source, logged by
+mlrl.checkpoint.init_from): every bad input
 is a ConfigError naming the field, the path and what was expected. The fake checkpoints carry the
 JSON files an mlrl checkpoint has (committed through CheckpointManager, mlrl_checkpoint.json with
 the keys save_checkpoint writes); the fake HF folders a config.json and an empty safetensors file."""
@@ -12,9 +13,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from mlrl.checkpoint.checkpointer import CRITIC_DIR, TRAINER_DIR
-from mlrl.checkpoint.init_from import FORMAT, META_FILE, check_init_from, check_model_init_from
+from mlrl.checkpoint.init_from import check_model_init_from
 from mlrl.checkpoint.manager import CheckpointManager
+from mlrl.ckpt_files.init_source import check_init_from
+from mlrl.ckpt_files.layout import CRITIC_DIR, FORMAT, META_FILE, TRAINER_DIR
 from mlrl.config import ConfigError, ModelConfig
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -190,7 +192,7 @@ def test_driver_check_logs_resume_precedence(tmp_path, caplog):
 
 @pytest.mark.parametrize("recipe", ["launch/cpu_default.yaml", "launch/sft_cpu.yaml"])
 def test_launch_refuses_before_any_process_starts(tmp_path, recipe):
-    """mlrl.run (RL) and mlrl.sft check model.init_from first: exit code 2, nothing started."""
+    """mlrl.jobs.rl (RL) and mlrl.jobs.sft check model.init_from first: exit code 2, nothing started."""
     from mlrl.modelzoo import hf_config_dict
 
     other = _hf(tmp_path / "wide", **{**hf_config_dict("builtin:tiny-llama"), "hidden_size": 256})
@@ -204,16 +206,16 @@ def test_launch_refuses_before_any_process_starts(tmp_path, recipe):
 
 # ---- the names this package repeats from the trainer side, and the trainer's key aliasing -------
 def test_names_agree_with_the_trainer_checkpoints():
-    from mlrl.trainer.rank import checkpointing
+    from mlrl.trainer.rank import dist_ckpt
 
-    assert (checkpointing.META_FILE, checkpointing.FORMAT, checkpointing.MEGATRON_META) == \
+    assert (dist_ckpt.META_FILE, dist_ckpt.FORMAT, dist_ckpt.MEGATRON_META) == \
         (META_FILE, FORMAT, "metadata.json")
 
 
 def test_lora_model_keys_point_at_the_fused_norm_names_of_a_full_checkpoint():
     """A LoRA policy on the TE spec has unfused norms; a full checkpoint names them after TE's
     fused layernorm + linear (Megatron's local spec maps to those names too)."""
-    from mlrl.trainer.rank.checkpointing import _to_saved_keys
+    from mlrl.trainer.rank.dist_ckpt import _to_saved_keys
 
     saved = {"decoder.layers.self_attention.linear_qkv.layer_norm_weight", "decoder.layers.mlp.linear_fc1.weight",
              "decoder.layers.mlp.linear_fc1.layer_norm_weight", "embedding.word_embeddings.weight"}

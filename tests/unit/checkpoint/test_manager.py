@@ -1,6 +1,7 @@
 import pytest
 
-from mlrl.checkpoint.manager import CheckpointError, CheckpointManager, read_state
+from mlrl.checkpoint.manager import CheckpointManager, read_state
+from mlrl.ckpt_files.errors import CheckpointError
 
 
 def _save(m, step, payload="x"):

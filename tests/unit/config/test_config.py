@@ -97,6 +97,9 @@ REMOVED_NAMES = [
     ("critic", "warmup_steps", 1,
      "critic.warmup_steps was removed: renamed critic.critic_only_steps (the first RL steps that train only the "
      "critic); the critic's LR warm-up is critic.lr_warmup_steps"),
+    ("rollout", "interrupt_on_update", "true",
+     "rollout.interrupt_on_update was removed: renamed rollout.interrupt_on_sync (an update is an optimizer "
+     "update; putting the weights into the engines is the weight sync)"),
 ]
 
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mlrl.algorithms.dpo import make_dpo_loss_fn
+from mlrl.algorithms.dpo_loss import make_dpo_loss_fn
 from mlrl.algorithms.loss_metrics import combine_loss_metrics, finalize_loss_metrics
-from mlrl.dpo import pack_pairs, samples_of
 from mlrl.experience.packing import attach_per_sample, gather_per_sample, pack_step
+from mlrl.jobs.dpo import pack_pairs, samples_of
 
 
 def _pairs(n: int, seed: int = 0) -> list[dict]:

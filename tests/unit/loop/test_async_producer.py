@@ -6,7 +6,8 @@ from helpers.scripted_engine import ScriptedEngine
 
 from mlrl.config import load_config
 from mlrl.data.sampler import PromptSampler
-from mlrl.loop import RunContext, _collect, _produce
+from mlrl.loop import LoopState, RunContext
+from mlrl.loop_async import AsyncState, collect, produce
 from mlrl.workflow import EpisodeRunner, build_workflow_from_config, gconfig_from_sampling, load_hf_tokenizer
 from mlrl.workflow import runner as runner_mod
 
@@ -29,29 +30,30 @@ def _ctx(sampler, version=0, resume_rows=()):
         sampler=sampler,
         logger=None,
         checkpoint=None,
-        version=version,
-        resume_rows=list(resume_rows),
-        version_changed=asyncio.Condition(),
+        saves=None,
+        state=LoopState(version=version, resume_rows=list(resume_rows)),
     )
 
 
 async def _steps(ctx, n, started):
     q: asyncio.PriorityQueue = asyncio.PriorityQueue()
-    prod = asyncio.create_task(_produce(ctx, q, ETA))
+    st = AsyncState()
+    prod = asyncio.create_task(produce(ctx, st, q, ETA))
     trained, dropped = [], 0
-    base = ctx.version
+    state = ctx.state
+    base = state.version
     for _ in range(n):
         await asyncio.sleep(0.05)  # let the producer run ahead as far as the bound allows
-        assert len(started) <= (ctx.version - base + ETA + 1) * P  # the start rule
-        samples, metrics, stale = await _collect(ctx, q, ETA)
-        assert all(ctx.version - s.oldest_version <= ETA for s in samples)  # the bound holds for what is trained
+        assert len(started) <= (state.version - base + ETA + 1) * P  # the start rule
+        samples, metrics, stale = await collect(ctx, st, q, ETA)
+        assert all(state.version - s.oldest_version <= ETA for s in samples)  # the bound holds for what is trained
         trained += sorted({s.metadata["row"] for s in samples})
         dropped += stale
-        ctx.version += 1
-        ctx.engines.version = ctx.version  # the "weight sync"
-        async with ctx.version_changed:
-            ctx.version_changed.notify_all()
-    snapshot = (ctx.sampler.state(), [r["row"] for r in ctx.in_flight.values()], list(ctx.in_flight.values()))
+        state.version += 1
+        ctx.engines.version = state.version  # the "weight sync"
+        async with st.version_changed:
+            st.version_changed.notify_all()
+    snapshot = (ctx.sampler.state(), [r["row"] for r in state.in_flight.values()], list(state.in_flight.values()))
     prod.cancel()
     await asyncio.gather(prod, return_exceptions=True)
     return trained, dropped, snapshot
@@ -92,22 +94,22 @@ async def test_producer_signals_idle_only_when_blocked_by_the_bound_with_nothing
     rows = [{"messages": [{"role": "user", "content": f"copy {i % 10}"}], "answer": str(i % 10)} for i in range(20)]
     ctx = _ctx(PromptSampler(rows, seed=3))
     ctx.engines.delay_s = 0.05  # groups take a while: the producer is blocked before they finish
-    ctx.producer_idle = asyncio.Event()
+    st = AsyncState()
     q: asyncio.PriorityQueue = asyncio.PriorityQueue()
-    prod = asyncio.create_task(_produce(ctx, q, ETA))
+    prod = asyncio.create_task(produce(ctx, st, q, ETA))
     try:
         await asyncio.sleep(0.02)
         # (ETA + 1) * P prompts started, the bound reached, but their groups still run: not idle
-        assert q.qsize() == 0 and len(ctx.in_flight) == (ETA + 1) * P
-        assert not ctx.producer_idle.is_set()
-        await asyncio.wait_for(ctx.producer_idle.wait(), 5.0)  # ... until the last one finished
+        assert q.qsize() == 0 and len(ctx.state.in_flight) == (ETA + 1) * P
+        assert not st.producer_idle.is_set()
+        await asyncio.wait_for(st.producer_idle.wait(), 5.0)  # ... until the last one finished
         assert q.qsize() == (ETA + 1) * P
-        ctx.version += 1  # a weight update moves the bound: new groups start, the producer is busy again
-        async with ctx.version_changed:
-            ctx.version_changed.notify_all()
+        ctx.state.version += 1  # a weight sync moves the bound: new groups start, the producer is busy again
+        async with st.version_changed:
+            st.version_changed.notify_all()
         await asyncio.sleep(0.01)
-        assert not ctx.producer_idle.is_set() and len(ctx.in_flight) == (ETA + 2) * P
-        await asyncio.wait_for(ctx.producer_idle.wait(), 5.0)
+        assert not st.producer_idle.is_set() and len(ctx.state.in_flight) == (ETA + 2) * P
+        await asyncio.wait_for(st.producer_idle.wait(), 5.0)
         assert q.qsize() == (ETA + 2) * P
     finally:
         prod.cancel()
@@ -125,39 +127,39 @@ class _PausingPool:
 async def test_engines_pause_during_training_once_the_producer_is_idle(monkeypatch):
     import threading
 
-    from mlrl import loop
+    from mlrl import loop_async
 
     release = threading.Event()
 
-    def train_step(ctx, samples, timer, step):  # the trainer call, in its thread
+    def train_phase(ctx, samples, timer, step):  # the trainer call, in its thread
         release.wait(5)
         ctx.engines.events.append("trained")
         return {"train/loss": 1.0}
 
-    monkeypatch.setattr(loop, "train_step", train_step)
+    monkeypatch.setattr(loop_async, "train_phase", train_phase)
     ctx = RunContext(cfg=None, policy=None, engines=_PausingPool(), weight_sync=None, runner=None, sampler=None,
-                     logger=None, checkpoint=None, producer_idle=asyncio.Event())
+                     logger=None, checkpoint=None, saves=None)
+    st = AsyncState()
     # the producer goes idle while the trainer trains: the engines pause before training ends
-    step = asyncio.create_task(loop._train_and_pause_when_idle(ctx, [], None, 1))
+    step = asyncio.create_task(loop_async.train_and_pause_when_idle(ctx, st, [], None, 1))
     await asyncio.sleep(0.02)
-    ctx.producer_idle.set()
+    st.producer_idle.set()
     await asyncio.sleep(0.02)
     release.set()
     assert await step == {"train/loss": 1.0} and ctx.engines.events == ["pause", "trained"]
     # a producer still busy when training ends: no pause here (the weight sync pauses the engines)
     ctx.engines.events.clear()
-    ctx.producer_idle.clear()
-    assert await loop._train_and_pause_when_idle(ctx, [], None, 2) == {"train/loss": 1.0}
+    st.producer_idle.clear()
+    assert await loop_async.train_and_pause_when_idle(ctx, st, [], None, 2) == {"train/loss": 1.0}
     assert ctx.engines.events == ["trained"]
 
 
 async def test_a_moved_bound_clears_the_idle_flag_before_the_producer_runs():
     # a step whose groups are all queued already does not yield to the producer before training:
-    # the flag must not still say "idle" from before the weight update
-    from mlrl import loop
+    # the flag must not still say "idle" from before the weight sync
+    from mlrl import loop_async
 
-    ctx = RunContext(cfg=None, policy=None, engines=None, weight_sync=None, runner=None, sampler=None, logger=None,
-                     checkpoint=None, version_changed=asyncio.Condition(), producer_idle=asyncio.Event())
-    ctx.producer_idle.set()
-    await loop._wake_producer(ctx)
-    assert not ctx.producer_idle.is_set()
+    st = loop_async.AsyncState()
+    st.producer_idle.set()
+    await loop_async.wake_producer(st)
+    assert not st.producer_idle.is_set()

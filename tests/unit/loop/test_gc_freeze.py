@@ -1,4 +1,4 @@
-"""The driver freezes its start-up heap before the loop (mlrl.run.freeze_startup_heap): what
+"""The driver freezes its start-up heap before the loop (mlrl.jobs.rl.freeze_startup_heap): what
 start-up allocated moves to the permanent generation (full collections stop traversing it), and
 garbage made afterwards, the per-step objects, is still collected."""
 
@@ -10,7 +10,7 @@ import textwrap
 def test_startup_objects_frozen_and_later_cycles_still_collected():
     code = textwrap.dedent("""
         import gc, weakref
-        from mlrl.run import freeze_startup_heap
+        from mlrl.jobs.rl import freeze_startup_heap
 
         class Node:
             pass

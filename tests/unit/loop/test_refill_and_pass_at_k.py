@@ -10,7 +10,8 @@ from helpers.scripted_engine import ScriptedEngine
 
 from mlrl.config import load_config
 from mlrl.data.sampler import PromptSampler
-from mlrl.loop import RunContext, _collect, _produce, evaluate_if_due, rollout_sync
+from mlrl.loop import RunContext, evaluate_if_due, rollout_sync
+from mlrl.loop_async import AsyncState, collect, produce
 from mlrl.metrics import StepTimer
 from mlrl.metrics.pass_at_k import mean_pass_at_k, pass_at_k
 from mlrl.workflow import EpisodeRunner, build_workflow_from_config, gconfig_from_sampling, load_hf_tokenizer
@@ -36,8 +37,7 @@ def _ctx(overrides, rows=ROWS):
     wf = build_workflow_from_config(cfg.workflow, tokenizer=tok, gconfig=gconfig_from_sampling(cfg.rollout.sampling))
     runner = EpisodeRunner.from_config(cfg.workflow, wf, engine)
     return RunContext(cfg=cfg, policy=None, engines=engine, weight_sync=None, runner=runner,
-                      sampler=PromptSampler(rows, seed=0, shuffle=False), logger=None, checkpoint=None,
-                      version_changed=asyncio.Condition())
+                      sampler=PromptSampler(rows, seed=0, shuffle=False), logger=None, checkpoint=None, saves=None)
 
 
 async def test_sync_refill_keeps_generating_until_the_batch_is_full():
@@ -76,15 +76,16 @@ async def test_async_refill_starts_one_more_prompt_per_dropped_group():
         ]
     )
     q: asyncio.PriorityQueue = asyncio.PriorityQueue()
-    prod = asyncio.create_task(_produce(ctx, q, 1))
+    st = AsyncState()
+    prod = asyncio.create_task(produce(ctx, st, q, 1))
     try:
-        samples, m, stale = await asyncio.wait_for(_collect(ctx, q, 1), 30)
+        samples, m, stale = await asyncio.wait_for(collect(ctx, st, q, 1), 30)
     finally:
         prod.cancel()
         await asyncio.gather(prod, return_exceptions=True)
     groups = {s.group_id for s in samples}
     assert len(groups) == P and stale == 0
-    assert ctx.extra_prompts >= 1 and m["rollout/filtered_fraction"] > 0
+    assert st.extra_prompts >= 1 and m["rollout/filtered_fraction"] > 0
     assert m["rollout/sampling_rounds"] == pytest.approx(m["groups/count"] / P)
     assert all(len({x.reward for x in samples if x.group_id == g}) == 2 for g in groups)
 

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from mlrl import run as run_mod
+from mlrl.jobs import rl as run_mod
 
 
 @pytest.mark.parametrize("signals", [1, 2, 3])

@@ -8,7 +8,8 @@ import asyncio
 import pytest
 
 from mlrl.config import load_config
-from mlrl.loop import RunContext, _collect
+from mlrl.loop import LoopState, RunContext
+from mlrl.loop_async import AsyncState, collect
 from mlrl.types import Sample
 from mlrl.workflow.api import EpisodeStatus
 from mlrl.workflow.runner import EpisodeResult, GroupResult
@@ -28,12 +29,12 @@ async def _collect_one_step(policy: str):
     cfg = load_config(None, ["trainer.prompts_per_step=2", "trainer.samples_per_prompt=2", f"rollout.staleness={ETA}",
                              f"rollout.stale_policy={policy}", "algorithm.rollout_is=tis", "workflow.reward_workers=0"])
     ctx = RunContext(cfg=cfg, policy=None, engines=None, weight_sync=None, runner=None, sampler=None, logger=None,
-                     checkpoint=None, version=3)
+                     checkpoint=None, saves=None, state=LoopState(version=3))
     q: asyncio.PriorityQueue = asyncio.PriorityQueue()
     for key, (gid, version) in enumerate([("old", 1), ("fresh", 3)]):  # version 1 is 2 > eta versions behind
-        ctx.in_flight[key] = {"row": key}
+        ctx.state.in_flight[key] = {"row": key}
         q.put_nowait((key, _group(gid, version, reward=1.0)))
-    return await _collect(ctx, q, ETA, step=4)
+    return await collect(ctx, AsyncState(), q, ETA, step=4)
 
 
 @pytest.mark.parametrize("policy,kept,dropped", [("drop", {"fresh"}, 2), ("reweight", {"old", "fresh"}, 0)])

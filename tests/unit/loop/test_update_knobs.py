@@ -16,7 +16,8 @@ from toy_trainer import ToyCritic, ToyPolicy, make_step
 
 from mlrl.algorithms.kl import kl_estimate
 from mlrl.config import load_config, validate
-from mlrl.loop import Selection
+from mlrl.experience.packing import pack_step
+from mlrl.loop import LoopState, Selection
 from mlrl.metrics import StepTimer
 from mlrl.update import train_on
 
@@ -31,7 +32,7 @@ def run(overrides, *, step=1, lr=2.0, optimizer="sgd", select=False):
     policy = ToyPolicy(cfg, lr=lr, optimizer=optimizer)
     samples = make_step(policy=policy)
     if select:  # reward shaping / filtering of the loop before the update
-        sel = Selection(types.SimpleNamespace(cfg=cfg, version=0))
+        sel = Selection(types.SimpleNamespace(cfg=cfg, state=LoopState()))
         for g in sorted({s.group_id for s in samples}):
             sel.add([s for s in samples if s.group_id == g])
         samples = sel.samples
@@ -207,12 +208,12 @@ def test_overlong_penalty_changes_rewards_and_update():
 
 def test_one_update_on_policy_runs_no_old_logprob_forward():
     one = run(["trainer.mini_batches_per_step=1"])
-    assert "old_logprobs" not in one.policy.calls and one.policy.calls.count("train_step") == 1
+    assert "old_logprobs" not in one.policy.calls and one.policy.calls.count("update") == 1
     assert one.m["train/ratio_max"] == one.m["train/ratio_min"] == 1.0  # exp(lp - sg(lp))
     many = run(["trainer.mini_batches_per_step=2"])
-    assert many.policy.calls.count("old_logprobs") == 1 and many.policy.calls.count("train_step") == 2
+    assert many.policy.calls.count("old_logprobs") == 1 and many.policy.calls.count("update") == 2
     with_ref = run(["trainer.mini_batches_per_step=1", "algorithm.kl_coef=0.1"])
-    assert with_ref.policy.calls == ["ref_logprobs", "train_step"]
+    assert with_ref.policy.calls == ["ref_logprobs", "update"]
 
 
 def test_skipped_forward_equals_a_separate_forward_on_the_same_weights():
@@ -234,3 +235,41 @@ def test_skipped_forward_equals_a_separate_forward_on_the_same_weights():
 def test_updates_are_deterministic():
     a, b = run(["trainer.epochs_per_step=2"]), run(["trainer.epochs_per_step=2"])
     assert torch.equal(a.delta, b.delta) and a.m == b.m
+
+
+@pytest.mark.parametrize("overrides", [[], CRITIC, [*CRITIC, "trainer.shared_prefix_packing=always"],
+                                       ["algorithm.kl_coef=0.1", "algorithm.kl_in_reward=true"],
+                                       ["algorithm.advantage=reinforce_pp", "algorithm.kl_coef=0.1",
+                                        "algorithm.kl_in_reward=true"]])
+def test_one_step_packs_once_and_computes_advantages_once(overrides, monkeypatch):
+    """The step's samples are packed once for the forward phase and, with one mini-batch, trained
+    on that same packing; advantages are computed once, after the forward phase (also where the
+    estimator reads it: KL in the reward, GAE), and the packed advantages are exactly what a
+    packing made after them would hold."""
+    import mlrl.update as upd
+
+    packs, advs, packed = [], [], []
+
+    def counting_pack(samples, **kw):
+        packs.append(len(samples))
+        out = pack_step(samples, **kw)
+        packed.append((out[0], kw))
+        return out
+
+    def counting_adv(*args, **kw):
+        advs.append(kw)
+        return orig_adv(*args, **kw)
+
+    orig_adv = upd.compute_advantages
+    monkeypatch.setattr(upd, "pack_step", counting_pack)
+    monkeypatch.setattr(upd, "compute_advantages", counting_adv)
+    r = run(["trainer.mini_batches_per_step=1", *overrides])
+    assert len(packs) == 1 and len(advs) == 1
+    assert r.policy.calls[-1] == "update" and "update" not in r.policy.calls[:-1]  # the forward phase came first
+    per_dp, kw = packed[0]
+    fresh, _ = pack_step(r.samples, **kw)
+    nonzero = 0
+    for a, b in zip([mb for rank in per_dp for mb in rank], [mb for rank in fresh for mb in rank]):
+        assert torch.equal(a.advantages, b.advantages)
+        nonzero += int(a.advantages.ne(0).sum())
+    assert nonzero > 0  # the advantages exist: the comparison is not between zeros

@@ -1,5 +1,5 @@
 """A bigram language model and a per-token value table in plain torch, driven through the same
-seam as the Megatron trainer (`compute_logprobs` / `train_step` / `compute_values` on packed
+seam as the Megatron trainer (`compute_logprobs` / `update` / `compute_values` on packed
 micro-batches, with mlrl's real loss functions and metric reduction). It stands in for the
 trainer next to the unit under test (mlrl.update.train_on: old logprobs, advantages,
 mini-batches, epochs, critic updates); the Megatron side of the same seam is tested in
@@ -54,8 +54,8 @@ class ToyPolicy:
         table = self.ref_table if reference else self.table.detach()
         return [[tuple(t.detach() for t in _bigram_logprobs(table, mb, temperature)) for mb in rank] for rank in per_dp]
 
-    def train_step(self, per_dp):
-        self.calls.append("train_step")
+    def update(self, per_dp):
+        self.calls.append("update")
         self.opt.zero_grad()
         ms = []
         for mb in per_dp[0]:
@@ -99,7 +99,7 @@ class ToyCritic:
     def compute_values(self, per_dp):
         return [[self._values(mb).detach() for mb in rank] for rank in per_dp]
 
-    def train_step(self, per_dp):
+    def update(self, per_dp):
         self.opt.zero_grad()
         ms = []
         for mb in per_dp[0]:

@@ -1,4 +1,4 @@
-"""During a weight update the embeddings' kernel packing is deferred to the end of the update
+"""During a weight sync the embeddings' kernel packing is deferred to the end of the update
 (`refresh_embedding_kernels` runs it once), and restored afterwards, failure or not."""
 
 import pytest

@@ -12,6 +12,7 @@ import time
 
 import httpx
 import pytest
+from helpers.tools import load_tool
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route
@@ -85,6 +86,27 @@ def test_command_and_environment(tmp_path, monkeypatch):
     )
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")  # an explicit user choice wins
     assert server_env(spec)["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+
+
+def test_a_benchmark_starts_engines_with_its_own_worker_extension(tmp_path, monkeypatch):
+    """ServerSpec.worker_extension replaces mlrl's class: tools/bench_weight_sync.py's engines get a
+    subclass with its reference hook, importable inside the engine through PYTHONPATH alone."""
+    assert server_command(dataclasses.replace(_spec(tmp_path), worker_extension="m.Ext"), 8123).count("m.Ext") == 1
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    ref = load_tool("weight_sync_reference")
+    spec = ref.engine_server(0, _spec(tmp_path)).spec
+    cmd, env = server_command(spec, 8123), server_env(spec)
+    assert cmd[cmd.index("--worker-extension-cls") + 1] == ref.WORKER_EXTENSION
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(ref.TOOLS), "/elsewhere"]
+    pytest.importorskip("vllm")
+    code = textwrap.dedent(f"""
+        import importlib
+        from mlrl.rollout.worker_ext import MlrlWorkerExtension
+        module, name = {ref.WORKER_EXTENSION!r}.rsplit(".", 1)  # as vLLM resolves --worker-extension-cls
+        ext = getattr(importlib.import_module(module), name)
+        assert issubclass(ext, MlrlWorkerExtension) and callable(getattr(ext, {ref.WORKER_HOOK!r}))
+    """)
+    subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, check=True, timeout=120)
 
 
 def test_start_failure_raises_with_the_log_tail(tmp_path):

@@ -35,7 +35,7 @@ async def make_pool(tmp_path, monkeypatch):
         model.mkdir()
         (model / "config.json").write_text(json.dumps({"vocab_size": VOCAB}))
         cfg = RolloutConfig(num_engines=num_engines, max_concurrent_requests=cap, startup_timeout_s=30,
-                            request_timeout_s=timeout_s, interrupt_on_update=interrupt)
+                            request_timeout_s=timeout_s, interrupt_on_sync=interrupt)
         pool = EnginePool(cfg, model, run_dir=tmp_path / f"run{len(pools)}",
                           command=[sys.executable, str(FAKE), "--host", "{host}", "--port", "{port}"])
         pools.append(pool)
@@ -142,7 +142,7 @@ async def test_pause_abort_interrupts_and_resumes_with_versions(make_pool):
     reqs = [_req([1, i], 30) for i in range(8)]
     tasks = [asyncio.create_task(pool.agenerate(r)) for r in reqs]
     await _wait_generating(pool, len(reqs))
-    await pool.pause()  # interrupt_on_update=True -> abort
+    await pool.pause()  # interrupt_on_sync=True -> abort
     assert all(e.in_flight == 0 for e in pool.engines)
     assert not any(t.done() for t in tasks)  # interrupted requests wait for the resume
     for e in pool.engines:

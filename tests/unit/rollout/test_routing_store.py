@@ -107,7 +107,7 @@ def test_evicted_or_reset_prefix_blocks_make_the_sample_unavailable():
     prompt = list(range(10, 20))
     s.new_request("first", prompt, 0)
     run(s, "first", prompt, 0, rows(10, 3))
-    s.reset_blocks()                              # a weight update reset the prefix cache
+    s.reset_blocks()                              # a weight sync reset the prefix cache
     s.new_request("second", prompt, 8)
     run(s, "second", prompt + [5], 8, rows(3, 4))
     s.end_step()

@@ -57,7 +57,7 @@ def test_an_rl_recipe_is_not_an_sft_run():
 
 
 def test_missing_chat_template_is_a_config_error(tmp_path):
-    from mlrl.sft import load_sft_data
+    from mlrl.jobs.sft import load_sft_data
 
     model = tmp_path / "no_template"
     shutil.copytree(resolve_model_dir("builtin:tiny-llama"), model)
@@ -71,7 +71,7 @@ def test_missing_chat_template_is_a_config_error(tmp_path):
 
 
 def test_rows_without_an_assistant_turn_are_skipped_and_named(tmp_path, caplog):
-    from mlrl.sft import load_sft_data
+    from mlrl.jobs.sft import load_sft_data
 
     rows = [{"messages": [{"role": "user", "content": "copy 3"}, {"role": "assistant", "content": "3"}]},
             {"messages": [{"role": "user", "content": "copy 5"}]},
@@ -79,7 +79,7 @@ def test_rows_without_an_assistant_turn_are_skipped_and_named(tmp_path, caplog):
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = _validated(f"data.train={data}", "data.eval=null")
-    with caplog.at_level("WARNING", logger="mlrl.sft"):
+    with caplog.at_level("WARNING", logger="mlrl.jobs.sft"):
         train, held_out = load_sft_data(cfg, resolve_model_dir("builtin:tiny-llama"))
     assert len(train) == 2 and held_out is None
     assert len(train.no_assistant) == 1 and "train.jsonl:2" in train.no_assistant[0]

@@ -55,17 +55,17 @@ def test_every_client_method_binds_to_the_service_method_it_mirrors(tmp_path):
     t, c = TrainerClient(g), CriticClient(TrainerClient(g))
     per_dp = [[_mb(0)], [_mb(1)]]
     assert t.compute_logprobs(per_dp, 1.0, reference=True) == ["rank0", "rank1"]  # one result per DP rank
-    t.train_step(per_dp)
+    t.update(per_dp)
     t.save_checkpoint(tmp_path / "a", critic_path=tmp_path / "c")
     t.load_checkpoint(tmp_path / "a")
     t.finalize_checkpoints(blocking=False)
     t.export_hf(tmp_path / "hf")
     c.compute_values(per_dp)
-    c.train_step(per_dp)
+    c.update(per_dp)
     assert MegatronWeightSource(t).push(PushRequest("disk", 3, disk_dir=str(tmp_path))) == []
     names = [name for name, *_ in g.calls]
-    assert names == ["compute_logprobs", "train_step", "save_checkpoint", "load_checkpoint", "finalize_checkpoints",
-                     "export_hf", "compute_values", "train_critic", "push_weights"]
+    assert names == ["compute_logprobs", "update", "save_checkpoint", "load_checkpoint", "finalize_checkpoints",
+                     "export_hf", "compute_values", "update_critic", "push_weights"]
     # each rank got its own DP rank's micro-batches
     per_rank = g.calls[1][1]
     assert [int(mbs[0].tokens[0]) for mbs in per_rank] == [0, 1]
@@ -77,7 +77,7 @@ def test_every_client_method_binds_to_the_service_method_it_mirrors(tmp_path):
 def test_wrong_dp_count_is_refused():
     t = TrainerClient(RecordingGroup())
     with pytest.raises(ValueError, match="micro-batches for 1 DP ranks, the trainer has dp=2"):
-        t.train_step([[_mb(0)]])
+        t.update([[_mb(0)]])
 
 
 def _group_over_pipes(n):
@@ -106,10 +106,10 @@ def test_group_sends_the_method_name_and_refuses_non_service_callables():
         th.join(5)
     assert sorted(seen) == [(r, "finalize_checkpoints", {"blocking": True}) for r in (0, 1)]
 
-    def train_step(micro_batches):  # same name, not the service's method
+    def update(micro_batches):  # same name, not the service's method
         return None
 
-    for bad in (train_step, TrainerService._critic, "train_step"):
+    for bad in (update, TrainerService._critic, "update"):
         with pytest.raises((TypeError, AttributeError)):
             g.call(bad)
     assert not any(c.poll(0.05) for c in ranks)  # nothing was sent for the refused calls
@@ -133,7 +133,7 @@ def test_group_binds_arguments_to_the_service_signature_before_sending():
     with pytest.raises(TypeError):
         g.call(TrainerService.export_hf, "a", "b")
     with pytest.raises(ValueError, match="micro-batches for 1 ranks, the trainer has 2"):
-        g.call_sharded(TrainerService.train_step, [[_mb(0)]])
+        g.call_sharded(TrainerService.update, [[_mb(0)]])
     with pytest.raises(TypeError):
         g.call_sharded(TrainerService.compute_logprobs, [[_mb(0)], [_mb(1)]], 1.0, temperature=1.0)
     assert not any(c.poll(0.05) for c in ranks)

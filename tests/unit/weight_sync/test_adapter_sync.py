@@ -10,12 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from helpers.tools import load_tool
 from peft import LoraConfig, PeftModel, get_peft_model
 
 from mlrl.config.schema import LoRAConfig, WeightSyncConfig
 from mlrl.modelzoo import resolve_model_dir
-from mlrl.weight_sync import HFWeightSource, make_weight_sync
+from mlrl.weight_sync import make_weight_sync
 from mlrl.weight_sync.lora_adapter import AdapterWeightSync, adapter_name
+
+HFWeightSource = load_tool("hf_weight_source").HFWeightSource  # shared with tools/bench_weight_sync.py
 
 LORA = LoRAConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"])
 

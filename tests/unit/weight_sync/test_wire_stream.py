@@ -1,14 +1,14 @@
 """The broadcast wire protocol over real gloo groups (threads of this process): K senders x W
 receivers, every dtype, checksums and digests, fail-fast on a broken stream, and the benchmark's
-raw-broadcast reference (mlrl.weight_sync.bench_reference) over the same groups."""
+raw-broadcast reference (tools/weight_sync_reference.py) over the same groups."""
 
 import threading
 import uuid
 
 import pytest
 import torch
+from helpers.tools import load_tool
 
-from mlrl.weight_sync import bench_reference
 from mlrl.weight_sync.receiver import Receiver
 from mlrl.weight_sync.sender import bucketize, push_from_rank
 from mlrl.weight_sync.source import PushRequest
@@ -25,6 +25,8 @@ from mlrl.weight_sync.wire import (
     open_store,
     plan_units,
 )
+
+reference = load_tool("weight_sync_reference")  # tools/bench_weight_sync.py's raw-broadcast reference
 
 
 def _spec(store, k, w, timeout_s=30.0) -> GroupSpec:
@@ -209,12 +211,12 @@ def test_raw_broadcast_and_non_senders():
     assert calls == [123]  # a non-sending rank still iterates (trainer-side collectives stay aligned)
 
     def sender():
-        return bench_reference.send_raw(spec.to_json(), [1000, 10, 5000], 0)
+        return reference.send_raw(spec.to_json(), [1000, 10, 5000], 0)
 
     def receiver():
         rec = Receiver()
         rec.join(spec.to_json(), 0)
-        return bench_reference.on_worker(rec, {"op": "raw", "sizes": [1000, 10, 5000]})
+        return reference.on_worker(rec, {"op": "raw", "sizes": [1000, 10, 5000]})
 
     results, errors = _run([sender, receiver])
     assert not errors and results[0] == 6010 and results[1]["bytes"] == 6010

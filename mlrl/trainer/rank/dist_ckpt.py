@@ -1,5 +1,5 @@
 """Resumable distributed checkpoints of a `MegatronPolicy` (or a `MegatronCritic`, the same
-format), and the policy's streamed Hugging Face export.
+format). The policy's streamed Hugging Face / PEFT export is mlrl.trainer.rank.hf_export.
 
 Rank side (every function is a collective over all trainer ranks, like the policy's methods):
 
@@ -8,8 +8,6 @@ Rank side (every function is a collective over all trainer ranks, like the polic
     load_model_weights(policy, path)                      the weights only (model.init_from), any saved layout
     init_weights_from(policy, spec) -> InitSource         model.init_from: a checkpoint or an HF folder
     finalize_async_saves(blocking=True) -> int            completes pending async saves (GPU)
-    export_hf(policy, out_dir) -> Path | None             a complete HF folder (rank 0 finalizes)
-    export_hf_shards(policy, folder) -> ShardMap | None   only this stage's safetensors files
 
 Format: Megatron-Core `dist_checkpointing` (torch_dist) in `path/`, plus two things of ours
 written by rank 0 after every rank has finished writing: `hf_files/` (config.json,
@@ -62,8 +60,10 @@ import torch
 import torch.distributed as dist
 
 from mlrl.bridge import spec_for
-from mlrl.checkpoint.hf_export import COPY_FILES, ShardMap, ShardWriter, finalize_hf_folder, temp_dir_for
-from mlrl.checkpoint.manager import CheckpointError
+from mlrl.ckpt_files.errors import CheckpointError
+from mlrl.ckpt_files.hf_folder import COPY_FILES
+from mlrl.ckpt_files.init_source import check_init_from
+from mlrl.ckpt_files.layout import FORMAT, META_FILE
 from mlrl.config.schema import PRECISION
 
 if TYPE_CHECKING:
@@ -71,8 +71,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-FORMAT = "mlrl-megatron-dist/1"
-META_FILE = "mlrl_checkpoint.json"
 HF_FILES_DIR = "hf_files"
 MEGATRON_META = "metadata.json"          # written by megatron's finalize step (after all shards)
 DEFAULT_OPTIM_SHARDING = "fully_reshardable"
@@ -572,7 +570,6 @@ def init_weights_from(policy, spec: str):
     check before any process started). Collective. With LoRA they become the frozen base (the
     adapters stay fresh). Returns the `InitSource`; a later checkpoint of this policy records it."""
     from mlrl.bridge import HFCheckpoint
-    from mlrl.checkpoint.init_from import check_init_from
 
     source = check_init_from(spec, policy.hf_config)
     if source.kind == "checkpoint":
@@ -689,90 +686,3 @@ def _quiet(logger_name: str) -> Iterator[None]:
         yield
     finally:
         lg.setLevel(level)
-
-
-# ---- HF export -----------------------------------------------------------------------------------
-def _export_dtype(policy, dtype: Optional[str]) -> Optional[torch.dtype]:
-    """None = keep the parameters' dtype; "auto" = the dtype config.json declares."""
-    if dtype is None:
-        return None
-    if dtype == "auto":
-        dtype = policy.hf_config.get("dtype") or policy.hf_config.get("torch_dtype")
-        if dtype is None:
-            return None
-    try:
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    except KeyError:
-        raise ValueError(f"HF export dtype {dtype!r}: expected float32, bfloat16 or float16") from None
-
-
-def export_hf_shards(policy, folder: str | Path, *, max_shard_bytes: int = 2 << 30, bucket_bytes: int = 256 << 20,
-                     dtype: Optional[str] = "auto") -> Optional[ShardMap]:
-    """Collective. The sender of each pipeline stage writes its stage's HF tensors into
-    `folder/stage<pp>-0000i.safetensors` and returns its shard map; other ranks return None.
-    Peak memory per sender: one bucket being gathered plus one shard being filled."""
-    if _role(policy) != "policy":
-        raise ValueError(f"HF export of a {_role(policy)}: only the policy is a Hugging Face causal LM")
-    info = policy.rank_info()
-    writer = None
-    if info["is_stage_sender"]:
-        writer = ShardWriter(folder, f"stage{info['pp']:03d}", max_shard_bytes=max_shard_bytes,
-                             dtype=_export_dtype(policy, dtype))
-    for bucket in policy.iter_hf_buckets(bucket_bytes):
-        if writer is not None:
-            writer.add(bucket)
-    return writer.close() if writer is not None else None
-
-
-def export_peft(policy, out_dir: str | Path, *, dtype: Optional[str] = "auto") -> Optional[Path]:
-    """Collective: the policy's LoRA adapters as a PEFT folder at `out_dir` (written by rank 0,
-    atomically). Returns the path on rank 0, None elsewhere."""
-    from mlrl.checkpoint.peft_export import write_peft_adapter
-
-    adapters = policy.gather_adapters()
-    result = None
-    if policy.ranks.rank == 0:
-        result = write_peft_adapter(out_dir, adapters, policy.lora.cfg, base_model=str(policy.hf_dir),
-                                    dtype=_export_dtype(policy, dtype))
-    dist.barrier()
-    return result
-
-
-def export_hf(policy, out_dir: str | Path, *, max_shard_bytes: int = 2 << 30, bucket_bytes: int = 256 << 20,
-              dtype: Optional[str] = "auto", files_from: Optional[str | Path] = None) -> Optional[Path]:
-    """Collective: write a complete Hugging Face folder at `out_dir` (shared filesystem across
-    ranks). Stage senders write shards into a temporary folder beside `out_dir`; rank 0 merges
-    their shard maps, checks the tensor names against config.json, copies config / tokenizer
-    files (from `files_from`, default the policy's model.hf_dir) and renames the folder into
-    place. Returns the path on rank 0, None elsewhere. `dtype`: "auto" = config.json's dtype,
-    None = the parameters' dtype, or "float32" / "bfloat16" / "float16"."""
-    out = Path(out_dir)
-    tmp = temp_dir_for(out)
-    rank = policy.ranks.rank
-    if rank == 0:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    error = None
-    try:
-        shard_map = export_hf_shards(
-            policy, tmp, max_shard_bytes=max_shard_bytes, bucket_bytes=bucket_bytes, dtype=dtype
-        )
-    except Exception as e:  # reported on every rank below
-        shard_map, error = None, f"rank {rank}: {type(e).__name__}: {e}"
-    gathered: list[Any] = [None] * policy.ranks.world
-    dist.all_gather_object(gathered, (shard_map, error))
-    errors = [e for _, e in gathered if e]
-    if errors:
-        raise RuntimeError("HF export failed: " + "; ".join(errors))
-    result = None
-    if rank == 0:
-        out_dtype = _export_dtype(policy, dtype)
-        result = finalize_hf_folder(
-            tmp, out, [m for m, _ in gathered if m], files_from or policy.hf_dir,
-            # megatron-bridge's model: its own mapping decides the names
-            expected_names=None if _via_mbridge(policy) else policy.spec.hf_shapes(policy.arch).keys(),
-            dtype=str(out_dtype).removeprefix("torch.") if out_dtype is not None else None)
-    dist.barrier()
-    return result

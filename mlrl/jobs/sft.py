@@ -4,7 +4,7 @@
     rows (data.train via HF datasets / files / synthetic tasks) -> chat template -> (input_ids,
     loss_mask on assistant tokens) -> sft.batch_size conversations per step -> the same token-budget
     packer as RL (DP split, micro-batches of trainer.micro_batch_tokens) -> the Megatron policy's
-    train_step with the SFT loss (token-mean NLL of the assistant tokens over the whole step) on the
+    update with the SFT loss (token-mean NLL of the assistant tokens over the whole step) on the
     same trainer ranks (TP / PP / DP) -> metrics, eval loss on data.eval every data.eval_every steps,
     checkpoints (exact resume: weights, optimizer, data position) and the HF export at the end.
 
@@ -24,11 +24,11 @@ from mlrl.config import Config, ConfigError, Layout
 from mlrl.config.schema import SFTConfig
 from mlrl.data.registry import SFTDataset
 from mlrl.experience.packing import pack_step
-from mlrl.offline import load_splits, run_offline
+from mlrl.jobs.offline import load_splits, run_offline
 from mlrl.trainer.driver.client import TrainerClient
 from mlrl.types import Sample
 
-log = logging.getLogger("mlrl.sft")
+log = logging.getLogger("mlrl.jobs.sft")
 KIND = "sft"  # recorded in the checkpoint's loop state: an RL run does not resume an SFT checkpoint
 
 
@@ -72,7 +72,7 @@ def _sft_section(cfg: Config) -> SFTConfig:
 
 
 class SFTJob:
-    """Supervised fine-tuning for `mlrl.offline.run_offline`."""
+    """Supervised fine-tuning for `mlrl.jobs.offline.run_offline`."""
 
     kind, title = KIND, "SFT"
 
@@ -86,7 +86,7 @@ class SFTJob:
     def step(self, policy: TrainerClient, batch: list[Any]) -> dict[str, Any]:
         per_dp, pack = pack_step(samples_of(batch), dp_size=policy.dp_size, token_budget=self.token_budget,
                                  loss_agg="token-mean")
-        m = policy.train_step(per_dp)
+        m = policy.update(per_dp)
         return {"sft/loss": m["loss"], "sft/entropy": m.get("entropy", float("nan")),
                 "train/grad_norm": m["grad_norm"], "train/lr": m["lr"],
                 "sft/loss_tokens": pack["pack/num_loss_tokens"], "sft/tokens": pack["pack/num_tokens"]}
@@ -97,6 +97,6 @@ class SFTJob:
         return {"eval/loss": eval_loss(policy, self.held_out.examples, self.token_budget)}
 
 
-def run_sft(cfg: Config, layout: Layout) -> int:
+def run(cfg: Config, layout: Layout) -> int:
     _sft_section(cfg)
     return run_offline(cfg, layout, lambda hf_dir: SFTJob(cfg, hf_dir))

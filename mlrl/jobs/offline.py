@@ -1,5 +1,5 @@
-"""The loop of a run of the trainer alone on a fixed dataset: supervised fine-tuning (mlrl.sft) and
-preference optimisation (mlrl.dpo). What differs between them is an `OfflineJob` (its data, one
+"""The loop of a run of the trainer alone on a fixed dataset: supervised fine-tuning (mlrl.jobs.sft) and
+preference optimisation (mlrl.jobs.dpo). What differs between them is an `OfflineJob` (its data, one
 step, its held-out evaluation); the rest is here, once:
 
     cheap checks (model folder, data, checkpoint to resume, model.init_from) before any process ->
@@ -24,13 +24,14 @@ from mlrl.config import Config, ConfigError, Layout, dump_yaml
 from mlrl.data import get_dataset
 from mlrl.data.rows import DatasetError
 from mlrl.data.sampler import PromptSampler
+from mlrl.jobs.placement import Placement
 from mlrl.metrics import MetricsLogger
 from mlrl.modelzoo import resolve_model_dir
 from mlrl.trainer.driver.client import TrainerClient
 from mlrl.trainer.driver.group import TrainerGroup, rank_env
 from mlrl.workflow import load_hf_tokenizer
 
-log = logging.getLogger("mlrl.offline")
+log = logging.getLogger("mlrl.jobs.offline")
 
 
 def load_splits(cfg: Config, hf_dir: Path, kind: Literal["sft", "dpo"],
@@ -94,7 +95,6 @@ def run_offline(cfg: Config, layout: Layout, make_job: Callable[[Path], OfflineJ
     """Run `make_job(hf_dir)`'s job to trainer.total_steps; 0 on success."""
     logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
-    from mlrl.run import Placement
 
     run_dir = Path(cfg.logging.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

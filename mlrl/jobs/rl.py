@@ -13,95 +13,34 @@ import dataclasses
 import gc
 import json
 import logging
-import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from mlrl.checkpoint import Checkpointer, CheckpointManager, check_resume_has_critic, read_state
 from mlrl.checkpoint.init_from import check_model_init_from
+from mlrl.checkpoint.schedule import SaveSchedule
 from mlrl.colocation import Colocation
 from mlrl.config import Config, ConfigError, Layout, dump_yaml
 from mlrl.data import dataset_from_config
 from mlrl.data.sampler import PromptSampler
-from mlrl.loop import RunContext, train_async, train_sync
+from mlrl.jobs.placement import cluster_placement, local_placement
+from mlrl.loop import LoopState, RunContext, train_sync
+from mlrl.loop_async import train_async
 from mlrl.metrics import MetricsLogger
 from mlrl.metrics.timer import timing_table
 from mlrl.modelzoo import resolve_model_dir
 from mlrl.reward.model import ClassifierJudge, ModelJudge, set_active_judge
 from mlrl.rollout.pool import EnginePool
-from mlrl.rollout.server import ServerSpec
 from mlrl.trainer.driver.client import CriticClient, MegatronWeightSource, TrainerClient
-from mlrl.trainer.driver.group import SpawnRanks, TrainerGroup, rank_env
+from mlrl.trainer.driver.group import TrainerGroup, rank_env
 from mlrl.weight_sync import make_weight_sync
 from mlrl.workflow import EpisodeRunner, build_workflow_from_config, gconfig_from_sampling, load_hf_tokenizer
 from mlrl.workflow.failures import EpisodeFailures
 
 log = logging.getLogger("mlrl")
-
-
-@dataclass
-class Placement:
-    """Where the processes of a run go: this machine, or the nodes of a Ray cluster."""
-
-    host: str = "127.0.0.1"                              # address trainer ranks and engine workers reach the driver at
-    trainer_env: dict[str, str] = field(default_factory=dict)
-    engine_devices: list[list[int]] | None = None       # local GPU runs: CUDA devices per engine
-    spawn_trainer: SpawnRanks | None = None              # None: torchrun on this machine
-    engine_server: Callable[[int, ServerSpec], Any] | None = None
-    sync_backend: str | None = None                      # None: NCCL if this machine has CUDA, else gloo
-    close: Callable[[], None] = lambda: None
-
-
-def local_placement(cfg: Config, layout: Layout) -> Placement:
-    """One machine. With GPUs, the plan's split applies: trainer ranks and engines get their own
-    devices (colocated: the same ones), mapped through the caller's CUDA_VISIBLE_DEVICES."""
-    if cfg.cluster.gpus_per_node == 0:
-        return Placement()
-    from mlrl.cluster import NodeInfo, assign, ports_needed
-    from mlrl.plan import make_plan
-
-    plan = make_plan(cfg, layout)
-    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    if visible and len(visible) < cfg.cluster.gpus_per_node:
-        raise ConfigError(
-            f"cluster.gpus_per_node={cfg.cluster.gpus_per_node} but CUDA_VISIBLE_DEVICES={','.join(visible)} "
-            f"lists {len(visible)}"
-        )
-    ids = tuple(int(visible[g]) if visible else g for g in range(cfg.cluster.gpus_per_node))
-    ports = (0,) * ports_needed(plan)[0]  # torchrun and the engines pick their own ports on one machine
-    a = assign(plan, [NodeInfo(0, "local", "127.0.0.1", ids, ports)])
-    return Placement(trainer_env={"CUDA_VISIBLE_DEVICES": a.trainers[0].env["CUDA_VISIBLE_DEVICES"]},
-                     engine_devices=[list(e.gpu_ids) for e in a.engines])
-
-
-def cluster_placement(cfg: Config, layout: Layout, run_dir: Path) -> Placement:
-    """`--nodes N`: join the Ray cluster, reserve the plan's GPUs, start one agent per node."""
-    from mlrl.cluster import join_cluster, release
-    from mlrl.cluster.runtime import ClusterRuntime
-    from mlrl.plan import make_plan
-
-    plan = make_plan(cfg, layout)
-    assignment = join_cluster(cfg, plan, wait_s=cfg.cluster.join_timeout_s, reserve_s=cfg.cluster.join_timeout_s)
-    try:
-        rt = ClusterRuntime(assignment, run_dir)
-    except BaseException:
-        release(assignment)
-        raise
-    log.info("placed on %d Ray node(s): trainer ranks on %s, engines on %s", len(assignment.nodes),
-             sorted({w.node_ip for w in assignment.trainers}), sorted({e.node_ip for e in assignment.engines}))
-
-    def close() -> None:
-        try:
-            rt.close()
-        finally:
-            release(assignment)
-
-    return Placement(host=rt.driver_ip, spawn_trainer=rt.spawn_trainer, engine_server=rt.engine_server,
-                     sync_backend="nccl" if rt.cuda else "gloo", close=close)
 
 
 def run(cfg: Config, layout: Layout) -> int:
@@ -307,12 +246,12 @@ async def _run(cfg: Config, layout: Layout) -> int:
             sampler=sampler,
             logger=logger,
             checkpoint=checkpointer,
+            saves=SaveSchedule(cfg.checkpoint, cfg.trainer.total_steps, checkpointer, colocation),
             eval_rows=eval_rows,
-            start_step=start_step,
-            version=version,
             progress=_progress(cfg, start_step),
-            resume_rows=list(state.get("in_flight_rows", [])) if state else [],
             colocation=colocation,
+            state=LoopState(start_step=start_step, version=version,
+                            resume_rows=list(state.get("in_flight_rows", [])) if state else []),
         )
         freeze_startup_heap()
         clock.mark("ready")
@@ -366,15 +305,17 @@ def _progress(cfg: Config, start_step: int) -> Any:
 
 
 def _summary(ctx: RunContext, run_dir: Path) -> None:
-    rewards = [h.get("reward/mean") for h in ctx.history if "reward/mean" in h]
-    print(f"run finished: {len(ctx.history)} steps, metrics in {run_dir / 'metrics.jsonl'}")
+    history = ctx.state.history
+    rewards = [h.get("reward/mean") for h in history if "reward/mean" in h]
+    print(f"run finished: {len(history)} steps, metrics in {run_dir / 'metrics.jsonl'}")
     if rewards:
         print("mean reward per step: " + " ".join(f"{r:.2f}" for r in rewards))
-    table = timing_table(ctx.history)
+    table = timing_table(history)
     if table:
         print(table)
-    if ctx.checkpoint_s:
-        print(f"final checkpoint / export: {ctx.checkpoint_s:.2f} s")
+    final_save_s = ctx.saves.take_seconds() if ctx.saves is not None else 0.0
+    if final_save_s:
+        print(f"final checkpoint / export: {final_save_s:.2f} s")
     if ctx.checkpoint.last_saved:
         print(f"checkpoint: {ctx.checkpoint.last_saved}")
     if ctx.checkpoint.last_export:

@@ -12,7 +12,7 @@ and the step loss is the mean over the step's pairs. The implicit rewards beta *
 of each side are reported (`chosen_reward`, `rejected_reward`, their difference `reward_margin`,
 and `reward_accuracy`, the share of pairs whose chosen reward is higher).
 
-Packing contract (`mlrl.dpo`): the step's samples are [chosen_0, rejected_0, chosen_1, ...]
+Packing contract (`mlrl.jobs.dpo`): the step's samples are [chosen_0, rejected_0, chosen_1, ...]
 (sample id 2k chosen, 2k + 1 rejected), each pair packed whole into one micro-batch
 (`pack_step(whole_groups=True)`), with loss_agg "seq-mean-token-sum": every completion token of
 the step carries loss_weight 1 / (2 * pairs), so a pair's weight is the sum of its two samples'

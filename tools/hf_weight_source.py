@@ -1,10 +1,13 @@
 """`HFWeightSource`: a `WeightSource` over an in-process Hugging Face causal LM.
 
-It implements both levels of mlrl.weight_sync.source in one process (tests, the benchmark, and
-any trainer that holds an HF-layout model): one sender, its parameters named exactly as in the
-HF checkpoint (tied weights sent once). A peft LoRA model also answers PushRequest.content=
-"adapters" (its adapter tensors, peft-named as in adapter_model.safetensors), and its canary
-logprobs are those of the adapted model.
+It implements both levels of mlrl.weight_sync.source in one process: one sender, its parameters
+named exactly as in the HF checkpoint (tied weights sent once). A peft LoRA model also answers
+PushRequest.content="adapters" (its adapter tensors, peft-named as in adapter_model.safetensors),
+and its canary logprobs are those of the adapted model.
+
+Not part of the `mlrl` package (no run uses it: a run's source is the Megatron trainer): it is the
+sender of tools/bench_weight_sync.py and of the weight-sync tests, which load it with
+`helpers.tools.load_tool("hf_weight_source")`.
 """
 
 from __future__ import annotations

@@ -1,34 +1,49 @@
-"""The reference measurements of tools/bench_weight_sync.py — benchmark only, outside the sync
-path (nothing in the production modules imports this one).
+"""The reference measurements of tools/bench_weight_sync.py: benchmark only, outside the sync path
+(kept out of the `mlrl` package; tests load it with `helpers.tools.load_tool`).
 
 Both run over the group of a `BroadcastWeightSync` that has done one sync, side by side with it:
 - raw: the same tensor byte sizes broadcast with no protocol — no headers, no checksums, nothing
   applied: the wire's speed on this machine. The sending side is THIS process as sender 0 (an
-  in-process one-sender source such as HFWeightSource, which joined the group in that sync).
+  in-process one-sender source such as tools/hf_weight_source.py's, which joined the group in that sync).
 - protocol only: the full broadcast stream (headers, checksums on both ends, verification),
   pushed through `ws.source` and received and dropped by the engines: the transfer without
   vLLM's load.
 
-The engine workers' side (`on_worker`) is reached through the one benchmark hook of the worker
-extension, collective_rpc `mlrl_bench_reference` (rollout/worker_ext.py), which imports this
-module only when called.
+The engine workers' side (`on_worker`) is reached through collective_rpc `mlrl_bench_reference`,
+the one method that tools/weight_sync_reference_ext.py's worker extension adds to mlrl's. Engines
+get that extension only when the pool is built with `server_factory=engine_server`, which also puts
+tools/ on the engine's PYTHONPATH (vLLM imports the extension by its dotted name inside the engine).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import os
 import time
+from pathlib import Path
 from typing import Any, Iterable
 
 import torch
 
+from mlrl.rollout.server import EngineServer, ServerSpec
 from mlrl.weight_sync.receiver import Receiver
 from mlrl.weight_sync.sync import engine_client
 from mlrl.weight_sync.transports import _RPC_TIMEOUT_S, BroadcastWeightSync, sender_channel
 from mlrl.weight_sync.wire import Channel
 
-WORKER_HOOK = "mlrl_bench_reference"  # MlrlWorkerExtension method; its one argument is the JSON `call` of on_worker
+TOOLS = Path(__file__).resolve().parent
+WORKER_EXTENSION = "weight_sync_reference_ext.ReferenceWorkerExtension"  # importable with TOOLS on sys.path
+WORKER_HOOK = "mlrl_bench_reference"  # its method; the one argument is the JSON `call` of on_worker
+
+
+def engine_server(index: int, spec: ServerSpec) -> EngineServer:
+    """`EnginePool(server_factory=...)`: engine `index` as the pool would start it, with the worker
+    extension that has the reference hook and tools/ first on the engine's PYTHONPATH."""
+    path = spec.extra_env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    env = {**spec.extra_env, "PYTHONPATH": os.pathsep.join(p for p in (str(TOOLS), path) if p)}
+    return EngineServer(dataclasses.replace(spec, worker_extension=WORKER_EXTENSION, extra_env=env))
 
 
 def _raw_broadcast(ch: Channel, sizes: Iterable[int], src: torch.Tensor | None = None) -> int:
@@ -57,7 +72,7 @@ def on_worker(receiver: Receiver, call: dict[str, Any]) -> dict[str, Any]:
         return {"bytes": n, "seconds": time.perf_counter() - t0}
     if op == "discard":
         return receiver.receive(call["info"], lambda bucket: None)
-    raise ValueError(f"bench_reference.on_worker: unknown op {op!r} (expected raw or discard)")
+    raise ValueError(f"weight_sync_reference.on_worker: unknown op {op!r} (expected raw or discard)")
 
 
 async def _on_engines(ws: BroadcastWeightSync, call: dict[str, Any]) -> list[Any]:

@@ -1,7 +1,7 @@
 import torch
 import transformers
 
-from mlrl.checkpoint.hf_export import write_hf_folder
+from mlrl.ckpt_files.hf_folder import write_hf_folder
 from mlrl.modelzoo import resolve_model_dir
 
 

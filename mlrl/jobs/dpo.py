@@ -7,13 +7,13 @@ the RL trainer's own parts.
     dpo.batch_size pairs per step -> samples [chosen_0, rejected_0, chosen_1, ...], each pair packed
     whole into one micro-batch (pack_step(whole_groups=True), DP split, trainer.micro_batch_tokens)
     -> the frozen reference's token logprobs on those micro-batches (the trainer's reference model,
-    the one RL's KL uses; with LoRA the base with adapters off) -> the Megatron policy's train_step
-    with the DPO / IPO loss (mlrl.algorithms.dpo) on the same trainer ranks (TP / PP / DP) ->
+    the one RL's KL uses; with LoRA the base with adapters off) -> the Megatron policy's update
+    with the DPO / IPO loss (mlrl.algorithms.dpo_loss) on the same trainer ranks (TP / PP / DP) ->
     metrics (dpo/loss, the implicit rewards, reward margin and accuracy), the same metrics on
     data.eval every data.eval_every steps, checkpoints (exact resume) and the HF export.
 
 No engines start. Everything that can fail cheaply (model folder, chat template, data) fails before
-any process starts (mlrl.offline). The result starts an RL run as `model.init_from=<checkpoint>`
+any process starts (mlrl.jobs.offline). The result starts an RL run as `model.init_from=<checkpoint>`
 or `model.hf_dir=<run>/hf/step_N`.
 """
 
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from mlrl.algorithms.dpo import make_dpo_loss_fn
+from mlrl.algorithms.dpo_loss import make_dpo_loss_fn
 from mlrl.algorithms.loss_metrics import combine_loss_metrics, finalize_loss_metrics
 from mlrl.config import Config, ConfigError, Layout
 from mlrl.config.schema import DPOConfig
@@ -32,11 +32,11 @@ from mlrl.data.preference import Side
 from mlrl.data.registry import PreferenceDataset
 from mlrl.experience.packing import pack_step
 from mlrl.interfaces import PerDP
-from mlrl.offline import load_splits, run_offline
+from mlrl.jobs.offline import load_splits, run_offline
 from mlrl.trainer.driver.client import TrainerClient
 from mlrl.types import Sample
 
-log = logging.getLogger("mlrl.dpo")
+log = logging.getLogger("mlrl.jobs.dpo")
 KIND = "dpo"  # recorded in the checkpoint's loop state
 PAIR_METRICS = ("chosen_reward", "rejected_reward", "reward_margin", "reward_accuracy", "chosen_logprob",
                 "rejected_logprob")
@@ -86,7 +86,7 @@ def attach_reference(policy: TrainerClient, per_dp: PerDP) -> None:
 
 
 class DPOJob:
-    """Preference optimisation for `mlrl.offline.run_offline`."""
+    """Preference optimisation for `mlrl.jobs.offline.run_offline`."""
 
     kind, title = KIND, "DPO"
 
@@ -104,7 +104,7 @@ class DPOJob:
         per_dp, pack = pack_pairs(batch, policy.dp_size, self.token_budget)
         attach_reference(policy, per_dp)
         t1 = time.perf_counter()
-        m = policy.train_step(per_dp)
+        m = policy.update(per_dp)
         out: dict[str, Any] = {"dpo/loss": m["loss"], "train/grad_norm": m["grad_norm"], "train/lr": m["lr"],
                                "dpo/entropy": m.get("entropy", float("nan")), "dpo/pairs": m.get("n_pairs", 0.0),
                                "dpo/tokens": pack["pack/num_tokens"], "dpo/loss_tokens": pack["pack/num_loss_tokens"],
@@ -128,6 +128,6 @@ class DPOJob:
         return {"eval/dpo_loss": m["loss"], **{f"eval/{k}": m[k] for k in PAIR_METRICS if k in m}}
 
 
-def run_dpo(cfg: Config, layout: Layout) -> int:
+def run(cfg: Config, layout: Layout) -> int:
     _dpo_section(cfg)
     return run_offline(cfg, layout, lambda hf_dir: DPOJob(cfg, hf_dir))

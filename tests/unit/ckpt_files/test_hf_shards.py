@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from mlrl.checkpoint.hf_export import INDEX_FILE, ShardWriter, finalize_hf_folder, temp_dir_for
+from mlrl.ckpt_files.hf_folder import INDEX_FILE, ShardWriter, finalize_hf_folder, temp_dir_for
 from mlrl.modelzoo import resolve_model_dir
 
 

@@ -1,0 +1,35 @@
+"""tools/compare_metrics.py: equal runs pass, a differing value, key or step fails, timings are ignored."""
+
+import json
+
+from helpers.tools import load_tool
+
+cm = load_tool("compare_metrics")
+
+
+def _write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_equal_runs_pass_and_timings_are_ignored(tmp_path, capsys):
+    a = _write(tmp_path / "a.jsonl", [{"step": 1, "train/loss": 0.5, "timing/step": 1.0, "train/time_s": 0.2,
+                                       "reward/std": float("nan")}])
+    b = _write(tmp_path / "b.jsonl", [{"step": 1, "train/loss": 0.5, "timing/step": 9.0, "train/time_s": 0.7,
+                                       "reward/std": float("nan")}])
+    assert cm.main([str(a), str(b)]) == 0
+    assert capsys.readouterr().out.strip().endswith("ratio equal_values: 1.000000")
+
+
+def test_a_differing_value_key_or_step_fails(tmp_path, capsys):
+    a = _write(tmp_path / "a.jsonl", [{"step": 1, "train/loss": 0.5}, {"step": 2, "train/loss": 0.4}])
+    b = _write(tmp_path / "b.jsonl", [{"step": 1, "train/loss": 0.5000001}, {"step": 2, "train/loss": 0.4}])
+    assert cm.main([str(a), str(b)]) == 1
+    out = capsys.readouterr().out
+    assert "step 1: train/loss: 0.5 != 0.5000001" in out and "step 2" not in out
+    c = _write(tmp_path / "c.jsonl", [{"step": 1, "train/loss": 0.5, "reward/mean": 1.0},
+                                      {"step": 2, "train/loss": 0.4}])
+    assert cm.main([str(a), str(c)]) == 1
+    d = _write(tmp_path / "d.jsonl", [{"step": 1, "train/loss": 0.5}])
+    assert cm.main([str(a), str(d)]) == 1
+    assert cm.main([str(a), str(tmp_path / "missing.jsonl")]) == 2
