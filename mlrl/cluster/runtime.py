@@ -202,7 +202,7 @@ class RemoteEngineServer(EngineServer):
 
 
 class ClusterRuntime:
-    """The agents of one run, and the factories `run.py` hands to `TrainerGroup` / `EnginePool`."""
+    """The agents of one run, and the factories `jobs/rl.py` hands to `TrainerGroup` / `EnginePool`."""
 
     def __init__(self, assignment: ClusterAssignment, run_dir: str | Path):
         import ray

@@ -167,7 +167,7 @@ class EnginePool:
         self._active: dict[str, tuple[EngineHandle, str]] = {}   # rid -> (engine, attempt id) of the running call
         self._user_aborted: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
-        self.refresher: Callable[[], Awaitable[Any]] | None = None  # run.py: weight_sync.refresh
+        self.refresher: Callable[[], Awaitable[Any]] | None = None  # jobs/rl.py: weight_sync.refresh
         self.stats = collections.Counter()
 
     # ------------------------------------------------------------------ lifecycle
