@@ -63,7 +63,7 @@ from mlrl.bridge import spec_for
 from mlrl.ckpt_files.errors import CheckpointError
 from mlrl.ckpt_files.hf_folder import COPY_FILES
 from mlrl.ckpt_files.init_source import check_init_from
-from mlrl.ckpt_files.layout import FORMAT, META_FILE
+from mlrl.ckpt_files.layout import FORMAT, MEGATRON_FILES, META_FILE
 from mlrl.config.schema import PRECISION
 
 if TYPE_CHECKING:
@@ -72,7 +72,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 HF_FILES_DIR = "hf_files"
-MEGATRON_META = "metadata.json"          # written by megatron's finalize step (after all shards)
 DEFAULT_OPTIM_SHARDING = "fully_reshardable"
 _RESHARDABLE = ("fully_reshardable", "fully_sharded_model_space")
 _RNG_KEY = "mlrl.rng_state"
@@ -125,7 +124,7 @@ def read_meta(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {meta_file}: unreadable ({e})") from None
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {meta_file}: format {meta.get('format')!r}, this mlrl reads {FORMAT!r}")
-    for f in (MEGATRON_META, ".metadata"):
+    for f in MEGATRON_FILES:  # written by megatron-core's finalize step, after every shard
         if not (p / f).is_file():
             raise CheckpointError(f"checkpoint {p}: incomplete, Megatron's {f} is missing")
     return meta

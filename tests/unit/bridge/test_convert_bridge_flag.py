@@ -34,13 +34,13 @@ def test_hf_to_mcore_builtin_on_an_unknown_architecture_names_the_supported_ones
 
 
 def test_a_megatron_bridge_checkpoint_is_refused_without_it(tmp_path, capsys):
-    from mlrl.ckpt_files.layout import FORMAT
-    from mlrl.trainer.rank.dist_ckpt import HF_FILES_DIR, MEGATRON_META
+    from mlrl.ckpt_files.layout import FORMAT, MEGATRON_FILES
+    from mlrl.trainer.rank.dist_ckpt import HF_FILES_DIR
 
     ck = tmp_path / "ck"
     (ck / HF_FILES_DIR).mkdir(parents=True)
     shutil.copy(resolve_model_dir("builtin:tiny-llama") / "config.json", ck / HF_FILES_DIR / "config.json")
-    for f in (MEGATRON_META, ".metadata"):
+    for f in MEGATRON_FILES:
         (ck / f).write_text("{}")
     meta = {"format": FORMAT, "bridge": "megatron-bridge", "hf_config": hf_config_dict("builtin:tiny-llama"),
             "layout": {"tp": 1, "pp": 1, "ep": 1}}

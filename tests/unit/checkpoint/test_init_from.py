@@ -205,13 +205,6 @@ def test_launch_refuses_before_any_process_starts(tmp_path, recipe):
 
 
 # ---- the names this package repeats from the trainer side, and the trainer's key aliasing -------
-def test_names_agree_with_the_trainer_checkpoints():
-    from mlrl.trainer.rank import dist_ckpt
-
-    assert (dist_ckpt.META_FILE, dist_ckpt.FORMAT, dist_ckpt.MEGATRON_META) == \
-        (META_FILE, FORMAT, "metadata.json")
-
-
 def test_lora_model_keys_point_at_the_fused_norm_names_of_a_full_checkpoint():
     """A LoRA policy on the TE spec has unfused norms; a full checkpoint names them after TE's
     fused layernorm + linear (Megatron's local spec maps to those names too)."""
