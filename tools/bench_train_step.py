@@ -222,7 +222,9 @@ def launch(args, argv: list[str]) -> int:
         try:
             return proc.wait(timeout=args.timeout)
         except (subprocess.TimeoutExpired, KeyboardInterrupt):
-            os.killpg(proc.pid, 9)
+            from mlrl.procs import kill_tree
+
+            kill_tree(proc.pid)  # torchrun's workers run in sessions of their own
             return 2
     finally:
         if tmp is not None:

@@ -106,6 +106,8 @@ def _precheck(args) -> str | None:
 
 
 def launch(args) -> int:
+    from mlrl.procs import kill_tree
+
     error = _precheck(args)
     if error:
         print(f"compare_hf_megatron: {error}", file=sys.stderr)
@@ -123,11 +125,11 @@ def launch(args) -> int:
     try:
         proc.wait(timeout=args.timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
+        kill_tree(proc.pid)
         print(f"compare_hf_megatron: timed out after {args.timeout:.0f} s", file=sys.stderr)
         return INCOMPLETE
     except KeyboardInterrupt:
-        os.killpg(proc.pid, 9)
+        kill_tree(proc.pid)
         raise
     try:
         res = json.loads(result.read_text()) if result.exists() else None

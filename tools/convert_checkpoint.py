@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -354,7 +353,9 @@ def launch(job: dict[str, Any]) -> dict[str, Any]:
     try:
         rc = proc.wait()
     except BaseException:
-        os.killpg(proc.pid, signal.SIGKILL)  # never leave ranks behind (Ctrl-C, timeouts)
+        from mlrl.procs import kill_tree
+
+        kill_tree(proc.pid)  # never leave ranks behind (Ctrl-C, timeouts); workers have own sessions
         proc.wait()
         raise
     if rc != 0:

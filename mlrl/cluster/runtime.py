@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from mlrl.cluster.assignment import ClusterAssignment, ClusterError, TrainerWorker
+from mlrl.procs import kill_tree
 from mlrl.rollout.server import EngineServer, ServerSpec
 
 AGENT_CONCURRENCY = 16  # threaded actor: a slow stop() must not block alive() probes
@@ -101,7 +101,7 @@ class NodeAgent:
     def ranks_kill(self) -> None:
         for proc, _ in self._ranks.values():
             try:
-                os.killpg(proc.pid, signal.SIGKILL)
+                kill_tree(proc.pid)  # torchrun's workers run in sessions of their own
             except ProcessLookupError:
                 pass
             proc.wait()

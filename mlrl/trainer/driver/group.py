@@ -27,6 +27,7 @@ from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Concatenate, ParamSpec, Protocol, Sequence, TypeVar
 
+from mlrl.procs import kill_tree
 from mlrl.trainer.rpc import TOKEN_ENV, no_delay, recv, send
 
 if TYPE_CHECKING:  # the rank-side class, for the types of `call` only (it is never built here)
@@ -80,7 +81,7 @@ class LocalTorchrun:
 
     def kill(self) -> None:
         try:
-            os.killpg(self._proc.pid, signal.SIGKILL)
+            kill_tree(self._proc.pid)  # torchrun's workers run in sessions of their own
         except ProcessLookupError:
             pass
         self._proc.wait()

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from mlrl.procs import kill_tree
 
 WORKER = Path(__file__).with_name("trainer_worker.py")
 REPO = Path(__file__).resolve().parents[3]
@@ -51,12 +52,12 @@ def _run_torchrun(script: Path, args: list[str], nproc: int, *, timeout: float) 
     try:
         log, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)  # torchrun's workers run in sessions of their own and hold the pipe
         log, _ = proc.communicate()
         raise AssertionError(f"torchrun timed out after {timeout:.0f} s: {' '.join(cmd)}\n{log[-6000:]}") from None
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
     results = []
     for r in range(nproc):
         f = out / f"rank{r}.json"

@@ -1,0 +1,45 @@
+"""Stopping a process together with everything it started.
+
+torchrun starts each worker in a session of its own (torch.distributed.elastic's subprocess handler
+passes ``start_new_session=True``), so ``os.killpg`` on torchrun's group leaves its ranks running,
+re-parented to init and still holding the pipes and ports torchrun was given. :func:`kill_tree` lists
+the descendants first (psutil, already a dependency of megatron-core's dist_checkpointing), then
+SIGKILLs the root's group and every descendant's group, so a timeout or Ctrl-C leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import psutil
+
+
+def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` to ``pid``'s process group and to the groups of all its descendants.
+
+    Descendants are listed before any signal is sent: once the root dies its children are
+    re-parented and can no longer be found from it. Processes already gone are skipped.
+    """
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        procs = []
+    groups = {pid}
+    for p in procs:
+        try:
+            groups.add(os.getpgid(p.pid))
+        except (ProcessLookupError, PermissionError):
+            pass
+    groups.discard(os.getpgrp())  # never our own group
+    for g in groups:
+        try:
+            os.killpg(g, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for p in procs:  # a descendant that shares a group we may not signal
+        try:
+            p.send_signal(sig)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
