@@ -3,6 +3,9 @@
 `model.hf_dir` may name a real folder or `builtin:<name>`:
 - `tiny-llama`, `tiny-qwen2`, `tiny-qwen3`, `tiny-qwen3-moe`: seeded random-init models with a
   small word-level vocabulary (fast on CPU; the vocabulary covers the synthetic tasks);
+- `tiny-llama-tools`: tiny-llama (head_dim 32) whose vocabulary adds a Hermes tool call to
+  `multiply(a, b)` and the numbers 10..99, with a Hermes-style chat template (tools, tool calls, tool
+  messages): the calculator-agent demo (examples/calculator_agent.py);
 - `tiny-llama3`, `tiny-llama3-ctx64`, `tiny-qwen3-yarn`: the same with RoPE scaling (llama3 with
   Llama-3.1's parameters; llama3 over 64 original positions; YaRN x4 over 64 positions);
 - `smollm2-135m-instruct`: the real pretrained SmolLM2-135M-Instruct, dequantised from the GGUF
@@ -44,9 +47,35 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}assistant : {% endif %}"
 )
 
+# `tiny-llama-tools`: WORDS plus what a Hermes tool call to `multiply(a, b)` needs, as
+# whitespace-free words (the tokenizer splits on spaces and its decoder joins words with spaces, so
+# `<tool_call>{"name":"multiply","arguments":{"a": 7 ,"b": 8 }}</tool_call>` is five words and
+# still valid JSON inside the block), and the numbers 10..99 for tool results.
+TOOL_WORDS = (
+    ['<tool_call>{"name":"multiply","arguments":{"a":', ',"b":', '}}</tool_call>', "tools", "tool", "multiply"]
+    + [str(n) for n in range(10, 100)]
+)
+# Hermes-style, word-level: `tools` render as a system line naming them; an assistant turn's
+# `tool_calls` render as `<tool_call>{json}</tool_call>` (argument values as separate words); `tool`
+# messages as their own turn. Assistant turns end with EOS (trained on in SFT), so a multi-turn agent
+# stops after each reply. The `<tool_call>` literal makes the proxy's `tool_call_format: auto` pick hermes.
+TOOLS_CHAT_TEMPLATE = (
+    "{% if tools %}system : tools {% for t in tools %}{{ (t['function'] if t['function'] is defined else t)['name'] }}"
+    " {% endfor %}. {% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' %}assistant : "
+    "{% if m['content'] %}{{ m['content'] }} {% endif %}"
+    "{% for c in (m['tool_calls'] or []) %}{% set f = c['function'] if c['function'] is defined else c %}"
+    "{{ '<tool_call>{\"name\":\"' ~ f['name'] ~ '\",\"arguments\":{' }}"
+    "{% for k, v in f['arguments'].items() %}{{ ('\"' if loop.first else ',\"') ~ k ~ '\": ' ~ v }} {% endfor %}"
+    "{{ '}}</tool_call>' }} {% endfor %}</s> "
+    "{% else %}{{ m['role'] }} : {{ m['content'] }} . {% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}assistant : {% endif %}"
+)
 
-def _tiny_base(model_type: str) -> dict[str, Any]:
-    vocab = len(SPECIALS) + len(WORDS)
+
+def _tiny_base(model_type: str, vocab: int = len(SPECIALS) + len(WORDS)) -> dict[str, Any]:
     return {
         "model_type": model_type,
         "vocab_size": vocab,
@@ -87,7 +116,10 @@ def _tiny_configs() -> dict[str, dict[str, Any]]:
     llama3_ctx64 = dict(llama, rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
                                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
     yarn = dict(qwen3, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
-    return {"tiny-llama": llama, "tiny-qwen2": qwen2, "tiny-qwen3": qwen3, "tiny-qwen3-moe": moe,
+    tools = dict(_tiny_base("llama", len(SPECIALS) + len(WORDS) + len(TOOL_WORDS)),
+                 architectures=["LlamaForCausalLM"], attention_bias=False, mlp_bias=False)
+    return {"tiny-llama-tools": tools, "tiny-llama": llama, "tiny-qwen2": qwen2, "tiny-qwen3": qwen3,
+            "tiny-qwen3-moe": moe,
             "tiny-llama3": llama3, "tiny-llama3-ctx64": llama3_ctx64, "tiny-qwen3-yarn": yarn}
 
 
@@ -230,7 +262,7 @@ def _materialise_in_child(spec: str) -> None:
 
 
 def build_word_tokenizer(out_dir: Path, vocab: list[str] | None = None, bos_token: str = "<s>",
-                         eos_token: str = "</s>") -> None:
+                         eos_token: str = "</s>", chat_template: str = CHAT_TEMPLATE) -> None:
     """A word-level fast tokenizer with a chat template, over `vocab` (default SPECIALS + WORDS; a
     longer list, e.g. padded to a public model's vocab_size, must start with SPECIALS)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -242,7 +274,7 @@ def build_word_tokenizer(out_dir: Path, vocab: list[str] | None = None, bos_toke
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=bos_token, eos_token=eos_token, unk_token="<unk>", pad_token="<pad>",
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template,
     )
     fast.save_pretrained(out_dir)
 
@@ -257,7 +289,10 @@ def _materialise_tiny(name: str, out: Path, seed: int = 0) -> None:
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out, safe_serialization=True)
     transformers.GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0).save_pretrained(out)
-    build_word_tokenizer(out)
+    if name == "tiny-llama-tools":
+        build_word_tokenizer(out, SPECIALS + WORDS + TOOL_WORDS, chat_template=TOOLS_CHAT_TEMPLATE)
+    else:
+        build_word_tokenizer(out)
 
 
 def _materialise_smollm2(out: Path) -> None:

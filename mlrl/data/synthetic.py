@@ -15,6 +15,15 @@
   must end with EOS inside a larger budget (`token_match` counts extra words as wrong).
 - `repeat_digit` (tiny vocabulary): "repeat 7" -> "7" sixteen times: a sixteen-token answer. Reward
   `token_match`.
+- `calc_multiply` (`builtin:tiny-llama-tools`): "multiply 7 8" -> "56", single-digit operands. The
+  model cannot compute products; an agent with a `multiply` tool (examples/calculator_agent.py)
+  can. Reward `exact_match` of the agent's final answer.
+- `calc_multiply_traces` (`builtin:tiny-llama-tools`, for SFT): a warm start that knows HOW to call
+  the tool but rarely does: in a quarter of the traces "multiply 7 8" -> a `multiply` call with the
+  question's digits, the tool's result, a final answer copying it; in the rest a direct answer, a
+  random number from 0..81 (almost always wrong). RL on `calc_multiply` must learn WHEN to call it:
+  the tool-call rate and the reward rise together (the "learn to use the calculator" result of
+  agentic RL).
 - `arith_word` (for SmolLM2-135M-Instruct): "Tom has 3 apples and buys 4 more. How many apples does
   he have now? Answer with a single number." -> "7" (addition, subtraction, small products). Reward
   `gsm8k` (the model's `#### n`, else last `\\boxed{n}`, else its last number, compared numerically).
@@ -112,6 +121,30 @@ def _arith_render(key: tuple) -> dict[str, Any]:
     return _row(q + ARITH_INSTRUCTION, fn(a, b))
 
 
+CALC_TOOL_SHARE = 0.25  # the share of `calc_multiply_traces` that call the tool
+
+
+def _calc_trace_problem(rng: random.Random) -> tuple:
+    """(a, b, calls the tool, the direct answer's random number)."""
+    return rng.randrange(10), rng.randrange(10), rng.random() < CALC_TOOL_SHARE, rng.randrange(82)
+
+
+def _calc_trace_render(key: tuple) -> dict[str, Any]:
+    """The system turn says what the chat template renders for `tools=[multiply]`, so SFT prompts
+    (rendered without `tools`) equal the agent's prompts token for token."""
+    a, b, calls, guess = key
+    system, user = {"role": "system", "content": "tools multiply"}, {"role": "user", "content": f"multiply {a} {b}"}
+    if not calls:
+        return {"messages": [system, user, {"role": "assistant", "content": str(guess)}], "answer": str(a * b)}
+    call = {"id": "call_0", "type": "function", "function": {"name": "multiply", "arguments": {"a": a, "b": b}}}
+    return {"messages": [
+        system, user,
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": str(a * b), "tool_call_id": "call_0"},
+        {"role": "assistant", "content": str(a * b)},
+    ], "answer": str(a * b)}
+
+
 TASKS: dict[str, SyntheticTask] = {
     "copy_digit": SyntheticTask(
         "copy_digit", "exact_match", _copy_problem, lambda k: _row(f"copy {k[0]}", k[0]), None,
@@ -134,6 +167,12 @@ TASKS: dict[str, SyntheticTask] = {
     "repeat_digit": SyntheticTask(
         "repeat_digit", "token_match", _copy_problem, lambda k: _row(f"repeat {k[0]}", _words([k[0]] * REPEAT_TIMES)),
         None, f"repeat one digit {REPEAT_TIMES} times (tiny vocabulary)"),
+    "calc_multiply": SyntheticTask(
+        "calc_multiply", "exact_match", _digits(2), lambda k: _row(f"multiply {k[0]} {k[1]}", k[0] * k[1]),
+        None, "product of two digits, through a multiply tool (tiny-llama-tools vocabulary)"),
+    "calc_multiply_traces": SyntheticTask(
+        "calc_multiply_traces", "exact_match", _calc_trace_problem, _calc_trace_render, None,
+        "a quarter tool-call traces, the rest direct guesses, for SFT (tiny-llama-tools vocabulary)"),
     "arith_word": SyntheticTask(
         "arith_word", "gsm8k", _arith_problem, _arith_render,
         lambda k: (k[0] * 7 + k[1] * 37 + k[2] * 11) % 10 == 0, "one-step arithmetic word problems"),

@@ -80,6 +80,7 @@ class ProxySession:
     sampling_overrides: bool = True   # False: temperature/top_p/top_k of requests are ignored (the policy's own)
     log: InteractionLog = field(default_factory=InteractionLog)
     tool_call_failures: list[str] = field(default_factory=list)  # why a tool call in the output did not parse
+    num_tool_calls: int = 0  # tool calls parsed and returned to the agent as `tool_calls`
 
     @property
     def api_key(self) -> str:
@@ -321,6 +322,7 @@ class OpenAIProxy:
             message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
             finish = _FINISH.get(r.stop_reason, "stop")
             if parsed.calls:
+                session.num_tool_calls += len(parsed.calls)
                 message["tool_calls"] = parsed.calls
                 finish = "tool_calls" if finish == "stop" else finish
             choice: dict[str, Any] = {

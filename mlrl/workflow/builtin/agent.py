@@ -122,6 +122,7 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
         return EpisodeOutput(samples=log.export_samples(self.export_style), is_correct=final > 0,
                              metrics={"num_model_calls": float(len(log)),
                                       "num_template_splits": float(log.template_splits()),
+                                      "num_tool_calls": float(session.num_tool_calls),
                                       "num_tool_call_parse_failures": float(len(session.tool_call_failures))})
 
     async def aclose(self) -> None:

@@ -1,4 +1,4 @@
-"""The example workflows from AReaL's, Trinity-RFT's and rLLM's own guides (tests/unit/workflow/examples/,
+"""The example workflows from AReaL's, Trinity-RFT's and rLLM's own guides (tests/unit/workflow/guide_examples/,
 changed only in their imports) run through mlrl's runner and produce trainable samples."""
 
 import json
@@ -34,7 +34,7 @@ async def run_rows(workflow, engine, rows, n):
 
 async def test_areal_single_turn_rlvr_example(tok):
     rows = list(get_dataset("synthetic:copy_digit", num_rows=3, seed=1))
-    wf = build_workflow("examples.areal_rlvr.RLVRWorkflow", kwargs={
+    wf = build_workflow("guide_examples.areal_rlvr.RLVRWorkflow", kwargs={
         "reward_fn": "mlrl.reward.builtin.gsm8k_reward", "tokenizer": "builtin:tiny-llama"}, gconfig=G)
     eng = ScriptedEngine.from_text(tok, last_user_word, version=2)
     groups, m = await run_rows(wf, eng, rows, n=2)
@@ -49,7 +49,7 @@ async def test_areal_single_turn_rlvr_example(tok):
 
 
 async def test_trinity_example_workflow_with_exact_match_reward(tok, tmp_path):
-    import examples.trinity_example  # noqa: F401  (registers "example_workflow")
+    import guide_examples.trinity_example  # noqa: F401  (registers "example_workflow")
 
     data = tmp_path / "tasks.jsonl"
     data.write_text("".join(json.dumps({"question": f"copy {d}", "answer": str(d)}) + "\n" for d in (4, 8)))
@@ -69,7 +69,7 @@ async def test_trinity_example_workflow_with_exact_match_reward(tok, tmp_path):
 
 
 async def test_rllm_agent_environment_workflow(tok):
-    from examples.rllm_math_agent import MathAgent, SingleTurnEnvironment, exact_match_reward_fn
+    from guide_examples.rllm_math_agent import MathAgent, SingleTurnEnvironment, exact_match_reward_fn
 
     wf = build_workflow(MultiTurnWorkflow, tokenizer=tok, gconfig=G, kwargs={
         "agent_cls": MathAgent, "env_cls": SingleTurnEnvironment,

@@ -137,7 +137,7 @@ async def _episode(tok, content, **kw):
 async def test_the_agent_calls_a_tool_through_the_proxy_and_gets_its_answer_trained(byte_tok):
     g, m, eng = await _episode(byte_tok, "what is 6*7?")
     assert [e.status for e in g.episodes] == [EpisodeStatus.COMPLETED] and g.rewards == [1.0, 1.0]  # both calls
-    assert m["workflow/num_tool_call_parse_failures"] == 0.0
+    assert m["workflow/num_tool_call_parse_failures"] == 0.0 and m["workflow/num_tool_calls"] == 1.0
     r1, r2 = eng.responses
     # the tool call was rendered back into the second prompt from the agent's assistant message
     # (arguments as an object), followed by the tool's result
@@ -151,7 +151,7 @@ async def test_the_agent_calls_a_tool_through_the_proxy_and_gets_its_answer_trai
 async def test_a_malformed_call_is_text_and_counted_and_none_turns_parsing_off(byte_tok):
     g, m, _ = await _episode(byte_tok, "MALFORMED please")
     assert [e.status for e in g.episodes] == [EpisodeStatus.COMPLETED] and g.rewards == [0.0]
-    assert m["workflow/num_tool_call_parse_failures"] == 1.0
+    assert m["workflow/num_tool_call_parse_failures"] == 1.0 and m["workflow/num_tool_calls"] == 0.0
     # tool_call_format=none: the well-formed call stays text, the agent sees no tool_calls
     g2, m2, eng2 = await _episode(byte_tok, "what is 6*7?", tool_call_format="none")
     assert g2.rewards == [0.0] and len(eng2.responses) == 1 and m2["workflow/num_tool_call_parse_failures"] == 0.0
