@@ -195,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engines", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--bucket-mb", type=float, default=64.0)
-    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="the engines' context (default: 512, or the model's max_position_embeddings if shorter)")
     p.add_argument("--canary-tolerance", type=float, default=1e-3)
     p.add_argument("--run-dir", default="runs/bench_weight_sync")
     p.add_argument("--no-verify", action="store_true", help="skip checksums (shows what they cost)")
@@ -204,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lora", action="store_true", help="adapter sync (weight_sync.lora_mode=adapter) vs full sync")
     p.add_argument("--lora-rank", type=int, default=16)
     args = p.parse_args(argv)
+    if args.max_model_len is None:  # the tiny builtins allow 256 positions; vLLM refuses a longer context
+        config = json.loads((resolve_model_dir(args.model) / "config.json").read_text())
+        args.max_model_len = min(512, int(config.get("max_position_embeddings") or 512))
     if args.lora:
         return main_lora(args)
     r = asyncio.run(run(args))

@@ -131,7 +131,7 @@ def read_meta(path: str | Path) -> dict[str, Any]:
 
 
 def _arch_differences(saved_hf_config: dict, policy) -> list[str]:
-    if _via_mbridge(policy):  # megatron-bridge's model: the HF configs themselves are compared
+    if via_mbridge(policy):  # megatron-bridge's model: the HF configs themselves are compared
         mine = policy.hf_config
         return [f"{k}: checkpoint {saved_hf_config.get(k)!r}, model {mine.get(k)!r}"
                 for k in sorted(set(saved_hf_config) | set(mine))
@@ -144,7 +144,7 @@ def _arch_differences(saved_hf_config: dict, policy) -> list[str]:
     return [f"{k}: checkpoint {a[k]!r}, model {b.get(k)!r}" for k in a if a[k] != b.get(k)]
 
 
-def _via_mbridge(policy) -> bool:
+def via_mbridge(policy) -> bool:
     """The policy was built by megatron-bridge (model.bridge; mlrl.trainer.rank.mbridge)."""
     return getattr(policy, "mbridge", None) is not None
 
@@ -153,16 +153,17 @@ def _via_mbridge(policy) -> bool:
 _HF_BOOKKEEPING = frozenset({"transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures"})
 
 
-def _role(policy) -> str:
+def model_role(policy) -> str:
+    """The role, "policy" (an LM head) or "critic" (a value head): recorded in checkpoints, checked by HF export."""
     return getattr(policy, "role", "policy")
 
 
 def _check_role(policy, meta: dict[str, Any]) -> None:
     saved_role = meta.get("role", "policy")  # checkpoints written before roles were recorded are policies
-    if saved_role != _role(policy):
+    if saved_role != model_role(policy):
         raise CheckpointError(f"checkpoint holds a {saved_role} (its output layer: "
                               f"{'the LM head' if saved_role == 'policy' else 'a value head'}), the model being loaded "
-                              f"is a {_role(policy)}: load a {_role(policy)} checkpoint into it")
+                              f"is a {model_role(policy)}: load a {model_role(policy)} checkpoint into it")
 
 
 def _check_arch(policy, meta: dict[str, Any]) -> None:
@@ -423,11 +424,11 @@ def save_checkpoint(policy, path: str | Path, *, async_save: bool = False,
     if trainable and not with_optimizer:
         sd["scheduler"] = policy.scheduler.state_dict()
     meta = {
-        "format": FORMAT, "backend": "torch_dist", "megatron_core": _megatron_version(), "role": _role(policy),
+        "format": FORMAT, "backend": "torch_dist", "megatron_core": _megatron_version(), "role": model_role(policy),
         "model_type": policy.arch.model_type, "arch": asdict(policy.arch), "hf_config": policy.hf_config,
         # which converter built the model: its parameter names (the TE spec of megatron-bridge's
         # provider vs mlrl's) are what the shards are keyed by, so a reader must build the same
-        "bridge": "megatron-bridge" if _via_mbridge(policy) else "builtin",
+        "bridge": "megatron-bridge" if via_mbridge(policy) else "builtin",
         "layout": _layout(policy),
         # a LoRA checkpoint holds only the adapters: the base is this HF folder
         "lora": _lora_meta(policy), "base_hf_dir": _base_hf_dir(policy) if _lora(policy) is not None else None,
@@ -575,7 +576,7 @@ def init_weights_from(policy, spec: str):
         load_model_weights(policy, source.weights)
     else:
         ckpt = HFCheckpoint(source.weights)
-        if not _via_mbridge(policy):  # megatron-bridge checks the tensors as it loads them
+        if not via_mbridge(policy):  # megatron-bridge checks the tensors as it loads them
             ckpt.check(policy.spec, policy.arch)
         policy.params.load_hf(ckpt)  # the base parameters (LocalParams never holds adapters)
         if policy.optimizer is not None:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from mlrl.ckpt_files.hf_folder import ShardMap, ShardWriter, finalize_hf_folder, temp_dir_for
 from mlrl.ckpt_files.peft_adapter import write_peft_adapter
-from mlrl.trainer.rank.dist_ckpt import _role, _via_mbridge
+from mlrl.trainer.rank.dist_ckpt import model_role, via_mbridge
 
 
 def _export_dtype(policy, dtype: Optional[str]) -> Optional[torch.dtype]:
@@ -47,8 +47,8 @@ def export_hf_shards(policy, folder: str | Path, *, max_shard_bytes: int = 2 << 
     """Collective. The sender of each pipeline stage writes its stage's HF tensors into
     `folder/stage<pp>-0000i.safetensors` and returns its shard map; other ranks return None.
     Peak memory per sender: one bucket being gathered plus one shard being filled."""
-    if _role(policy) != "policy":
-        raise ValueError(f"HF export of a {_role(policy)}: only the policy is a Hugging Face causal LM")
+    if model_role(policy) != "policy":
+        raise ValueError(f"HF export of a {model_role(policy)}: only the policy is a Hugging Face causal LM")
     info = policy.rank_info()
     writer = None
     if info["is_stage_sender"]:
@@ -106,7 +106,7 @@ def export_hf(policy, out_dir: str | Path, *, max_shard_bytes: int = 2 << 30, bu
         result = finalize_hf_folder(
             tmp, out, [m for m, _ in gathered if m], files_from or policy.hf_dir,
             # megatron-bridge's model: its own mapping decides the names
-            expected_names=None if _via_mbridge(policy) else policy.spec.hf_shapes(policy.arch).keys(),
+            expected_names=None if via_mbridge(policy) else policy.spec.hf_shapes(policy.arch).keys(),
             dtype=str(out_dtype).removeprefix("torch.") if out_dtype is not None else None)
     dist.barrier()
     return result
