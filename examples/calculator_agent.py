@@ -5,8 +5,8 @@ tool and send its result back as a `tool` message; the next reply is the final a
 without a call (or a malformed one, which the proxy returns as plain text) is the final answer.
 The agent returns no reward: `workflow.reward` (exact_match) scores the last completion's text.
 
-    python -m mlrl.launch --config launch/calc_agent_sft_cpu.yaml   # format warm start
-    python -m mlrl.launch --config launch/calc_agent_cpu.yaml       # RL: learn to pass the question's digits
+    python -m mlrl.launch --config launch/calc_agent_sft_cpu.yaml   # warm start: calls the tool in a quarter of replies
+    python -m mlrl.launch --config launch/calc_agent_cpu.yaml       # RL: learns to call it (and be right) almost always
 """
 
 from __future__ import annotations

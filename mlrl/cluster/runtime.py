@@ -100,10 +100,7 @@ class NodeAgent:
 
     def ranks_kill(self) -> None:
         for proc, _ in self._ranks.values():
-            try:
-                kill_tree(proc.pid)  # torchrun's workers run in sessions of their own
-            except ProcessLookupError:
-                pass
+            kill_tree(proc.pid)  # torchrun's workers run in sessions of their own
             proc.wait()
 
     def ranks_log_tail(self, lines: int) -> str:

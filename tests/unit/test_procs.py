@@ -69,7 +69,8 @@ def test_killpg_alone_leaves_the_grandchild_running():
     assert _gone(grandchild)
 
 
-def test_kill_tree_of_a_finished_process_is_a_no_op():
+def test_kill_tree_of_an_exited_process_is_a_no_op():
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
+    assert _gone(proc.pid)  # a zombie until reaped: its pid cannot be reused by another process yet
     kill_tree(proc.pid)  # no error
+    assert proc.wait(timeout=10) == 0  # it exited on its own, before any signal

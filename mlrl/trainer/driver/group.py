@@ -80,10 +80,7 @@ class LocalTorchrun:
             return False
 
     def kill(self) -> None:
-        try:
-            kill_tree(self._proc.pid)  # torchrun's workers run in sessions of their own
-        except ProcessLookupError:
-            pass
+        kill_tree(self._proc.pid)  # torchrun's workers run in sessions of their own
         self._proc.wait()
         self._log.close()
 
