@@ -60,12 +60,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"dry-run: does not fit: {why}", file=sys.stderr)
         return 0 if plan.fits else 3
     from mlrl.cluster import ClusterError
+    from mlrl.data.rows import DatasetError
     from mlrl.jobs import job_for
 
     try:  # RL, SFT or DPO (mlrl.jobs): siblings, only the chosen one is imported
         return job_for(cfg)(cfg, layout)
     except ConfigError as e:  # found by the runner's cheap checks (data, devices), before any process starts
         print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except DatasetError as e:  # a data file that cannot be read or a malformed row (names the file and line)
+        print(f"data error: {e}", file=sys.stderr)
         return 2
     except ClusterError as e:  # --nodes: the Ray cluster cannot host the plan (nothing was started)
         print(f"cluster error: {e}", file=sys.stderr)

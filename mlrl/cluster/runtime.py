@@ -166,7 +166,9 @@ class RemoteEngineServer(EngineServer):
         self.starts = 0
         self.log_path = Path(spec.log_path or f"{spec.name}.log")  # on the engine's node
 
-    def start(self) -> None:
+    def start(self, gated: bool = False) -> None:
+        if gated:  # EnginePool.prestart is for engines on the launching machine only
+            raise ValueError(f"engine {self.spec.name}: a node agent's engine cannot start gated")
         self.port = self._ray.get(self.agent.start_engine.remote(self.spec))
         self.starts += 1
 

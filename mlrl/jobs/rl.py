@@ -1,9 +1,11 @@
 """Builds the components of one run from the validated config, runs the loop, tears down.
 
 Order kept: everything that can fail cheaply (model folder, tokenizer, dataset, workflow,
-checkpoint to resume) is checked before any process starts; then the engines and the trainer
-ranks start concurrently; an initial weight sync verifies the whole trainer -> engine path (and,
-on resume, brings the engines to the checkpoint's weights) before the first step.
+checkpoint to resume) is checked before any process does work (on one machine the engine
+processes are already importing vLLM meanwhile, gated: `EnginePool.prestart`; a failed check
+stops them); then the engines and the trainer ranks start concurrently; an initial weight sync
+verifies the whole trainer -> engine path (and, on resume, brings the engines to the
+checkpoint's weights) before the first step.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from mlrl.colocation import Colocation
 from mlrl.config import Config, ConfigError, Layout, dump_yaml
 from mlrl.data import dataset_from_config
 from mlrl.data.sampler import PromptSampler
-from mlrl.jobs.placement import cluster_placement, local_placement
+from mlrl.jobs.placement import Placement, cluster_placement, local_placement
 from mlrl.loop import LoopState, RunContext, train_sync
 from mlrl.loop_async import train_async
 from mlrl.metrics import MetricsLogger
@@ -105,8 +107,9 @@ class StartupClock:
     def mark(self, name: str) -> None:
         self.marks[f"{name}_s"] = time.time() - self.t0
 
-    async def span(self, name: str, awaitable: Any) -> Any:
-        t = time.time()
+    async def span(self, name: str, awaitable: Any, since: float | None = None) -> Any:
+        """`since`: the time.time() the span began, when earlier than this call (prestarted engines)."""
+        t = time.time() if since is None else since
         try:
             return await awaitable
         finally:
@@ -120,12 +123,22 @@ class StartupClock:
         return out
 
 
-async def _run(cfg: Config, layout: Layout) -> int:
-    clock = StartupClock()
-    run_dir = Path(cfg.logging.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    # 1. cheap checks first: model, tokenizer, data, workflow, checkpoint to resume
-    hf_dir = resolve_model_dir(cfg.model.hf_dir)
+@dataclasses.dataclass
+class _Checked:
+    """What the cheap checks produced: everything the run needs before any process does work."""
+
+    ckpts: CheckpointManager
+    resume: Any
+    state: dict[str, Any] | None
+    sampler: PromptSampler
+    eval_rows: list[dict[str, Any]] | None
+    workflow: Any
+    judge_dir: Path | None = None
+    judge_tokenizer: Any = None
+
+
+def _checks(cfg: Config, hf_dir: Path, run_dir: Path) -> _Checked:
+    """Tokenizer, checkpoint to resume, data, workflow, judge folder: each fails with a clear error."""
     tokenizer = load_hf_tokenizer(str(hf_dir))
     ckpts = CheckpointManager(cfg.checkpoint.dir or run_dir / "checkpoints", cfg.checkpoint.keep_last)
     resume = ckpts.resolve_resume(cfg.checkpoint.resume)
@@ -152,33 +165,69 @@ async def _run(cfg: Config, layout: Layout) -> int:
     workflow = build_workflow_from_config(
         cfg.workflow, tokenizer=tokenizer, gconfig=gconfig_from_sampling(cfg.rollout.sampling)
     )
-    judge_dir = judge_tokenizer = None
+    out = _Checked(ckpts, resume, state, sampler, eval_rows, workflow)
     if cfg.reward_model is not None:  # the judge's folder and tokenizer, before any process starts
         try:
-            judge_dir = resolve_model_dir(cfg.reward_model.hf_dir)
-            judge_tokenizer = load_hf_tokenizer(str(judge_dir))
+            out.judge_dir = resolve_model_dir(cfg.reward_model.hf_dir)
+            out.judge_tokenizer = load_hf_tokenizer(str(out.judge_dir))
         except (OSError, ValueError) as e:
             raise ConfigError(f"reward_model.hf_dir={cfg.reward_model.hf_dir}: {e}") from None
+    return out
+
+
+def _policy_pool(cfg: Config, placement: Placement, hf_dir: Path, run_dir: Path) -> EnginePool:
+    adapters = cfg.model.lora is not None and cfg.weight_sync.lora_mode == "adapter"
+    devices = placement.engine_devices  # local GPUs: the policy's engines, then the judge's
+    n = cfg.rollout.num_engines
+    return EnginePool(cfg.rollout, hf_dir, dtype=cfg.model.dtype, run_dir=run_dir,
+                      cuda_devices=devices[:n] if devices is not None else None,
+                      server_factory=placement.engine_server,
+                      lora_rank=cfg.model.lora.rank if adapters and cfg.model.lora is not None else None,
+                      sleep_mode=cfg.cluster.placement == "colocated",
+                      capture_routing=cfg.algorithm.router_replay)
+
+
+async def _run(cfg: Config, layout: Layout) -> int:
+    clock = StartupClock()
+    run_dir = Path(cfg.logging.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    hf_dir = resolve_model_dir(cfg.model.hf_dir)
+    # On one machine the policy's engine processes start now, gated (EnginePool.prestart): they
+    # import vLLM (most of an engine's start) while the checks below run, and build nothing until
+    # `pool.start()`; a failed check stops them. With --nodes the Ray placement comes first.
+    early: tuple[Placement, EnginePool] | None = None
+    engines_since = None
+    if cfg.cluster.nodes == 1:
+        local = local_placement(cfg, layout)
+        early = (local, _policy_pool(cfg, local, hf_dir, run_dir))
+        clock.mark("prestart")  # the engines' span begins here
+        engines_since = clock.t0 + clock.marks["prestart_s"]
+        early[1].prestart()
+    # 1. cheap checks: model, tokenizer, data, workflow, checkpoint to resume
+    try:
+        checked = _checks(cfg, hf_dir, run_dir)
+    except BaseException:
+        if early is not None:
+            await early[1].shutdown()
+        raise
+    ckpts, resume, state = checked.ckpts, checked.resume, checked.state
+    sampler, eval_rows, workflow = checked.sampler, checked.eval_rows, checked.workflow
+    judge_dir, judge_tokenizer = checked.judge_dir, checked.judge_tokenizer
     # 2. processes: where they go (this machine, or the reserved Ray nodes), then engines and
     #    trainer ranks start concurrently
-    if cfg.cluster.nodes > 1:
+    if early is not None:
+        placement, prestarted = early
+    else:
         from mlrl.cluster.ray_cluster import reclaim_sigterm
 
+        prestarted = None
         placement = await asyncio.to_thread(cluster_placement, cfg, layout, run_dir)
         reclaim_sigterm()  # ray.init in that thread took it: SIGTERM would abort, not tear down
-    else:
-        placement = local_placement(cfg, layout)
     pool = judge_pool = group = policy = weight_sync = runner = logger = None
     try:
-        adapters = cfg.model.lora is not None and cfg.weight_sync.lora_mode == "adapter"
         devices = placement.engine_devices  # local GPUs: the policy's engines, then the judge's
         n = cfg.rollout.num_engines
-        pool = EnginePool(cfg.rollout, hf_dir, dtype=cfg.model.dtype, run_dir=run_dir,
-                          cuda_devices=devices[:n] if devices is not None else None,
-                          server_factory=placement.engine_server,
-                          lora_rank=cfg.model.lora.rank if adapters and cfg.model.lora is not None else None,
-                          sleep_mode=cfg.cluster.placement == "colocated",
-                          capture_routing=cfg.algorithm.router_replay)
+        pool = prestarted or _policy_pool(cfg, placement, hf_dir, run_dir)
         if cfg.reward_model is not None and judge_dir is not None:
             rm = cfg.reward_model
             judge_pool = EnginePool(rm.engines(cfg.rollout), judge_dir, dtype=cfg.model.dtype,
@@ -186,7 +235,7 @@ async def _run(cfg: Config, layout: Layout) -> int:
                                     cuda_devices=devices[n:] if devices is not None else None,
                                     runner="pooling" if rm.kind == "classifier" else None)
         clock.mark("checks")
-        pool_started = asyncio.create_task(clock.span("engines", pool.start()))
+        pool_started = asyncio.create_task(clock.span("engines", pool.start(), since=engines_since))
         judge_started = asyncio.create_task(judge_pool.start()) if judge_pool is not None else None
         try:
             group = await clock.span("trainer", asyncio.to_thread(

@@ -162,6 +162,7 @@ class EnginePool:
         self._paused = False
         self._engines_paused: set[tuple[int, int]] = set()  # (index, incarnation) paused at the engine by `pause`
         self._started = False
+        self._prestarted = False
         self._closed = False
         self._sticky: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._active: dict[str, tuple[EngineHandle, str]] = {}   # rid -> (engine, attempt id) of the running call
@@ -172,12 +173,25 @@ class EnginePool:
 
     # ------------------------------------------------------------------ lifecycle
 
+    def prestart(self) -> None:
+        """Start the engines' server processes gated (EngineServer.start(gated=True)): they import
+        vLLM while the caller checks its inputs, and build nothing until `start`. `shutdown` stops
+        them if the caller gives up. Local servers only (a remote server factory starts in `start`)."""
+        if self._started or self._prestarted:
+            raise RuntimeError("EnginePool.prestart: the pool was already (pre)started")
+        for e in self.engines:
+            e.server.start(gated=True)
+        self._prestarted = True
+
     async def start(self) -> "EnginePool":
         if self._started:
             return self
         self._started = True
         for e in self.engines:
-            e.server.start()
+            if self._prestarted:
+                e.server.open_gate()
+            else:
+                e.server.start()
         results = await asyncio.gather(
             *(asyncio.to_thread(e.server.wait_ready, self.cfg.startup_timeout_s) for e in self.engines),
             return_exceptions=True,

@@ -67,6 +67,8 @@ from mlrl.rollout.client import SERVER_KEEPALIVE_S
 WORKER_EXTENSION = "mlrl.rollout.worker_ext.MlrlWorkerExtension"
 SERVER_MAIN = "mlrl.rollout.vllm_main"  # vLLM's OpenAI server (vllm.entrypoints.openai.api_server)
 ENGINE_FORK_ENV = "MLRL_ENGINE_FORK"  # read by vllm_main
+EAGER_RANKS_ENV = "MLRL_EAGER_TOKEN_RANKS"  # read by worker_ext; "0" keeps vLLM's compiled logprob ranks
+ENGINE_GATE_ENV = "MLRL_ENGINE_GATE"  # read by vllm_main: import vLLM's server, then wait for this file
 WEIGHT_TRANSFER_BACKEND = "mlrl"
 MIDDLEWARE = "mlrl.rollout.auth.TokenMiddleware"
 BATCH_MIDDLEWARE = "mlrl.rollout.batch_route.BatchGenerateMiddleware"
@@ -267,6 +269,7 @@ class EngineServer:
         self.spec = spec
         self.port: int | None = None
         self._proc: subprocess.Popen | None = None
+        self._gate: Path | None = None
         self._log = None
         self._lock = threading.Lock()
         self.starts = 0
@@ -282,22 +285,43 @@ class EngineServer:
         host = f"[{self.spec.host}]" if ":" in self.spec.host else self.spec.host
         return f"http://{host}:{self.port}"
 
-    def start(self) -> None:
-        """Spawn the server (returns at once; see `wait_ready`)."""
+    def start(self, gated: bool = False) -> None:
+        """Spawn the server (returns at once; see `wait_ready`).
+
+        `gated`: the server process imports vLLM's server module (the bulk of an engine's start on
+        CPU: ~8 s on 2 cores), then waits, holding no port, model or memory, until `open_gate`;
+        `stop` ends it like any other. So the imports overlap work the caller does meanwhile (the
+        run's cheap checks) and nothing expensive starts before the caller decides. Only
+        `mlrl.rollout.vllm_main` honours the gate; a custom `spec.command` starts at once."""
         with self._lock:
             if self._proc is not None and self._proc.poll() is None:
                 raise RuntimeError(f"engine {self.spec.name} is already running")
             self.port = free_port(self.spec.host)
             self._pgid_file.unlink(missing_ok=True)
+            env = server_env(self.spec)
+            self._gate = None
+            if gated:
+                self._gate = self.log_path.with_suffix(".gate")
+                self._gate.unlink(missing_ok=True)
+                env[ENGINE_GATE_ENV] = str(self._gate)
             self._log = open(self.log_path, "ab")
             self._log.write(f"\n{START_BANNER} {self.spec.name} on {self.spec.host}:{self.port} =====\n".encode())
             self._log.flush()
             cmd = [sys.executable, "-m", "mlrl.rollout.supervisor", "--pgid-file", str(self._pgid_file),
                    "--parent-pid", str(os.getpid()), "--"] + server_command(self.spec, self.port)
             self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          env=server_env(self.spec), start_new_session=True)
+                                          env=env, start_new_session=True)
             self.starts += 1
             _LIVE.add(self)
+
+    def open_gate(self) -> None:
+        """Let a server started with `gated=True` go on to build its engine (no-op otherwise). The
+        port probed at `start` may have been taken meanwhile: `wait_ready` then starts it again."""
+        gate, self._gate = self._gate, None
+        if gate is not None:
+            tmp = gate.with_name(gate.name + ".tmp")
+            tmp.write_text("go\n")
+            os.replace(tmp, gate)  # whole or absent: the server polls for it
 
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
@@ -328,7 +352,7 @@ class EngineServer:
                         return
                 except httpx.TransportError:
                     pass
-                time.sleep(0.5)
+                time.sleep(0.1)
         self._fail(f"not ready after {timeout_s:.0f} s (rollout.startup_timeout_s)")
 
     def _fail(self, why: str) -> None:

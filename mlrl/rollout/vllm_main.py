@@ -13,17 +13,24 @@ case vLLM's own default (`fork`, used on GPU when CUDA is not yet initialised) r
 Everything else is vLLM's server, run as its own `__main__`. `MLRL_ENGINE_FORK=0` in the launching
 environment keeps vLLM's spawn (measured on the CPU demo, 2 runs each way: engine start 30.8-31.9 s
 spawned vs 18.3-20.8 s forked; identical rewards and logprob gap step for step; same step time).
+
+With `MLRL_ENGINE_GATE=<file>` (a pool's `prestart`) the server module is imported first and the
+server waits for that file before it runs: see `_import_then_wait`.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import runpy
 import sys
+import time
+import warnings
 
-from mlrl.rollout.server import ENGINE_FORK_ENV
+from mlrl.rollout.server import ENGINE_FORK_ENV, ENGINE_GATE_ENV
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+GATE_WAITING = "mlrl: vLLM's server imported; waiting for the gate"  # a line of the engine's log
 
 
 def _keep_fork_on_cpu() -> None:
@@ -40,11 +47,29 @@ def _keep_fork_on_cpu() -> None:
     platform.check_and_update_config = classmethod(check_and_update_config)  # pyright: ignore[reportAttributeAccessIssue]
 
 
+def _import_then_wait(gate: str, poll_s: float = 0.02) -> None:
+    """`MLRL_ENGINE_GATE` (EngineServer.start(gated=True)): import vLLM's server module now, while
+    the launcher is still checking its inputs, then wait for the gate file before building the
+    engine. Nothing else happens before the gate: no port, no model, no memory. The launcher
+    stops a gated server like any other (the supervisor kills the group)."""
+    importlib.import_module(SERVER_MODULE)
+    print(f"{GATE_WAITING} {gate}", flush=True)
+    while not os.path.exists(gate):
+        time.sleep(poll_s)
+
+
 def main() -> None:
     if os.environ.get(ENGINE_FORK_ENV) == "1":
         _keep_fork_on_cpu()
+    gate = os.environ.pop(ENGINE_GATE_ENV, None)
+    if gate:
+        _import_then_wait(gate)
     sys.argv[0] = SERVER_MODULE
-    runpy.run_module(SERVER_MODULE, run_name="__main__", alter_sys=True)
+    with warnings.catch_warnings():
+        # runpy's note that the module is already imported (by the gate): it runs again as __main__
+        warnings.filterwarnings("ignore", message=".*found in sys.modules after import of package",
+                                category=RuntimeWarning)
+        runpy.run_module(SERVER_MODULE, run_name="__main__", alter_sys=True)
 
 
 if __name__ == "__main__":

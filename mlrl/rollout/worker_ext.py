@@ -35,6 +35,7 @@ raises; a failed update leaves the worker ready for a fresh `start_weight_update
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -44,6 +45,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTr
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from mlrl.rollout import vllm_compat
+from mlrl.rollout.server import EAGER_RANKS_ENV
 from mlrl.weight_sync.receiver import Receiver
 
 if TYPE_CHECKING:
@@ -51,6 +53,32 @@ if TYPE_CHECKING:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 BACKEND = "mlrl"
+
+
+def count_greater_equal(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """vLLM's `batched_count_greater_than` (each chosen token's rank among the logprobs), eager."""
+    return (x >= values).sum(-1)
+
+
+def eager_token_ranks_on_cpu() -> bool:
+    """On a CPU engine, rank the chosen tokens' logprobs eagerly instead of through vLLM's
+    torch.compile'd helper (vllm/v1/sample/ops/logprobs.py). Compiled with inductor on 2 cores it
+    cost every CPU engine ~1.9-2.4 s at its first request asking for logprobs (every mlrl request
+    does; the first is the start-up canary: the CPU demo's first weight sync took 2.1 s, now 0.1 s)
+    and, torch.compile's rule, ~1 s more to recompile with dynamic shapes at the first new batch
+    shape (step 1's generate). `tools/bench_engine_start.py --compare ranks`. The math is the
+    same: a comparison and a row sum, one temporary of the logits' shape. GPU engines keep vLLM's
+    helper. True when replaced."""
+    from vllm.platforms import current_platform
+    from vllm.v1.sample import sampler
+
+    if not current_platform.is_cpu() or os.environ.get(EAGER_RANKS_ENV, "1") == "0":
+        return False
+    sampler.batched_count_greater_than = count_greater_equal  # pyright: ignore[reportPrivateImportUsage]
+    return True
+
+
+eager_token_ranks_on_cpu()  # this module is imported in every engine worker (--worker-extension-cls)
 
 
 @dataclass

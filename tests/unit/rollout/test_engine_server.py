@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import httpx
@@ -299,3 +300,83 @@ def test_gpu_engines_keep_vllms_own_process_start(tmp_path, monkeypatch):
     assert "MLRL_ENGINE_FORK" not in env and "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
     monkeypatch.setattr(server, "_on_gpu", lambda: False)
     assert server_env(spec)["MLRL_ENGINE_FORK"] == "1"
+
+
+def test_a_gated_server_waits_for_its_gate_and_an_ungated_one_has_none(tmp_path):
+    """start(gated=True) hands the server a gate file (MLRL_ENGINE_GATE) that appears, whole, at
+    open_gate(); a server started without it gets no gate. The stand-in server does what
+    mlrl.rollout.vllm_main does: wait for the file, then run."""
+    child = ("import os, sys, time\n"
+             "gate = os.environ.get('MLRL_ENGINE_GATE')\n"
+             "print('gate', gate, flush=True)\n"
+             "while gate and not os.path.exists(gate): time.sleep(0.02)\n"
+             "print('through', open(gate).read().strip() if gate else '-', flush=True)\n")
+    srv = EngineServer(_spec(tmp_path, command=[sys.executable, "-c", child]))
+    srv.start(gated=True)
+    gate = srv.log_path.with_suffix(".gate")
+    try:
+        for _ in range(100):
+            if f"gate {gate}" in srv.log_path.read_text():
+                break
+            time.sleep(0.05)
+        time.sleep(0.3)
+        assert srv.alive() and "through" not in srv.log_path.read_text()
+        srv.open_gate()
+        assert gate.read_text() == "go\n"
+        for _ in range(100):
+            if srv.exit_code() is not None:
+                break
+            time.sleep(0.05)
+        assert srv.exit_code() == 0 and "through go" in srv.log_path.read_text()
+        srv.open_gate()  # once only: a second call is a no-op
+        srv.start()
+        for _ in range(100):
+            if srv.exit_code() is not None:
+                break
+            time.sleep(0.05)
+        assert srv.log_tail(2).splitlines() == ["gate None", "through -"]
+    finally:
+        srv.stop()
+
+
+def test_vllm_main_imports_the_server_module_before_it_waits(tmp_path, monkeypatch, capsys):
+    from mlrl.rollout import vllm_main
+
+    imported = []
+    monkeypatch.setattr(vllm_main.importlib, "import_module", lambda name: imported.append(name))
+    gate = tmp_path / "gate"
+    opener = threading.Timer(0.3, lambda: gate.write_text("go\n"))
+    t0 = time.monotonic()
+    opener.start()
+    vllm_main._import_then_wait(str(gate))
+    assert time.monotonic() - t0 >= 0.3 and gate.exists()
+    assert imported == [vllm_main.SERVER_MODULE]
+    assert f"{vllm_main.GATE_WAITING} {gate}" in capsys.readouterr().out
+
+
+def test_a_prestarted_pool_starts_its_servers_gated_and_stops_them_unstarted(tmp_path):
+    from mlrl.rollout import EnginePool
+
+    class FakeServer:
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def start(self, gated: bool = False) -> None:
+            self.calls.append(f"start gated={gated}")
+
+        def stop(self, timeout_s: float = 30.0) -> None:
+            self.calls.append("stop")
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    servers: list[FakeServer] = []
+    pool = EnginePool(RolloutConfig(num_engines=2), model, run_dir=tmp_path,
+                      server_factory=lambda i, spec: servers.append(FakeServer()) or servers[-1])
+    pool.prestart()
+    with pytest.raises(RuntimeError, match="already"):
+        pool.prestart()
+    import asyncio
+
+    asyncio.run(pool.shutdown())
+    assert [s.calls for s in servers] == [["start gated=True", "stop"]] * 2
