@@ -2,8 +2,8 @@
 
     python tools/bench_learning.py [--quick] [--tasks a,b] [--seeds 1,2,3] [--json out.json] [--workdir DIR]
 
-Needs the `bench` extra (`pip install -e '.[bench]'`: trl). Every task is one mlrl recipe plus
-overrides, run by mlrl (`python -m mlrl.launch`) and by TRL's GRPOTrainer through
+Needs trl, the `bench` extra (`.venv/bin/pip install --no-deps trl==1.16.0`, see bench_vs_trl.py).
+Every task is one mlrl recipe plus overrides, run by mlrl (`python -m mlrl.launch`) and by TRL's GRPOTrainer through
 tools/bench_vs_trl.py's two runners, which keep everything the same on both sides but the
 generation backend and the trainer (see that file's docstring): model folder, rows and their
 order, reward function, sampling, optimizer, loss, batch, seeds (trainer.seed; mlrl's per-request

