@@ -4,36 +4,21 @@ the pool starts it; a run whose input check fails stops its gated engines and re
 
 import asyncio
 import json
-import os
 import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
+from helpers.launching import ROOT
+from helpers.processes import pids_in_group
 
 from mlrl.config.schema import RolloutConfig
 from mlrl.rollout import EnginePool
 from mlrl.rollout.vllm_main import GATE_WAITING
 from mlrl.types import GenerationHyperparameters, ModelRequest, StopReason
 
-ROOT = Path(__file__).resolve().parents[3]
-
 pytestmark = pytest.mark.timeout(600)
-
-
-def _group_alive(pgid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                out.append(int(entry))
-    return out
 
 
 def _listening(port: int) -> bool:
@@ -67,7 +52,7 @@ def test_a_prestarted_engine_imports_vllm_then_waits_for_start(tmp_path, vllm_ti
         finally:
             pgid = server._server_pgid()
             await pool.shutdown()
-        assert pgid is not None and _group_alive(pgid) == []
+        assert pgid is not None and pids_in_group(pgid) == []
 
     asyncio.run(scenario())
 
@@ -88,4 +73,4 @@ def test_a_failed_input_check_stops_the_gated_engines_and_names_the_row(tmp_path
     log = (run / "engines" / "engine-0.log").read_text(errors="replace")
     assert "starting engine-0" in log and "Starting vLLM server" not in log, log[-2000:]
     pgid = int((run / "engines" / "engine-0.pgid").read_text())
-    assert _group_alive(pgid) == []
+    assert pids_in_group(pgid) == []

@@ -1,6 +1,7 @@
 """Server launch: the vLLM command / environment, start-up failures with the log tail, clean stop,
 no orphans when the launcher dies; the token middleware."""
 
+import asyncio
 import dataclasses
 import json
 import os
@@ -13,6 +14,7 @@ import time
 
 import httpx
 import pytest
+from helpers.processes import pids_in_group
 from helpers.tools import load_tool
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse
@@ -28,19 +30,6 @@ def _spec(tmp_path, **kw) -> ServerSpec:
     return ServerSpec.from_config(
         cfg, "engine-7", "/models/m", "float32", "s3cret-token", log_path=str(tmp_path / "e.log"), omp_threads=1, **kw
     )
-
-
-def _pids_in_group(pgid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                out.append(int(entry))
-    return out
 
 
 def test_command_and_environment(tmp_path, monkeypatch):
@@ -128,13 +117,13 @@ def test_readiness_timeout_leaves_no_process(tmp_path):
     srv.start()
     for _ in range(100):
         pgid = srv._server_pgid()
-        if pgid and len(_pids_in_group(pgid)) == 2:
+        if pgid and len(pids_in_group(pgid)) == 2:
             break
         time.sleep(0.05)
-    assert len(_pids_in_group(pgid)) == 2  # the server and its child run: the check below is not vacuous
+    assert len(pids_in_group(pgid)) == 2  # the server and its child run: the check below is not vacuous
     with pytest.raises(EngineStartError, match="not ready after 1 s"):
         srv.wait_ready(1.0)
-    assert _pids_in_group(pgid) == []
+    assert pids_in_group(pgid) == []
 
 
 def test_no_orphans_when_the_launcher_is_killed(tmp_path):
@@ -151,18 +140,18 @@ def test_no_orphans_when_the_launcher_is_killed(tmp_path):
     assert parent.stdout.readline().strip() == "started"
     pgid_file = tmp_path / "l.pgid"
     for _ in range(100):
-        if pgid_file.exists() and len(_pids_in_group(int(pgid_file.read_text()))) == 2:
+        if pgid_file.exists() and len(pids_in_group(int(pgid_file.read_text()))) == 2:
             break
         time.sleep(0.05)
     pgid = int(pgid_file.read_text())
-    assert len(_pids_in_group(pgid)) == 2
+    assert len(pids_in_group(pgid)) == 2
     parent.send_signal(signal.SIGKILL)  # no atexit, no cleanup: only the supervisor can save us
     parent.wait()
     for _ in range(100):
-        if not _pids_in_group(pgid):
+        if not pids_in_group(pgid):
             break
         time.sleep(0.05)
-    assert _pids_in_group(pgid) == []
+    assert pids_in_group(pgid) == []
 
 
 def test_stop_terminates_the_whole_tree(tmp_path):
@@ -178,14 +167,14 @@ def test_stop_terminates_the_whole_tree(tmp_path):
     )
     srv.start()
     for _ in range(100):
-        if srv._server_pgid() and len(_pids_in_group(srv._server_pgid())) == 2:
+        if srv._server_pgid() and len(pids_in_group(srv._server_pgid())) == 2:
             break
         time.sleep(0.05)
     pgid = srv._server_pgid()
-    assert len(_pids_in_group(pgid)) == 2  # the server and its child run: the check below is not vacuous
+    assert len(pids_in_group(pgid)) == 2  # the server and its child run: the check below is not vacuous
     t0 = time.monotonic()
     srv.stop()
-    assert _pids_in_group(pgid) == [] and not srv.alive() and time.monotonic() - t0 < 5
+    assert pids_in_group(pgid) == [] and not srv.alive() and time.monotonic() - t0 < 5
 
 
 async def test_token_middleware_guards_every_route():
@@ -220,17 +209,17 @@ def test_server_gets_sigterm_when_the_supervisor_is_sigkilled(tmp_path):
     srv = EngineServer(_spec(tmp_path, command=[sys.executable, "-c", child]))
     srv.start()
     for _ in range(100):
-        if srv._server_pgid() and _pids_in_group(srv._server_pgid()):
+        if srv._server_pgid() and pids_in_group(srv._server_pgid()):
             break
         time.sleep(0.05)
     pgid = srv._server_pgid()
     time.sleep(0.5)  # the child installs its handler
     srv._proc.send_signal(signal.SIGKILL)
     for _ in range(100):
-        if not _pids_in_group(pgid):
+        if not pids_in_group(pgid):
             break
         time.sleep(0.05)
-    assert marker.read_text() == "1" and _pids_in_group(pgid) == []
+    assert marker.read_text() == "1" and pids_in_group(pgid) == []
     srv.stop()
 
 
@@ -242,7 +231,7 @@ def test_watchdog_kills_a_server_that_ignores_sigterm_after_its_supervisor_is_si
     sup = subprocess.Popen([sys.executable, "-m", "mlrl.rollout.supervisor", "--pgid-file", str(pgid_file),
                             "--parent-pid", str(os.getpid()), "--grace", "1", "--", sys.executable, "-c", child])
     for _ in range(200):
-        if pgid_file.exists() and _pids_in_group(int(pgid_file.read_text())):
+        if pgid_file.exists() and pids_in_group(int(pgid_file.read_text())):
             break
         time.sleep(0.05)
     pgid = int(pgid_file.read_text())
@@ -250,12 +239,12 @@ def test_watchdog_kills_a_server_that_ignores_sigterm_after_its_supervisor_is_si
     sup.kill()
     sup.wait()
     time.sleep(0.5)
-    assert _pids_in_group(pgid), "SIGTERM alone must not have stopped this server"
+    assert pids_in_group(pgid), "SIGTERM alone must not have stopped this server"
     for _ in range(100):
-        if not _pids_in_group(pgid):
+        if not pids_in_group(pgid):
             break
         time.sleep(0.05)
-    assert _pids_in_group(pgid) == []
+    assert pids_in_group(pgid) == []
 
 
 def test_a_server_that_lost_its_port_starts_again_on_a_fresh_one(tmp_path):
@@ -376,7 +365,5 @@ def test_a_prestarted_pool_starts_its_servers_gated_and_stops_them_unstarted(tmp
     pool.prestart()
     with pytest.raises(RuntimeError, match="already"):
         pool.prestart()
-    import asyncio
-
     asyncio.run(pool.shutdown())
     assert [s.calls for s in servers] == [["start gated=True", "stop"]] * 2
