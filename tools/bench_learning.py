@@ -167,7 +167,8 @@ def report_task(task: Task, runs: dict[str, list[SeedRun]]) -> dict[str, float]:
         print(f"  {side:6}{_cell(m['steps'], '', f'> {task.budget}'):>14}{per_seed:>22}"
               f"{_cell(m['wall'], ' s', '-'):>13}{m['startup']:>9.1f}s{m['step_s']:>8.2f}s")
     for side, rs in runs.items():
-        keys = list(dict.fromkeys(k for r in rs for k in r.startup_breakdown))  # in the order recorded
+        # the seconds, in the order recorded
+        keys = list(dict.fromkeys(k for r in rs for k in r.startup_breakdown if k.endswith("_s")))
         if keys:
             print(f"  {side} start-up (median s): " + ", ".join(
                 f"{k.removesuffix('_s')} {statistics.median(r.startup_breakdown.get(k, 0.0) for r in rs):.1f}"

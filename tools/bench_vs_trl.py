@@ -512,7 +512,7 @@ def run_mlrl(args: argparse.Namespace, steps: int, work: Path, *, done: RewardsD
     recs = [r for r, _ in records]
     times = [_step_time(r) for r in recs]
     t_train_begin = records[0][1] - times[0]  # step 1 started its own duration before its line arrived
-    startup = run_dir / "startup.json"  # mlrl's own start-up breakdown (mlrl.jobs.rl.StartupClock)
+    startup = run_dir / "startup.json"  # mlrl's own start-up breakdown (mlrl.jobs.rl_start.StartupClock)
     return {
         "cmd": " ".join(cmd), "steps": [r["step"] for r in recs], "rewards": [float(r["reward/mean"]) for r in recs],
         "step_times": times, "startup_s": t_train_begin - t0,
@@ -633,7 +633,7 @@ def report(cfg, steps: int, threshold: float, summ: dict[str, dict], res: dict[s
     for side in ("mlrl", "trl"):
         b = res.get(side, {}).get("startup_breakdown")
         if b:
-            print(f"{side} start-up: " + ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in b.items()))
+            print(f"{side} start-up: " + ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in b.items() if k.endswith("_s")))
     for s in sides:
         f = res[s]["foreign_cpu"]
         warn = "  WARNING: the machine was shared, timings are inflated" if f["frac_of_machine"] > 0.05 else ""

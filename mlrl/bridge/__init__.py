@@ -8,11 +8,29 @@
 - `HFCheckpoint`: validate a safetensors folder against the config, read selected tensors.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from mlrl.bridge.arch import BridgeError, ModelArch
-from mlrl.bridge.hf_checkpoint import HFCheckpoint
 from mlrl.bridge.naming import global_name
-from mlrl.bridge.sharding import check_layout, padded_vocab_size, rank_experts, shard, stage_layers, unshard
 from mlrl.bridge.specs import ArchSpec, ParamSpec, get_spec, register, spec_for, supported_model_types
+
+if TYPE_CHECKING:
+    from mlrl.bridge.hf_checkpoint import HFCheckpoint
+    from mlrl.bridge.sharding import check_layout, padded_vocab_size, rank_experts, shard, stage_layers, unshard
+
+# The tensor modules import torch (~1.2 s): loaded on first use, so that config validation
+# (mlrl.bridge.select, the specs) runs before the launcher has imported torch and the engines start sooner.
+_LAZY = {"HFCheckpoint": "hf_checkpoint", **{name: "sharding" for name in (
+    "check_layout", "padded_vocab_size", "rank_experts", "shard", "stage_layers", "unshard")}}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"mlrl.bridge.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'mlrl.bridge' has no attribute {name!r}")
 
 __all__ = [
     "ArchSpec", "BridgeError", "HFCheckpoint", "ModelArch", "ParamSpec", "check_layout", "get_spec",

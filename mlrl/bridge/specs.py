@@ -18,12 +18,14 @@ concern (mlrl.bridge.sharding).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 from mlrl.bridge.arch import BridgeError, ModelArch, parse_dense
-from mlrl.bridge.sharding import TPRule
+
+if TYPE_CHECKING:  # config validation reads the specs without importing torch (~1.2 s, before the engines start)
+    import torch
+
+    from mlrl.bridge.sharding import TPRule
 
 
 @dataclass(frozen=True)
@@ -309,6 +311,8 @@ class ArchSpec:
         return [p.shape]
 
     def to_megatron(self, arch: ModelArch, p: ParamSpec, hf: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        import torch
+
         parts = [hf[n] for n in p.hf]
         if p.convert == "copy":
             return parts[0]

@@ -9,6 +9,8 @@ planner, trainer) takes them from there.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -449,7 +451,7 @@ def _check_model(cfg: Config, hf: dict[str, Any], layout: Layout) -> None:
         )
 
 
-def _check_devices(cfg: Config, has_cuda: bool) -> None:
+def _check_devices(cfg: Config, cuda: Callable[[], bool]) -> None:
     p, t, c = cfg.parallel, cfg.trainer, cfg.cluster
     gpu_run = c.gpus_per_node > 0
     if t.fp8_recipe != "none" and not gpu_run:
@@ -462,7 +464,7 @@ def _check_devices(cfg: Config, has_cuda: bool) -> None:
             f"parallel.cp={p.cp}: context parallel needs GPUs (Transformer Engine attention); cluster.gpus_per_node "
             "is 0"
         )
-    if gpu_run and c.nodes == 1 and not has_cuda:
+    if gpu_run and c.nodes == 1 and not cuda():
         raise ConfigError(
             f"cluster.gpus_per_node={c.gpus_per_node} but this machine has no CUDA device (use --dry-run to plan, or "
             "gpus_per_node=0)"
@@ -583,7 +585,7 @@ def _check_transformer_engine(cfg: Config, has_te: bool) -> None:
                           f"Transformer Engine (no module transformer_engine); {TE_INSTALL_HINT}")
 
 
-def _check_bridge(cfg: Config, hf: dict[str, Any], *, has_cuda: bool, dry_run: bool) -> str:
+def _check_bridge(cfg: Config, hf: dict[str, Any], *, cuda: Callable[[], bool], dry_run: bool) -> str:
     """model.bridge resolves for this model (mlrl.bridge.select); the megatron-bridge path is GPU
     only and carries none of mlrl's own layouts (LoRA, the critic's value head, router replay)."""
     from mlrl.bridge import BridgeError
@@ -595,7 +597,7 @@ def _check_bridge(cfg: Config, hf: dict[str, Any], *, has_cuda: bool, dry_run: b
         raise ConfigError(str(e)) from None
     if which == "megatron-bridge":
         why = f"model.bridge={cfg.model.bridge} resolves to megatron-bridge for model_type={hf.get('model_type')!r}"
-        if not has_cuda:
+        if not cuda():
             raise ConfigError(f"{why}, which needs CUDA and Transformer Engine (its model providers use the TE "
                               "layer spec); this machine has no GPU")
         for field, on in (("model.lora", cfg.model.lora is not None), ("critic", cfg.uses_critic),
@@ -618,7 +620,12 @@ def validate(cfg: Config, *, has_cuda: bool | None = None, has_te: bool | None =
     if has_te is None:
         has_te = True if has_cuda is not None else None
     if has_cuda is None:
-        has_cuda = dry_run or _cuda_available()  # a dry run never needs the local GPU (and skips importing torch)
+        # Probed only where a check needs it (a GPU config, the megatron-bridge path): the probe imports
+        # torch (~1.2 s), and a CPU run's engines start right after validation. A dry run never needs
+        # the local GPU.
+        cuda: Callable[[], bool] = functools.cache(lambda: dry_run or _cuda_available())
+    else:
+        cuda = functools.partial(bool, has_cuda)
     _check_ranges(cfg)
     _check_offline(cfg)
     _check_reward_model(cfg)
@@ -626,15 +633,15 @@ def validate(cfg: Config, *, has_cuda: bool | None = None, has_te: bool | None =
     _check_lora(cfg)
     _check_mode(cfg)
     _check_colocate(cfg)
-    _check_devices(cfg, has_cuda=has_cuda or dry_run)
-    if cfg.cluster.gpus_per_node > 0 and cfg.cluster.nodes == 1 and has_cuda and not dry_run:
+    _check_devices(cfg, cuda=lambda: dry_run or cuda())
+    if cfg.cluster.gpus_per_node > 0 and cfg.cluster.nodes == 1 and not dry_run and cuda():
         _check_transformer_engine(cfg, _transformer_engine_installed() if has_te is None else has_te)
     layout = resolve_layout(cfg)
     try:
         hf = hf_config_dict(cfg.model.hf_dir, cfg.model.arch if dry_run else None)
     except ModelSpecError as e:
         raise ConfigError(str(e)) from None
-    _check_bridge(cfg, hf, has_cuda=has_cuda, dry_run=dry_run)
+    _check_bridge(cfg, hf, cuda=cuda, dry_run=dry_run)
     _check_model(cfg, hf, layout)
     _check_lora(cfg, hf)
     _check_router_replay(cfg, hf, has_cuda=cfg.cluster.gpus_per_node > 0)

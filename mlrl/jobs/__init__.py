@@ -8,6 +8,7 @@ from the shared components (config, placement, trainer group, checkpoints, metri
 `offline` is the loop the trainer-only jobs share, `placement` where any job's processes go.
 Each job module has `run(cfg, layout) -> exit code`; `job_for` picks the module from the config
 (Config.offline), and only that job's imports are paid for (an SFT run never imports the engines).
+The RL job is entered through `rl_start.run`, which starts its engines before importing `rl`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,12 @@ def job_name(cfg: Config) -> str:
     return cfg.offline or "rl"
 
 
+# the module whose `run` a job enters by: the RL job's engines start (mlrl.jobs.rl_start) before
+# the job module's own imports
+ENTRY = {"rl": "rl_start"}
+
+
 def job_for(cfg: Config) -> Callable[[Config, Layout], int]:
-    """The `run` function of the job module for `cfg`."""
-    return importlib.import_module(f"mlrl.jobs.{job_name(cfg)}").run
+    """The `run` function the job for `cfg` enters by (importing only that module)."""
+    name = job_name(cfg)
+    return importlib.import_module(f"mlrl.jobs.{ENTRY.get(name, name)}").run

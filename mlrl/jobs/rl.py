@@ -3,9 +3,10 @@
 Order kept: everything that can fail cheaply (model folder, tokenizer, dataset, workflow,
 checkpoint to resume) is checked before any process does work (on one machine the engine
 processes are already importing vLLM meanwhile, gated: `EnginePool.prestart`; a failed check
-stops them); then the engines and the trainer ranks start concurrently; an initial weight sync
-verifies the whole trainer -> engine path (and, on resume, brings the engines to the
-checkpoint's weights) before the first step.
+stops them); then the engines and the trainer ranks start concurrently; before the first step
+an initial weight sync brings the engines to the trainer's weights (a resumed checkpoint,
+model.init_from, LoRA), or, on a fresh run whose engines loaded model.hf_dir themselves, the
+canary checks that they agree (`weight_sync.first_sync`).
 """
 
 from __future__ import annotations
@@ -13,11 +14,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
-import json
 import logging
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,8 @@ from mlrl.colocation import Colocation
 from mlrl.config import Config, ConfigError, Layout, dump_yaml
 from mlrl.data import dataset_from_config
 from mlrl.data.sampler import PromptSampler
-from mlrl.jobs.placement import Placement, cluster_placement, local_placement
+from mlrl.jobs.placement import cluster_placement
+from mlrl.jobs.rl_start import EarlyStart, begin, policy_pool
 from mlrl.loop import LoopState, RunContext, train_sync
 from mlrl.loop_async import train_async
 from mlrl.metrics import MetricsLogger
@@ -45,7 +45,11 @@ from mlrl.workflow.failures import EpisodeFailures
 log = logging.getLogger("mlrl")
 
 
-def run(cfg: Config, layout: Layout) -> int:
+def run(cfg: Config, layout: Layout, early: EarlyStart | None = None) -> int:
+    """The RL run. `early`: what `mlrl.jobs.rl_start.begin` already did (the launcher's path,
+    mlrl.jobs.rl_start.run); None starts it here."""
+    if early is None:
+        early = begin(cfg, layout)
     logging.basicConfig(
         level=cfg.logging.level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
@@ -54,7 +58,7 @@ def run(cfg: Config, layout: Layout) -> int:
     )  # one line per request otherwise
     terminated: list[bool] = []
     try:
-        return asyncio.run(_run_until_terminated(cfg, layout, terminated))
+        return asyncio.run(_run_until_terminated(cfg, layout, early, terminated))
     except EpisodeFailures as e:  # torn down in order by _run's finally; no checkpoint of the failing step
         print(f"run stopped: {e}\nmetrics up to the last finished step in {cfg.logging.run_dir}", file=sys.stderr)
         return 1
@@ -70,7 +74,7 @@ def run(cfg: Config, layout: Layout) -> int:
 TERMINATED_EXIT = 128 + signal.SIGTERM  # the shell's code for a process ended by SIGTERM
 
 
-async def _run_until_terminated(cfg: Config, layout: Layout, terminated: list[bool]) -> int:
+async def _run_until_terminated(cfg: Config, layout: Layout, early: EarlyStart, terminated: list[bool]) -> int:
     """`_run`, with SIGTERM cancelling it: the run's `finally` tears everything down (reward process
     pool, engines, trainer ranks, Ray nodes, metrics sinks) instead of the process dying at once and
     leaving the reward pool's processes behind. A checkpoint being written is either committed
@@ -87,40 +91,9 @@ async def _run_until_terminated(cfg: Config, layout: Layout, terminated: list[bo
 
     loop.add_signal_handler(signal.SIGTERM, on_sigterm)
     try:
-        return await _run(cfg, layout)
+        return await _run(cfg, layout, early)
     finally:
         loop.remove_signal_handler(signal.SIGTERM)
-
-
-class StartupClock:
-    """Where start-up went: seconds from this process's creation to each mark, and the span of the
-    engines' and the trainer ranks' start (they run concurrently). Written to
-    `<run dir>/startup.json` and logged once training starts."""
-
-    def __init__(self) -> None:
-        import psutil
-
-        self.t0 = psutil.Process().create_time()
-        self.marks: dict[str, float] = {"launch_s": time.time() - self.t0}  # imports, config checks
-        self.spans: dict[str, float] = {}
-
-    def mark(self, name: str) -> None:
-        self.marks[f"{name}_s"] = time.time() - self.t0
-
-    async def span(self, name: str, awaitable: Any, since: float | None = None) -> Any:
-        """`since`: the time.time() the span began, when earlier than this call (prestarted engines)."""
-        t = time.time() if since is None else since
-        try:
-            return await awaitable
-        finally:
-            self.spans[f"{name}_s"] = time.time() - t
-
-    def write(self, run_dir: Path) -> dict[str, float]:
-        out = {**self.marks, **{f"span/{k}": v for k, v in self.spans.items()}}
-        (run_dir / "startup.json").write_text(json.dumps(out, indent=1) + "\n")
-        log.info("start-up %.1f s: %s", self.marks.get("ready_s", 0.0),
-                 ", ".join(f"{k} {v:.1f}" for k, v in out.items()))
-        return out
 
 
 @dataclasses.dataclass
@@ -175,48 +148,35 @@ def _checks(cfg: Config, hf_dir: Path, run_dir: Path) -> _Checked:
     return out
 
 
-def _policy_pool(cfg: Config, placement: Placement, hf_dir: Path, run_dir: Path) -> EnginePool:
-    adapters = cfg.model.lora is not None and cfg.weight_sync.lora_mode == "adapter"
-    devices = placement.engine_devices  # local GPUs: the policy's engines, then the judge's
-    n = cfg.rollout.num_engines
-    return EnginePool(cfg.rollout, hf_dir, dtype=cfg.model.dtype, run_dir=run_dir,
-                      cuda_devices=devices[:n] if devices is not None else None,
-                      server_factory=placement.engine_server,
-                      lora_rank=cfg.model.lora.rank if adapters and cfg.model.lora is not None else None,
-                      sleep_mode=cfg.cluster.placement == "colocated",
-                      capture_routing=cfg.algorithm.router_replay)
+def _engines_hold_start(cfg: Config, resume: Any) -> bool:
+    """weight_sync.first_sync=auto and the engines loaded what the trainer starts from: a fresh run
+    from model.hf_dir (no checkpoint to resume, no model.init_from, no LoRA; the bridge's HF ->
+    Megatron -> HF round trip is exact, tests/unit/bridge)."""
+    return (cfg.weight_sync.first_sync == "auto" and not resume and cfg.model.init_from is None
+            and cfg.model.lora is None)
 
 
-async def _run(cfg: Config, layout: Layout) -> int:
-    clock = StartupClock()
+async def _run(cfg: Config, layout: Layout, early: EarlyStart) -> int:
+    # On one machine the policy's engine processes were started by `rl_start.begin`, gated: they
+    # import vLLM (most of an engine's start) while this module's imports and the checks below run,
+    # and build nothing until `pool.start()`; a failed check stops them. With --nodes the Ray
+    # placement comes first (below).
+    clock, hf_dir, engines_since = early.clock, early.hf_dir, early.engines_since
     run_dir = Path(cfg.logging.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    hf_dir = resolve_model_dir(cfg.model.hf_dir)
-    # On one machine the policy's engine processes start now, gated (EnginePool.prestart): they
-    # import vLLM (most of an engine's start) while the checks below run, and build nothing until
-    # `pool.start()`; a failed check stops them. With --nodes the Ray placement comes first.
-    early: tuple[Placement, EnginePool] | None = None
-    engines_since = None
-    if cfg.cluster.nodes == 1:
-        local = local_placement(cfg, layout)
-        early = (local, _policy_pool(cfg, local, hf_dir, run_dir))
-        clock.mark("prestart")  # the engines' span begins here
-        engines_since = clock.t0 + clock.marks["prestart_s"]
-        early[1].prestart()
     # 1. cheap checks: model, tokenizer, data, workflow, checkpoint to resume
     try:
         checked = _checks(cfg, hf_dir, run_dir)
     except BaseException:
-        if early is not None:
-            await early[1].shutdown()
+        if early.pool is not None:
+            await early.pool.shutdown()
         raise
     ckpts, resume, state = checked.ckpts, checked.resume, checked.state
     sampler, eval_rows, workflow = checked.sampler, checked.eval_rows, checked.workflow
     judge_dir, judge_tokenizer = checked.judge_dir, checked.judge_tokenizer
     # 2. processes: where they go (this machine, or the reserved Ray nodes), then engines and
     #    trainer ranks start concurrently
-    if early is not None:
-        placement, prestarted = early
+    if early.placement is not None:
+        placement, prestarted = early.placement, early.pool
     else:
         from mlrl.cluster.ray_cluster import reclaim_sigterm
 
@@ -227,7 +187,7 @@ async def _run(cfg: Config, layout: Layout) -> int:
     try:
         devices = placement.engine_devices  # local GPUs: the policy's engines, then the judge's
         n = cfg.rollout.num_engines
-        pool = prestarted or _policy_pool(cfg, placement, hf_dir, run_dir)
+        pool = prestarted or policy_pool(cfg, placement, hf_dir, run_dir)
         if cfg.reward_model is not None and judge_dir is not None:
             rm = cfg.reward_model
             judge_pool = EnginePool(rm.engines(cfg.rollout), judge_dir, dtype=cfg.model.dtype,
@@ -272,8 +232,12 @@ async def _run(cfg: Config, layout: Layout) -> int:
                                        engine_tp=cfg.rollout.engine_tp, host=placement.host or cfg.rollout.host,
                                        run_dir=run_dir, backend=placement.sync_backend, lora=cfg.model.lora)
         pool.refresher = weight_sync.refresh  # an engine restarted after a crash is re-synced before it serves
-        # 3. verify the trainer -> engine path before the first step (and load resumed weights)
-        await weight_sync.sync(version)
+        # 3. the engines hold the trainer's weights before the first step: checked by the canary when they
+        #    loaded them themselves, else pushed (resumed / init_from / LoRA weights, or first_sync=push)
+        first = await weight_sync.check_loaded(version) if _engines_hold_start(cfg, resume) else None
+        if first is None:
+            first = await weight_sync.sync(version)
+        clock.note("first_sync_bytes", first.bytes)  # 0: the engines' own load, checked by the canary
         clock.mark("first_sync")
         colocation = None
         if cfg.cluster.placement == "colocated":  # the trainer leaves the devices to the engines until it trains

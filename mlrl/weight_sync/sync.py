@@ -279,6 +279,33 @@ class WeightSync(abc.ABC):
             self.history.append(rep)
             return rep
 
+    async def check_loaded(self, version: int) -> SyncReport | None:
+        """The first sync of a run whose engines loaded the trainer's own starting weights (a fresh
+        run from model.hf_dir, `weight_sync.first_sync=auto`): the canary alone, the trainer's
+        logprobs of the canary sequence against each engine's; nothing is transferred. On success
+        the engines hold `version` (report transport "loaded", 0 bytes). None when the canary is
+        off (canary_tolerance <= 0) or disagrees (logged): the caller then runs `sync`."""
+        if self.tolerance <= 0:
+            return None
+        async with self._lock:
+            t0 = time.perf_counter()
+            engines = self.pool.live_engines()
+            if not engines:
+                raise WeightSyncError("weight sync: no live engine to check")
+            want = await self._canary_reference()
+            diff, got = await self._canary(engines, want)
+            if diff > self.tolerance:
+                log.warning("first sync: the engines' canary logprobs differ from the trainer's by %.3g > %g; "
+                            "pushing the weights", diff, self.tolerance)
+                return None
+            self._last_canary = got
+            self.pool.commit_version(version, engines)
+            rep = SyncReport(version=version, transport="loaded", engines=len(engines), canary_max_abs_diff=diff,
+                             canary_checked=True, seconds=time.perf_counter() - t0)
+            rep.verify_s = rep.seconds
+            self.history.append(rep)
+            return rep
+
     async def _attempt(self, version: int, engines: Sequence[EngineHandle], rep: SyncReport,
                        hooks: SyncHooks | None = None, *, canary: bool = True,
                        reference: asyncio.Task | None = None, after_push: bool = False) -> None:

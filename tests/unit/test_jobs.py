@@ -9,10 +9,16 @@ from pathlib import Path
 import pytest
 
 from mlrl.config import load_config
-from mlrl.jobs import JOBS, job_name
+from mlrl.jobs import ENTRY, JOBS, job_name
 
 ROOT = Path(__file__).resolve().parents[2]
 RL_TRUNK = ("mlrl.jobs.rl", "mlrl.loop", "mlrl.loop_async", "mlrl.rollout.pool", "mlrl.update")
+
+
+def _modules_after(code: str) -> list[list[str]]:
+    """Run `code` in a fresh interpreter; it prints JSON lines, returned parsed."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    return [json.loads(line) for line in out.stdout.strip().splitlines() if line.startswith("[")]
 
 
 @pytest.mark.parametrize("recipe,job", [("cpu_default.yaml", "rl"), ("sft_cpu.yaml", "sft"), ("dpo_cpu.yaml", "dpo")])
@@ -23,15 +29,41 @@ def test_the_config_picks_the_job_and_only_its_modules_are_imported(recipe, job)
         "from mlrl.config import load_config\n"
         "from mlrl.jobs import job_for\n"
         f"run = job_for(load_config({str(ROOT / 'launch' / recipe)!r}, []))\n"
-        "print(json.dumps([run.__module__, sorted(m for m in sys.modules if m.startswith('mlrl.'))]))\n"
+        "print(json.dumps([run.__module__, sorted(m for m in sys.modules if m.startswith(('mlrl.', 'torch')))]))\n"
+        f"import mlrl.jobs.{job}\n"
+        "print(json.dumps(['', sorted(m for m in sys.modules if m.startswith('mlrl.'))]))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
-    module, loaded = json.loads(out.stdout.strip().splitlines()[-1])
-    assert module == f"mlrl.jobs.{job}"
-    others = {f"mlrl.jobs.{j}" for j in JOBS} - {module}
-    assert not others & set(loaded), f"{recipe}: the other jobs were imported too: {sorted(others & set(loaded))}"
+    (module, loaded), (_, job_loaded) = _modules_after(code)
+    assert module == f"mlrl.jobs.{ENTRY.get(job, job)}"
+    others = {f"mlrl.jobs.{j}" for j in JOBS} - {f"mlrl.jobs.{job}"}
+    assert not others & set(job_loaded), f"{recipe}: other jobs imported too: {sorted(others & set(job_loaded))}"
     if job == "rl":
-        assert set(RL_TRUNK) <= set(loaded)  # the check below can fail: these are what the RL job imports
+        # the entry (rl_start) starts the engines before the job's trunk, torch included, is imported
+        early = sorted((set(RL_TRUNK) - {"mlrl.rollout.pool"} | {"torch"}) & set(loaded))
+        assert not early, f"the RL job's entry imported {early} before starting its engines"
+        assert set(RL_TRUNK) <= set(job_loaded)  # the check above can fail: these are what the RL job imports
     else:
-        trunk = sorted(set(RL_TRUNK) & set(loaded))
+        trunk = sorted(set(RL_TRUNK) & set(job_loaded))
         assert not trunk, f"{recipe}: the RL trunk was imported: {trunk}"
+
+
+def test_validating_a_cpu_config_does_not_import_torch_a_gpu_config_probes_cuda():
+    """The launcher validates before the RL job's engines start: a CPU config is checked without
+    torch's ~1.2 s import; a GPU config imports it to find CUDA (this machine has none: an error)."""
+    code = (
+        "import json, sys\n"
+        "from mlrl.config import ConfigError, load_config, validate\n"
+        "for o in ([], ['cluster.gpus_per_node=1']):\n"
+        f"    cfg = load_config({str(ROOT / 'launch' / 'cpu_default.yaml')!r}, o)\n"
+        "    try:\n"
+        "        validate(cfg); err = ''\n"
+        "    except ConfigError as e:\n"
+        "        err = str(e)\n"
+        "    print(json.dumps([err, 'torch' in sys.modules]))\n"
+    )
+    code += "import torch; print(json.dumps(['cuda', torch.cuda.is_available()]))\n"
+    (cpu_err, cpu_torch), (gpu_err, gpu_torch), (_, has_cuda) = _modules_after(code)
+    assert cpu_err == "" and not cpu_torch
+    assert gpu_torch  # the GPU config probed CUDA
+    if not has_cuda:
+        assert "cluster.gpus_per_node=1 but this machine has no CUDA device" in gpu_err

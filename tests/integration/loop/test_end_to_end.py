@@ -79,7 +79,9 @@ TEETH = ["algorithm.entropy_coef=0.05", "algorithm.eps_clip=0.02", "algorithm.kl
 RUN_A = ["trainer.total_steps=3", "data.eval=synthetic:copy_digit", "data.eval_every=2", "data.num_synthetic=32",
          "trainer.mini_batches_per_step=2", "eval.samples_per_prompt=2", "checkpoint.save_every=2",
          "checkpoint.hf_export_every=2", *GAE, *TEETH]
-COLOCATED = ["cluster.placement=colocated", "cluster.colocate.offload_params=true"]
+# the colocated run also pushes its first sync in full (weight_sync.first_sync=push) where run A, a fresh
+# run, lets the canary check the weights its engine loaded (auto): their metrics must still be equal
+COLOCATED = ["cluster.placement=colocated", "cluster.colocate.offload_params=true", "weight_sync.first_sync=push"]
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +131,7 @@ def test_sync_run(run_a):
     hf = run_dir / "hf" / "step_000003"
     assert (hf / "config.json").is_file() and list(hf.glob("*.safetensors"))
     assert "run finished: 3 steps" in out.stdout
-    # where start-up went (mlrl.jobs.rl.StartupClock): marks in order, the concurrent starts inside them
+    # where start-up went (mlrl.jobs.rl_start.StartupClock): marks in order, the concurrent starts inside them
     up = json.loads((run_dir / "startup.json").read_text())
     marks = [up[k] for k in ("launch_s", "prestart_s", "checks_s", "processes_s", "first_sync_s", "ready_s")]
     assert 0 < marks[0] and marks == sorted(marks), up
@@ -147,8 +149,12 @@ PHASES = ("rollout", "reward", "logprobs", "train", "sync", "eval", "checkpoint"
 
 def test_colocated_learns_exactly_like_disaggregated(runs):
     """Offload / reload is bit-exact and sleep / wake changes nothing the engines compute: rewards,
-    losses, critic values and logprob gaps equal run A's step for step."""
+    losses, critic values and logprob gaps equal run A's step for step. Also: run A's first sync
+    moved no bytes (the engine's own load of model.hf_dir, checked by the canary), the colocated
+    run's pushed the model (first_sync=push): the engines held the same weights either way."""
     (a_dir, _), (colo, _) = runs["a"], runs["colocated"]
+    first = [json.loads((d / "startup.json").read_text())["first_sync_bytes"] for d in (a_dir, colo)]
+    assert first[0] == 0 and first[1] > 100_000, first
     a, b = _metrics(colo), _metrics(a_dir)[:3]  # (run A's file grows when test_resume_async continues it)
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3]
     for x, y in zip(a, b):
@@ -206,6 +212,8 @@ def test_resume_async(run_a):
     state = json.loads((run_dir / "checkpoints" / "step_000003" / "trainer_state.json").read_text())
     assert state["weight_version"] == 3 and state["sampler"]["consumed"] == 3 * PROMPTS
     _launch(run_dir, "trainer.total_steps=6", "rollout.staleness=1", "algorithm.rollout_is=tis", *GAE)
+    # a resumed run's engines loaded model.hf_dir, not the checkpoint: its first sync pushes (first_sync=auto)
+    assert json.loads((run_dir / "startup.json").read_text())["first_sync_bytes"] > 100_000
     recs = _metrics(run_dir)
     _check_steps(recs, [1, 2, 3, 4, 5, 6], {1, 2, 3})
     for r in recs[3:]:

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from mlrl.config import ConfigError, load_config, validate
-from mlrl.jobs.rl import local_placement
+from mlrl.jobs.placement import local_placement
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -14,7 +14,7 @@ from mlrl.jobs import rl as run_mod
 def test_repeated_sigterm_does_not_cut_the_teardown_short(monkeypatch, signals):
     events: list[str] = []
 
-    async def fake_run(cfg, layout):
+    async def fake_run(cfg, layout, early):
         try:
             events.append("running")
             await asyncio.sleep(30)
@@ -29,7 +29,7 @@ def test_repeated_sigterm_does_not_cut_the_teardown_short(monkeypatch, signals):
 
     async def main():
         terminated: list[bool] = []
-        task = asyncio.ensure_future(run_mod._run_until_terminated(None, None, terminated))
+        task = asyncio.ensure_future(run_mod._run_until_terminated(None, None, None, terminated))
         await asyncio.sleep(0.1)
         os.kill(os.getpid(), signal.SIGTERM)
         with pytest.raises(asyncio.CancelledError):

@@ -325,6 +325,36 @@ async def test_with_the_pool_already_paused_the_canary_reference_overlaps_the_en
     assert order[:2] == ["push", "reference"] and order.count("reference") == 2  # the retry: reference first
 
 
+async def test_check_loaded_moves_nothing_when_the_engines_agree_and_declines_otherwise(tmp_path):
+    """weight_sync.first_sync=auto: engines that loaded the trainer's starting weights are checked by
+    the canary alone (0 bytes, the version committed); a disagreeing canary or a canary that is off
+    returns None (the run then pushes, `sync`), leaving the pool's version alone."""
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": VOCAB}))
+    src = HFWeightSource(TinyLM())
+    want = src.canary_logprobs(*canary_tokens(VOCAB))
+    client = FakeClient([[0.0] * 8 + want, [0.0] * 8 + want])
+    cfg = WeightSyncConfig(transport="disk", canary_tolerance=1e-5)
+
+    pool = FakePool(client)
+    ws = make_weight_sync(cfg, pool, src, model_dir=tmp_path, run_dir=tmp_path)
+    rep = await ws.check_loaded(0)
+    assert rep is not None and rep.transport == "loaded" and rep.bytes == 0 and rep.tensors == 0
+    assert rep.canary_checked and rep.canary_max_abs_diff < 1e-6 and rep.engines == 1
+    assert pool.events == [("commit", 0)] and client.model == {}  # nothing paused, nothing received
+    # the next (full) sync measures how far the engines moved from the checked canary
+    rep1 = await ws.sync(1)
+    assert rep1.bytes > 0 and rep1.attempts == 1 and rep1.canary_moved == pytest.approx(0.0, abs=1e-6)
+
+    pool2 = FakePool(FakeClient([[0.0] * 8 + [v + 0.5 for v in want]]))
+    ws2 = make_weight_sync(cfg, pool2, src, model_dir=tmp_path, run_dir=tmp_path)
+    assert await ws2.check_loaded(0) is None and pool2.events == [] and ws2.history == []
+
+    pool3 = FakePool(FakeClient([]))  # canary off: nothing can be checked, no engine call is made
+    ws3 = make_weight_sync(WeightSyncConfig(transport="disk", canary_tolerance=0.0), pool3, src,
+                           model_dir=tmp_path, run_dir=tmp_path)
+    assert await ws3.check_loaded(0) is None and pool3.events == []
+
+
 def test_transport_names_are_resolved_in_one_place(tmp_path):
     # every name the config accepts has its three parts, and nothing else is registered
     hints = typing.get_type_hints(WeightSyncConfig)
