@@ -32,14 +32,9 @@ import sys
 import time
 
 
-def _group_alive(pgid: int) -> bool:
-    """Whether a non-zombie process of the group exists (zombies count for kill(0) but are harmless)."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    if not os.path.isdir("/proc"):
-        return True
+def pids_in_group(pgid: int) -> list[int]:
+    """The live (non-zombie) processes of a process group, read from /proc."""
+    out = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -49,8 +44,17 @@ def _group_alive(pgid: int) -> bool:
         except OSError:
             continue
         if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+            out.append(int(entry))
+    return out
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a non-zombie process of the group exists (zombies count for kill(0) but are harmless)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return not os.path.isdir("/proc") or bool(pids_in_group(pgid))
 
 
 def _kill_group(pgid: int, grace_s: float, child: subprocess.Popen | None) -> None:

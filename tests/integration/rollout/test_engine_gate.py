@@ -11,10 +11,10 @@ import time
 
 import pytest
 from helpers.launching import ROOT
-from helpers.processes import pids_in_group
 
 from mlrl.config.schema import RolloutConfig
 from mlrl.rollout import EnginePool
+from mlrl.rollout.supervisor import pids_in_group
 from mlrl.rollout.vllm_main import GATE_WAITING
 from mlrl.types import GenerationHyperparameters, ModelRequest, StopReason
 

@@ -14,7 +14,6 @@ import time
 
 import httpx
 import pytest
-from helpers.processes import pids_in_group
 from helpers.tools import load_tool
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse
@@ -23,6 +22,7 @@ from starlette.routing import Route
 from mlrl.config.schema import RolloutConfig
 from mlrl.rollout.auth import TOKEN_ENV, TokenMiddleware
 from mlrl.rollout.server import EngineServer, EngineStartError, ServerSpec, server_command, server_env
+from mlrl.rollout.supervisor import pids_in_group
 
 
 def _spec(tmp_path, **kw) -> ServerSpec:
