@@ -272,9 +272,9 @@ class WeightSyncConfig:
     """The run's first sync, before step 1. `push`: a full verified sync, like every step's. `auto`:
     when the engines loaded the trainer's own starting weights (a fresh run from model.hf_dir: no
     checkpoint to resume, no model.init_from, no model.lora), the canary alone compares the two and
-    nothing is transferred (SmolLM2-135M: 1.8 s -> 0.1 s of start-up); a full sync follows if it
-    disagrees or the canary is off (canary_tolerance <= 0). Otherwise as `push`. The sync after
-    each step is always full."""
+    nothing is transferred (SmolLM2-135M's first sync: 2.2 s -> 0.3 s, tools/bench_startup.py); a
+    full sync follows if it disagrees or the canary is off (canary_tolerance <= 0). Otherwise as
+    `push`. The sync after each step is always full."""
     canary_every: int = 1
     """Run the canary on every Nth weight version (1 = every sync, the safe default). The first sync
     of a run, every refresh of a restarted engine and every retried attempt always run it; the

@@ -20,6 +20,7 @@ CASES = [
     ("bench_engine_start.py", ["--models", "builtin:nope"], "bench_engine_start: model.hf_dir: unknown builtin model "
                                                             "'nope'"),
     ("bench_vs_trl.py", ["--config", "/nope.yaml"], "bench_vs_trl: config file '/nope.yaml' does not exist"),
+    ("bench_startup.py", ["--recipes", "/nope.yaml"], "bench_startup: recipe /nope.yaml does not exist"),
     ("bench_learning.py", ["--tasks", "nope", "--quick"], "bench_learning: unknown task(s) nope; known: copy_digit"),
 ]
 
