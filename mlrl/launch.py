@@ -41,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config or DEFAULT_RECIPE, overrides)
         layout = validate(cfg, dry_run=args.dry_run or args.print_config)
+        if cfg.trainer.micro_batch_tokens == "auto":  # sized by the memory plan (the planner is imported only here)
+            from mlrl.plan.planner import resolve_micro_batch_tokens
+
+            resolve_micro_batch_tokens(cfg, layout)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -147,7 +147,7 @@ def router_metrics(policy: Policy, whole: PerDP, samples: Sequence[Sample], temp
 
 
 def _pack(cfg: Config, policy: Policy, samples: Sequence[Sample]) -> tuple[PerDP, dict[str, float]]:
-    return pack_step(samples, dp_size=policy.dp_size, token_budget=cfg.trainer.micro_batch_tokens,
+    return pack_step(samples, dp_size=policy.dp_size, token_budget=cfg.trainer.token_budget,
                      loss_agg=cfg.algorithm.loss_agg, norm_len=cfg.rollout.sampling.max_new_tokens,
                      shared_prefix=cfg.uses_shared_prefix_packing)
 

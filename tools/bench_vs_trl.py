@@ -167,7 +167,7 @@ def trl_micro_batch(cfg, max_seq_tokens: int, override: int | None) -> int:
         if n % override:
             raise SystemExit(f"--trl-micro-batch {override} must divide the step's {n} completions")
         return override
-    fit = max(1, cfg.trainer.micro_batch_tokens // max(1, max_seq_tokens))
+    fit = max(1, cfg.trainer.token_budget // max(1, max_seq_tokens))
     return max(d for d in range(1, n + 1) if n % d == 0 and d <= fit)
 
 

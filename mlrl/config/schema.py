@@ -151,8 +151,25 @@ class TrainerConfig(OptimizerConfig):
     epochs_per_step: int = 1
     """Passes over the step's samples (PPO epochs); updates per RL step = mini_batches_per_step *
     epochs_per_step, and the LR schedule counts those updates."""
-    micro_batch_tokens: int = 4096
-    """Token budget of one packed micro-batch (per DP rank)."""
+    micro_batch_tokens: Union[int, Literal["auto"]] = 4096
+    """Token budget of one packed micro-batch (per DP rank). `auto`: sized to memory before any
+    process starts (mlrl.plan.planner.auto_micro_batch_tokens, called by mlrl.launch right after
+    validation). On GPU, the largest multiple of
+    256 tokens whose trainer-GPU estimate (mlrl.plan.memory: weights, gradients, optimizer state,
+    activations; a colocated GPU's phase peak with its engine) stays within AUTO_MEMORY_FRACTION of
+    cluster.gpu_memory_gb, from one full-length sample (or SFT / DPO sequence) up to a DP rank's
+    whole step (and no fewer micro-batches than pipeline stages when pp > 1). On CPU, where host
+    memory is not planned, 4096 (the CPU recipes' value). The resolved number is what
+    --print-config, --dry-run and the ranks see."""
+
+    @property
+    def token_budget(self) -> int:
+        """micro_batch_tokens as a number (`auto` is resolved after validation: mlrl.launch)."""
+        if isinstance(self.micro_batch_tokens, str):
+            raise RuntimeError("trainer.micro_batch_tokens=auto is unresolved: mlrl.launch resolves it after "
+                               "validate() (mlrl.plan.planner.resolve_micro_batch_tokens)")
+        return self.micro_batch_tokens
+
     shared_prefix_packing: Literal["never", "always", "auto"] = "never"
     """Pack the samples of one prompt group around ONE copy of their common prompt: the prompt's
     tokens are run through the model once per group instead of once per sample, and every

@@ -59,8 +59,10 @@ def _check_ranges(cfg: Config) -> None:
     if p.vpp is not None:
         _positive("parallel.vpp", p.vpp)
     for name in ("prompts_per_step", "samples_per_prompt", "mini_batches_per_step", "epochs_per_step",
-                 "micro_batch_tokens", "total_steps"):
+                 "total_steps"):
         _positive(f"trainer.{name}", getattr(t, name))
+    if t.micro_batch_tokens != "auto":
+        _positive("trainer.micro_batch_tokens", t.micro_batch_tokens)
     _positive("cluster.trainer_devices", cfg.cluster.trainer_devices)
     _check_lr("trainer", t)
     for name in ("lr_warmup_steps",):
@@ -202,6 +204,22 @@ _OFFLINE_UNUSED = ("rollout", "weight_sync", "algorithm", "workflow", "eval")
 _OFFLINE_UNUSED_TRAINER = ("prompts_per_step", "samples_per_prompt", "mini_batches_per_step", "epochs_per_step")
 
 
+def check_micro_batch_budget(cfg: Config) -> None:
+    """An SFT conversation / a DPO pair must fit one micro-batch (checked again once `auto` is
+    resolved: mlrl.plan.planner.resolve_micro_batch_tokens)."""
+    budget = cfg.trainer.micro_batch_tokens
+    if budget == "auto":
+        return
+    if cfg.sft is not None and cfg.sft.max_seq_tokens > budget:
+        raise ConfigError(f"sft.max_seq_tokens={cfg.sft.max_seq_tokens} exceeds trainer.micro_batch_tokens="
+                          f"{budget}: a conversation must fit one micro-batch")
+    if cfg.dpo is not None and 2 * cfg.dpo.max_seq_tokens > budget:
+        d = cfg.dpo
+        raise ConfigError(f"dpo.max_seq_tokens={d.max_seq_tokens}: a pair (chosen + rejected, up to "
+                          f"{2 * d.max_seq_tokens} tokens) must fit one micro-batch, but "
+                          f"trainer.micro_batch_tokens={budget}; raise it to >= {2 * d.max_seq_tokens}")
+
+
 def _check_offline(cfg: Config) -> None:
     """An SFT or DPO run (the trainer alone on a fixed dataset): its own ranges, and no RL setting
     that it would silently ignore."""
@@ -216,16 +234,9 @@ def _check_offline(cfg: Config) -> None:
     run = f"{_RUN_NAMES[kind]} ({kind}: section)"
     _positive(f"{kind}.batch_size", s.batch_size)
     _positive(f"{kind}.max_seq_tokens", s.max_seq_tokens)
-    if kind == "sft" and s.max_seq_tokens > cfg.trainer.micro_batch_tokens:
-        raise ConfigError(f"sft.max_seq_tokens={s.max_seq_tokens} exceeds trainer.micro_batch_tokens="
-                          f"{cfg.trainer.micro_batch_tokens}: a conversation must fit one micro-batch")
+    check_micro_batch_budget(cfg)
     if cfg.dpo is not None:
         d = cfg.dpo
-        if 2 * d.max_seq_tokens > cfg.trainer.micro_batch_tokens:
-            raise ConfigError(f"dpo.max_seq_tokens={d.max_seq_tokens}: a pair (chosen + rejected, up to "
-                              f"{2 * d.max_seq_tokens} tokens) must fit one micro-batch, but "
-                              f"trainer.micro_batch_tokens={cfg.trainer.micro_batch_tokens}; raise it to >= "
-                              f"{2 * d.max_seq_tokens}")
         if not d.beta > 0:
             raise ConfigError(f"dpo.beta={d.beta}: expected > 0")
         if d.loss_type not in ("sigmoid", "ipo"):

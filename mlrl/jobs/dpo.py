@@ -93,7 +93,7 @@ class DPOJob:
     def __init__(self, cfg: Config, hf_dir: Path):
         self.cfg = _dpo_section(cfg)
         self.train, self.held_out = load_preference_data(cfg, hf_dir)
-        self.batch_size, self.token_budget = self.cfg.batch_size, cfg.trainer.micro_batch_tokens
+        self.batch_size, self.token_budget = self.cfg.batch_size, cfg.trainer.token_budget
         self.loss_fn = make_dpo_loss_fn(self.cfg.beta, self.cfg.loss_type)  # the ranks' loss, for held-out metrics
         log.info("DPO (%s, beta %g): %d training pairs (%d cut at dpo.max_seq_tokens=%d), %s held out",
                  self.cfg.loss_type, self.cfg.beta, len(self.train), self.train.truncated, self.cfg.max_seq_tokens,

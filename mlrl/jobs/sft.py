@@ -79,7 +79,7 @@ class SFTJob:
     def __init__(self, cfg: Config, hf_dir: Path):
         sft = _sft_section(cfg)
         self.train, self.held_out = load_sft_data(cfg, hf_dir)
-        self.batch_size, self.token_budget = sft.batch_size, cfg.trainer.micro_batch_tokens
+        self.batch_size, self.token_budget = sft.batch_size, cfg.trainer.token_budget
         log.info("SFT: %d training conversations (%d cut at sft.max_seq_tokens=%d), %s held out", len(self.train),
                  self.train.truncated, sft.max_seq_tokens, len(self.held_out) if self.held_out else "none")
 

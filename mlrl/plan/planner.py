@@ -8,11 +8,12 @@ placement groups, so both agree on which GPU does what. Memory formulas and thei
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
 from mlrl.config.schema import Config
-from mlrl.config.validate import Layout
+from mlrl.config.validate import Layout, check_micro_batch_budget
 from mlrl.modelzoo import hf_config_dict
 from mlrl.plan import memory as mem
 from mlrl.plan.model import ModelShape, model_shape
@@ -91,13 +92,8 @@ def make_plan(cfg: Config, layout: Layout) -> Plan:
     c, t, r, p = cfg.cluster, cfg.trainer, cfg.rollout, cfg.parallel
     cpu = c.gpus_per_node == 0
     offline = cfg.sft if cfg.sft is not None else cfg.dpo  # SFT / DPO: the trainer alone on a fixed dataset
-    if offline is not None:
-        seq_len = offline.max_seq_tokens
-        samples = offline.batch_size * (2 if cfg.dpo is not None else 1)  # DPO: chosen + rejected per pair
-    else:
-        seq_len = cfg.data.max_prompt_tokens + r.sampling.max_new_tokens
-        samples = t.prompts_per_step * t.samples_per_prompt // t.mini_batches_per_step
-    micro = max(1, math.ceil(samples * seq_len / layout.dp / t.micro_batch_tokens))
+    seq_len, samples = _step_shape(cfg)
+    micro = max(1, math.ceil(samples * seq_len / layout.dp / t.token_budget))
     layers = mem.stage_layers(shape.layers, layout.pp, layout.vpp, p.pp_layer_split)
     lora = cfg.model.lora  # the policy's adapters; the critic trains its full weights
     params = [mem.stage_params(shape, ls, first=k == 0, last=k == layout.pp - 1, pp=layout.pp, tp=layout.tp,
@@ -107,14 +103,14 @@ def make_plan(cfg: Config, layout: Layout) -> Plan:
                          etp=layout.etp, value_head=True) for k, ls in enumerate(layers)]
     precision = cfg.model.precision  # the trainer's, derived from model.dtype
     act_bytes = 4 if precision == "fp32" else 2
-    tokens = t.micro_batch_tokens / layout.cp
+    tokens = t.token_budget / layout.cp
     tmem = []
     for k, ls in enumerate(layers):
         acts = mem.stage_activation_bytes(
             shape, ls, last=k == layout.pp - 1, tokens=tokens,
             inflight=mem.inflight_microbatches(k, layout.pp, layout.vpp, micro), act_bytes=act_bytes, tp=layout.tp,
             etp=layout.etp, sp=p.sequence_parallel, flash=not cpu, recompute=t.recompute,
-            seq_len=min(seq_len, t.micro_batch_tokens), lora=lora)
+            seq_len=min(seq_len, t.token_budget), lora=lora)
         tmem.append(mem.trainer_memory(
             params[k], precision=precision, optimizer=t.optimizer, distributed_optimizer=t.use_distributed_optimizer,
             dp_cp=layout.dp * layout.cp, edp=expert_dp(layout), fp8=t.fp8_recipe != "none",
@@ -123,10 +119,10 @@ def make_plan(cfg: Config, layout: Layout) -> Plan:
     plan = Plan(cfg, layout, shape, cpu, [], layers, params, tmem, None, [], micro, seq_len, c.gpu_memory_gb * mem.GIB,
                 critic_params=critic, samples=samples, num_engines=0 if offline is not None else r.num_engines,
                 judge_engines=cfg.reward_model.num_engines if cfg.reward_model is not None and offline is None else 0)
-    if offline is None and seq_len > t.micro_batch_tokens:
+    if offline is None and seq_len > t.token_budget:
         plan.warnings.append(
             f"a full-length sample ({seq_len} tokens = data.max_prompt_tokens + rollout.sampling.max_new_tokens) "
-            f"exceeds trainer.micro_batch_tokens={t.micro_batch_tokens}")
+            f"exceeds trainer.micro_batch_tokens={t.token_budget}")
     if cpu:
         return plan
     if offline is not None:  # no engines: every GPU of the plan is a trainer rank's
@@ -148,6 +144,72 @@ def make_plan(cfg: Config, layout: Layout) -> Plan:
     plan.warnings.extend(tp_groups_spanning_nodes(layout, c.gpus_per_node))
     _check_memory(plan)
     return plan
+
+
+CPU_MICRO_BATCH_TOKENS = 4096   # trainer.micro_batch_tokens=auto on CPU (host memory is not planned)
+AUTO_MEMORY_FRACTION = 0.85     # of cluster.gpu_memory_gb that auto fills with the estimate: the allocator's
+#                                 fragmentation and what the estimate leaves out (the H200's qwen3-1.7b
+#                                 bench step, 16 x 2048 tokens in 4 micro-batches: estimate 54.5 GB,
+#                                 measured peak 52.6 GB)
+AUTO_TOKEN_STEP = 256
+
+
+def _step_shape(cfg: Config) -> tuple[int, int]:
+    """(longest sequence, sequences per optimizer step) of the run."""
+    offline = cfg.sft if cfg.sft is not None else cfg.dpo
+    if offline is not None:
+        return offline.max_seq_tokens, offline.batch_size * (2 if cfg.dpo is not None else 1)  # DPO: both of a pair
+    t = cfg.trainer
+    return (cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_new_tokens,
+            t.prompts_per_step * t.samples_per_prompt // t.mini_batches_per_step)
+
+
+def trainer_peak_bytes(plan: Plan) -> float:
+    """The fullest trainer GPU of the plan (a colocated one at its phase peak)."""
+    return max((b for s, b in zip(plan.slots, plan.gpu_bytes) if s.trainer is not None), default=0.0)
+
+
+def auto_micro_batch_tokens(cfg: Config, layout: Layout) -> int:
+    """trainer.micro_batch_tokens for `auto` (its docstring): on GPU the largest multiple of
+    AUTO_TOKEN_STEP between one whole sequence (a DPO pair) and a DP rank's step (over pp
+    micro-batches with pp > 1) whose plan keeps every trainer GPU within AUTO_MEMORY_FRACTION of
+    cluster.gpu_memory_gb. When even the smallest does not fit, the smallest: the plan then says
+    what does not fit (--dry-run, the cluster launcher). On CPU: CPU_MICRO_BATCH_TOKENS."""
+    if cfg.cluster.gpus_per_node == 0:
+        return CPU_MICRO_BATCH_TOKENS
+    seq_len, samples = _step_shape(cfg)
+    whole = 2 * seq_len if cfg.dpo is not None else seq_len  # a DPO pair shares its micro-batch
+
+    def up(n: float) -> int:
+        return max(AUTO_TOKEN_STEP, math.ceil(n / AUTO_TOKEN_STEP) * AUTO_TOKEN_STEP)
+
+    lo = up(whole)
+    hi = max(lo, up(samples * seq_len / layout.dp / layout.pp))  # pp > 1: at least pp micro-batches
+    budget = AUTO_MEMORY_FRACTION * cfg.cluster.gpu_memory_gb * mem.GIB
+
+    def fits(n: int) -> bool:
+        trial = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, micro_batch_tokens=n))
+        return trainer_peak_bytes(make_plan(trial, layout)) <= budget
+
+    if not fits(lo):
+        return lo
+    a, b = lo // AUTO_TOKEN_STEP, hi // AUTO_TOKEN_STEP  # fits(a * step); the estimate grows with the budget
+    while a < b:
+        m = (a + b + 1) // 2
+        if fits(m * AUTO_TOKEN_STEP):
+            a = m
+        else:
+            b = m - 1
+    return a * AUTO_TOKEN_STEP
+
+
+def resolve_micro_batch_tokens(cfg: Config, layout: Layout) -> None:
+    """trainer.micro_batch_tokens=auto -> its number, in place, right after validate() (mlrl.launch),
+    so --print-config, --dry-run and the ranks' config all carry the number."""
+    if cfg.trainer.micro_batch_tokens != "auto":
+        return
+    cfg.trainer.micro_batch_tokens = auto_micro_batch_tokens(cfg, layout)
+    check_micro_batch_budget(cfg)
 
 
 def _engine_lora_rank(cfg: Config) -> int:

@@ -75,7 +75,7 @@ def _header(plan: Plan) -> list[str]:
                      f"{_count(sp.total)} parameters{adapters}{critic} per {'process' if plan.cpu else 'GPU'}")
     if s.experts:
         lines.append(f"         experts: {s.experts} per MoE layer, {plan.experts_per_rank} per EP rank")
-    micro = f"micro-batch {t.micro_batch_tokens} tokens -> {plan.micro_batches} micro-batches per DP rank"
+    micro = f"micro-batch {t.token_budget} tokens -> {plan.micro_batches} micro-batches per DP rank"
     if cfg.sft is not None:
         lines.append(f"batch    SFT: {cfg.sft.batch_size} conversations per optimizer step, <= {plan.seq_len} tokens "
                      f"each; {micro}")
