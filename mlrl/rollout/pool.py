@@ -115,6 +115,12 @@ class EngineHandle:
         return self.state in (EngineState.READY, EngineState.STALE)
 
 
+def engine_omp_threads(cfg: RolloutConfig) -> int:
+    """OpenMP threads of each CPU engine: the cores but one (the driver's and the API servers'),
+    shared by the engines' ranks."""
+    return max(1, ((os.cpu_count() or 2) - 1) // (cfg.num_engines * cfg.engine_tp))
+
+
 class EnginePool:
     """N vLLM engines behind one `agenerate`. Use as `async with EnginePool(...) as pool:`."""
 
@@ -147,7 +153,7 @@ class EnginePool:
         self.capture_routing = capture_routing  # MoE router replay: engines record routed experts
         # GPU: rows that came back with the answers (vLLM's own capture), by computed token sequence
         self._routing_rows: collections.OrderedDict[tuple[int, ...], Any] = collections.OrderedDict()
-        omp = max(1, ((os.cpu_count() or 2) - 1) // (cfg.num_engines * cfg.engine_tp))
+        omp = engine_omp_threads(cfg)
         self.engines: list[EngineHandle] = []
         for i in range(cfg.num_engines):
             spec = ServerSpec.from_config(cfg, f"engine-{i}", self.model_dir, dtype, self.token, omp_threads=omp,

@@ -22,6 +22,8 @@ CASES = [
     ("bench_vs_trl.py", ["--config", "/nope.yaml"], "bench_vs_trl: config file '/nope.yaml' does not exist"),
     ("bench_startup.py", ["--recipes", "/nope.yaml"], "bench_startup: recipe /nope.yaml does not exist"),
     ("bench_learning.py", ["--tasks", "nope", "--quick"], "bench_learning: unknown task(s) nope; known: copy_digit"),
+    ("bench_generate.py", ["--shapes", "nope"], "bench_generate: --shapes: unknown nope; known: copy_digit"),
+    ("bench_generate.py", ["--repeats", "1"], "bench_generate: --repeats must be >= 2"),
 ]
 
 
