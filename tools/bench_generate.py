@@ -50,7 +50,8 @@ class Shape:
     kv_cache_gb: float = 1.0
 
 
-# the shapes of tools/bench_learning.py's tasks (prompt lengths: their synthetic prompts)
+# the shapes of tools/bench_learning.py's tasks; random prompts about as long as theirs (the tiny tasks' chat-templated
+# prompts are 7-10 tokens, smollm2_arith's ~60)
 SHAPES: dict[str, Shape] = {
     "copy_digit": Shape("builtin:tiny-llama", 32, 16, 1, 6),
     "copy_pair": Shape("builtin:tiny-llama", 64, 8, 2, 7),
