@@ -21,6 +21,28 @@ from mlrl.config import ConfigError, dump_yaml, load_config, validate
 DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "launch" / "cpu_default.yaml"
 
 
+def local_gpu_gib() -> float | None:
+    """The smallest GPU memory of this machine in GiB, read through NVML (no CUDA context in the
+    launcher, whose GPUs the ranks and engines are about to take); None without NVML or GPUs."""
+    try:
+        import pynvml  # pyright: ignore[reportMissingImports]  (nvidia-ml-py: the GPU environment has it)
+
+        pynvml.nvmlInit()
+    except Exception:
+        return None
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+        sizes = [pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).total for i in range(count)]
+        return min(sizes) / 2**30 if sizes else None
+    except Exception:
+        return None
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="python -m mlrl.launch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -44,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.trainer.micro_batch_tokens == "auto":  # sized by the memory plan (the planner is imported only here)
             from mlrl.plan.planner import resolve_micro_batch_tokens
 
-            resolve_micro_batch_tokens(cfg, layout)
+            here = cfg.cluster.nodes == 1 and cfg.cluster.gpus_per_node > 0 and not (args.dry_run or args.print_config)
+            resolve_micro_batch_tokens(cfg, layout, local_gpu_gib() if here else None)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -48,6 +48,7 @@ class Shape:
     prompt_len: int
     max_model_len: int = 256
     kv_cache_gb: float = 1.0
+    seeded: bool = True  # per-request sampling seeds, as the task's recipe sets rollout.sampling.seed
 
 
 # the shapes of tools/bench_learning.py's tasks; random prompts about as long as theirs (the tiny tasks' chat-templated
@@ -57,7 +58,8 @@ SHAPES: dict[str, Shape] = {
     "copy_pair": Shape("builtin:tiny-llama", 64, 8, 2, 7),
     "reverse_digits": Shape("builtin:tiny-llama", 128, 4, 4, 9),
     "repeat_digit": Shape("builtin:tiny-llama", 32, 16, 16, 6),
-    "smollm2_arith": Shape("builtin:smollm2-135m-instruct", 8, 4, 48, 64, max_model_len=512, kv_cache_gb=2.0),
+    "smollm2_arith": Shape("builtin:smollm2-135m-instruct", 8, 4, 48, 64, max_model_len=512, kv_cache_gb=2.0,
+                           seeded=False),  # launch/smollm2_cpu.yaml sets no sampling seed
 }
 SEED = 1
 
@@ -101,7 +103,8 @@ async def _served_batches(server, shape: Shape, prompts: list[list[int]], repeat
             t0 = time.perf_counter()
             groups = await asyncio.gather(*(
                 client.generate_n(p, GenerationHyperparameters(max_new_tokens=shape.new_tokens,
-                                                               min_new_tokens=shape.new_tokens, seed=SEED + 1000 * i),
+                                                               min_new_tokens=shape.new_tokens,
+                                                               seed=SEED + 1000 * i if shape.seeded else None),
                                   shape.group, request_id=f"b{r}-{i}", default_version=0)
                 for i, p in enumerate(prompts)))
             times.append(time.perf_counter() - t0)
@@ -122,7 +125,8 @@ def engine_worker(shape: Shape, model_dir: Path, prompts: list[list[int]], repea
               worker_extension_cls="mlrl.rollout.worker_ext.MlrlWorkerExtension")
     reqs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     params = [SamplingParams(n=shape.group, max_tokens=shape.new_tokens, min_tokens=shape.new_tokens, temperature=1.0,
-                             logprobs=0, seed=SEED + 1000 * i, detokenize=False) for i in range(len(prompts))]
+                             logprobs=0, seed=SEED + 1000 * i if shape.seeded else None, detokenize=False)
+              for i in range(len(prompts))]
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -150,14 +154,14 @@ def hf_worker(shape: Shape, model_dir: Path, prompts: list[list[int]], repeats: 
                                  top_p=1.0, max_new_tokens=shape.new_tokens, min_new_tokens=shape.new_tokens,
                                  pad_token_id=0)
         times.append(time.perf_counter() - t0)
-        got = (out.shape[1] - ids.shape[1]) * out.shape[0]
+        got = int((out[:, ids.shape[1]:] != 0).sum())  # pad id 0: a row that stopped early counts short
         assert got == shape.prompts * shape.group * shape.new_tokens, f"hf: {got} tokens"
     return times
 
 
 def in_subprocess(kind: str, shape_name: str, repeats: int) -> list[float]:
     """Run `--worker kind` in a fresh interpreter (own threads, own imports); its seconds per batch."""
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # each way sets its own threads
     if kind == "engine":
         from mlrl.config.schema import RolloutConfig
         from mlrl.rollout.pool import engine_omp_threads
@@ -189,6 +193,11 @@ def main() -> int:
         raise InputError(f"--shapes: unknown {', '.join(bad) or '(none)'}; known: {', '.join(SHAPES)}")
     if args.repeats < 2:
         raise InputError(f"--repeats must be >= 2 (the first batch is a warm-up), got {args.repeats}")
+    if not args.worker:
+        # the CPU comparison: every way on the cores (mlrl's engines and HF both on CPU), the served
+        # engine with the pool's thread count (its environment overrides an inherited OMP_NUM_THREADS)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        os.environ.pop("OMP_NUM_THREADS", None)
     from mlrl.modelzoo import resolve_model_dir
 
     for name in names:  # every model folder before the first engine starts
@@ -201,6 +210,11 @@ def main() -> int:
         print("TIMES " + json.dumps(fn(shape, md, prompts_for(shape, vocab_size(md)), args.repeats)), flush=True)
         return 0
 
+    from mlrl.config.schema import RolloutConfig
+    from mlrl.rollout.pool import engine_omp_threads
+
+    print(f"threads: served and engine {engine_omp_threads(RolloutConfig())} (mlrl's pool rule), "
+          f"hf {os.cpu_count()} (TRL's runs)", flush=True)
     ratios: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="mlrl-bench-generate-") as tmp:
         for name in names:

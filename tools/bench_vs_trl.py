@@ -125,6 +125,11 @@ def load_recipe(args: argparse.Namespace):
     cfg = load_config(recipe_path(args), list(args.overrides))
     if args.steps is not None:
         cfg.trainer.total_steps = args.steps
+    if cfg.trainer.micro_batch_tokens == "auto":  # TRL's micro-batch is derived from mlrl's number
+        from mlrl.config import validate
+        from mlrl.plan.planner import resolve_micro_batch_tokens
+
+        resolve_micro_batch_tokens(cfg, validate(cfg))
     return cfg
 
 

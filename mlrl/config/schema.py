@@ -154,13 +154,15 @@ class TrainerConfig(OptimizerConfig):
     micro_batch_tokens: Union[int, Literal["auto"]] = 4096
     """Token budget of one packed micro-batch (per DP rank). `auto`: sized to memory before any
     process starts (mlrl.plan.planner.auto_micro_batch_tokens, called by mlrl.launch right after
-    validation). On GPU, the largest multiple of
-    256 tokens whose trainer-GPU estimate (mlrl.plan.memory: weights, gradients, optimizer state,
-    activations; a colocated GPU's phase peak with its engine) stays within AUTO_MEMORY_FRACTION of
-    cluster.gpu_memory_gb, from one full-length sample (or SFT / DPO sequence) up to a DP rank's
-    whole step (and no fewer micro-batches than pipeline stages when pp > 1). On CPU, where host
-    memory is not planned, 4096 (the CPU recipes' value). The resolved number is what
-    --print-config, --dry-run and the ranks see."""
+    validation). The floor is one whole sequence: prompt + new tokens, or rollout.max_model_len
+    when longer (a multi-turn trajectory can be), an SFT sequence, a DPO pair. On GPU, the largest
+    multiple of 256 tokens from the floor up to a DP rank's whole step (a pp-th of it with pp > 1,
+    so every rank runs >= pp micro-batches) whose trainer-GPU estimate (mlrl.plan.memory: weights,
+    gradients, optimizer state, activations; on a colocated GPU its training phase, the sleeping
+    engine's share included) stays within AUTO_MEMORY_FRACTION of the GPU's memory
+    (cluster.gpu_memory_gb, or the local GPUs' when smaller, read through NVML on a one-machine
+    run). On CPU, where host memory is not planned, 4096 (the CPU default recipe's value) or the
+    floor. The resolved number is what --print-config, --dry-run and the ranks see."""
 
     @property
     def token_budget(self) -> int:

@@ -164,32 +164,52 @@ def _step_shape(cfg: Config) -> tuple[int, int]:
             t.prompts_per_step * t.samples_per_prompt // t.mini_batches_per_step)
 
 
-def trainer_peak_bytes(plan: Plan) -> float:
-    """The fullest trainer GPU of the plan (a colocated one at its phase peak)."""
-    return max((b for s, b in zip(plan.slots, plan.gpu_bytes) if s.trainer is not None), default=0.0)
+def trainer_train_bytes(plan: Plan) -> float:
+    """The fullest trainer GPU of the plan in its training phase: what grows with the micro-batch
+    (a colocated GPU's rollout and sync phases do not depend on it; whether they fit is the
+    plan's own verdict)."""
+    out = 0.0
+    for slot, used in zip(plan.slots, plan.gpu_bytes):
+        if slot.trainer is None:
+            continue
+        phases = plan.slot_phases(slot)
+        out = max(out, phases.train.total if phases is not None else used)
+    return out
 
 
-def auto_micro_batch_tokens(cfg: Config, layout: Layout) -> int:
-    """trainer.micro_batch_tokens for `auto` (its docstring): on GPU the largest multiple of
-    AUTO_TOKEN_STEP between one whole sequence (a DPO pair) and a DP rank's step (over pp
-    micro-batches with pp > 1) whose plan keeps every trainer GPU within AUTO_MEMORY_FRACTION of
-    cluster.gpu_memory_gb. When even the smallest does not fit, the smallest: the plan then says
-    what does not fit (--dry-run, the cluster launcher). On CPU: CPU_MICRO_BATCH_TOKENS."""
-    if cfg.cluster.gpus_per_node == 0:
-        return CPU_MICRO_BATCH_TOKENS
+def auto_micro_batch_tokens(cfg: Config, layout: Layout, device_gb: float | None = None) -> int:
+    """trainer.micro_batch_tokens for `auto` (its docstring). The floor is one whole sequence (a
+    DPO pair; an RL trajectory up to rollout.max_model_len when that is longer than prompt + new
+    tokens: a multi-turn one can be). On GPU: the largest multiple of AUTO_TOKEN_STEP from the floor
+    up to a DP rank's step (with pp > 1 at most a pp-th of it, so every rank runs >= pp
+    micro-batches unless the floor is larger) whose plan keeps every trainer GPU's training phase
+    within AUTO_MEMORY_FRACTION of the GPU's memory (cluster.gpu_memory_gb, or `device_gb`, the
+    local device's, when smaller). When even the floor does not fit, the floor: the plan then says
+    what does not fit (--dry-run, the cluster launcher). On CPU: CPU_MICRO_BATCH_TOKENS or the
+    floor, the larger."""
     seq_len, samples = _step_shape(cfg)
-    whole = 2 * seq_len if cfg.dpo is not None else seq_len  # a DPO pair shares its micro-batch
+    longest = seq_len
+    if cfg.offline is None and cfg.rollout.max_model_len:
+        longest = max(longest, cfg.rollout.max_model_len)
+    whole = 2 * longest if cfg.dpo is not None else longest  # a DPO pair shares its micro-batch
 
     def up(n: float) -> int:
         return max(AUTO_TOKEN_STEP, math.ceil(n / AUTO_TOKEN_STEP) * AUTO_TOKEN_STEP)
 
     lo = up(whole)
-    hi = max(lo, up(samples * seq_len / layout.dp / layout.pp))  # pp > 1: at least pp micro-batches
-    budget = AUTO_MEMORY_FRACTION * cfg.cluster.gpu_memory_gb * mem.GIB
+    if cfg.cluster.gpus_per_node == 0:
+        return max(CPU_MICRO_BATCH_TOKENS, lo)
+    per_rank = samples * seq_len / layout.dp
+    if layout.pp > 1:  # at least pp micro-batches per rank: round down
+        hi = max(lo, math.floor(per_rank / layout.pp / AUTO_TOKEN_STEP) * AUTO_TOKEN_STEP)
+    else:  # a rank's whole step in one micro-batch at most
+        hi = max(lo, up(per_rank))
+    gb = cfg.cluster.gpu_memory_gb if device_gb is None else min(cfg.cluster.gpu_memory_gb, device_gb)
+    budget = AUTO_MEMORY_FRACTION * gb * mem.GIB
 
     def fits(n: int) -> bool:
         trial = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, micro_batch_tokens=n))
-        return trainer_peak_bytes(make_plan(trial, layout)) <= budget
+        return trainer_train_bytes(make_plan(trial, layout)) <= budget
 
     if not fits(lo):
         return lo
@@ -203,12 +223,13 @@ def auto_micro_batch_tokens(cfg: Config, layout: Layout) -> int:
     return a * AUTO_TOKEN_STEP
 
 
-def resolve_micro_batch_tokens(cfg: Config, layout: Layout) -> None:
-    """trainer.micro_batch_tokens=auto -> its number, in place, right after validate() (mlrl.launch),
-    so --print-config, --dry-run and the ranks' config all carry the number."""
+def resolve_micro_batch_tokens(cfg: Config, layout: Layout, device_gb: float | None = None) -> None:
+    """trainer.micro_batch_tokens=auto -> its number, in place, right after validate() (mlrl.launch,
+    which passes the local GPU's memory as `device_gb` on a one-machine GPU run), so --print-config,
+    --dry-run and the ranks' config all carry the number."""
     if cfg.trainer.micro_batch_tokens != "auto":
         return
-    cfg.trainer.micro_batch_tokens = auto_micro_batch_tokens(cfg, layout)
+    cfg.trainer.micro_batch_tokens = auto_micro_batch_tokens(cfg, layout, device_gb)
     check_micro_batch_budget(cfg)
 
 

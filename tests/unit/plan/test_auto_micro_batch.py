@@ -20,7 +20,7 @@ from mlrl.plan.planner import (
     CPU_MICRO_BATCH_TOKENS,
     auto_micro_batch_tokens,
     resolve_micro_batch_tokens,
-    trainer_peak_bytes,
+    trainer_train_bytes,
 )
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -39,7 +39,7 @@ def resolved(recipe, *overrides):
 
 def peak_with(cfg, layout, tokens):
     trial = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, micro_batch_tokens=tokens))
-    return trainer_peak_bytes(make_plan(trial, layout))
+    return trainer_train_bytes(make_plan(trial, layout))
 
 
 def test_cpu_auto_is_the_cpu_recipes_value():
@@ -96,15 +96,54 @@ def test_nothing_fits_gives_one_whole_sequence_and_the_plan_says_why():
     assert not make_plan(cfg, layout).fits
 
 
-def test_colocated_leaves_room_for_the_sleeping_engine():
+COLOCATED = ("model.hf_dir=/nonexistent", "cluster.nodes=1", "cluster.gpus_per_node=4", "cluster.placement=colocated",
+             "rollout.num_engines=2", "cluster.gpu_memory_gb=141")
+
+
+def test_colocated_sizes_the_training_phase_and_leaves_room_for_the_sleeping_engine():
     apart, _ = resolved(QWEN8B, *NODE, "cluster.gpu_memory_gb=141")
-    co, layout = resolved(QWEN8B, "model.hf_dir=/nonexistent", "cluster.nodes=1", "cluster.gpus_per_node=4",
-                          "cluster.placement=colocated", "rollout.num_engines=2", "cluster.gpu_memory_gb=141",
-                          "rollout.gpu_memory_utilization=0.5")  # awake, the engine leaves room for the weights
-    assert layout.dp == apart.cluster.trainer_devices // 2 == 2
-    assert co.trainer.micro_batch_tokens < apart.trainer.micro_batch_tokens
+    # the default rollout.gpu_memory_utilization (0.85): the rollout phase alone is over 85% of the
+    # GPU whatever the micro-batch, so only the training phase (which grows with it) is sized
+    co, layout = resolved(QWEN8B, *COLOCATED)
+    assert layout.dp == 2 and co.rollout.gpu_memory_utilization == 0.85
+    seq = 1024 + 8192
+    assert co.trainer.micro_batch_tokens > -(-seq // AUTO_TOKEN_STEP) * AUTO_TOKEN_STEP  # not the floor
+    assert co.trainer.micro_batch_tokens < apart.trainer.micro_batch_tokens  # the sleeping engine's runtime
     budget = AUTO_MEMORY_FRACTION * 141 * mem.GIB
-    assert peak_with(co, layout, co.trainer.micro_batch_tokens) <= budget
+    n = co.trainer.micro_batch_tokens
+    assert peak_with(co, layout, n) <= budget < peak_with(co, layout, n + AUTO_TOKEN_STEP)
+    slot = next(s for s in make_plan(co, layout).slots if s.trainer is not None)
+    assert make_plan(co, layout).slot_phases(slot).rollout.total > budget  # the phase auto leaves alone
+
+
+def test_the_local_gpu_caps_the_configured_memory(monkeypatch):
+    import sys
+    import types
+
+    from mlrl.launch import local_gpu_gib
+
+    big, layout = resolved(QWEN8B, *NODE, "cluster.gpu_memory_gb=192")
+    small = load_config(QWEN8B, ["trainer.micro_batch_tokens=auto", *NODE, "cluster.gpu_memory_gb=192"])
+    resolve_micro_batch_tokens(small, validate(small, dry_run=True), device_gb=141.0)
+    same, _ = resolved(QWEN8B, *NODE, "cluster.gpu_memory_gb=141")
+    assert small.trainer.micro_batch_tokens == same.trainer.micro_batch_tokens < big.trainer.micro_batch_tokens
+    # NVML's smallest device, in GiB; no NVML: None
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: None, nvmlShutdown=lambda: None, nvmlDeviceGetCount=lambda: 2,
+        nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(total=(80 if h else 141) * 2**30))
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    assert local_gpu_gib() == 80.0
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    assert local_gpu_gib() is None
+
+
+def test_a_multi_turn_trajectory_up_to_max_model_len_is_the_floor():
+    cfg, layout = resolved(QWEN8B, *NODE, "cluster.gpu_memory_gb=24", "rollout.max_model_len=12288")
+    assert cfg.trainer.micro_batch_tokens == 12288
+    cpu, _ = resolved(ROOT / "launch" / "cpu_default.yaml", "rollout.max_model_len=8192", "model.hf_dir=/nonexistent",
+                      "model.arch=Qwen/Qwen3-8B")
+    assert cpu.trainer.micro_batch_tokens == 8192
 
 
 def test_dpo_auto_holds_a_whole_pair():
@@ -135,9 +174,8 @@ def test_unresolved_auto_is_not_a_number():
     assert auto_micro_batch_tokens(cfg, validate(cfg)) == 4096
 
 
-def test_a_resolved_budget_too_small_for_an_sft_conversation_is_refused():
-    cfg = load_config(ROOT / "launch" / "sft_cpu.yaml", ["trainer.micro_batch_tokens=auto", "sft.max_seq_tokens=8192",
+def test_cpu_auto_holds_one_whole_conversation():
+    cfg = load_config(ROOT / "launch" / "sft_cpu.yaml", ["trainer.micro_batch_tokens=auto", "sft.max_seq_tokens=8000",
                                                          "model.hf_dir=/nonexistent", "model.arch=Qwen/Qwen3-8B"])
-    layout = validate(cfg, dry_run=True)  # auto passes validation; the CPU number (4096) is checked then
-    with pytest.raises(ConfigError, match="sft.max_seq_tokens=8192 exceeds trainer.micro_batch_tokens=4096"):
-        resolve_micro_batch_tokens(cfg, layout)
+    resolve_micro_batch_tokens(cfg, validate(cfg, dry_run=True))
+    assert cfg.trainer.micro_batch_tokens == 8192  # 4096 would refuse the conversation
