@@ -146,15 +146,17 @@ def hf_worker(shape: Shape, model_dir: Path, prompts: list[list[int]], repeats: 
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     ids = torch.tensor(prompts).repeat_interleave(shape.group, 0)
+    eos = model.config.eos_token_id
+    eos = int(eos[0] if isinstance(eos, (list, tuple)) else eos)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
                                  top_p=1.0, max_new_tokens=shape.new_tokens, min_new_tokens=shape.new_tokens,
-                                 pad_token_id=0)
+                                 pad_token_id=eos)
         times.append(time.perf_counter() - t0)
-        got = int((out[:, ids.shape[1]:] != 0).sum())  # pad id 0: a row that stopped early counts short
+        got = int((out[:, ids.shape[1]:] != eos).sum())  # EOS pads a row that stopped early: it counts short
         assert got == shape.prompts * shape.group * shape.new_tokens, f"hf: {got} tokens"
     return times
 
