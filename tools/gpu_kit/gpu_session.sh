@@ -1,25 +1,45 @@
 #!/usr/bin/env bash
 # One short GPU session on an offline GPU machine, from the repository root, once the kit's parts
 # (tools/gpu_kit/prepare.py) are in KIT_DIR (default /root/g; parts and manifest.json found under
-# .gpu/kit/ are copied there first). In order, each stage with its own time limit and none past
-# DEADLINE_S (default 570 s) from the start:
-#   1. install the kit into SITE (default /root/site); Transformer Engine's torch extension then
-#      builds in the background while the vLLM-only stage runs;
-#   2. the GPU rollout tests that need no trainer (CUDA IPC, sleep / wake, vLLM's routed experts);
-#   3. (TE built) the end-to-end bench, tools/bench_e2e_gpu.py (BENCH_ARGS, default the Qwen3-1.7B
-#      shape, 64 x 8 x 512, 1 warm-up + 1 timed step, vLLM eager);
-#   4. the colocated-run test (trainer offload, CUDA IPC sync, canary, logprob gap);
-#   5. the kit's own check (imports, a 10-token generation), if time is left.
-# Summary lines go to stdout and $OUT/session.log; each stage's log and a tarball of
-# the engine / trainer logs go to $OUT (OUT defaults to ./gpu_out). Exit 0 when every stage ran
-# and passed.
+# .gpu/kit/ are copied there first). Install first: the kit into SITE (default /root/site), then
+# Transformer Engine's torch extension builds in the background while the vLLM-only stage runs.
+# A warm machine that already holds this kit's install (same manifest) and the built extension
+# skips both. Then the stages named in STAGES (default: all, in this order), each with its own
+# time limit and none past DEADLINE_S (default 570 s) from the start:
+#   rollout_tests  the GPU rollout tests that need no trainer (CUDA IPC, sleep / wake, vLLM's
+#                  routed experts)                                                   (issue #31)
+#   trainer_tests  tests/gpu/trainer + test_cuda_visible, a per-test timeout, each result
+#                  named (-v, junit XML in $OUT)                                     (issue #30)
+#   train_bench    tools/bench_train_step.py, Qwen3-1.7B shape, 16 x 2048 in 4 micro-batches:
+#                  MFU, forward-only / train, memory vs HF, and FP8 (TRAIN_FP8, default
+#                  tensorwise) vs bf16 on the same batch                             (issue #30)
+#   auto_bench     the same shape with --micro-batch-tokens auto --mlrl-only: what the planner
+#                  picks for this GPU, its estimate vs the measured peak             (issue #30)
+#   e2e_bench      tools/bench_e2e_gpu.py (BENCH_ARGS, default the Qwen3-1.7B shape, 64 x 8 x 512,
+#                  1 warm-up + 1 timed step, vLLM eager)                             (issue #31)
+#   colocated_run  the colocated-run test (trainer offload, CUDA IPC sync, canary, logprob gap)
+#   check          the kit's own check (imports, a 10-token generation)
+# e.g. STAGES="trainer_tests train_bench auto_bench" for the trainer alone. Every stage but
+# rollout_tests and check waits for the TE build. Summary lines go to stdout and
+# $OUT/session.log; each stage's log and a tarball of the engine / trainer logs go to $OUT (OUT
+# defaults to ./gpu_out). Exit 0 when every named stage ran and passed; 2 on an unknown stage.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
+here=$(cd "$(dirname "$0")" && pwd)
 K=${KIT_DIR:-/root/g}
 S=${SITE:-/root/site}
 O=${OUT:-$PWD/gpu_out}
 DEADLINE_S=${DEADLINE_S:-570}
 BENCH_ARGS=${BENCH_ARGS:---model-shape qwen3-1.7b --prompts 64 --group-size 8 --max-new-tokens 512 --warmup 1 --steps 1 --timeout 190 rollout.enforce_eager=true}
+TRAIN_FP8=${TRAIN_FP8:-tensorwise}
+ALL_STAGES="rollout_tests trainer_tests train_bench auto_bench e2e_bench colocated_run check"
+STAGES=${STAGES:-$ALL_STAGES}
+for s in $STAGES; do
+  [[ " $ALL_STAGES " == *" $s "* ]] || {
+    echo "gpu_session: unknown stage '$s' in STAGES; expected some of: $ALL_STAGES" >&2
+    exit 2
+  }
+done
 mkdir -p "$O" "$K"
 T0=$(date +%s)
 failed=0
@@ -40,7 +60,7 @@ stage() { # name cap_s command...: run with min(cap, time left), record the outc
   local rc=$?
   cleanup
   ((rc == 0)) || failed=1
-  say "$name: rc=$rc in ${t}s cap; $(grep -E 'passed|failed|error|ratio|kit check' "$O/$name.log" | tail -1)"
+  say "$name: rc=$rc in ${t}s cap; $(grep -E 'passed|failed|error|ratio|kit check|Timeout' "$O/$name.log" | tail -1)"
   return $rc
 }
 pytest_stage() { # name cap_s tests...
@@ -49,32 +69,61 @@ pytest_stage() { # name cap_s tests...
   stage "$name" "$cap" python3 -m pytest -p no:cacheprovider -o addopts="" -v -rfEs "$@"
 }
 
+want() { [[ " $STAGES " == *" $1 "* ]]; }
+
 cp -n .gpu/kit/kit.part* .gpu/kit/manifest.json "$K"/ 2>/dev/null
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$O/session.log"
-stage install 150 bash tools/gpu_kit/device_install.sh "$K" "$S" install || {
-  tail -20 "$O/install.log"
-  exit 1
-}
-MAX_JOBS=${MAX_JOBS:-12} bash tools/gpu_kit/device_install.sh "$K" "$S" build-te >/root/te_build.log 2>&1 &
+stamp="$S/.mlrl_kit_manifest.json"
+if cmp -s "$K/manifest.json" "$stamp" 2>/dev/null; then
+  say "install: this kit is already in $S (warm machine)"
+else
+  stage install 150 bash "$here/device_install.sh" "$K" "$S" install || {
+    tail -20 "$O/install.log"
+    exit 1
+  }
+  rm -f "$S"/transformer_engine/wheel_lib/transformer_engine_torch*.so
+  cp "$K/manifest.json" "$stamp"
+fi
+if compgen -G "$S/transformer_engine/wheel_lib/transformer_engine_torch*.so" >/dev/null; then
+  echo "built before" >"$O/te_build.log"
+  true &
+else
+  MAX_JOBS=${MAX_JOBS:-12} bash "$here/device_install.sh" "$K" "$S" build-te >"$O/te_build.log" 2>&1 &
+fi
 te=$!
 export PYTHONPATH=$PWD:$S
-pytest_stage rollout_tests 220 tests/gpu/test_weight_sync_gpu.py \
-  "tests/gpu/test_colocate_gpu.py::test_sleep_releases_weights_and_kv_cache_and_wakes_to_the_same_model" \
-  "tests/gpu/test_router_replay_gpu.py::test_vllm_returns_the_routes_hf_would_take"
+if want rollout_tests; then
+  pytest_stage rollout_tests 220 tests/gpu/test_weight_sync_gpu.py \
+    "tests/gpu/test_colocate_gpu.py::test_sleep_releases_weights_and_kv_cache_and_wakes_to_the_same_model" \
+    "tests/gpu/test_router_replay_gpu.py::test_vllm_returns_the_routes_hf_would_take"
+fi
 wait $te
 te_rc=$?
-say "te build: rc=$te_rc; $(tail -1 /root/te_build.log)"
+say "te build: rc=$te_rc; $(tail -1 "$O/te_build.log")"
 if ((te_rc == 0)); then
+  if want trainer_tests; then
+    pytest_stage trainer_tests 240 -n 4 --timeout 150 --junitxml="$O/trainer_tests.xml" \
+      tests/gpu/trainer tests/gpu/test_cuda_visible.py
+  fi
+  want train_bench && stage train_bench 200 python3 tools/bench_train_step.py --device cuda \
+    --model-shape qwen3-1.7b --fp8-recipe "$TRAIN_FP8" --json "$O/train_bench.json" --timeout 190
+  want auto_bench && stage auto_bench 150 python3 tools/bench_train_step.py --device cuda \
+    --model-shape qwen3-1.7b --micro-batch-tokens auto --mlrl-only --json "$O/auto_bench.json" --timeout 140
   # shellcheck disable=SC2086  # BENCH_ARGS is a list of arguments
-  stage bench 200 python3 tools/bench_e2e_gpu.py --run-dir /root/bench_run $BENCH_ARGS
-  pytest_stage colocated_run 150 \
-    "tests/gpu/test_colocate_gpu.py::test_trainer_offload_releases_device_memory_and_a_colocated_run_syncs_by_ipc"
+  want e2e_bench && stage e2e_bench 200 python3 tools/bench_e2e_gpu.py --run-dir /root/bench_run $BENCH_ARGS
+  if want colocated_run; then
+    pytest_stage colocated_run 150 \
+      "tests/gpu/test_colocate_gpu.py::test_trainer_offload_releases_device_memory_and_a_colocated_run_syncs_by_ipc"
+  fi
 else
+  for s in trainer_tests train_bench auto_bench e2e_bench colocated_run; do
+    want $s && say "$s: skipped (no Transformer Engine)"
+  done
   failed=1
 fi
-stage check 90 python3 tools/gpu_kit/check_install.py
-tail -25 "$O/bench.log" 2>/dev/null
+want check && stage check 90 python3 "$here/check_install.py"
+tail -25 "$O/e2e_bench.log" 2>/dev/null
 tar czf "$O/logs.tar.gz" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.distcp' --exclude='*.bin' \
-  /tmp/pytest-of-* /root/bench_run /root/tebuild/build.log /root/te_build.log 2>/dev/null
+  /tmp/pytest-of-* /root/bench_run /root/tebuild/build.log 2>/dev/null
 say "done: $( ((failed == 0)) && echo 'every stage passed' || echo 'some stage failed or was skipped')"
 exit $failed

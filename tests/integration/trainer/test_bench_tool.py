@@ -35,6 +35,8 @@ def test_bench_reports_megatron_and_hf_rates(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["tokens_per_step"] == 64 and res["megatron_ranks"] == 1
+    # the cpu default: 2 micro-batches of 2 samples x 16 tokens, host memory not planned
+    assert (res["micro_batches"], res["micro_batch_tokens"], res["planned_train_gb"]) == (2, 32, None)
     # seconds per step implied by the rates: each side ran 1 warm-up + 1 timed step inside this
     # process's wall time, and a train step (forward, backward, optimizer) takes more than 1 ms
     mg_s, hf_s = 64 / res["megatron_tokens_per_s"], 64 / res["hf_tokens_per_s"]

@@ -121,3 +121,106 @@ def test_defaults_follow_the_device(monkeypatch):
     assert (gpu.model_shape, gpu.sample_len, gpu.micro_batches, gpu.steps, gpu.warmup) == ("qwen3-1.7b", 1024, 4, 5, 2)
     with pytest.raises(SystemExit):
         bench._parse(["--device", "cuda", "--tp", "2"])  # two processes, one GPU
+
+
+def test_micro_batch_split_keeps_whole_samples_under_the_budget():
+    assert bench.micro_batch_split(16, 2048, 8192) == 4
+    assert bench.micro_batch_split(16, 2048, 8191) == 6  # 3 samples fit, 16 / 3 -> 6 micro-batches
+    assert bench.micro_batch_split(16, 2048, 1000) == 16  # one sample each, even when it is longer
+    assert bench.micro_batch_split(16, 2048, 10**9) == 1
+    # torch's chunk (the bench's split) then never puts more samples in one than the budget holds
+    for n, L, budget in [(16, 2048, 8191), (7, 100, 250), (33, 64, 640)]:
+        k = bench.micro_batch_split(n, L, budget)
+        assert max(len(c) for c in torch.arange(n).chunk(k)) * L <= max(budget, L)
+
+
+def _gpu_args(monkeypatch, *extra):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    return bench._parse(["--device", "cuda", "--model-shape", "qwen3-1.7b", *extra])
+
+
+def _shape_dir(tmp_path):
+    bench.shape_config("qwen3-1.7b").save_pretrained(tmp_path)  # config.json alone: planning reads no weights
+    return tmp_path
+
+
+def test_auto_micro_batch_tokens_follow_the_gpu_memory_and_recompute(monkeypatch, tmp_path):
+    """--micro-batch-tokens auto is mlrl's planner for this GPU: more memory or full recompute
+    gives larger micro-batches, and the estimate of what it picked stays within the planner's 85%."""
+    hf = _shape_dir(tmp_path)
+    picked = {}
+    for gb, recompute in [(80.0, "none"), (139.8, "none"), (80.0, "full")]:
+        args = _gpu_args(monkeypatch, "--micro-batch-tokens", "auto", "--samples", "64", "--recompute", recompute)
+        assert args.micro_batches is None  # derived from the budget, not the cuda default 4
+        got = bench.resolve_micro_batches(args, hf, gb)
+        assert got["micro_batch_tokens_auto"] and got["micro_batch_tokens"] % 256 == 0
+        assert got["micro_batch_tokens"] >= 2048 and args.micro_batches == bench.micro_batch_split(
+            64, 2048, got["micro_batch_tokens"])
+        assert 0 < got["planned_train_gb"] <= 0.85 * gb * 2**30 / 1e9
+        picked[gb, recompute] = got["micro_batch_tokens"]
+    assert picked[139.8, "none"] > picked[80.0, "none"]
+    assert picked[80.0, "full"] > picked[80.0, "none"]
+
+
+def test_given_micro_batches_or_tokens_are_planned_as_given(monkeypatch, tmp_path):
+    hf = _shape_dir(tmp_path)
+    four = _gpu_args(monkeypatch)  # the cuda default: 4 micro-batches of 4 x 2048 tokens
+    got4 = bench.resolve_micro_batches(four, hf, 139.8)
+    assert four.micro_batches == 4 and got4["micro_batch_tokens"] == 8192 and not got4["micro_batch_tokens_auto"]
+    two = _gpu_args(monkeypatch, "--micro-batch-tokens", "16384")
+    got2 = bench.resolve_micro_batches(two, hf, 139.8)
+    assert two.micro_batches == 2 and got2["planned_train_gb"] > got4["planned_train_gb"]  # more activations
+
+
+def test_auto_on_cpu_is_the_cpu_budget(tmp_path):
+    args = bench._parse(["--hf-dir", "builtin:tiny-llama", "--samples", "4", "--sample-len", "16",
+                         "--micro-batch-tokens", "auto"])
+    got = bench.resolve_micro_batches(args, _shape_dir(tmp_path), None)
+    assert got == {"micro_batch_tokens": 4096, "micro_batch_tokens_auto": True, "planned_train_gb": None}
+    assert args.micro_batches == 1
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--micro-batch-tokens", "lots"], "--micro-batch-tokens: expected a positive integer or auto, got 'lots'"),
+    (["--micro-batch-tokens", "0"], "--micro-batch-tokens: expected a positive integer or auto, got '0'"),
+    (["--micro-batches", "3", "--micro-batch-tokens", "auto"], "not allowed with argument"),
+    (["--micro-batches", "17"], "--micro-batches: expected 1..--samples (16), got 17"),
+    (["--fp8-recipe", "tensorwise"], "--fp8-recipe tensorwise: FP8 runs through Transformer Engine on a GPU"),
+    (["--recompute", "most"], "--recompute: invalid choice: 'most'"),
+])
+def test_bad_sizing_and_fp8_flags_are_refused_before_any_work(argv, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench._parse(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and says in err, err
+
+
+def test_fp8_side_uses_the_recipe_and_keeps_the_bf16_plan(monkeypatch, tmp_path):
+    args = _gpu_args(monkeypatch, "--fp8-recipe", "delayed")
+    assert bench.bench_config(args, tmp_path).trainer.fp8_recipe == "none"
+    fp8 = bench.bench_config(args, tmp_path, fp8_recipe=args.fp8_recipe)
+    assert fp8.trainer.fp8_recipe == "delayed" and fp8.model.dtype == "bfloat16"
+
+
+def test_mlrl_only_is_refused_on_cpu(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench._parse(["--mlrl-only"])
+    assert e.value.code == 2 and "--mlrl-only: the planner's estimate it reports is for GPUs" in capsys.readouterr().err
+
+
+def test_cuda_report_with_and_without_hf_and_the_fp8_record(monkeypatch, capsys):
+    """The GPU records from given timings (their arithmetic runs here; the timings need a GPU)."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    args = _gpu_args(monkeypatch, "--fp8-recipe", "tensorwise")
+    cfg = bench.shape_config("qwen3-1.7b")
+    tokens = 16 * 2048
+    only = bench._cuda_report(args, cfg, tokens, 1.0, 0.4, None, (50.0, 60.0), 1)
+    assert "hf_train_tokens_per_s" not in only and only["mlrl_forward_over_train"] == pytest.approx(2.5)
+    assert only["mlrl_train_mfu"] == pytest.approx(bench.train_flops_per_token(cfg, 2048) * tokens / 989e12)
+    both = bench._cuda_report(args, cfg, tokens, 1.0, 0.4, (1.5, (70.0, 72.0), 0.5), (50.0, 60.0), 1)
+    assert both["ratio_mlrl_over_hf"] == pytest.approx(1.5) and both["hf_peak_allocated_gb"] == 70.0
+    fp8 = bench._fp8_report(args, cfg, tokens, 1.0, (0.8, None, (45.0, 50.0)), 1)
+    assert fp8["ratio_fp8_over_bf16"] == pytest.approx(1.25) and fp8["fp8_recipe"] == "tensorwise"
+    out = capsys.readouterr().out
+    assert out.count("HF transformers") == 1 and "FP8 (tensorwise)" in out and "1.25x the bf16 step" in out
