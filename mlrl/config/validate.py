@@ -582,7 +582,9 @@ TE_INSTALL_HINT = ("pip install --no-build-isolation 'transformer_engine[pytorch
                    "megatron-core's GPU layer spec, FP8 and context parallelism need it")
 
 
-def _transformer_engine_installed() -> bool:
+def transformer_engine_installed() -> bool:
+    """Transformer Engine importable here (found, not imported: importing it costs seconds). The
+    launcher's check and each trainer rank's (mlrl.trainer.rank.numerics) use this one."""
     import importlib.util
 
     return importlib.util.find_spec("transformer_engine") is not None
@@ -646,7 +648,7 @@ def validate(cfg: Config, *, has_cuda: bool | None = None, has_te: bool | None =
     _check_colocate(cfg)
     _check_devices(cfg, cuda=lambda: dry_run or cuda())
     if cfg.cluster.gpus_per_node > 0 and cfg.cluster.nodes == 1 and not dry_run and cuda():
-        _check_transformer_engine(cfg, _transformer_engine_installed() if has_te is None else has_te)
+        _check_transformer_engine(cfg, transformer_engine_installed() if has_te is None else has_te)
     layout = resolve_layout(cfg)
     try:
         hf = hf_config_dict(cfg.model.hf_dir, cfg.model.arch if dry_run else None)

@@ -26,20 +26,15 @@ any Transformer Engine module is built.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import torch
 
 from mlrl.config.schema import ModelConfig, TrainerConfig
-from mlrl.config.validate import TE_INSTALL_HINT
+from mlrl.config.validate import TE_INSTALL_HINT, transformer_engine_installed
 from mlrl.trainer.numerics_env import DETERMINISTIC_ENV, FP32_ENV, deterministic, rank_env
 
 __all__ = ["DETERMINISTIC_ENV", "FP32_ENV", "configure", "deterministic", "rank_env"]
-
-
-def transformer_engine_installed() -> bool:
-    return importlib.util.find_spec("transformer_engine") is not None
 
 
 def configure(model: ModelConfig, trainer: TrainerConfig, *, gpu: bool | None = None) -> dict[str, object]:

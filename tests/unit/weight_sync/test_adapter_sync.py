@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from helpers.one_engine_pool import OneEnginePool
 from helpers.tools import load_tool
 from peft import LoraConfig, PeftModel, get_peft_model
 
@@ -71,31 +72,6 @@ class RecordingClient:
         return out
 
 
-class Engine:
-    def __init__(self, client):
-        self.client, self.name, self.index, self.incarnation = client, "engine-0", 0, 1
-
-
-class Pool:
-    def __init__(self, client):
-        self.engines, self.version, self.events, self.refresher = [Engine(client)], 0, [], None
-        self.paused = False
-
-    def live_engines(self):
-        return self.engines
-
-    async def pause(self, mode=None):
-        self.paused = True
-        self.events.append("pause")
-
-    async def resume(self):
-        self.paused = False
-        self.events.append("resume")
-
-    def commit_version(self, version, engines):
-        self.version = version
-
-
 @pytest.fixture
 def setup(tmp_path):
     model_dir = resolve_model_dir("builtin:tiny-llama")
@@ -103,7 +79,7 @@ def setup(tmp_path):
     trainer = get_peft_model(_base(model_dir), LoraConfig(r=LORA.rank, lora_alpha=LORA.alpha,
                                                           target_modules=list(LORA.target_modules)))
     client = RecordingClient(model_dir)
-    pool = Pool(client)
+    pool = OneEnginePool(client)
     ws = make_weight_sync(WeightSyncConfig(transport="disk", lora_mode="adapter", canary_tolerance=1e-4), pool,
                           HFWeightSource(trainer), model_dir=model_dir, run_dir=tmp_path, lora=LORA)
     return trainer, client, pool, ws, tmp_path

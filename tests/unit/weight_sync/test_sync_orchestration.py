@@ -10,6 +10,7 @@ import typing
 
 import pytest
 import torch
+from helpers.one_engine_pool import OneEnginePool
 from helpers.tools import load_tool
 
 from mlrl.config.schema import WeightSyncConfig
@@ -169,40 +170,13 @@ class FakeClient:
         return self.canary_values.pop(0)
 
 
-class FakeEngine:
-    def __init__(self, client):
-        self.client, self.name, self.index, self.incarnation = client, "engine-0", 0, 1
-
-
-class FakePool:
-    def __init__(self, client):
-        self.engines = [FakeEngine(client)]
-        self.version, self.paused, self.events = 0, False, []
-        self.refresher = None
-
-    def live_engines(self):
-        return self.engines
-
-    async def pause(self, mode=None):
-        self.paused = True
-        self.events.append("pause")
-
-    async def resume(self):
-        self.paused = False
-        self.events.append("resume")
-
-    def commit_version(self, version, engines):
-        self.version = version
-        self.events.append(("commit", version))
-
-
 async def test_disk_sync_verifies_and_retries_the_canary_once(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": VOCAB}))
     src = HFWeightSource(TinyLM())
     want = src.canary_logprobs(*canary_tokens(VOCAB))
     wrong = [v + 0.5 for v in want]
     client = FakeClient([[0.0] * 8 + wrong, [0.0] * 8 + want])  # first canary off, second right
-    pool = FakePool(client)
+    pool = OneEnginePool(client)
     ws = make_weight_sync(WeightSyncConfig(transport="disk", canary_tolerance=1e-5, bucket_mb=1e-4), pool, src,
                           model_dir=tmp_path, run_dir=tmp_path)
     assert pool.refresher is None  # make_weight_sync leaves the pool alone; the caller wires the refresh hook
@@ -226,7 +200,7 @@ async def test_second_failure_raises_and_leaves_the_pool_paused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": VOCAB}))
     src = HFWeightSource(TinyLM())
     bad = [[0.0] * 24, [0.0] * 24]
-    pool = FakePool(FakeClient(bad))
+    pool = OneEnginePool(FakeClient(bad))
     ws = make_weight_sync(WeightSyncConfig(transport="disk", canary_tolerance=1e-3), pool, src,
                           model_dir=tmp_path, run_dir=tmp_path)
     with pytest.raises(WeightSyncError, match=r"failed twice.*canary logprobs differ"):
@@ -263,7 +237,7 @@ async def test_the_trainers_canary_reference_runs_while_the_engines_pause(tmp_pa
     want = src.canary_logprobs(*canary_tokens(VOCAB))
     order, started = [], threading.Event()
 
-    class SlowPool(FakePool):
+    class SlowPool(OneEnginePool):
         async def pause(self, mode=None):
             order.append("pause start")
             await asyncio.to_thread(started.wait, 5)  # returns only once the reference has started
@@ -308,7 +282,7 @@ async def test_with_the_pool_already_paused_the_canary_reference_overlaps_the_en
             order.append("engine load")
             await super().update_weights(info, timeout=timeout)
 
-    pool = FakePool(SlowClient([[0.0] * 8 + want] * 2))
+    pool = OneEnginePool(SlowClient([[0.0] * 8 + want] * 2))
     pool.paused = True
     ws = make_weight_sync(WeightSyncConfig(transport="disk", canary_tolerance=1e-5), pool,
                           _RecordingSource(src, order, started), model_dir=tmp_path, run_dir=tmp_path)
@@ -335,7 +309,7 @@ async def test_check_loaded_moves_nothing_when_the_engines_agree_and_declines_ot
     client = FakeClient([[0.0] * 8 + want, [0.0] * 8 + want])
     cfg = WeightSyncConfig(transport="disk", canary_tolerance=1e-5)
 
-    pool = FakePool(client)
+    pool = OneEnginePool(client)
     ws = make_weight_sync(cfg, pool, src, model_dir=tmp_path, run_dir=tmp_path)
     rep = await ws.check_loaded(0)
     assert rep is not None and rep.transport == "loaded" and rep.bytes == 0 and rep.tensors == 0
@@ -345,11 +319,11 @@ async def test_check_loaded_moves_nothing_when_the_engines_agree_and_declines_ot
     rep1 = await ws.sync(1)
     assert rep1.bytes > 0 and rep1.attempts == 1 and rep1.canary_moved == pytest.approx(0.0, abs=1e-6)
 
-    pool2 = FakePool(FakeClient([[0.0] * 8 + [v + 0.5 for v in want]]))
+    pool2 = OneEnginePool(FakeClient([[0.0] * 8 + [v + 0.5 for v in want]]))
     ws2 = make_weight_sync(cfg, pool2, src, model_dir=tmp_path, run_dir=tmp_path)
     assert await ws2.check_loaded(0) is None and pool2.events == [] and ws2.history == []
 
-    pool3 = FakePool(FakeClient([]))  # canary off: nothing can be checked, no engine call is made
+    pool3 = OneEnginePool(FakeClient([]))  # canary off: nothing can be checked, no engine call is made
     ws3 = make_weight_sync(WeightSyncConfig(transport="disk", canary_tolerance=0.0), pool3, src,
                            model_dir=tmp_path, run_dir=tmp_path)
     assert await ws3.check_loaded(0) is None and pool3.events == []
@@ -365,7 +339,7 @@ def test_transport_names_are_resolved_in_one_place(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": VOCAB}))
     known = "known: broadcast, disk, cuda_ipc"
     with pytest.raises(UnknownTransportError, match=known):
-        make_weight_sync(WeightSyncConfig(transport="raw"), FakePool(FakeClient([])), HFWeightSource(TinyLM()),
+        make_weight_sync(WeightSyncConfig(transport="raw"), OneEnginePool(FakeClient([])), HFWeightSource(TinyLM()),
                          model_dir=tmp_path)
     for sender in (0, None):
         with pytest.raises(UnknownTransportError, match=known):
@@ -379,10 +353,11 @@ def test_transport_names_are_resolved_in_one_place(tmp_path):
 def test_disk_needs_a_folder(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": VOCAB}))
     with pytest.raises(ValueError, match="disk_dir or a run dir"):
-        make_weight_sync(WeightSyncConfig(transport="disk"), FakePool(FakeClient([])), HFWeightSource(TinyLM()),
+        make_weight_sync(WeightSyncConfig(transport="disk"), OneEnginePool(FakeClient([])), HFWeightSource(TinyLM()),
                          model_dir=tmp_path)
-    ws = make_weight_sync(WeightSyncConfig(transport="disk", disk_dir=str(tmp_path / "d")), FakePool(FakeClient([])),
-                          HFWeightSource(TinyLM()), model_dir=tmp_path, run_dir=tmp_path / "run")
+    ws = make_weight_sync(WeightSyncConfig(transport="disk", disk_dir=str(tmp_path / "d")),
+                          OneEnginePool(FakeClient([])), HFWeightSource(TinyLM()), model_dir=tmp_path,
+                          run_dir=tmp_path / "run")
     assert ws.root == tmp_path / "d"
 
 
@@ -405,7 +380,7 @@ async def test_canary_every_n_versions(tmp_path, every, checked):
     src = HFWeightSource(TinyLM())
     want = src.canary_logprobs(*canary_tokens(VOCAB))
     client = FakeClient([[0.0] * 8 + want for _ in range(4)])
-    ws = make_weight_sync(WeightSyncConfig(transport="disk", canary_every=every), FakePool(client), src,
+    ws = make_weight_sync(WeightSyncConfig(transport="disk", canary_every=every), OneEnginePool(client), src,
                           model_dir=tmp_path, run_dir=tmp_path)
     reps = [await ws.sync(v) for v in (1, 2, 3, 4)]
     assert [r.version for r in reps if r.canary_checked] == checked
@@ -426,7 +401,7 @@ async def test_the_default_canary_tolerance_follows_the_model_dtype(tmp_path, dt
     cfg = WeightSyncConfig(transport="disk")
     assert cfg.canary_tolerance is None
     resolved = dataclasses.replace(cfg, canary_tolerance=cfg.canary_tolerance_for(dtype))
-    pool = FakePool(FakeClient([[0.0] * 8 + off, [0.0] * 8 + off]))
+    pool = OneEnginePool(FakeClient([[0.0] * 8 + off, [0.0] * 8 + off]))
     ws = make_weight_sync(resolved, pool, src, model_dir=tmp_path, run_dir=tmp_path)
     if passes:
         assert (await ws.sync(1)).canary_max_abs_diff == pytest.approx(0.0197, abs=1e-6)
