@@ -232,6 +232,11 @@ if [[ -z "${RAY_AUTH_MODE:-}" ]]; then
   RAY_AUTH_TOKEN=${RAY_AUTH_TOKEN:-$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')}
   export RAY_AUTH_TOKEN
 fi
+# No drain on SIGTERM: Ray 2.60's nodes wait up to 30 s to drain (for Ray Serve replicas) when
+# `ray start --block` gets SIGTERM. By the time stop_ray runs the launcher has ended every mlrl
+# process, and the head's own GCS gets the same signal, so its drain request could only time out:
+# 30 s of the allocation per job end, and of the 180 s the time limit leaves.
+export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=${RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S:-0}
 [[ -n "$dry" ]] || ray_started=1
 run_bg "${step[@]}" --job-name=mlrl-ray-head -w "$head" "${container[@]}" \
   "$ray" start --head --node-ip-address="$head_ip" --port="$ray_port" --num-gpus="$devices" --block

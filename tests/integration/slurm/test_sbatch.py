@@ -106,6 +106,9 @@ def test_two_node_cpu_job_runs_the_ray_path(slurm, tmp_path):
     assert (info["JobState"], info["ExitCode"], info["NodeList"]) == ("COMPLETED", "0:0", "n[1-2]"), text
     assert "2 node(s) x 1 CPU device slots" in text and "mlrl.cluster: 2 node(s)" in text, text
     assert "mlrl.launch exited 0" in text, text
+    # Ray stopped without its SIGTERM drain, which timed out on the head (its GCS is signalled
+    # with it) after 30 s before train_grpo.sh set RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0
+    assert "Draining for up to" not in text and "Failed to mark the local node as draining" not in text, text
     place = json.loads((run_dir / "placement.json").read_text())
     nodes = {n["plan_node"]: n for n in place["nodes"]}
     assert len({n["node_id"] for n in nodes.values()}) == 2                      # two Ray nodes: n1's and n2's
@@ -153,3 +156,5 @@ def test_graceful_scancel_of_a_ray_run_stops_the_launcher_first(slurm, tmp_path)
     through Ray while Ray is up; then the script stops Ray on both nodes and the job ends 143."""
     info = _cancel_after_first_step(slurm, tmp_path / "run", 2, "--batch", "--signal=TERM")
     assert info["ExitCode"] == "143:0", info
+    text = _text(tmp_path / "run-slurm.out")
+    assert "Draining for up to" not in text, text  # Ray stopped at once (RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0)
