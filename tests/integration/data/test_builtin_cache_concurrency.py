@@ -26,6 +26,7 @@ if sys.argv[2] == "rank1":  # looks like torch.distributed rank 1, to transforme
     dist.get_rank = lambda group=None: 1
 import transformers
 from mlrl.modelzoo import resolve_model_dir
+Path(sys.argv[3]).write_text("ready")  # imports done
 while not go.exists():  # everyone starts together
     time.sleep(0.005)
 folder = resolve_model_dir("builtin:tiny-qwen3")
@@ -47,10 +48,15 @@ def test_eight_processes_materialise_one_builtin_at_once(tmp_path, start):
         (stale / "tokenizer.json").write_text("{}")
     go = tmp_path / "go"
     env = dict(os.environ, MLRL_CACHE=str(cache), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(go), "rank1" if i % 2 else "rank0"], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(N)]
-    time.sleep(8)  # imports done (torch, transformers): the processes now spin on the start file
-    go.write_text("go")
+    ready = [tmp_path / f"ready-{i}" for i in range(N)]
+    procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(go), "rank1" if i % 2 else "rank0", str(ready[i])],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(N)]
+    deadline = time.monotonic() + 120
+    while not all(r.exists() for r in ready):  # every process has imported torch and transformers
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+            [p.communicate()[1][-2000:] for p in procs if p.poll() is not None]
+        time.sleep(0.05)
+    go.write_text("go")  # all at once: they spin on this file
     results = []
     for p in procs:
         out, err = p.communicate(timeout=300)
