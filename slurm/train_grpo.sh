@@ -152,6 +152,21 @@ on_term() {
   fi
 }
 trap on_term TERM
+# Wait until HOST:PORT accepts a TCP connection (the Ray head's GCS, which the workers join), for
+# at most TIMEOUT_S seconds; a SIGTERM meanwhile stops the script (stop_if_terminated).
+wait_for_port() {
+  local host=$1 port=$2 timeout_s=$3 i
+  for ((i = 0; i < timeout_s * 5; i++)); do
+    if (exec 3<>"/dev/tcp/$host/$port") 2>/dev/null; then
+      return 0
+    fi
+    stop_if_terminated
+    sleep 0.2
+  done
+  echo "train_grpo.sh: the Ray head's port $host:$port did not open within $timeout_s s (MLRL_RAY_WAIT_S)" >&2
+  exit 1
+}
+
 stop_if_terminated() {
   if [[ -n "$terminated" ]]; then
     echo "train_grpo.sh: SIGTERM before the launcher started: stopping" >&2
@@ -240,7 +255,7 @@ export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=${RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEO
 [[ -n "$dry" ]] || ray_started=1
 run_bg "${step[@]}" --job-name=mlrl-ray-head -w "$head" "${container[@]}" \
   "$ray" start --head --node-ip-address="$head_ip" --port="$ray_port" --num-gpus="$devices" --block
-run sleep 10
+run wait_for_port "$head_ip" "$ray_port" "$wait_s"
 stop_if_terminated
 for node in "${nodes[@]:1}"; do
   run_bg "${step[@]}" --job-name=mlrl-ray-worker -w "$node" "${container[@]}" \

@@ -37,12 +37,12 @@ def test_command_construction(fake_path):
     out, cmds = dry_run(fake_path, "trainer.lr=2e-6", "data.train=/data/my set.jsonl")
     assert out.returncode == 0, out.stderr
     assert len(cmds) == 6
-    head, sleep, w2, w3, wait, launch = cmds
+    head, port, w2, w3, wait, launch = cmds
     step = ["srun", "--nodes=1", "--ntasks=1", "--overlap"]
     assert head == step + ["--job-name=mlrl-ray-head", "-w", "gpu-a01", "ray", "start", "--head",
                            "--node-ip-address=gpu-a01", "--port=6379", "--num-gpus=4", "--block"]
     assert out.stdout.splitlines()[0].endswith("&")                     # Ray steps run in the background
-    assert sleep == ["sleep", "10"]
+    assert port == ["wait_for_port", "gpu-a01", "6379", "600"]   # the workers join once the head listens
     for cmd, host in ((w2, "gpu-a02"), (w3, "gpu-a03")):
         assert cmd == step + ["--job-name=mlrl-ray-worker", "-w", host, "ray", "start", "--address=gpu-a01:6379",
                               "--num-gpus=4", "--block"]
@@ -162,3 +162,29 @@ def test_shellcheck_clean(script):
         [_tool("shellcheck"), "--severity=style", str(script)], capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_a_ray_head_that_never_listens_stops_the_job_within_the_wait(fake_path, tmp_path):
+    """Not dry: srun / squeue / scancel are stand-ins and no Ray head comes up, so its port stays
+    closed; the script stops after MLRL_RAY_WAIT_S (not a fixed sleep) and starts no worker."""
+    import socket
+
+    calls = tmp_path / "srun_calls"
+    for name in ("srun", "squeue", "scancel"):
+        f = tmp_path / name
+        # `srun ... hostname --ip-address` answers the head's address; every other step does nothing
+        f.write_text(f'#!/bin/sh\necho "{name} $*" >> {calls}\ncase "$*" in *hostname*) echo 127.0.0.1;; esac\n')
+        f.chmod(0o755)
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text("#!/bin/sh\necho 127.0.0.1\necho 127.0.0.2\n")
+    env = {"PATH": fake_path, "HOME": str(tmp_path), "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "n[1-2]",
+           "SLURM_GPUS_PER_NODE": "0", "MLRL_CONFIG": "launch/cpu_default.yaml", "MLRL_RAY_PORT": str(port),
+           "MLRL_RAY_WAIT_S": "2"}
+    out = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=30, env=env)
+    assert out.returncode == 1, out.stderr
+    assert f"the Ray head's port 127.0.0.1:{port} did not open within 2 s (MLRL_RAY_WAIT_S)" in out.stderr
+    started = calls.read_text()
+    assert "--job-name=mlrl-ray-head" in started and "mlrl-ray-worker" not in started and "mlrl.launch" not in started
