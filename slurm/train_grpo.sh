@@ -26,7 +26,7 @@
 #   MLRL_GPUS_PER_NODE      override the GPU count read from Slurm
 #   MLRL_CPU_SLOTS_PER_NODE device slots per node of a multi-node allocation without GPUs (default: 1)
 #   MLRL_RAY_PORT           Ray GCS port on the head node (default: 6379)
-#   MLRL_RAY_WAIT_S         seconds to wait for all nodes to register (default: 600)
+#   MLRL_RAY_WAIT_S         seconds to wait for the head to listen, then for all nodes to register (default: 600 each)
 #   MLRL_SLURM_DRY_RUN=1    print the srun / ray / launch commands instead of running them
 #
 # Job steps after the first use --overlap: the Ray steps hold the nodes for the whole job. Steps
