@@ -73,7 +73,7 @@ class Slurm:
             info = self.job(job_id)
             if info["JobState"] not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED"):
                 return info
-            time.sleep(1)
+            time.sleep(0.5)
         raise AssertionError(f"job {job_id} still {self.job(job_id)['JobState']} after {timeout_s} s\n{self.logs()}")
 
     def logs(self) -> str:

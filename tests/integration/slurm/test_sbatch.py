@@ -23,15 +23,14 @@ def _submit(slurm, run_dir: Path, nodes: int, steps: int, wait: bool) -> tuple[s
     env = {**slurm.env, "MLRL_CONFIG": "launch/cpu_default.yaml", "MLRL_PYTHON": sys.executable,
            "MLRL_RAY_PORT": str(slurm.free_port()), "MLRL_RAY_WAIT_S": "120"}
     cmd = ["sbatch", "--parsable", f"--nodes={nodes}", "--gpus-per-node=0", f"--output={out_file}",
-           *(["--wait"] if wait else []), str(SCRIPT), f"trainer.total_steps={steps}", f"logging.run_dir={run_dir}",
-           "logging.progress_bar=false"]
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+           str(SCRIPT), f"trainer.total_steps={steps}", f"logging.run_dir={run_dir}", "logging.progress_bar=false"]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     job_id = out.stdout.strip().split(";")[0]
-    if wait:
-        assert out.returncode == 0, (f"sbatch --wait exited {out.returncode}: {out.stderr}\n"
-                                     f"{_tail(out_file)}\n{slurm.logs()}")
-    else:
-        assert out.returncode == 0 and job_id.isdigit(), out.stderr
+    assert out.returncode == 0 and job_id.isdigit(), out.stderr
+    if wait:  # polled here: `sbatch --wait` sleeps 2, 8, then 32 s between its checks (a 15 s job took 42 s)
+        info = slurm.wait_gone(job_id, timeout_s=900)
+        assert info["ExitCode"] == "0:0", f"job {job_id}: {info['JobState']} {info['ExitCode']}\n" \
+                                          f"{_tail(out_file)}\n{slurm.logs()}"
     return job_id, out_file
 
 
