@@ -153,14 +153,21 @@ on_term() {
 }
 trap on_term TERM
 # Wait until HOST:PORT accepts a TCP connection (the Ray head's GCS, which the workers join), for
-# at most TIMEOUT_S seconds; a SIGTERM meanwhile stops the script (stop_if_terminated).
+# at most TIMEOUT_S seconds, each try at most 2 s (a host that drops packets would hold a bare
+# connect for minutes); stop when the head's step (head_pid) has ended, or on SIGTERM
+# (stop_if_terminated).
 wait_for_port() {
-  local host=$1 port=$2 timeout_s=$3 i
-  for ((i = 0; i < timeout_s * 5; i++)); do
-    if (exec 3<>"/dev/tcp/$host/$port") 2>/dev/null; then
+  local host=$1 port=$2 timeout_s=$3 deadline=$((SECONDS + $3))
+  while ((SECONDS < deadline)); do
+    # shellcheck disable=SC2016  # $0 / $1 are the inner shell's arguments
+    if timeout 2 bash -c 'exec 3<>"/dev/tcp/$0/$1"' "$host" "$port" 2>/dev/null; then
       return 0
     fi
     stop_if_terminated
+    if [[ -n "${head_pid:-}" ]] && ! kill -0 "$head_pid" 2>/dev/null; then
+      echo "train_grpo.sh: the Ray head's step ended before its port $host:$port opened (see its output above)" >&2
+      exit 1
+    fi
     sleep 0.2
   done
   echo "train_grpo.sh: the Ray head's port $host:$port did not open within $timeout_s s (MLRL_RAY_WAIT_S)" >&2
@@ -229,6 +236,10 @@ if ((gpus_per_node == 0)); then
   devices=$slots
   what="CPU device slots (no GPUs granted: every process takes the CPU path)"
 fi
+if ! [[ "$wait_s" =~ ^[1-9][0-9]*$ ]]; then
+  echo "train_grpo.sh: MLRL_RAY_WAIT_S='$wait_s' must be a whole number of seconds >= 1" >&2
+  exit 1
+fi
 
 if [[ -n "$dry" ]]; then
   head_ip=$head
@@ -255,6 +266,7 @@ export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=${RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEO
 [[ -n "$dry" ]] || ray_started=1
 run_bg "${step[@]}" --job-name=mlrl-ray-head -w "$head" "${container[@]}" \
   "$ray" start --head --node-ip-address="$head_ip" --port="$ray_port" --num-gpus="$devices" --block
+[[ -n "$dry" ]] || head_pid=$!
 run wait_for_port "$head_ip" "$ray_port" "$wait_s"
 stop_if_terminated
 for node in "${nodes[@]:1}"; do

@@ -186,41 +186,68 @@ def bench_config(args, hf_dir: Path, *, fp8_recipe: str | None = None):
     return cfg
 
 
-def micro_batch_split(samples: int, sample_len: int, budget: int) -> int:
-    """How many micro-batches --samples whole samples need under a token budget per micro-batch
-    (the bench's micro-batches hold whole samples; one sample even when it is longer)."""
-    per = max(1, budget // sample_len)
-    return -(-samples // per)
+def samples_per_micro_batch(samples: int, sample_len: int, *, budget: int | None = None,
+                            micro_batches: int | None = None) -> int:
+    """Whole samples per micro-batch: as many as a token budget holds (trainer.micro_batch_tokens'
+    first-fit packing of equal samples: full micro-batches, the last one partial), or an even
+    split into --micro-batches (torch.chunk's sizes)."""
+    if budget is not None:
+        return max(1, min(samples, budget // sample_len))
+    assert micro_batches is not None
+    return -(-samples // micro_batches)
+
+
+FP8_MIN_CAPABILITY = {"tensorwise": (8, 9), "delayed": (8, 9), "blockwise": (9, 0), "mxfp8": (10, 0)}
 
 
 def resolve_micro_batches(args, hf_dir: Path, device_gb: float | None) -> dict:
-    """--micro-batch-tokens N|auto -> args.micro_batches (set in place), and what the planner
-    expects for it: {"micro_batch_tokens", "micro_batch_tokens_auto", "planned_train_gb"} (GB of
-    the fullest GPU's training phase, against torch's peak allocated; None on cpu, where host
-    memory is not planned). auto uses mlrl.plan's auto_micro_batch_tokens with `device_gb` (this GPU's
-    memory, GiB) as the GPU's size, as `mlrl.launch` does on one machine."""
+    """--micro-batches K or --micro-batch-tokens N|auto -> args.per_micro_batch and
+    args.micro_batches (set in place), and what the planner expects of the largest micro-batch:
+    {"micro_batch_tokens" (the budget), "micro_batch_tokens_auto", "largest_micro_batch_tokens",
+    "planned_train_gb"} (GB of the fullest GPU's training phase in bf16, against torch's peak
+    allocated; None on cpu, where host memory is not planned, or for a model the planner cannot
+    shape). auto uses mlrl.plan's auto_micro_batch_tokens with `device_gb` (this GPU's memory,
+    GiB) as the GPU's size, as `mlrl.launch` does on one machine."""
     from mlrl.config.validate import resolve_layout
     from mlrl.plan.planner import auto_micro_batch_tokens, make_plan, trainer_train_bytes
 
-    cfg = bench_config(args, hf_dir, fp8_recipe=args.fp8_recipe)
+    cfg = bench_config(args, hf_dir)  # bf16: the side the planner's estimate is compared with
     layout = resolve_layout(cfg)
     if device_gb is not None:
         cfg.cluster.gpu_memory_gb = device_gb
+    n, L = args.samples, args.sample_len
     if args.micro_batch_tokens is None:
-        budget = -(-args.samples // args.micro_batches) * args.sample_len
-    elif args.micro_batch_tokens == "auto":
-        budget = auto_micro_batch_tokens(cfg, layout, device_gb)
+        per = samples_per_micro_batch(n, L, micro_batches=args.micro_batches)
+        budget = per * L
     else:
-        budget = int(args.micro_batch_tokens)
-    if args.micro_batches is None:
-        args.micro_batches = micro_batch_split(args.samples, args.sample_len, budget)
-    cfg.trainer.micro_batch_tokens = budget
-    planned = None if cfg.cluster.gpus_per_node == 0 else trainer_train_bytes(make_plan(cfg, layout)) / 1e9
+        budget = auto_micro_batch_tokens(cfg, layout, device_gb) if args.micro_batch_tokens == "auto" \
+            else int(args.micro_batch_tokens)
+        per = samples_per_micro_batch(n, L, budget=budget)
+    args.per_micro_batch, args.micro_batches = per, -(-n // per)
+    cfg.trainer.micro_batch_tokens = per * L  # the largest micro-batch the bench runs
+    planned = None
+    if cfg.cluster.gpus_per_node:
+        try:
+            planned = trainer_train_bytes(make_plan(cfg, layout)) / 1e9
+        except Exception as e:  # a model outside the planner's shapes: bench without an estimate
+            print(f"bench_train_step: no memory estimate for this model ({type(e).__name__}: {e})", flush=True)
     return {"micro_batch_tokens": budget, "micro_batch_tokens_auto": args.micro_batch_tokens == "auto",
-            "planned_train_gb": planned}
+            "largest_micro_batch_tokens": per * L, "planned_train_gb": planned}
 
 
 # ---- arguments and launch ---------------------------------------------------------------------------
+def _tokens_or_auto(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or auto, got {text!r}")
+    return value
+
+
 def _parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     src = ap.add_mutually_exclusive_group()
@@ -235,7 +262,7 @@ def _parse(argv=None):
                     help="tokens per sample (default: 128 on cpu, 2048 on cuda)")
     split = ap.add_mutually_exclusive_group()
     split.add_argument("--micro-batches", type=int, default=None, help="default: 2 on cpu, 4 on cuda")
-    split.add_argument("--micro-batch-tokens", default=None, metavar="N|auto",
+    split.add_argument("--micro-batch-tokens", type=_tokens_or_auto, default=None, metavar="N|auto",
                        help="size the micro-batches as trainer.micro_batch_tokens does (whole samples of at most N "
                             "tokens each); auto: mlrl's planner for this GPU's memory (4096 on cpu)")
     ap.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
@@ -253,14 +280,18 @@ def _parse(argv=None):
     ap.add_argument("--json", default=None)
     ap.add_argument("--timeout", type=float, default=1800)
     args = ap.parse_args(argv)
+    if args.samples < 1:
+        ap.error(f"--samples: expected a positive integer, got {args.samples}")
     for key, value in _DEFAULTS[args.device].items():
-        if key == "micro_batches" and args.micro_batch_tokens is not None:
-            continue  # the worker derives it from the token budget
+        if key == "micro_batches":
+            if args.micro_batch_tokens is not None:
+                continue  # the worker derives it from the token budget
+            value = min(value, args.samples)
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if args.micro_batch_tokens is not None and args.micro_batch_tokens != "auto":
-        if not args.micro_batch_tokens.isdigit() or int(args.micro_batch_tokens) < 1:
-            ap.error(f"--micro-batch-tokens: expected a positive integer or auto, got {args.micro_batch_tokens!r}")
+    if isinstance(args.micro_batch_tokens, int) and args.micro_batch_tokens < args.sample_len:
+        ap.error(f"--micro-batch-tokens {args.micro_batch_tokens}: a micro-batch holds whole samples, at least "
+                 f"--sample-len ({args.sample_len}) tokens")
     if args.micro_batches is not None and not 1 <= args.micro_batches <= args.samples:
         ap.error(f"--micro-batches: expected 1..--samples ({args.samples}), got {args.micro_batches}")
     if args.mlrl_only and args.device != "cuda":
@@ -276,6 +307,11 @@ def _parse(argv=None):
         if torch.cuda.device_count() < args.tp * args.pp:
             ap.error(f"--device cuda: --tp * --pp = {args.tp * args.pp} processes need as many GPUs, "
                      f"{torch.cuda.device_count()} visible")
+        if args.fp8_recipe is not None:
+            need, have = FP8_MIN_CAPABILITY[args.fp8_recipe], torch.cuda.get_device_capability(0)
+            if tuple(have) < need:
+                ap.error(f"--fp8-recipe {args.fp8_recipe}: Transformer Engine needs compute capability "
+                         f">= {need[0]}.{need[1]}, this GPU has {have[0]}.{have[1]}")
     return args
 
 
@@ -331,7 +367,7 @@ def _batch(vocab: int, args):
     adv = torch.randn(n, generator=g)
     loss_tokens = n * (L - L // 2)
     mbs = []
-    for idx in torch.arange(n).chunk(args.micro_batches):
+    for idx in torch.arange(n).split(args.per_micro_batch):
         k = len(idx)
         mask = torch.zeros(k, L)
         mask[:, L // 2:] = 1.0
@@ -430,7 +466,8 @@ def worker(args) -> int:
 
     cuda = args.device == "cuda"
     hf_dir = Path(os.environ[HF_DIR_ENV]) if args.model_shape else resolve_model_dir(args.hf_dir)
-    device_gb = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30 if cuda else None
+    local = int(os.environ.get("LOCAL_RANK", "0"))  # before init_parallel sets this rank's device
+    device_gb = torch.cuda.get_device_properties(local).total_memory / 2**30 if cuda else None
     planned = resolve_micro_batches(args, hf_dir, device_gb)
     cfg = bench_config(args, hf_dir)  # its SFT section keeps dp = 1 on tp*pp GPUs; the policy reads no more of it
     layout = resolve_layout(cfg)
@@ -445,9 +482,12 @@ def worker(args) -> int:
         dist.barrier()
 
     def mlrl_side(trainer_cfg, *, forward: bool):
-        """(train s/step, forward-only s/call or None, peak GB) of one mlrl policy, freed afterwards."""
+        """(train s/step, forward-only s/call or None, (peak allocated, peak reserved) GB, GB still
+        allocated when it started) of one mlrl policy, freed afterwards."""
+        start = 0.0
         if cuda:
             torch.cuda.reset_peak_memory_stats()
+            start = torch.cuda.memory_allocated() / 1e9
         policy = MegatronPolicy(cfg.model, cfg.parallel, trainer_cfg, layout, hf_dir=hf_dir, trainable=True)
         train = _timed(partial(policy.update, mbs, pg_loss), args.warmup, args.steps, sync)
         fwd = _timed(partial(policy.compute_logprobs, mbs, 1.0), args.warmup, args.steps, sync) if forward else None
@@ -456,10 +496,13 @@ def worker(args) -> int:
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
-        return train, fwd, peak
+        return train, fwd, peak, start
 
-    mg_time, fwd_time, mg_mem = mlrl_side(cfg.trainer, forward=True)
+    mg_time, fwd_time, mg_mem, _ = mlrl_side(cfg.trainer, forward=True)
     assert fwd_time is not None
+    if dist.get_rank() == 0:  # before the FP8 side, which may fail
+        print(f"bench_train_step: mlrl train {tokens / mg_time:.0f} tok/s, forward-only {tokens / fwd_time:.0f} "
+              f"tok/s, peak {mg_mem[0]:.1f} GB allocated", flush=True)
     fp8 = None
     if args.fp8_recipe is not None:
         fp8 = mlrl_side(bench_config(args, hf_dir, fp8_recipe=args.fp8_recipe).trainer, forward=False)
@@ -476,10 +519,11 @@ def worker(args) -> int:
             if fp8 is not None:
                 res.update(_fp8_report(args, hf_cfg, tokens, mg_time, fp8, dist.get_world_size()))
             how = "auto" if planned["micro_batch_tokens_auto"] else "given"
+            est = "none" if planned["planned_train_gb"] is None else f"{planned['planned_train_gb']:.1f} GB"
             print(f"bench_train_step: micro_batch_tokens {planned['micro_batch_tokens']} ({how}) -> "
-                  f"{args.micro_batches} micro-batches; planner's training-phase estimate "
-                  f"{planned['planned_train_gb']:.1f} GB vs measured peak {mg_mem[0]:.1f} GB allocated "
-                  f"({device_gb:.1f} GiB GPU)", flush=True)
+                  f"{args.micro_batches} micro-batches of <= {args.per_micro_batch} samples; planner's bf16 "
+                  f"training-phase estimate for {planned['largest_micro_batch_tokens']} tokens: {est} vs measured "
+                  f"peak {mg_mem[0]:.1f} GB allocated ({device_gb:.1f} GiB GPU)", flush=True)
             if planned["planned_train_gb"]:
                 res["ratio_peak_over_planned"] = mg_mem[0] / planned["planned_train_gb"]
         else:
@@ -494,10 +538,11 @@ def worker(args) -> int:
                   f"{res['megatron_tokens_per_s']:.0f} tok/s, HF {res['hf_tokens_per_s']:.0f} tok/s, "
                   f"ratio Megatron/HF = {res['ratio_megatron_over_hf']:.2f}", flush=True)
         print(json.dumps(res), flush=True)
-        if cuda and args.mlrl_only:
-            print(f"ratio peak_over_planned: {res.get('ratio_peak_over_planned', float('nan')):.3f}", flush=True)
-        elif cuda:
-            print(f"ratio mlrl_over_hf: {res['ratio_mlrl_over_hf']:.3f}", flush=True)
+        if cuda:
+            if args.mlrl_only:
+                print(f"ratio peak_over_planned: {res.get('ratio_peak_over_planned', float('nan')):.3f}", flush=True)
+            else:
+                print(f"ratio mlrl_over_hf: {res['ratio_mlrl_over_hf']:.3f}", flush=True)
             if fp8 is not None:
                 print(f"ratio fp8_over_bf16: {res['ratio_fp8_over_bf16']:.3f}", flush=True)
         else:
@@ -546,15 +591,16 @@ def _cuda_report(args, hf_cfg, tokens, mg_time, fwd_time, hf, mg_mem, world) -> 
 
 def _fp8_report(args, hf_cfg, tokens, bf16_time, fp8, world) -> dict:
     """The FP8 side's record (train tok/s, MFU against the bf16 peak, memory) and its line."""
-    fp8_time, _, fp8_mem = fp8
+    fp8_time, _, fp8_mem, fp8_start = fp8
     tps = tokens / fp8_time
     r = {"fp8_recipe": args.fp8_recipe, "mlrl_fp8_train_tokens_per_s": tps,
          "mlrl_fp8_train_mfu": mfu(train_flops_per_token(hf_cfg, args.sample_len), tps, args.peak_tflops, world),
          "mlrl_fp8_peak_allocated_gb": fp8_mem[0], "mlrl_fp8_peak_reserved_gb": fp8_mem[1],
-         "ratio_fp8_over_bf16": bf16_time / fp8_time}
+         "mlrl_fp8_start_allocated_gb": fp8_start, "ratio_fp8_over_bf16": bf16_time / fp8_time}
     print(f"bench_train_step: mlrl FP8 ({args.fp8_recipe}): train {tps:.0f} tok/s (bf16-equivalent MFU "
           f"{r['mlrl_fp8_train_mfu']:.1%}), {r['ratio_fp8_over_bf16']:.2f}x the bf16 step, peak "
-          f"{fp8_mem[0]:.1f} GB allocated / {fp8_mem[1]:.1f} GB reserved", flush=True)
+          f"{fp8_mem[0]:.1f} GB allocated / {fp8_mem[1]:.1f} GB reserved ({fp8_start:.1f} GB held before it)",
+          flush=True)
     return r
 
 

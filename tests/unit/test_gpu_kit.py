@@ -172,7 +172,7 @@ def _fake_bin(tmp_path):
     return bin_, calls
 
 
-def _session(tmp_path, stages, *, warm=True):
+def _session(tmp_path, stages, *, warm=True, env=None):
     kit_dir, site, out = tmp_path / "k", tmp_path / "site", tmp_path / "out"
     kit_dir.mkdir()
     (kit_dir / "manifest.json").write_text('{"sha256": "abc"}')
@@ -183,7 +183,7 @@ def _session(tmp_path, stages, *, warm=True):
         (site / ".mlrl_kit_manifest.json").write_text('{"sha256": "abc"}')
     bin_, calls = _fake_bin(tmp_path)
     env = {"PATH": f"{bin_}:/usr/bin:/bin", "KIT_DIR": str(kit_dir), "SITE": str(site), "OUT": str(out),
-           "STAGES": stages, "HOME": str(tmp_path), "KIT_WORK": str(tmp_path / "work")}
+           "STAGES": stages, "HOME": str(tmp_path), "KIT_WORK": str(tmp_path / "work"), **(env or {})}
     work = tmp_path / "repo"  # no .gpu/kit here: nothing is copied
     work.mkdir()
     r = subprocess.run(["bash", str(TOOLS / "gpu_kit" / "gpu_session.sh")], cwd=work, env=env,
@@ -196,11 +196,24 @@ def test_session_runs_only_the_named_stages_and_reuses_a_warm_install(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "already in" in r.stdout and "te build: rc=0; built before" in r.stdout
     runs = [line for line in calls.splitlines() if line.startswith("python3")]
-    assert len(runs) == 3, calls  # no install, no TE build, no rollout test, e2e bench or kit check
-    assert "tests/gpu/trainer" in runs[0] and "--timeout 150" in runs[0] and "--junitxml=" in runs[0]
-    assert "bench_train_step.py --device cuda --model-shape qwen3-1.7b --fp8-recipe tensorwise" in runs[1]
-    assert "--micro-batch-tokens auto --mlrl-only" in runs[2]
+    assert len(runs) == 4, calls  # no install, no TE build, no rollout test, e2e bench or kit check
+    assert "tests/gpu/trainer" in runs[0] and "--timeout 120" in runs[0] and "--junitxml=" in runs[0]
+    assert "--deselect tests/gpu/trainer/test_offload_gpu.py" in runs[0] and "-n 3" in runs[0]
+    assert runs[1].endswith(" tests/gpu/trainer/test_offload_gpu.py") and " -n " not in runs[1]  # alone
+    assert "bench_train_step.py --device cuda --model-shape qwen3-1.7b --fp8-recipe tensorwise" in runs[2]
+    assert "--micro-batch-tokens auto --mlrl-only" in runs[3]
     assert "every stage passed" in r.stdout
+    assert calls.count("pkill -f") == 4 and "torch.distributed.run" in calls  # after each stage, ranks included
+
+
+def test_session_without_fp8_and_without_a_stage_that_needs_te(tmp_path):
+    r, calls = _session(tmp_path, "train_bench", env={"TRAIN_FP8": "none"})
+    assert r.returncode == 0 and "--fp8-recipe" not in calls and "bench_train_step.py" in calls, r.stdout
+    cold = tmp_path / "cold"
+    cold.mkdir()
+    r, calls = _session(cold, "rollout_tests", warm=False)  # vLLM only: no TE build is started or waited for
+    assert "te build: rc=0; not needed by STAGES" in r.stdout and "no transformer_engine_torch sdist" not in r.stdout
+    assert r.returncode == 0, r.stdout
 
 
 def test_session_refuses_an_unknown_stage_before_any_work(tmp_path):

@@ -40,7 +40,9 @@ build_te() {
       python3 -m pip install --no-index --no-deps --no-build-isolation --no-cache-dir --target "$B/out" . > "$B/build.log" 2>&1 ) \
     || { tail -30 "$B/build.log"; echo "kit: Transformer Engine torch extension build failed ($B/build.log)"; return 1; }
   so=$(find "$B/out" -name 'transformer_engine_torch*.so' | head -1)
-  mkdir -p "$S/transformer_engine/wheel_lib" && cp "$so" "$S/transformer_engine/wheel_lib/" || return 1
+  # copied whole or not at all: gpu_session.sh takes a present .so for a finished build
+  mkdir -p "$S/transformer_engine/wheel_lib" && cp "$so" "$S/transformer_engine/wheel_lib/.partial.so" \
+    && mv "$S/transformer_engine/wheel_lib/.partial.so" "$S/transformer_engine/wheel_lib/$(basename "$so")" || return 1
   say "built $(basename "$so")"
 }
 

@@ -52,10 +52,15 @@ def test_eight_processes_materialise_one_builtin_at_once(tmp_path, start):
     procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(go), "rank1" if i % 2 else "rank0", str(ready[i])],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(N)]
     deadline = time.monotonic() + 120
-    while not all(r.exists() for r in ready):  # every process has imported torch and transformers
-        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
-            [p.communicate()[1][-2000:] for p in procs if p.poll() is not None]
-        time.sleep(0.05)
+    try:
+        while not all(r.exists() for r in ready):  # every process has imported torch and transformers
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+                [p.communicate()[1][-2000:] for p in procs if p.poll() is not None]
+            time.sleep(0.05)
+    except BaseException:
+        for p in procs:  # they would spin on the start file forever
+            p.kill()
+        raise
     go.write_text("go")  # all at once: they spin on this file
     results = []
     for p in procs:

@@ -135,6 +135,7 @@ def test_several_nodes_without_gpus_offer_cpu_slots_from_one_environment(fake_pa
 @pytest.mark.parametrize(("env", "says"), [
     ({"MLRL_GPUS_PER_NODE": "eight"}, "GPUs per node 'eight'"),
     ({"MLRL_CPU_SLOTS_PER_NODE": "0"}, "MLRL_CPU_SLOTS_PER_NODE='0' must be a whole number >= 1"),
+    ({"MLRL_RAY_WAIT_S": "300.5"}, "MLRL_RAY_WAIT_S='300.5' must be a whole number of seconds >= 1"),
 ])
 def test_bad_counts_fail_clearly(fake_path, env, says):
     out, cmds = _no_gpu_env(fake_path, 3, **env)
@@ -164,16 +165,21 @@ def test_shellcheck_clean(script):
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-def test_a_ray_head_that_never_listens_stops_the_job_within_the_wait(fake_path, tmp_path):
+@pytest.mark.parametrize("head", ["listens_never", "dies"])
+def test_a_ray_head_that_never_listens_stops_the_job(fake_path, tmp_path, head):
     """Not dry: srun / squeue / scancel are stand-ins and no Ray head comes up, so its port stays
-    closed; the script stops after MLRL_RAY_WAIT_S (not a fixed sleep) and starts no worker."""
+    closed. A head step that keeps running is given MLRL_RAY_WAIT_S (not a fixed sleep); one that
+    ended stops the job at once. Either way no worker and no launcher starts."""
     import socket
+    import time
 
     calls = tmp_path / "srun_calls"
+    # `srun ... hostname --ip-address` answers the head's address; `ray start` runs on (or ends)
+    ray = "exec sleep 30" if head == "listens_never" else "exit 1"
     for name in ("srun", "squeue", "scancel"):
         f = tmp_path / name
-        # `srun ... hostname --ip-address` answers the head's address; every other step does nothing
-        f.write_text(f'#!/bin/sh\necho "{name} $*" >> {calls}\ncase "$*" in *hostname*) echo 127.0.0.1;; esac\n')
+        f.write_text(f'#!/bin/sh\necho "{name} $*" >> {calls}\n'
+                     f'case "$*" in *hostname*) echo 127.0.0.1;; *"ray start"*) {ray};; esac\n')
         f.chmod(0o755)
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
@@ -182,9 +188,16 @@ def test_a_ray_head_that_never_listens_stops_the_job_within_the_wait(fake_path, 
     scontrol.write_text("#!/bin/sh\necho 127.0.0.1\necho 127.0.0.2\n")
     env = {"PATH": fake_path, "HOME": str(tmp_path), "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "n[1-2]",
            "SLURM_GPUS_PER_NODE": "0", "MLRL_CONFIG": "launch/cpu_default.yaml", "MLRL_RAY_PORT": str(port),
-           "MLRL_RAY_WAIT_S": "2"}
+           "MLRL_RAY_WAIT_S": "3"}
+    t0 = time.monotonic()
     out = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=30, env=env)
+    wall = time.monotonic() - t0
     assert out.returncode == 1, out.stderr
-    assert f"the Ray head's port 127.0.0.1:{port} did not open within 2 s (MLRL_RAY_WAIT_S)" in out.stderr
+    if head == "listens_never":
+        assert f"the Ray head's port 127.0.0.1:{port} did not open within 3 s (MLRL_RAY_WAIT_S)" in out.stderr
+        assert 2 <= wall < 15, wall  # bash SECONDS counts whole seconds
+    else:
+        assert f"the Ray head's step ended before its port 127.0.0.1:{port} opened" in out.stderr
+        assert wall < 3, wall
     started = calls.read_text()
     assert "--job-name=mlrl-ray-head" in started and "mlrl-ray-worker" not in started and "mlrl.launch" not in started

@@ -123,20 +123,20 @@ def test_defaults_follow_the_device(monkeypatch):
         bench._parse(["--device", "cuda", "--tp", "2"])  # two processes, one GPU
 
 
-def test_micro_batch_split_keeps_whole_samples_under_the_budget():
-    assert bench.micro_batch_split(16, 2048, 8192) == 4
-    assert bench.micro_batch_split(16, 2048, 8191) == 6  # 3 samples fit, 16 / 3 -> 6 micro-batches
-    assert bench.micro_batch_split(16, 2048, 1000) == 16  # one sample each, even when it is longer
-    assert bench.micro_batch_split(16, 2048, 10**9) == 1
-    # torch's chunk (the bench's split) then never puts more samples in one than the budget holds
-    for n, L, budget in [(16, 2048, 8191), (7, 100, 250), (33, 64, 640)]:
-        k = bench.micro_batch_split(n, L, budget)
-        assert max(len(c) for c in torch.arange(n).chunk(k)) * L <= max(budget, L)
+def test_micro_batches_hold_whole_samples_as_the_trainer_packs_them():
+    per = bench.samples_per_micro_batch
+    assert per(16, 2048, budget=8192) == 4
+    assert per(16, 2048, budget=14592) == 7  # 7 / 7 / 2, as first-fit packing fills them (not chunk's 6 / 5 / 5)
+    assert per(16, 2048, budget=10**9) == 16
+    assert per(16, 2048, micro_batches=4) == 4 and per(16, 2048, micro_batches=3) == 6  # torch.chunk's sizes
+    assert [len(c) for c in torch.arange(16).split(per(16, 2048, micro_batches=3))] == \
+        [len(c) for c in torch.arange(16).chunk(3)]
 
 
-def _gpu_args(monkeypatch, *extra):
+def _gpu_args(monkeypatch, *extra, capability=(9, 0)):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
     return bench._parse(["--device", "cuda", "--model-shape", "qwen3-1.7b", *extra])
 
 
@@ -155,8 +155,10 @@ def test_auto_micro_batch_tokens_follow_the_gpu_memory_and_recompute(monkeypatch
         assert args.micro_batches is None  # derived from the budget, not the cuda default 4
         got = bench.resolve_micro_batches(args, hf, gb)
         assert got["micro_batch_tokens_auto"] and got["micro_batch_tokens"] % 256 == 0
-        assert got["micro_batch_tokens"] >= 2048 and args.micro_batches == bench.micro_batch_split(
-            64, 2048, got["micro_batch_tokens"])
+        per = got["micro_batch_tokens"] // 2048
+        assert per >= 1 and args.per_micro_batch == per and args.micro_batches == -(-64 // per)
+        # planned for the largest micro-batch the bench runs, whole samples: at most the budget
+        assert got["largest_micro_batch_tokens"] == per * 2048 <= got["micro_batch_tokens"]
         assert 0 < got["planned_train_gb"] <= 0.85 * gb * 2**30 / 1e9
         picked[gb, recompute] = got["micro_batch_tokens"]
     assert picked[139.8, "none"] > picked[80.0, "none"]
@@ -168,6 +170,7 @@ def test_given_micro_batches_or_tokens_are_planned_as_given(monkeypatch, tmp_pat
     four = _gpu_args(monkeypatch)  # the cuda default: 4 micro-batches of 4 x 2048 tokens
     got4 = bench.resolve_micro_batches(four, hf, 139.8)
     assert four.micro_batches == 4 and got4["micro_batch_tokens"] == 8192 and not got4["micro_batch_tokens_auto"]
+    assert four.per_micro_batch == 4 and got4["largest_micro_batch_tokens"] == 8192
     two = _gpu_args(monkeypatch, "--micro-batch-tokens", "16384")
     got2 = bench.resolve_micro_batches(two, hf, 139.8)
     assert two.micro_batches == 2 and got2["planned_train_gb"] > got4["planned_train_gb"]  # more activations
@@ -177,13 +180,18 @@ def test_auto_on_cpu_is_the_cpu_budget(tmp_path):
     args = bench._parse(["--hf-dir", "builtin:tiny-llama", "--samples", "4", "--sample-len", "16",
                          "--micro-batch-tokens", "auto"])
     got = bench.resolve_micro_batches(args, _shape_dir(tmp_path), None)
-    assert got == {"micro_batch_tokens": 4096, "micro_batch_tokens_auto": True, "planned_train_gb": None}
-    assert args.micro_batches == 1
+    assert got == {"micro_batch_tokens": 4096, "micro_batch_tokens_auto": True, "largest_micro_batch_tokens": 64,
+                   "planned_train_gb": None}
+    assert args.micro_batches == 1 and args.per_micro_batch == 4
 
 
 @pytest.mark.parametrize("argv, says", [
     (["--micro-batch-tokens", "lots"], "--micro-batch-tokens: expected a positive integer or auto, got 'lots'"),
     (["--micro-batch-tokens", "0"], "--micro-batch-tokens: expected a positive integer or auto, got '0'"),
+    (["--micro-batch-tokens", "\u00b2"], "--micro-batch-tokens: expected a positive integer or auto, got"),
+    (["--micro-batch-tokens", "100"], "--micro-batch-tokens 100: a micro-batch holds whole samples, at least "
+                                      "--sample-len (128) tokens"),
+    (["--samples", "0"], "--samples: expected a positive integer, got 0"),
     (["--micro-batches", "3", "--micro-batch-tokens", "auto"], "not allowed with argument"),
     (["--micro-batches", "17"], "--micro-batches: expected 1..--samples (16), got 17"),
     (["--fp8-recipe", "tensorwise"], "--fp8-recipe tensorwise: FP8 runs through Transformer Engine on a GPU"),
@@ -220,7 +228,22 @@ def test_cuda_report_with_and_without_hf_and_the_fp8_record(monkeypatch, capsys)
     assert only["mlrl_train_mfu"] == pytest.approx(bench.train_flops_per_token(cfg, 2048) * tokens / 989e12)
     both = bench._cuda_report(args, cfg, tokens, 1.0, 0.4, (1.5, (70.0, 72.0), 0.5), (50.0, 60.0), 1)
     assert both["ratio_mlrl_over_hf"] == pytest.approx(1.5) and both["hf_peak_allocated_gb"] == 70.0
-    fp8 = bench._fp8_report(args, cfg, tokens, 1.0, (0.8, None, (45.0, 50.0)), 1)
+    fp8 = bench._fp8_report(args, cfg, tokens, 1.0, (0.8, None, (45.0, 50.0), 1.5), 1)
     assert fp8["ratio_fp8_over_bf16"] == pytest.approx(1.25) and fp8["fp8_recipe"] == "tensorwise"
+    assert fp8["mlrl_fp8_start_allocated_gb"] == 1.5
     out = capsys.readouterr().out
     assert out.count("HF transformers") == 1 and "FP8 (tensorwise)" in out and "1.25x the bf16 step" in out
+
+
+def test_fp8_recipes_this_gpu_cannot_run_are_refused_before_any_work(monkeypatch, capsys):
+    """mxfp8 needs Blackwell (10.0): on a Hopper GPU it would fail only after the bf16 side ran."""
+    with pytest.raises(SystemExit) as e:
+        _gpu_args(monkeypatch, "--fp8-recipe", "mxfp8")
+    assert e.value.code == 2 and "needs compute capability >= 10.0, this GPU has 9.0" in capsys.readouterr().err
+    assert _gpu_args(monkeypatch, "--fp8-recipe", "blockwise").fp8_recipe == "blockwise"
+    with pytest.raises(SystemExit):
+        _gpu_args(monkeypatch, "--fp8-recipe", "tensorwise", capability=(8, 0))  # A100: no FP8
+
+
+def test_few_samples_take_fewer_default_micro_batches(monkeypatch):
+    assert _gpu_args(monkeypatch, "--samples", "2").micro_batches == 2  # the cuda default 4, capped by the samples
