@@ -198,7 +198,7 @@ def test_session_runs_only_the_named_stages_and_reuses_a_warm_install(tmp_path):
     runs = [line for line in calls.splitlines() if line.startswith("python3")]
     assert len(runs) == 4, calls  # no install, no TE build, no rollout test, e2e bench or kit check
     assert "tests/gpu/trainer" in runs[0] and "--timeout 120" in runs[0] and "--junitxml=" in runs[0]
-    assert "--deselect tests/gpu/trainer/test_offload_gpu.py" in runs[0] and "-n 3" in runs[0]
+    assert "--ignore=tests/gpu/trainer/test_offload_gpu.py" in runs[0] and "-n 3" in runs[0]
     assert runs[1].endswith(" tests/gpu/trainer/test_offload_gpu.py") and " -n " not in runs[1]  # alone
     assert "bench_train_step.py --device cuda --model-shape qwen3-1.7b --fp8-recipe tensorwise" in runs[2]
     assert "--micro-batch-tokens auto --mlrl-only" in runs[3]

@@ -20,9 +20,10 @@
 #   colocated_run  the colocated-run test (trainer offload, CUDA IPC sync, canary, logprob gap)
 #   check          the kit's own check (imports, a 10-token generation)
 # e.g. STAGES="trainer_tests train_bench auto_bench" for the trainer alone. Every stage but
-# rollout_tests and check waits for the TE build, which runs only when such a stage is named. Summary lines go to stdout and
-# $OUT/session.log; each stage's log and a tarball of the engine / trainer logs go to $OUT (OUT
-# defaults to ./gpu_out). Exit 0 when every named stage ran and passed; 2 on an unknown stage.
+# rollout_tests and check waits for the TE build, which runs only when such a stage is named.
+# Summary lines go to stdout and $OUT/session.log; each stage's log and a tarball of the engine /
+# trainer logs go to $OUT (OUT defaults to ./gpu_out). Exit 0 when every named stage ran and
+# passed; 2 on an unknown stage.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 here=$(cd "$(dirname "$0")" && pwd)
@@ -116,7 +117,7 @@ if ((te_rc == 0)); then
   if want trainer_tests; then
     # the offload test reads the whole device's free memory: alone, after the others (3 at a time)
     pytest_stage trainer_tests 150 -n 3 --timeout 120 --junitxml="$O/trainer_tests.xml" \
-      --deselect tests/gpu/trainer/test_offload_gpu.py tests/gpu/trainer tests/gpu/test_cuda_visible.py
+      --ignore=tests/gpu/trainer/test_offload_gpu.py tests/gpu/trainer tests/gpu/test_cuda_visible.py
     pytest_stage trainer_offload 60 --timeout 50 --junitxml="$O/trainer_offload.xml" tests/gpu/trainer/test_offload_gpu.py
   fi
   fp8=()
