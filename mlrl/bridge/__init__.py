@@ -4,7 +4,7 @@
   (llama, mistral, qwen2, qwen3, qwen3_moe) and the parsed architecture;
 - `ArchSpec.params / to_megatron / to_hf / transformer_config / gpt_model_kwargs`: names,
   shapes, conversions and the Megatron config fields;
-- `sharding`: TP / PP / EP layout rules and `check_layout`;
+- `sharding`: TP / EP tensor splits; `layout`: which layers and experts a rank holds, `check_layout`;
 - `HFCheckpoint`: validate a safetensors folder against the config, read selected tensors.
 """
 
@@ -14,17 +14,17 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from mlrl.bridge.arch import BridgeError, ModelArch
+from mlrl.bridge.layout import check_layout, rank_experts, stage_layers
 from mlrl.bridge.naming import global_name
 from mlrl.bridge.specs import ArchSpec, ParamSpec, get_spec, register, spec_for, supported_model_types
 
 if TYPE_CHECKING:
     from mlrl.bridge.hf_checkpoint import HFCheckpoint
-    from mlrl.bridge.sharding import check_layout, padded_vocab_size, rank_experts, shard, stage_layers, unshard
+    from mlrl.bridge.sharding import padded_vocab_size, shard, unshard
 
 # The tensor modules import torch (~1.2 s): loaded on first use, so that config validation
 # (mlrl.bridge.select, the specs) runs before the launcher has imported torch and the engines start sooner.
-_LAZY = {"HFCheckpoint": "hf_checkpoint", **{name: "sharding" for name in (
-    "check_layout", "padded_vocab_size", "rank_experts", "shard", "stage_layers", "unshard")}}
+_LAZY = {"HFCheckpoint": "hf_checkpoint", **{name: "sharding" for name in ("padded_vocab_size", "shard", "unshard")}}
 
 
 def __getattr__(name: str) -> Any:

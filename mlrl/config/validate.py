@@ -462,6 +462,21 @@ def _check_model(cfg: Config, hf: dict[str, Any], layout: Layout) -> None:
         )
 
 
+def _check_arch(hf: dict[str, Any], layout: Layout, pp_split: list[int] | None) -> None:
+    """The built-in bridge's own reading of the model and its layout rules (mlrl.bridge.spec_for,
+    check_layout: intermediate sizes divisible by tp / etp, pp_layer_split not with vpp, no cp with
+    sliding-window attention, ...), which every trainer rank applies again at start; here they fail
+    before any process starts."""
+    from mlrl.bridge import BridgeError, check_layout, spec_for
+
+    try:
+        _, arch = spec_for(hf)
+        check_layout(arch, tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp, cp=layout.cp,
+                     vpp=layout.vpp if layout.vpp and layout.vpp > 1 else None, pp_split=pp_split)
+    except BridgeError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _check_devices(cfg: Config, cuda: Callable[[], bool]) -> None:
     p, t, c = cfg.parallel, cfg.trainer, cfg.cluster
     gpu_run = c.gpus_per_node > 0
@@ -654,8 +669,10 @@ def validate(cfg: Config, *, has_cuda: bool | None = None, has_te: bool | None =
         hf = hf_config_dict(cfg.model.hf_dir, cfg.model.arch if dry_run else None)
     except ModelSpecError as e:
         raise ConfigError(str(e)) from None
-    _check_bridge(cfg, hf, cuda=cuda, dry_run=dry_run)
+    which = _check_bridge(cfg, hf, cuda=cuda, dry_run=dry_run)
     _check_model(cfg, hf, layout)
+    if which == "builtin":
+        _check_arch(hf, layout, cfg.parallel.pp_layer_split)
     _check_lora(cfg, hf)
     _check_router_replay(cfg, hf, has_cuda=cfg.cluster.gpus_per_node > 0)
     _check_shared_prefix(cfg)
@@ -669,6 +686,7 @@ def validate(cfg: Config, *, has_cuda: bool | None = None, has_te: bool | None =
                               f"{hf.get('vocab_size')} (model.hf_dir): the critic must read the policy's tokens")
         try:
             _check_model(cfg, chf, layout)
+            _check_arch(chf, layout, cfg.parallel.pp_layer_split)
         except ConfigError as e:
             raise ConfigError(f"critic.hf_dir: {e}") from None
     return layout

@@ -1,6 +1,7 @@
 """Config loading, overrides and validation: each bad config fails with its own one-line message."""
 
 import dataclasses
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -330,6 +331,43 @@ def test_missing_config_file_and_bad_override():
 def test_missing_model_config_json(tmp_path):
     with pytest.raises(ConfigError, match="has no config.json"):
         validate(load_config(DEFAULT, [f"model.hf_dir={tmp_path}"]), has_cuda=False)
+
+
+def _model_dir(path: Path, base: str = "builtin:tiny-llama", **fields) -> Path:
+    """A model folder whose config.json is `base`'s with `fields` changed (validation reads no weights)."""
+    from mlrl.modelzoo import hf_config_dict
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({**hf_config_dict(base, None), **fields}))
+    return path
+
+
+GPU8 = ["cluster.gpus_per_node=8", "rollout.num_engines=2"]
+
+
+@pytest.mark.parametrize("model,overrides,message", [
+    # what each trainer rank's own layout check (mlrl.bridge.check_layout) would refuse at start, after
+    # the engines were up: validation reaches it first
+    ({"intermediate_size": 129}, ["cluster.trainer_devices=2", "parallel.tp=2"],
+     "parallel.tp=2 must divide the model's intermediate_size=129"),
+    (None, [*GPU8, "parallel.pp=2", "parallel.vpp=2", "parallel.pp_layer_split=[1,1]"],
+     "parallel.pp_layer_split cannot be combined with parallel.vpp"),
+    ({"base": "builtin:tiny-qwen3-moe", "moe_intermediate_size": 66},
+     [*GPU8, "parallel.etp=4", "parallel.tp=2", "parallel.sequence_parallel=true"],
+     "parallel.etp=4 must divide the model's moe_intermediate_size=66"),
+    ({"model_type": "mistral", "sliding_window": 64, "architectures": ["MistralForCausalLM"]},
+     [*GPU8, "parallel.cp=2"], "parallel.cp > 1 is not supported with sliding-window attention"),
+])
+def test_the_bridges_layout_rules_fail_at_validation(tmp_path, model, overrides, message):
+    model_over = [] if model is None else [f"model.hf_dir={_model_dir(tmp_path / 'm', **model)}"]
+    with pytest.raises(ConfigError) as ei:
+        validate(load_config(DEFAULT, [*model_over, *overrides]), has_cuda=True)
+    assert str(ei.value) == message
+    # the critic's body is checked the same way
+    if model is not None and "base" not in model:
+        with pytest.raises(ConfigError, match=f"critic.hf_dir: {message}"):
+            validate(load_config(DEFAULT, [*overrides, "algorithm.advantage=gae",
+                                           f"critic.hf_dir={_model_dir(tmp_path / 'm', **model)}"]), has_cuda=True)
 
 
 def test_print_config_cli():
