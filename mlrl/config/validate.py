@@ -347,6 +347,83 @@ def _check_colocate(cfg: Config) -> None:
                           "lora_mode=merged")
 
 
+def _unused(section: str, obj: Any, names: tuple[str, ...], why: str) -> None:
+    """Refuse any of `names` set away from its default where it has no effect (`why`): a value that
+    would be read by nothing must not look like it was applied."""
+    default = type(obj)()
+    for name in names:
+        got, want = getattr(obj, name), getattr(default, name)
+        if got != want:
+            raise ConfigError(f"{section}.{name}={got!r} has no effect {why}; remove it (default {want!r})")
+
+
+def _check_unused(cfg: Config) -> None:
+    """Fields that act only in some modes, set in a mode where nothing reads them (an SFT / DPO run
+    refuses every RL section it ignores: _check_offline)."""
+    a, r, d, c, t = cfg.algorithm, cfg.rollout, cfg.data, cfg.cluster, cfg.trainer
+    if a.advantage not in ("reinforce_pp", "gae"):
+        _unused("algorithm", a, ("gamma",), f"with algorithm.advantage={a.advantage} (only reinforce_pp and gae "
+                "discount rewards)")
+    if a.advantage != "gae":
+        _unused("algorithm", a, ("lam",), f"with algorithm.advantage={a.advantage} (GAE's lambda: advantage=gae)")
+    if a.policy_loss != "dual_clip":
+        _unused("algorithm", a, ("dual_clip_c",), f"with algorithm.policy_loss={a.policy_loss} (dual_clip's bound)")
+    if a.kl_coef == 0:
+        _unused("algorithm", a, ("kl_estimator", "kl_in_reward"), "with algorithm.kl_coef=0 (no KL term)")
+    if a.rollout_is not in ("tis", "mis_token", "mis_seq"):
+        _unused("algorithm", a, ("rollout_is_cap",), f"with algorithm.rollout_is={a.rollout_is} (the cap of "
+                "tis / mis_token / mis_seq)")
+    if a.rollout_is != "icepop":
+        _unused("algorithm", a, ("icepop_low", "icepop_high"), f"with algorithm.rollout_is={a.rollout_is} (icepop's "
+                "band)")
+    if a.overlong_buffer == 0:
+        _unused("algorithm", a, ("overlong_penalty",), "with algorithm.overlong_buffer=0 (no overlong shaping)")
+    if not a.dynamic_sampling.enabled:
+        _unused("algorithm.dynamic_sampling", a.dynamic_sampling, ("max_rounds",),
+                "with algorithm.dynamic_sampling.enabled=false")
+    if r.staleness == 0:
+        _unused("rollout", r, ("stale_policy", "interrupt_on_sync"), "with rollout.staleness=0 (the synchronous "
+                "loop syncs weights after the step's rollout has ended: no request is in flight or stale)")
+    if t.optimizer != "adam":
+        _unused("trainer", t, ("adam_beta1", "adam_beta2", "adam_eps"), f"with trainer.optimizer={t.optimizer}")
+    judge = cfg.reward_model
+    if c.gpus_per_node > 0:
+        why = "on GPUs (cluster.gpus_per_node > 0: vLLM sizes its KV cache by gpu_memory_utilization there)"
+        _unused("rollout", r, ("cpu_kv_cache_gb",), why)
+        if judge is not None:
+            _unused("reward_model", judge, ("cpu_kv_cache_gb",), why)
+    else:
+        why = "on CPU (cluster.gpus_per_node=0)"
+        _unused("rollout", r, ("gpu_memory_utilization",), why)
+        _unused("cluster", c, ("gpu_memory_gb",), why)
+        if judge is not None:
+            _unused("reward_model", judge, ("gpu_memory_utilization",), why)
+        # vLLM's CPU build reads its KV cache size as whole GiB (VLLM_CPU_KVCACHE_SPACE, an int)
+        for section, kv in (("rollout", r.cpu_kv_cache_gb), ("reward_model", judge.cpu_kv_cache_gb if judge else 1)):
+            if kv < 1 or kv != int(kv):
+                raise ConfigError(f"{section}.cpu_kv_cache_gb={kv}: expected a whole number of GiB >= 1 (vLLM's CPU "
+                                  "build reads VLLM_CPU_KVCACHE_SPACE as an integer)")
+    if c.nodes == 1:
+        _unused("cluster", c, ("ray_address", "join_timeout_s"), "with cluster.nodes=1 (no Ray cluster is joined: "
+                "--nodes N for one)")
+    if cfg.weight_sync.transport != "disk":
+        _unused("weight_sync", cfg.weight_sync, ("disk_dir",), f"with weight_sync.transport="
+                f"{cfg.weight_sync.transport} (the disk transport's folder)")
+    if d.eval is None:
+        _unused("data", d, ("eval_every",), "without data.eval (no held-out set)")
+        _unused("eval", cfg.eval, ("samples_per_prompt", "correct_threshold"), "without data.eval (no held-out "
+                "evaluation)")
+    elif d.eval_every == 0:
+        raise ConfigError(f"data.eval={d.eval} is never evaluated with data.eval_every=0: set data.eval_every to "
+                          "evaluate every N steps (and at the end), or remove data.eval")
+    if not any(str(name).startswith("synthetic:") for name in (d.train, d.eval) if name):
+        _unused("data", d, ("num_synthetic",), "without a synthetic: dataset in data.train / data.eval (the rows "
+                "of a generated task)")
+    if cfg.logging.plot and not cfg.logging.jsonl:
+        raise ConfigError("logging.plot=true draws metrics.jsonl, which logging.jsonl=false turns off: set "
+                          "logging.plot=false or logging.jsonl=true")
+
+
 def _check_mode(cfg: Config) -> None:
     eta = cfg.rollout.staleness
     if eta > 0 and cfg.algorithm.rollout_is == "none":
@@ -656,6 +733,7 @@ def validate(cfg: Config, *, has_cuda: bool | None = None, has_te: bool | None =
         cuda = functools.partial(bool, has_cuda)
     _check_ranges(cfg)
     _check_offline(cfg)
+    _check_unused(cfg)
     _check_reward_model(cfg)
     _check_critic(cfg)
     _check_lora(cfg)

@@ -91,7 +91,7 @@ def test_ipo_is_another_loss_that_also_learns(runs):
 
 def test_lora_trains_adapters_against_the_base(tmp_path):
     out = launch(tmp_path / "e", *COMMON, "trainer.total_steps=4", "model.lora={rank: 8, alpha: 16}",
-                 "trainer.lr=1e-2", "data.eval_every=0", "checkpoint.save_at_end=false")
+                 "trainer.lr=1e-2", "data.eval=null", "data.eval_every=0", "checkpoint.save_at_end=false")
     e = metrics(tmp_path / "e")
     assert abs(e[0]["dpo/loss"] - math.log(2)) < 1e-6  # adapters start at 0: policy == base == reference
     assert e[-1]["dpo/reward_margin"] > 0 and e[-1]["dpo/loss"] < e[0]["dpo/loss"]

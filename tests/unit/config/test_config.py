@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ from mlrl.config.loader import REMOVED
 
 ROOT = Path(__file__).resolve().parents[3]
 DEFAULT = ROOT / "launch" / "cpu_default.yaml"
+GPU8 = ["cluster.gpus_per_node=8", "rollout.num_engines=2"]  # one node of 8 GPUs (validated with has_cuda=True)
 
 
 def test_defaults_and_overrides_types():
@@ -253,6 +255,72 @@ def test_bad_config_fails_with_clear_message(overrides, message):
     assert "\n" not in str(ei.value)
 
 
+# (a field set where nothing reads it, the message, the same field where it acts): every knob either
+# changes the run or is refused for its path (mlrl.config.validate._check_unused)
+UNUSED = [
+    (["algorithm.gamma=0.9"], "algorithm.gamma=0.9 has no effect with algorithm.advantage=grpo",
+     ["algorithm.advantage=reinforce_pp"]),
+    (["algorithm.lam=0.9"], "algorithm.lam=0.9 has no effect with algorithm.advantage=grpo",
+     ["algorithm.advantage=gae"]),
+    (["algorithm.dual_clip_c=4"], "algorithm.dual_clip_c=4.0 has no effect with algorithm.policy_loss=ppo",
+     ["algorithm.policy_loss=dual_clip"]),
+    (["algorithm.kl_coef=0", "algorithm.kl_estimator=k1"],
+     "algorithm.kl_estimator='k1' has no effect with algorithm.kl_coef=0",
+     ["algorithm.kl_coef=0.01"]),
+    (["algorithm.kl_coef=0", "algorithm.kl_in_reward=true"],
+     "algorithm.kl_in_reward=True has no effect with algorithm.kl_coef=0",
+     ["algorithm.kl_coef=0.01"]),
+    (["algorithm.rollout_is_cap=3"], "algorithm.rollout_is_cap=3.0 has no effect with algorithm.rollout_is=none",
+     ["algorithm.rollout_is=tis"]),
+    (["algorithm.icepop_high=4"], "algorithm.icepop_high=4.0 has no effect with algorithm.rollout_is=none",
+     ["algorithm.rollout_is=icepop"]),
+    (["algorithm.overlong_penalty=0.5"], "algorithm.overlong_penalty=0.5 has no effect with "
+     "algorithm.overlong_buffer=0", ["algorithm.overlong_buffer=8", "rollout.sampling.max_new_tokens=16"]),
+    (["algorithm.dynamic_sampling.max_rounds=2"], "algorithm.dynamic_sampling.max_rounds=2 has no effect with "
+     "algorithm.dynamic_sampling.enabled=false", ["algorithm.dynamic_sampling.enabled=true"]),
+    (["rollout.stale_policy=reweight"], "rollout.stale_policy='reweight' has no effect with rollout.staleness=0",
+     ["rollout.staleness=1", "algorithm.rollout_is=tis"]),
+    (["rollout.interrupt_on_sync=true"], "rollout.interrupt_on_sync=True has no effect with rollout.staleness=0",
+     ["rollout.staleness=1", "algorithm.rollout_is=tis"]),
+    (["trainer.optimizer=sgd", "trainer.adam_beta2=0.95"], "trainer.adam_beta2=0.95 has no effect with "
+     "trainer.optimizer=sgd", ["trainer.optimizer=adam"]),
+    (["rollout.gpu_memory_utilization=0.5"], "rollout.gpu_memory_utilization=0.5 has no effect on CPU",
+     [*GPU8]),
+    (["cluster.gpu_memory_gb=40"], "cluster.gpu_memory_gb=40.0 has no effect on CPU", [*GPU8]),
+    ([*GPU8, "rollout.cpu_kv_cache_gb=4"], "rollout.cpu_kv_cache_gb=4.0 has no effect on GPUs",
+     ["cluster.gpus_per_node=0", "rollout.num_engines=1"]),
+    (["cluster.ray_address=head:6379"], "cluster.ray_address='head:6379' has no effect with cluster.nodes=1",
+     ["cluster.nodes=2", *GPU8]),
+    (["weight_sync.disk_dir=/tmp/w"], "weight_sync.disk_dir='/tmp/w' has no effect with "
+     "weight_sync.transport=broadcast", ["weight_sync.transport=disk"]),
+    (["data.eval_every=5"], "data.eval_every=5 has no effect without data.eval",
+     ["data.eval=synthetic:copy_digit"]),
+    (["eval.samples_per_prompt=4"], "eval.samples_per_prompt=4 has no effect without data.eval",
+     ["data.eval=synthetic:copy_digit", "data.eval_every=5"]),
+    (["data.train=gsm8k", "data.num_synthetic=64"], "data.num_synthetic=64 has no effect without a synthetic: "
+     "dataset", ["data.eval=synthetic:copy_digit", "data.eval_every=5"]),
+]
+
+
+@pytest.mark.parametrize("unused,message,live", UNUSED, ids=[u[1].split(" ")[0] for u in UNUSED])
+def test_a_field_set_where_nothing_reads_it_is_refused(unused, message, live):
+    with pytest.raises(ConfigError) as ei:
+        validate(load_config(DEFAULT, unused), has_cuda=False)
+    assert str(ei.value).startswith(message) and "remove it (default" in str(ei.value)
+    validate(load_config(DEFAULT, [*unused, *live]), has_cuda=True)  # where it acts, it is taken
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["rollout.cpu_kv_cache_gb=1.5"], "rollout.cpu_kv_cache_gb=1.5: expected a whole number of GiB >= 1"),
+    (["rollout.cpu_kv_cache_gb=0"], "rollout.cpu_kv_cache_gb=0.0: expected a whole number of GiB >= 1"),
+    (["data.eval=synthetic:copy_digit"], "data.eval=synthetic:copy_digit is never evaluated with data.eval_every=0"),
+    (["logging.jsonl=false"], "logging.plot=true draws metrics.jsonl, which logging.jsonl=false turns off"),
+])
+def test_settings_that_would_silently_do_nothing_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate(load_config(DEFAULT, overrides), has_cuda=False)
+
+
 LORA_VALID = "valid names: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, all-linear"
 MOE = "model.hf_dir=builtin:tiny-qwen3-moe"
 BAD_LORA = [
@@ -340,9 +408,6 @@ def _model_dir(path: Path, base: str = "builtin:tiny-llama", **fields) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps({**hf_config_dict(base, None), **fields}))
     return path
-
-
-GPU8 = ["cluster.gpus_per_node=8", "rollout.num_engines=2"]
 
 
 @pytest.mark.parametrize("model,overrides,message", [
