@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# GRPO on a Slurm allocation: a Ray cluster over the allocated nodes (head on the first node,
-# workers on the rest, each started with srun), a wait until every node has registered with its
-# GPUs, then `python -m mlrl.launch --nodes $SLURM_NNODES --config ...` on the head node.
+# GRPO on a Slurm allocation. Several nodes: the config checked on the head node (the launcher's
+# --print-config), a Ray cluster over the allocated nodes (head on the first node, workers on the
+# rest, each started with srun), a wait until every node has registered with its GPUs, then
+# `python -m mlrl.launch --nodes $SLURM_NNODES --config ...` on the head node. One node: the local
+# launcher alone, no Ray.
 #
 #   sbatch slurm/train_grpo.sh                                   # launch/qwen3_8b_grpo.yaml
 #   MLRL_CONFIG=launch/qwen3_30b_a3b_fp8.yaml sbatch slurm/train_grpo.sh trainer.lr=2e-6
@@ -12,10 +14,10 @@
 # Arguments are `a.b=c` config overrides passed to mlrl.launch.
 #
 # GPUs per node are what Slurm granted: SLURM_GPUS_ON_NODE, else SLURM_GPUS_PER_NODE ("8" or
-# "h100:8"), else none. An allocation without GPUs runs mlrl's CPU path: on one node, the local
-# launcher without Ray; on several, a Ray cluster whose nodes each offer MLRL_CPU_SLOTS_PER_NODE
-# logical device slots (Ray "GPU" resources with no CUDA behind them: every trainer rank and
-# engine placed on one takes its CPU path).
+# "h100:8"), else none. An allocation without GPUs runs mlrl's CPU path: on several nodes, a Ray
+# cluster whose nodes each offer MLRL_CPU_SLOTS_PER_NODE logical device slots (Ray "GPU"
+# resources with no CUDA behind them: every trainer rank and engine placed on one takes its CPU
+# path).
 #
 # Environment (all optional):
 #   MLRL_CONFIG             recipe (default: launch/qwen3_8b_grpo.yaml)
@@ -220,9 +222,15 @@ launch() {
   return "$rc"
 }
 
-if ((gpus_per_node == 0 && nnodes == 1)); then
-  echo "train_grpo.sh: 1 node without GPUs: mlrl's local CPU path (no Ray), config $config" >&2
-  launch --config "$config" cluster.gpus_per_node=0 "$@"
+# One node: the local launcher places trainer ranks and engines on this node's GPUs (or its CPU
+# path) itself; a Ray cluster would be started and never used (mlrl.launch joins one for --nodes > 1)
+if ((nnodes == 1)); then
+  if ((gpus_per_node == 0)); then
+    echo "train_grpo.sh: 1 node without GPUs: mlrl's local CPU path (no Ray), config $config" >&2
+  else
+    echo "train_grpo.sh: 1 node x $gpus_per_node GPUs: mlrl's local launcher (no Ray), config $config" >&2
+  fi
+  launch --config "$config" "cluster.gpus_per_node=$gpus_per_node" "$@"
   exit
 fi
 
@@ -248,6 +256,19 @@ else
 fi
 address="$head_ip:$ray_port"
 echo "train_grpo.sh: $nnodes node(s) x $devices $what, Ray head $head ($address), config $config" >&2
+launch_args=(--nodes "$nnodes" --config "$config" "cluster.ray_address=$address" "cluster.gpus_per_node=$devices" "$@")
+
+# The config is validated on the head before any Ray step starts: a typo or a bad value fails in
+# seconds, with the launcher's one-line error, instead of after the whole cluster has joined.
+check=("${step[@]}" --job-name=mlrl-check -w "$head" "${container[@]}" "$python" -m mlrl.launch --print-config
+       "${launch_args[@]}")
+if [[ -n "$dry" ]]; then
+  run "${check[@]}"
+elif ! "${check[@]}" > /dev/null; then
+  echo "train_grpo.sh: the launcher refused the config (its error is above); no Ray step was started" >&2
+  exit 2
+fi
+stop_if_terminated
 
 # One Ray auth token for this job, in the environment every step inherits (head, workers and the
 # launcher's driver): the cluster is closed to other users of the nodes, and a stale
@@ -277,4 +298,4 @@ done
 run "${step[@]}" -w "$head" "${container[@]}" \
   "$python" -m mlrl.cluster wait --address "$address" --nodes "$nnodes" --gpus-per-node "$devices" --timeout "$wait_s"
 
-launch --nodes "$nnodes" --config "$config" "cluster.ray_address=$address" "cluster.gpus_per_node=$devices" "$@"
+launch "${launch_args[@]}"

@@ -36,12 +36,15 @@ def dry_run(fake_path, *args, **env):
 def test_command_construction(fake_path):
     out, cmds = dry_run(fake_path, "trainer.lr=2e-6", "data.train=/data/my set.jsonl")
     assert out.returncode == 0, out.stderr
-    assert len(cmds) == 6
-    head, port, w2, w3, wait, launch = cmds
+    assert len(cmds) == 7
+    check, head, port, w2, w3, wait, launch = cmds
     step = ["srun", "--nodes=1", "--ntasks=1", "--overlap"]
+    # the config is validated on the head before any Ray step: the launcher's own arguments
+    assert check == step + ["--job-name=mlrl-check", "-w", "gpu-a01", "python", "-m", "mlrl.launch",
+                            "--print-config"] + launch[10:]
     assert head == step + ["--job-name=mlrl-ray-head", "-w", "gpu-a01", "ray", "start", "--head",
                            "--node-ip-address=gpu-a01", "--port=6379", "--num-gpus=4", "--block"]
-    assert out.stdout.splitlines()[0].endswith("&")                     # Ray steps run in the background
+    assert out.stdout.splitlines()[1].endswith("&")                     # Ray steps run in the background
     assert port == ["wait_for_port", "gpu-a01", "6379", "600"]   # the workers join once the head listens
     for cmd, host in ((w2, "gpu-a02"), (w3, "gpu-a03")):
         assert cmd == step + ["--job-name=mlrl-ray-worker", "-w", host, "ray", "start", "--address=gpu-a01:6379",
@@ -75,7 +78,7 @@ def test_container_config_port_and_python(fake_path):
         if cmd[0] == "srun":
             at = 7 if cmd[4].startswith("--job-name=") else 6   # named steps: launcher, Ray head, workers
             assert cmd[at:at + 3] == container, cmd
-    assert "--port=7000" in cmds[0] and "--address=gpu-a01:7000" in cmds[2]
+    assert "--port=7000" in cmds[1] and "--address=gpu-a01:7000" in cmds[3]
     assert cmds[-1][10:] == ["/opt/venv/bin/python", "-m", "mlrl.launch", "--nodes", "3", "--config",
                             "launch/qwen3_30b_a3b_fp8.yaml", "cluster.ray_address=gpu-a01:7000",
                             "cluster.gpus_per_node=4"]
@@ -90,7 +93,7 @@ def test_container_config_port_and_python(fake_path):
 def test_gpus_come_from_what_slurm_granted(fake_path, env, gpus):
     out, cmds = dry_run(fake_path, **env)   # an empty variable reads as unset, as in bash
     assert out.returncode == 0, out.stderr
-    assert f"--num-gpus={gpus}" in cmds[0]
+    assert f"--num-gpus={gpus}" in cmds[1]
     assert f"cluster.gpus_per_node={gpus}" in cmds[-1] and f"x {gpus} GPUs" in out.stderr
 
 
@@ -118,10 +121,45 @@ def test_one_node_without_gpus_runs_the_local_cpu_path(fake_path):
         assert "local CPU path (no Ray)" in out.stderr
 
 
+def test_one_gpu_node_runs_the_local_launcher_without_ray(fake_path):
+    """One node with GPUs: mlrl.launch places ranks and engines on them itself (a Ray cluster would
+    be started and never joined: the launcher joins one only for --nodes > 1)."""
+    out, cmds = _no_gpu_env(fake_path, 1, "trainer.total_steps=2", SLURM_GPUS_PER_NODE="4",
+                            MLRL_CONFIG="launch/qwen3_8b_grpo.yaml")
+    assert out.returncode == 0, out.stderr
+    assert cmds == [["srun", "--nodes=1", "--ntasks=1", "--overlap", "--job-name=mlrl-launch", "-w", "gpu-a01",
+                     "python", "-m", "mlrl.launch", "--config", "launch/qwen3_8b_grpo.yaml",
+                     "cluster.gpus_per_node=4", "trainer.total_steps=2"]]
+    assert "1 node x 4 GPUs: mlrl's local launcher (no Ray)" in out.stderr
+
+
+def test_a_refused_config_starts_no_ray_step(fake_path, tmp_path):
+    """Not dry: the stand-in srun runs the head's config check as the real launcher would (its
+    --print-config, here with a misspelled key); the job stops with its error before any Ray step."""
+    calls = tmp_path / "srun_calls"
+    srun = tmp_path / "srun"
+    srun.write_text(f'#!/bin/sh\necho "srun $*" >> {calls}\n'
+                    'case "$*" in *hostname*) echo 127.0.0.1;; *--print-config*) shift 6; exec "$@";; esac\n')
+    srun.chmod(0o755)
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text("#!/bin/sh\necho 127.0.0.1\necho 127.0.0.2\n")
+    scontrol.chmod(0o755)
+    env = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "HOME": str(tmp_path), "SLURM_NNODES": "2",
+           "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_GPUS_PER_NODE": "0", "MLRL_CONFIG": "launch/cpu_default.yaml",
+           "MLRL_PYTHON": sys.executable}
+    out = subprocess.run(["bash", str(SCRIPT), "trainr.lr=1e-5"], capture_output=True, text=True, timeout=60,
+                         env=env, cwd=ROOT)
+    assert out.returncode == 2, out.stderr
+    assert "config error: unknown config key 'trainr'" in out.stderr
+    assert "no Ray step was started" in out.stderr
+    started = calls.read_text()
+    assert "--job-name=mlrl-check" in started and "ray" not in started.replace("cluster.ray_address", "")
+
+
 def test_several_nodes_without_gpus_offer_cpu_slots_from_one_environment(fake_path):
     out, cmds = _no_gpu_env(fake_path, 3, MLRL_PYTHON="/v/bin/python", MLRL_CPU_SLOTS_PER_NODE="2")
     assert out.returncode == 0, out.stderr
-    head, _sleep, w2, _w3, wait, launch = cmds
+    _check, head, _sleep, w2, _w3, wait, launch = cmds
     assert head[7:10] == ["/v/bin/ray", "start", "--head"] and "--num-gpus=2" in head   # ray beside MLRL_PYTHON
     assert w2[7:9] == ["/v/bin/ray", "start"] and "--num-gpus=2" in w2
     assert wait[6:] == ["/v/bin/python", "-m", "mlrl.cluster", "wait", "--address", "gpu-a01:6379", "--nodes", "3",
@@ -129,7 +167,7 @@ def test_several_nodes_without_gpus_offer_cpu_slots_from_one_environment(fake_pa
     assert launch[-2:] == ["cluster.ray_address=gpu-a01:6379", "cluster.gpus_per_node=2"]
     assert "CPU device slots" in out.stderr
     out, cmds = _no_gpu_env(fake_path, 3)
-    assert cmds[0][7] == "ray" and "--num-gpus=1" in cmds[0]   # bare `python`: PATH's ray; 1 slot by default
+    assert cmds[1][7] == "ray" and "--num-gpus=1" in cmds[1]   # bare `python`: PATH's ray; 1 slot by default
 
 
 @pytest.mark.parametrize(("env", "says"), [
@@ -200,4 +238,5 @@ def test_a_ray_head_that_never_listens_stops_the_job(fake_path, tmp_path, head):
         assert f"the Ray head's step ended before its port 127.0.0.1:{port} opened" in out.stderr
         assert wall < 3, wall
     started = calls.read_text()
-    assert "--job-name=mlrl-ray-head" in started and "mlrl-ray-worker" not in started and "mlrl.launch" not in started
+    assert "--job-name=mlrl-ray-head" in started and "mlrl-ray-worker" not in started
+    assert "--job-name=mlrl-launch" not in started
