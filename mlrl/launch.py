@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     ap.add_argument("--dry-run", action="store_true", help="print placement, layout and memory estimate; start nothing")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-5")
-    return ap.parse_args(argv)
+    return ap.parse_intermixed_args(argv)  # overrides may stand on both sides of an option
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         for why in plan.reasons:
             print(f"dry-run: does not fit: {why}", file=sys.stderr)
         return 0 if plan.fits else 3
+    from mlrl.ckpt_files.errors import CheckpointError
     from mlrl.cluster import ClusterError
     from mlrl.data.rows import DatasetError
     from mlrl.jobs import job_for
@@ -97,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except DatasetError as e:  # a data file that cannot be read or a malformed row (names the file and line)
         print(f"data error: {e}", file=sys.stderr)
+        return 2
+    except CheckpointError as e:  # checkpoint.resume / model.init_from names no usable checkpoint (names it)
+        print(f"checkpoint error: {e}", file=sys.stderr)
         return 2
     except ClusterError as e:  # --nodes: the Ray cluster cannot host the plan (nothing was started)
         print(f"cluster error: {e}", file=sys.stderr)

@@ -157,21 +157,22 @@ def is_builtin(spec: str) -> bool:
     return spec.startswith(BUILTIN_PREFIX)
 
 
-def _builtin_name(spec: str) -> str:
+def _builtin_name(spec: str, field: str = "model.hf_dir") -> str:
     name = spec[len(BUILTIN_PREFIX):]
     if name not in BUILTINS:
-        raise ModelSpecError(f"model.hf_dir: unknown builtin model {name!r}; known: {', '.join(BUILTINS)}")
+        raise ModelSpecError(f"{field}: unknown builtin model {name!r}; known: {', '.join(BUILTINS)}")
     return name
 
 
-def hf_config_dict(spec: str, arch: str | None = None) -> dict[str, Any]:
-    """config.json of the model, without materialising builtin weights where avoidable."""
+def hf_config_dict(spec: str, arch: str | None = None, *, field: str = "model.hf_dir") -> dict[str, Any]:
+    """config.json of the model, without materialising builtin weights where avoidable (`field`:
+    the config field that named it, for the errors)."""
     if is_builtin(spec):
-        name = _builtin_name(spec)
+        name = _builtin_name(spec, field)
         tiny = _tiny_configs()
         if name in tiny:
             return dict(tiny[name])
-        return json.loads((resolve_model_dir(spec) / "config.json").read_text())
+        return json.loads((resolve_model_dir(spec, field=field) / "config.json").read_text())
     path = Path(spec)
     if not path.exists():
         if arch is not None:
@@ -179,25 +180,26 @@ def hf_config_dict(spec: str, arch: str | None = None) -> dict[str, Any]:
                 raise ModelSpecError(f"model.arch: unknown preset {arch!r}; known: {', '.join(PRESETS)}")
             return dict(PRESETS[arch])
         raise ModelSpecError(
-            f"model.hf_dir: folder {spec!r} does not exist (expected a Hugging Face model folder or builtin:<name>)"
+            f"{field}: folder {spec!r} does not exist (expected a Hugging Face model folder or builtin:<name>)"
         )
     cfg = path / "config.json"
     if not cfg.is_file():
-        raise ModelSpecError(f"model.hf_dir: {spec!r} has no config.json (expected a Hugging Face model folder)")
+        raise ModelSpecError(f"{field}: {spec!r} has no config.json (expected a Hugging Face model folder)")
     try:
         return json.loads(cfg.read_text())
     except json.JSONDecodeError as e:
-        raise ModelSpecError(f"model.hf_dir: {cfg} is not valid JSON: {e}") from None
+        raise ModelSpecError(f"{field}: {cfg} is not valid JSON: {e}") from None
 
 
-def resolve_model_dir(spec: str) -> Path:
-    """A local HF folder for `spec`, materialising builtin models on first use."""
+def resolve_model_dir(spec: str, *, field: str = "model.hf_dir") -> Path:
+    """A local HF folder for `spec`, materialising builtin models on first use (`field`: the config
+    field that named it, for the errors)."""
     if not is_builtin(spec):
         p = Path(spec)
         if not (p / "config.json").is_file():
-            raise ModelSpecError(f"model.hf_dir: {spec!r} is not a Hugging Face model folder (no config.json)")
+            raise ModelSpecError(f"{field}: {spec!r} is not a Hugging Face model folder (no config.json)")
         return p
-    name = _builtin_name(spec)
+    name = _builtin_name(spec, field)
     target = cache_dir() / "models" / name
     if _is_complete(target):
         return target

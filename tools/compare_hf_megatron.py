@@ -82,14 +82,14 @@ def _precheck(args) -> str | None:
     """The bridge's config / layout / checkpoint checks and the tokenizer, before any process is
     started; sets args.random_tokens when it was left to the tool."""
     from mlrl.bridge import BridgeError, HFCheckpoint, check_layout, spec_for
-    from mlrl.modelzoo import resolve_model_dir
+    from mlrl.modelzoo import hf_config_dict, resolve_model_dir
 
     for name in ("tp", "pp", "ep", "samples"):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
     try:
-        hf_dir = resolve_model_dir(args.hf_dir)
-        spec, arch = spec_for(json.loads((hf_dir / "config.json").read_text()))
+        hf_dir = resolve_model_dir(args.hf_dir, field="--hf-dir")
+        spec, arch = spec_for(hf_config_dict(str(hf_dir), field="--hf-dir"))  # a broken config.json is named
         check_layout(arch, tp=args.tp, pp=args.pp, ep=args.ep)
         HFCheckpoint(hf_dir).check(spec, arch)
     except (BridgeError, ValueError) as e:

@@ -64,9 +64,20 @@ def parse_size(text: str) -> int:
     else:
         unit, num = "", t
     try:
-        return int(float(num) * _SIZE_UNITS[unit])
+        size = int(float(num) * _SIZE_UNITS[unit])
     except ValueError:
-        raise ConversionError(f"--max-shard-size {text!r}: expected a size like 2GB, 500MB or 1048576") from None
+        size = 0
+    if size < 1:
+        raise ConversionError(f"--max-shard-size {text!r}: expected a positive size like 2GB, 500MB or 1048576")
+    return size
+
+
+def read_hf_config(hf: Path, flag: str) -> dict[str, Any]:
+    """config.json of an HF folder (resolve_hf_dir found one): a file that is not JSON names itself."""
+    try:
+        return json.loads((hf / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise ConversionError(f"{flag} {hf}: config.json is not valid JSON ({e})") from None
 
 
 def _dtypes() -> tuple[str, ...]:
@@ -178,7 +189,7 @@ def lora_base(meta: dict, ckpt: Path, base: Optional[str]) -> Path:
     flag = "--base" if base is not None else f"--ckpt {ckpt}: base_hf_dir"
     hf = resolve_hf_dir(base if base is not None else recorded, flag)
     try:
-        spec, arch = spec_for(json.loads((hf / "config.json").read_text()))
+        spec, arch = spec_for(read_hf_config(hf, flag))
         _, saved = spec_for(meta["hf_config"])
         HFCheckpoint(hf).check(spec, arch)
     except BridgeError as e:
@@ -220,7 +231,7 @@ def prepare(args) -> dict[str, Any]:
             raise ConversionError("--precision was removed: use --dtype float32|bfloat16|float16 (fp32|bf16|fp16), "
                                   "named as model.dtype")
         hf = resolve_hf_dir(args.hf, "--hf")
-        hf_config = json.loads((hf / "config.json").read_text())
+        hf_config = read_hf_config(hf, "--hf")
         try:
             bridge = resolve_bridge(args.bridge, hf_config, field="--bridge")
             if bridge == "builtin":
@@ -228,7 +239,7 @@ def prepare(args) -> dict[str, Any]:
                 HFCheckpoint(hf).check(spec, arch)
         except BridgeError as e:
             raise ConversionError(f"--hf {hf}: {e}") from None
-        tp, pp, ep = args.tp or 1, args.pp or 1, args.ep or 1
+        tp, pp, ep = (1 if v is None else v for v in (args.tp, args.pp, args.ep))  # 0 is refused, not 1
         dtype = args.dtype
         if dtype == "auto":
             dtype = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
@@ -253,7 +264,7 @@ def prepare(args) -> dict[str, Any]:
             except BridgeError as e:
                 raise ConversionError(str(e)) from None
         saved = meta["layout"]
-        tp, pp, ep = args.tp or saved["tp"], args.pp or saved["pp"], args.ep or saved["ep"]
+        tp, pp, ep = (saved[k] if v is None else v for k, v in (("tp", args.tp), ("pp", args.pp), ("ep", args.ep)))
         job.update(ckpt=str(path), bridge=bridge, dtype=None if args.dtype == "keep" else args.dtype,
                    max_shard_bytes=max_shard_bytes, base=None, merged_out=None)
         if meta.get("lora"):

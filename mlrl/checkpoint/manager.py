@@ -88,7 +88,8 @@ class CheckpointManager:
             return self.latest()
         path = Path(spec)
         if not path.exists():
-            raise CheckpointError(f"checkpoint.resume: {spec!r} does not exist")
+            raise CheckpointError(f"checkpoint.resume: {spec!r} does not exist (expected auto, none or the path of a "
+                                  "checkpoint or of a run's checkpoint folder)")
         if path.is_dir() and not STEP_RE.match(path.name) and (path / "latest").is_file():
             found = CheckpointManager(path).latest()
             if found is None:

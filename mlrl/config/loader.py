@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -68,6 +70,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     raw: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError(f"config file {str(p)!r} is a directory, expected a YAML file")
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
         raw = _yaml_mapping(p.read_text(), f"config file {str(p)!r}")
@@ -81,9 +85,45 @@ def config_from_yaml(text: str) -> Config:
     return from_dict(Config, _yaml_mapping(text, "config YAML"), "")
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with two changes for configs: a key given twice in one mapping is an
+    error (PyYAML keeps the last one and drops the first block without a word), and only
+    true / false are booleans (YAML 1.1 also reads yes / no / on / off as booleans: here they stay
+    strings, which a bool field refuses and a str field keeps as written)."""
+
+
+_BOOL = "tag:yaml.org,2002:bool"
+_StrictLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != _BOOL]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_StrictLoader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+
+
+def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node)
+        line = key_node.start_mark.line + 1
+        if key in seen:
+            raise ConfigError(f"duplicate key {key!r} on line {line} (first on line {seen[key]}): YAML would keep only "
+                              "the last one; merge them into one block")
+        seen[key] = line
+    return loader.construct_mapping(node)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
+
+
+def _load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass: no arbitrary objects
+
+
 def _yaml_mapping(text: str, what: str) -> dict[str, Any]:
     try:
-        raw = yaml.safe_load(text) or {}
+        raw = _load_yaml(text) or {}
+    except ConfigError as e:
+        raise ConfigError(f"{what}: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{what} is not valid YAML: {e}") from None
     if not isinstance(raw, dict):
@@ -99,9 +139,11 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
     if not all(parts):
         raise ConfigError(f"override {override!r} has an empty key part")
     try:
-        parsed = yaml.safe_load(value) if value.strip() != "" else None
+        parsed = _load_yaml(value) if value.strip() != "" else None
     except yaml.YAMLError:
         parsed = value
+    except ConfigError as e:
+        raise ConfigError(f"override {override!r}: {e}") from None
     node = raw
     for part in parts[:-1]:
         nxt = node.get(part)
@@ -189,14 +231,19 @@ def _coerce(tp: Any, value: Any, name: str) -> Any:
             return value
         raise ConfigError(f"{name}: got {value!r} ({type(value).__name__}), expected an integer")
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML reads 1e-5 (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML reads 1e-5 (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{name}: got {value!r} ({type(value).__name__}), expected a number")
+        if number is None:
+            raise ConfigError(f"{name}: got {value!r} ({type(value).__name__}), expected a number")
+        if not math.isfinite(number):  # nan passes every `x < 0` range check
+            raise ConfigError(f"{name}: got {value!r}, expected a finite number")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value

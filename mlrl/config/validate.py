@@ -136,6 +136,17 @@ def _check_ranges(cfg: Config) -> None:
     _positive("checkpoint.save_every", cfg.checkpoint.save_every, 0)
     _positive("data.max_prompt_tokens", cfg.data.max_prompt_tokens)
     _positive("workflow.max_concurrency", cfg.workflow.max_concurrency)
+    w = cfg.workflow
+    if not (w.episode_timeout_s > 0 and w.reward_timeout_s > 0):
+        raise ConfigError(f"workflow.episode_timeout_s / reward_timeout_s: got {w.episode_timeout_s} / "
+                          f"{w.reward_timeout_s}, expected > 0 seconds")
+    _positive("workflow.reward_workers", w.reward_workers, 0)
+    _positive("checkpoint.hf_export_every", cfg.checkpoint.hf_export_every, 0)
+    _positive("data.eval_every", cfg.data.eval_every, 0)
+    if r.max_model_len is not None:
+        _positive("rollout.max_model_len", r.max_model_len)
+    if not cfg.cluster.gpu_memory_gb > 0:
+        raise ConfigError(f"cluster.gpu_memory_gb: got {cfg.cluster.gpu_memory_gb}, expected > 0 (GiB per GPU)")
     _positive("workflow.max_failure_steps", cfg.workflow.max_failure_steps)
     if not 0.0 <= cfg.workflow.max_failure_fraction < 1.0:
         raise ConfigError(f"workflow.max_failure_fraction: got {cfg.workflow.max_failure_fraction}, expected a "
@@ -754,11 +765,16 @@ def validate(cfg: Config, *, has_cuda: bool | None = None, has_te: bool | None =
     _check_lora(cfg, hf)
     _check_router_replay(cfg, hf, has_cuda=cfg.cluster.gpus_per_node > 0)
     _check_shared_prefix(cfg)
+    if cfg.reward_model is not None and cfg.reward_model.hf_dir:  # the judge's folder exists (read at start)
+        try:
+            hf_config_dict(cfg.reward_model.hf_dir, None, field="reward_model.hf_dir")
+        except ModelSpecError as e:
+            raise ConfigError(str(e)) from None
     if cfg.uses_critic and cfg.critic is not None and cfg.critic.hf_dir:
         try:
-            chf = hf_config_dict(cfg.critic.hf_dir, None)
+            chf = hf_config_dict(cfg.critic.hf_dir, None, field="critic.hf_dir")
         except ModelSpecError as e:
-            raise ConfigError(f"critic.hf_dir: {e}") from None
+            raise ConfigError(str(e)) from None
         if chf.get("vocab_size") != hf.get("vocab_size"):
             raise ConfigError(f"critic.hf_dir: vocab_size {chf.get('vocab_size')} differs from the policy's "
                               f"{hf.get('vocab_size')} (model.hf_dir): the critic must read the policy's tokens")

@@ -167,7 +167,7 @@ def get_dataset(
 
 
 def _build_rl(raw, name, split, skipped, skip_malformed, require_answer, tokenizer, max_length, reward) -> RLDataset:
-    rows, too_long = [], 0
+    rows, too_long, longest = [], 0, 0
     for where, row in raw:
         try:
             r = normalise_rl_row(row, where, require_answer)
@@ -181,11 +181,13 @@ def _build_rl(raw, name, split, skipped, skip_malformed, require_answer, tokeniz
             if n > max_length:
                 too_long += 1
                 continue
+            longest = max(longest, n)
         rows.append(r)
     if not rows:
         raise DatasetError(f"dataset {name!r} split {split!r}: no usable rows "
                            f"({len(skipped)} malformed, {too_long} longer than {max_length} tokens)")
-    return RLDataset(rows, name=name, split=split, skipped=skipped, too_long=too_long, reward=reward)
+    return RLDataset(rows, name=name, split=split, skipped=skipped, too_long=too_long, reward=reward,
+                     longest_prompt=longest)
 
 
 def _build_sft(raw, name, split, skipped, skip_malformed, tokenizer, max_length) -> SFTDataset:

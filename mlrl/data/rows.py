@@ -75,6 +75,8 @@ class RLDataset(Sequence):
     skipped: list[str] = field(default_factory=list)   # "<file>:<line>: <reason>" per dropped malformed row
     too_long: int = 0                                   # prompts dropped for exceeding max_length tokens
     reward: str | None = None                           # the reward this dataset is made for, when known
+    longest_prompt: int = 0                             # tokens of the longest kept prompt (chat template
+    #                                                     applied; 0 when loaded without a tokenizer)
 
     def __len__(self) -> int:
         return len(self.rows)

@@ -33,7 +33,7 @@ from mlrl.loop import LoopState, RunContext, train_sync
 from mlrl.loop_async import train_async
 from mlrl.metrics import MetricsLogger
 from mlrl.metrics.timer import timing_table
-from mlrl.modelzoo import resolve_model_dir
+from mlrl.modelzoo import ModelSpecError, resolve_model_dir
 from mlrl.reward.model import ClassifierJudge, ModelJudge, set_active_judge
 from mlrl.rollout.pool import EnginePool
 from mlrl.trainer.driver.client import CriticClient, MegatronWeightSource, TrainerClient
@@ -125,6 +125,7 @@ def _checks(cfg: Config, hf_dir: Path, run_dir: Path) -> _Checked:
         check_resume_has_critic(resume, cfg.uses_critic)
     check_model_init_from(cfg.model, hf_dir, resume=resume)
     train_rows = dataset_from_config(cfg.data, "train", tokenizer=tokenizer, seed=cfg.trainer.seed)
+    _check_sample_fits(cfg, train_rows.longest_prompt)
     eval_rows = (
         list(dataset_from_config(cfg.data, "eval", tokenizer=tokenizer, seed=cfg.trainer.seed))
         if cfg.data.eval
@@ -135,17 +136,35 @@ def _checks(cfg: Config, hf_dir: Path, run_dir: Path) -> _Checked:
         sampler = PromptSampler.from_state(
             train_rows, state["sampler"], seed=cfg.trainer.seed, shuffle=cfg.data.shuffle
         )
-    workflow = build_workflow_from_config(
-        cfg.workflow, tokenizer=tokenizer, gconfig=gconfig_from_sampling(cfg.rollout.sampling)
-    )
+    try:  # the registry's lookup / construction errors name workflow.name, .reward or .kwargs
+        workflow = build_workflow_from_config(
+            cfg.workflow, tokenizer=tokenizer, gconfig=gconfig_from_sampling(cfg.rollout.sampling)
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     out = _Checked(ckpts, resume, state, sampler, eval_rows, workflow)
     if cfg.reward_model is not None:  # the judge's folder and tokenizer, before any process starts
         try:
-            out.judge_dir = resolve_model_dir(cfg.reward_model.hf_dir)
+            out.judge_dir = resolve_model_dir(cfg.reward_model.hf_dir, field="reward_model.hf_dir")
             out.judge_tokenizer = load_hf_tokenizer(str(out.judge_dir))
+        except ModelSpecError as e:
+            raise ConfigError(str(e)) from None
         except (OSError, ValueError) as e:
             raise ConfigError(f"reward_model.hf_dir={cfg.reward_model.hf_dir}: {e}") from None
     return out
+
+
+def _check_sample_fits(cfg: Config, longest_prompt: int) -> None:
+    """A sample is packed whole into one micro-batch (mlrl.experience.packing): the longest prompt of
+    data.train plus a full-length response must fit trainer.micro_batch_tokens, or the run would stop
+    at its first update, after a whole rollout. (A multi-turn trajectory can be longer still: the
+    packer names it then.)"""
+    new, budget = cfg.rollout.sampling.max_new_tokens, cfg.trainer.token_budget
+    if longest_prompt + new > budget:
+        raise ConfigError(f"trainer.micro_batch_tokens={budget} is smaller than a full-length sample: the longest "
+                          f"prompt of data.train ({longest_prompt} tokens with its chat template) + "
+                          f"rollout.sampling.max_new_tokens ({new}) = {longest_prompt + new}; a sample is packed "
+                          "whole: raise the budget, or lower max_new_tokens / data.max_prompt_tokens")
 
 
 def _engines_hold_start(cfg: Config, resume: Any) -> bool:

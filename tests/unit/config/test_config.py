@@ -146,6 +146,21 @@ BAD = [
     (["parallel.vpp=x"], "parallel.vpp: got 'x' (str), expected an integer"),  # Optional[int]
     (["critic.value_clip=abc"], "critic.value_clip: got 'abc' (str), expected a number"),  # in Optional[CriticConfig]
     (["trainer.lr=-1"], "trainer.lr: got -1.0, expected > 0"),
+    # nan passes every `x < 0` check; YAML 1.1's yes / off are not booleans here
+    (["trainer.grad_clip=nan"], "trainer.grad_clip: got 'nan', expected a finite number"),
+    (["trainer.lr=.inf"], "trainer.lr: got inf, expected a finite number"),
+    (["trainer.deterministic=yes"], "trainer.deterministic: got 'yes', expected true or false or 'auto'"),
+    (["checkpoint.save_at_end=off"], "checkpoint.save_at_end: got 'off', expected true or false"),
+    (["trainer={lr: 1, lr: 2}"], "override 'trainer={lr: 1, lr: 2}': duplicate key 'lr' on line 1"),
+    (["workflow.reward_timeout_s=-1"], "workflow.episode_timeout_s / reward_timeout_s: got 300.0 / -1.0"),
+    (["workflow.episode_timeout_s=0"], "workflow.episode_timeout_s / reward_timeout_s: got 0.0 / 30.0"),
+    (["workflow.reward_workers=-2"], "workflow.reward_workers: got -2, expected >= 0"),
+    (["checkpoint.hf_export_every=-1"], "checkpoint.hf_export_every: got -1, expected >= 0"),
+    (["data.eval_every=-3"], "data.eval_every: got -3, expected >= 0"),
+    (["rollout.max_model_len=-5"], "rollout.max_model_len: got -5, expected >= 1"),
+    (["cluster.gpu_memory_gb=-80"], "cluster.gpu_memory_gb: got -80.0, expected > 0"),
+    (["workflow.reward=reward_model", "reward_model.hf_dir=/nope"],
+     "reward_model.hf_dir: folder '/nope' does not exist"),
     (["rollout.sampling.top_p=1.5"], "rollout.sampling.top_p: got 1.5, expected in (0, 1]"),
     (
         ["cluster.trainer_devices=3", "parallel.tp=2"],
@@ -394,6 +409,18 @@ def test_missing_config_file_and_bad_override():
         load_config("/nope.yaml")
     with pytest.raises(ConfigError, match="must look like a.b=value"):
         load_config(DEFAULT, ["trainer.lr"])
+
+
+def test_a_recipe_with_a_key_twice_or_a_folder_for_a_file_is_refused(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("trainer: {lr: 3.0e-3, total_steps: 50}\nmodel: {dtype: float32}\ntrainer: {seed: 7}\n")
+    with pytest.raises(ConfigError, match=re.escape(f"config file '{recipe}': duplicate key 'trainer' on line 3 "
+                                                    "(first on line 1)")):
+        load_config(recipe)
+    with pytest.raises(ConfigError, match="is a directory, expected a YAML file"):
+        load_config(tmp_path)
+    # strings that YAML 1.1 would read as booleans stay strings, as written
+    assert load_config(DEFAULT, ["workflow.kwargs={style: on}"]).workflow.kwargs == {"style": "on"}
 
 
 def test_missing_model_config_json(tmp_path):

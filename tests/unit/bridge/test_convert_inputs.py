@@ -1,0 +1,33 @@
+"""tools/convert_checkpoint.py refuses bad inputs in one line (exit 2) before any rank starts: a
+config.json that is not JSON names the file, --tp/--pp/--ep 0 is refused (it was read as "not
+given"), and --max-shard-size must be a positive size."""
+
+import pytest
+from helpers.tools import load_tool
+
+from mlrl.modelzoo import resolve_model_dir
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--tp", "0"], "--tp/--pp/--ep must be >= 1, got 0/1/1"),
+    (["--ep", "0"], "--tp/--pp/--ep must be >= 1, got 1/1/0"),
+])
+def test_a_zero_layout_is_refused(tmp_path, capsys, args, message):
+    src = resolve_model_dir("builtin:tiny-llama")
+    code = load_tool("convert_checkpoint").main(["hf-to-mcore", "--hf", str(src), "--out", str(tmp_path / "o"), *args])
+    assert code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_config_json_that_is_not_json_is_named(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{bad")
+    code = load_tool("convert_checkpoint").main(["hf-to-mcore", "--hf", str(tmp_path), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2 and f"--hf {tmp_path}: config.json is not valid JSON" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("size", ["0", "0MB", "0.0000001KB", "5XB"])
+def test_the_shard_size_must_be_a_positive_size(tmp_path, capsys, size):
+    code = load_tool("convert_checkpoint").main(["mcore-to-hf", "--ckpt", str(tmp_path), "--out", str(tmp_path / "o"),
+                                                 "--max-shard-size", size])
+    assert code == 2 and f"--max-shard-size {size!r}: expected a positive size" in capsys.readouterr().err

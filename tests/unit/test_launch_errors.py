@@ -1,0 +1,59 @@
+"""User mistakes the RL job finds in its cheap checks (mlrl.jobs.rl._checks: tokenizer, checkpoint
+to resume, data, workflow), before any trainer rank starts: each is one line naming the field, with
+the launcher's exit code 2, never a traceback."""
+
+from pathlib import Path
+
+import pytest
+
+from mlrl import launch
+from mlrl.ckpt_files.errors import CheckpointError
+from mlrl.config import ConfigError, load_config, validate
+from mlrl.jobs.rl import _checks
+from mlrl.modelzoo import resolve_model_dir
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT = ROOT / "launch" / "cpu_default.yaml"
+
+
+def _check(tmp_path: Path, *overrides: str):
+    cfg = load_config(DEFAULT, list(overrides))
+    validate(cfg, has_cuda=False)
+    return _checks(cfg, resolve_model_dir(cfg.model.hf_dir), tmp_path)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["workflow.name=rlvrr"], "workflow.name: unknown workflow 'rlvrr'"),
+    (["workflow.reward=exact_matc"], "exact_matc"),
+    (["workflow.kwargs={foo: 1}"], "unexpected keyword argument 'foo'"),
+    # the longest copy_digit prompt is 7 tokens: 7 + 32 new tokens do not fit 32
+    (["trainer.micro_batch_tokens=32", "rollout.sampling.max_new_tokens=32"],
+     "trainer.micro_batch_tokens=32 is smaller than a full-length sample: the longest prompt of data.train (7 "
+     "tokens with its chat template) + rollout.sampling.max_new_tokens (32) = 39"),
+])
+def test_workflow_and_budget_mistakes_are_config_errors(tmp_path, overrides, message):
+    with pytest.raises(ConfigError) as ei:
+        _check(tmp_path, *overrides)
+    assert message in str(ei.value) and "\n" not in str(ei.value)
+
+
+def test_a_budget_that_fits_the_longest_sample_passes(tmp_path):
+    assert _check(tmp_path, "trainer.micro_batch_tokens=39", "rollout.sampling.max_new_tokens=32").workflow
+
+
+def test_a_missing_checkpoint_to_resume_is_named_and_reported_without_a_traceback(tmp_path, monkeypatch, capsys):
+    with pytest.raises(CheckpointError, match=r"checkpoint.resume: 'latest' does not exist \(expected auto, none"):
+        _check(tmp_path, "checkpoint.resume=latest")
+
+    def job(cfg, layout):
+        raise CheckpointError("checkpoint.resume: 'latest' does not exist")
+
+    monkeypatch.setattr("mlrl.jobs.job_for", lambda cfg: job)
+    assert launch.main([f"logging.run_dir={tmp_path}"]) == 2
+    assert capsys.readouterr().err == "checkpoint error: checkpoint.resume: 'latest' does not exist\n"
+
+
+def test_overrides_may_stand_on_both_sides_of_an_option(capsys):
+    assert launch.main(["trainer.lr=1e-4", "--print-config", "trainer.seed=3"]) == 0
+    out = capsys.readouterr().out
+    assert "  lr: 0.0001\n" in out and "  seed: 3\n" in out
