@@ -28,6 +28,16 @@ class Colocated(Protocol):
     async def to_trainer(self, timer: StepTimer | None) -> None: ...
 
 
+def saves_due(c: CheckpointConfig, step: int, total_steps: int) -> tuple[bool, bool]:
+    """(save a training checkpoint, export HF) after `step` of `total_steps`: every save_every /
+    hf_export_every steps (0 = never) and, with save_at_end / hf_export_at_end, after the last.
+    The RL loop (SaveSchedule) and the SFT / DPO jobs (mlrl.jobs.offline) both ask this."""
+    last = step == total_steps
+    save = bool(c.save_every and step % c.save_every == 0) or (last and c.save_at_end)
+    export = bool(c.hf_export_every and step % c.hf_export_every == 0) or (last and c.hf_export_at_end)
+    return save, export
+
+
 class SaveSchedule:
     def __init__(self, cfg: CheckpointConfig, total_steps: int, checkpoint: Checkpointer,
                  colocation: Colocated | None = None):
@@ -40,11 +50,8 @@ class SaveSchedule:
         self.deferred: tuple[int, Mapping[str, object], bool, bool] | None = None
 
     def due(self, step: int) -> tuple[bool, bool]:
-        """(save a checkpoint, export HF) after `step`."""
-        c, last = self.cfg, step == self.total_steps
-        save = bool(c.save_every and step % c.save_every == 0) or (last and c.save_at_end)
-        export = bool(c.hf_export_every and step % c.hf_export_every == 0) or (last and c.hf_export_at_end)
-        return save, export
+        """(save a checkpoint, export HF) after `step` (saves_due)."""
+        return saves_due(self.cfg, step, self.total_steps)
 
     async def after_step(self, step: int, loop_state: Callable[[], Mapping[str, object]]) -> None:
         """Commit a finished async save (a thread hop costs ~10 ms while the async producer runs,

@@ -13,19 +13,20 @@ A checkpoint records its kind ("sft" / "dpo"): a run resumes only checkpoints of
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Literal, Protocol, Sequence
 
 from mlrl.checkpoint import Checkpointer, CheckpointManager, read_state
 from mlrl.checkpoint.init_from import check_model_init_from
+from mlrl.checkpoint.schedule import saves_due
 from mlrl.config import Config, ConfigError, Layout, dump_yaml
 from mlrl.data import get_dataset
 from mlrl.data.rows import DatasetError
 from mlrl.data.sampler import PromptSampler
 from mlrl.jobs.placement import Placement
 from mlrl.metrics import MetricsLogger
+from mlrl.metrics.console import configure_logging, progress_bar
 from mlrl.modelzoo import resolve_model_dir
 from mlrl.trainer.driver.client import TrainerClient
 from mlrl.trainer.driver.group import TrainerGroup, rank_env
@@ -93,8 +94,7 @@ class OfflineJob(Protocol):
 
 def run_offline(cfg: Config, layout: Layout, make_job: Callable[[Path], OfflineJob]) -> int:
     """Run `make_job(hf_dir)`'s job to trainer.total_steps; 0 on success."""
-    logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    configure_logging(cfg.logging.level)
 
     run_dir = Path(cfg.logging.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -116,7 +116,7 @@ def run_offline(cfg: Config, layout: Layout, make_job: Callable[[Path], OfflineJ
                                            shuffle=cfg.data.shuffle)
     # 2. the trainer ranks (no engines)
     placement = Placement()  # this machine; on GPU the trainer ranks take every visible device (no engines)
-    group = logger = None
+    group = logger = bar = None
     try:
         group = TrainerGroup(dump_yaml(cfg), layout.trainer_devices, run_dir=run_dir, host=placement.host,
                              env=rank_env(cfg, placement.trainer_env), spawn=placement.spawn_trainer)
@@ -130,6 +130,7 @@ def run_offline(cfg: Config, layout: Layout, make_job: Callable[[Path], OfflineJ
         logger = MetricsLogger(run_dir, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard,
                                wandb_project=cfg.logging.wandb_project, resume_step=start)
         total, c, kind = cfg.trainer.total_steps, cfg.checkpoint, job.kind
+        bar = progress_bar(cfg.logging.progress_bar, total=total, initial=start, desc=f"{kind.upper()} steps")
         for step in range(start + 1, total + 1):
             t0 = time.perf_counter()
             metrics = job.step(policy, sampler.next_batch(job.batch_size))
@@ -143,14 +144,18 @@ def run_offline(cfg: Config, layout: Layout, make_job: Callable[[Path], OfflineJ
                     metrics.update(held_out)
                     metrics["timing/eval"] = time.perf_counter() - t
             t = time.perf_counter()
-            if (c.save_every and step % c.save_every == 0) or (last and c.save_at_end):
+            save, export = saves_due(c, step, total)
+            if save:
                 checkpointer.save(step, {"kind": kind, "step": step, "sampler": sampler.state()})
-            if (c.hf_export_every and step % c.hf_export_every == 0) or (last and c.hf_export_at_end):
+            if export:
                 checkpointer.export_hf(step)
             metrics["timing/checkpoint"] = time.perf_counter() - t
             metrics["timing/step"] = time.perf_counter() - t0
             logger.log(step, metrics)
             evals = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith("eval/"))
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{metrics[f'{kind}/loss']:.4f}")
             log.info("%s step %d/%d: loss %.4f%s", job.title, step, total, metrics[f"{kind}/loss"],
                      f", {evals}" if evals else "")
         checkpointer.finalize()
@@ -161,6 +166,8 @@ def run_offline(cfg: Config, layout: Layout, make_job: Callable[[Path], OfflineJ
             print(f"Hugging Face export: {checkpointer.last_export}  (start RL from it: model.hf_dir=<this folder>)")
         return 0
     finally:
+        if bar is not None:
+            bar.close()
         if logger is not None:
             logger.close(plot=cfg.logging.plot)
         if group is not None:

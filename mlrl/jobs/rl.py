@@ -32,6 +32,7 @@ from mlrl.jobs.rl_start import EarlyStart, begin, policy_pool
 from mlrl.loop import LoopState, RunContext, train_sync
 from mlrl.loop_async import train_async
 from mlrl.metrics import MetricsLogger
+from mlrl.metrics.console import configure_logging, progress_bar
 from mlrl.metrics.timer import timing_table
 from mlrl.modelzoo import ModelSpecError, resolve_model_dir
 from mlrl.reward.model import ClassifierJudge, ModelJudge, set_active_judge
@@ -50,12 +51,7 @@ def run(cfg: Config, layout: Layout, early: EarlyStart | None = None) -> int:
     mlrl.jobs.rl_start.run); None starts it here."""
     if early is None:
         early = begin(cfg, layout)
-    logging.basicConfig(
-        level=cfg.logging.level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
-    logging.getLogger("httpx").setLevel(
-        max(logging.WARNING, logging.getLogger().level)
-    )  # one line per request otherwise
+    configure_logging(cfg.logging.level)
     terminated: list[bool] = []
     try:
         return asyncio.run(_run_until_terminated(cfg, layout, early, terminated))
@@ -280,7 +276,8 @@ async def _run(cfg: Config, layout: Layout, early: EarlyStart) -> int:
             checkpoint=checkpointer,
             saves=SaveSchedule(cfg.checkpoint, cfg.trainer.total_steps, checkpointer, colocation),
             eval_rows=eval_rows,
-            progress=_progress(cfg, start_step),
+            progress=progress_bar(cfg.logging.progress_bar, total=cfg.trainer.total_steps, initial=start_step,
+                                  desc="RL steps"),
             colocation=colocation,
             state=LoopState(start_step=start_step, version=version,
                             resume_rows=list(state.get("in_flight_rows", [])) if state else []),
@@ -326,14 +323,6 @@ def _cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
-
-
-def _progress(cfg: Config, start_step: int) -> Any:
-    if not cfg.logging.progress_bar:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=cfg.trainer.total_steps, initial=start_step, desc="RL steps", unit="step", file=sys.stderr)
 
 
 def _summary(ctx: RunContext, run_dir: Path) -> None:

@@ -196,6 +196,20 @@ async def test_disk_sync_verifies_and_retries_the_canary_once(tmp_path):
     assert all(torch.equal(client.model[n], t) for n, t in src.named_tensors())
 
 
+@pytest.mark.parametrize("bucket_mb,files", [(1e-4, 3), (64.0, 1)])
+async def test_bucket_mb_sets_how_the_weights_are_cut(tmp_path, bucket_mb, files):
+    """weight_sync.bucket_mb: the disk transport writes one safetensors file per bucket; ~100 bytes
+    cut TinyLM's 3 tensors apart, 64 MB carries them in one."""
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": VOCAB}))
+    src = HFWeightSource(TinyLM())
+    client = FakeClient([[0.0] * 8 + src.canary_logprobs(*canary_tokens(VOCAB))])
+    ws = make_weight_sync(WeightSyncConfig(transport="disk", canary_tolerance=1e-5, bucket_mb=bucket_mb),
+                          OneEnginePool(client), src, model_dir=tmp_path, run_dir=tmp_path)
+    rep = await ws.sync(1)
+    assert rep.tensors == 3 and all(torch.equal(client.model[n], t) for n, t in src.named_tensors())
+    assert len(list((tmp_path / "weight_sync" / "v00000001").glob("*.safetensors"))) == files
+
+
 async def test_second_failure_raises_and_leaves_the_pool_paused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": VOCAB}))
     src = HFWeightSource(TinyLM())

@@ -100,7 +100,10 @@ def test_two_senders_to_two_receivers_every_dtype():
             assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
-def test_checksum_mismatch_is_detected():
+@pytest.mark.parametrize("verify", [True, False], ids=["verify", "no_verify"])
+def test_checksum_mismatch_is_detected(verify):
+    """weight_sync.verify_checksums (the receivers' `verify`): on, a mismatch fails the sync; off, the
+    receiver compares no checksum and takes the bytes as they came."""
     store = open_store("127.0.0.1", 0, 30)
     spec = _spec(store, 1, 1)
     t = torch.arange(10, dtype=torch.float32)
@@ -111,13 +114,23 @@ def test_checksum_mismatch_is_detected():
                          "units": [[0]]})
         ch._bcast(t.view(torch.uint8))
         ch._send_header({"p": PROTOCOL, "checksums": [checksum(t + 1)]})  # what the sender claims it sent
+        if not verify:  # the receiver reads on: the stream's end, as the sender's digest records it
+            d = Digest()
+            d.add("w", checksum(t + 1), t.numel() * t.element_size())
+            ch.send_end(d)
 
     def receiver():
         ch = join_as_receiver(spec, 0)[0]
-        return list(ch.recv_stream(Digest()))
+        d = Digest()
+        return [b for b in ch.recv_stream(d, verify=verify)], d
 
     results, errors = _run([sender, receiver])
-    assert len(errors) == 1 and isinstance(errors[0], WireError) and "checksum mismatch for w" in str(errors[0])
+    if verify:
+        assert len(errors) == 1 and isinstance(errors[0], WireError) and "checksum mismatch for w" in str(errors[0])
+        return
+    assert not errors, errors
+    [[(name, got)]], digest = results[1]
+    assert name == "w" and torch.equal(got, t) and digest.tensors == 1
 
 
 def test_small_tensors_share_a_broadcast_large_ones_go_alone_and_all_arrive_exactly():
