@@ -63,7 +63,8 @@ class ModelConfig:
     follows it: float32 -> fp32, bfloat16 -> bf16, float16 -> fp16, see `precision`)."""
     arch: Optional[str] = None
     """Name of a known HF config (e.g. `Qwen/Qwen3-8B`, see mlrl.modelzoo) that --dry-run uses
-    when hf_dir is not on this machine (None = read hf_dir/config.json)."""
+    when hf_dir is not on this machine (None = read hf_dir/config.json). Where hf_dir is read (a
+    real run), the preset must describe that model's shape, or validation refuses it."""
     lora: Optional[LoRAConfig] = None
     """LoRA fine-tuning of the policy (None = off: full fine-tuning). `model.lora.rank=16` turns it on."""
     init_from: Optional[str] = None

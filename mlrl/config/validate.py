@@ -550,6 +550,27 @@ def _check_model(cfg: Config, hf: dict[str, Any], layout: Layout) -> None:
         )
 
 
+_PRESET_SHAPE = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "num_experts")
+
+
+def _check_arch_preset(arch: str | None, hf: dict[str, Any]) -> None:
+    """model.arch names a known preset; where the model's own config.json was read (a real run, or
+    a dry run on a machine that holds the folder), the preset must describe that model: a plan made
+    elsewhere from the preset is then the plan of this model."""
+    from mlrl.modelzoo import PRESETS
+
+    if arch is None:
+        return
+    if arch not in PRESETS:
+        raise ConfigError(f"model.arch: unknown preset {arch!r}; known: {', '.join(PRESETS)}")
+    preset = PRESETS[arch]
+    diff = [f"{k} {preset.get(k)} vs {hf.get(k)}" for k in _PRESET_SHAPE if preset.get(k) != hf.get(k)]
+    if diff:
+        raise ConfigError(f"model.arch={arch} describes another model than model.hf_dir's config.json "
+                          f"({', '.join(diff)}); fix model.arch or remove it")
+
+
 def _check_arch(hf: dict[str, Any], layout: Layout, pp_split: list[int] | None) -> None:
     """The built-in bridge's own reading of the model and its layout rules (mlrl.bridge.spec_for,
     check_layout: intermediate sizes divisible by tp / etp, pp_layer_split not with vpp, no cp with
@@ -758,6 +779,7 @@ def validate(cfg: Config, *, has_cuda: bool | None = None, has_te: bool | None =
         hf = hf_config_dict(cfg.model.hf_dir, cfg.model.arch if dry_run else None)
     except ModelSpecError as e:
         raise ConfigError(str(e)) from None
+    _check_arch_preset(cfg.model.arch, hf)
     which = _check_bridge(cfg, hf, cuda=cuda, dry_run=dry_run)
     _check_model(cfg, hf, layout)
     if which == "builtin":

@@ -250,7 +250,10 @@ def dataset_from_config(data: Any, which: str = "train", *, tokenizer: Any = Non
     if not name:
         raise ValueError(f"data.{which} is not set")
     synthetic_rows = data.num_synthetic if str(name).startswith("synthetic:") else None
-    ds = get_dataset(name, "train" if which == "train" else "test", "rl", tokenizer, data.max_prompt_tokens,
-                     skip_malformed=data.skip_malformed, seed=seed, num_rows=synthetic_rows)
+    try:
+        ds = get_dataset(name, "train" if which == "train" else "test", "rl", tokenizer, data.max_prompt_tokens,
+                         skip_malformed=data.skip_malformed, seed=seed, num_rows=synthetic_rows)
+    except DatasetError as e:  # which of the two settings named the bad file or row
+        raise DatasetError(f"data.{which}: {e}") from None
     assert isinstance(ds, RLDataset)
     return ds

@@ -159,6 +159,9 @@ BAD = [
     (["data.eval_every=-3"], "data.eval_every: got -3, expected >= 0"),
     (["rollout.max_model_len=-5"], "rollout.max_model_len: got -5, expected >= 1"),
     (["cluster.gpu_memory_gb=-80"], "cluster.gpu_memory_gb: got -80.0, expected > 0"),
+    (["model.arch=bogus"], "model.arch: unknown preset 'bogus'; known: Qwen/Qwen3-8B"),
+    (["model.arch=Qwen/Qwen3-8B"], "model.arch=Qwen/Qwen3-8B describes another model than model.hf_dir's "
+     "config.json (model_type qwen3 vs llama, vocab_size 151936 vs 72"),
     (["workflow.reward=reward_model", "reward_model.hf_dir=/nope"],
      "reward_model.hf_dir: folder '/nope' does not exist"),
     (["rollout.sampling.top_p=1.5"], "rollout.sampling.top_p: got 1.5, expected in (0, 1]"),

@@ -243,6 +243,9 @@ def test_dataset_from_config(tok, tmp_path):
     assert len(big) == 600 and len(big.skipped) == 1   # num_synthetic does not cap files
     with pytest.raises(ValueError, match="data.eval is not set"):
         dataset_from_config(DataConfig(), "eval")
+    # a bad file is reported with the setting that named it
+    with pytest.raises(DatasetError, match=r"^data\.eval: dataset '/nope.jsonl'"):
+        dataset_from_config(DataConfig(eval="/nope.jsonl"), "eval", tokenizer=tok)
 
 
 def unregistered_loader(split, n=3):
