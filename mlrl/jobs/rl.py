@@ -185,6 +185,7 @@ async def _run(cfg: Config, layout: Layout, early: EarlyStart) -> int:
         if early.pool is not None:
             await early.pool.shutdown()
         raise
+    clock.mark("checks")
     ckpts, resume, state = checked.ckpts, checked.resume, checked.state
     sampler, eval_rows, workflow = checked.sampler, checked.eval_rows, checked.workflow
     judge_dir, judge_tokenizer = checked.judge_dir, checked.judge_tokenizer
@@ -198,6 +199,7 @@ async def _run(cfg: Config, layout: Layout, early: EarlyStart) -> int:
         prestarted = None
         placement = await asyncio.to_thread(cluster_placement, cfg, layout, run_dir)
         reclaim_sigterm()  # ray.init in that thread took it: SIGTERM would abort, not tear down
+        clock.mark("placement")  # joining the cluster, reserving the plan's GPUs, one agent per node
     pool = judge_pool = group = policy = weight_sync = runner = logger = None
     try:
         devices = placement.engine_devices  # local GPUs: the policy's engines, then the judge's
@@ -209,7 +211,6 @@ async def _run(cfg: Config, layout: Layout, early: EarlyStart) -> int:
                                     run_dir=run_dir / "reward_model",
                                     cuda_devices=devices[n:] if devices is not None else None,
                                     runner="pooling" if rm.kind == "classifier" else None)
-        clock.mark("checks")
         pool_started = asyncio.create_task(clock.span("engines", pool.start(), since=engines_since))
         judge_started = asyncio.create_task(judge_pool.start()) if judge_pool is not None else None
         try:

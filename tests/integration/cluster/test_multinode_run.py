@@ -56,6 +56,10 @@ def test_two_node_run(cluster, tmp_path):
     assert out.returncode == 0, f"launch failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-8000:]}"
     print(f"2-node run: {time.monotonic() - t0:.0f} s")
 
+    # start-up: the Ray placement has a mark of its own, after the input checks
+    up = json.loads((run_dir / "startup.json").read_text())
+    assert up["checks_s"] < up["placement_s"] < up["processes_s"], up
+
     # placement: trainer ranks on one GPU worker node, engines on the other
     place = json.loads((run_dir / "placement.json").read_text())
     gpu_nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU")}
