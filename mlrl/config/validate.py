@@ -158,11 +158,16 @@ def _check_critic(cfg: Config) -> None:
     if a.advantage == "gae" and c is None:
         raise ConfigError("algorithm.advantage=gae needs a critic: add a `critic:` section (e.g. critic.lr=1e-5; "
                           "see mlrl/config/schema.py CriticConfig)")
-    if c is None or not cfg.uses_critic:
+    if c is None:
         return
+    # the ranges hold for a section a recipe carries for gae runs too: a typo shows before the switch
     _check_lr("critic", c)
     for name in ("lr_warmup_steps", "critic_only_steps"):
         _positive(f"critic.{name}", getattr(c, name), 0)
+    if c.grad_clip < 0 or c.weight_decay < 0 or c.value_clip < 0:
+        raise ConfigError("critic.grad_clip / weight_decay / value_clip: expected >= 0 (0 = off)")
+    if not cfg.uses_critic:
+        return
     if c.critic_only_steps >= t.total_steps:
         raise ConfigError(f"critic.critic_only_steps={c.critic_only_steps} (critic-only RL steps) must be smaller "
                           f"trainer.total_steps={t.total_steps}")
@@ -170,8 +175,6 @@ def _check_critic(cfg: Config) -> None:
         raise ConfigError(
             f"critic.lr_warmup_steps={c.lr_warmup_steps} must be smaller than the critic's updates of the run"
         )
-    if c.grad_clip < 0 or c.weight_decay < 0 or c.value_clip < 0:
-        raise ConfigError("critic.grad_clip / weight_decay / value_clip: expected >= 0 (0 = off)")
 
 
 def _check_lora(cfg: Config, hf: dict[str, Any] | None = None) -> None:

@@ -217,6 +217,7 @@ BAD = [
     ),
     (["algorithm.advantage=gae", "critic=null"], "algorithm.advantage=gae needs a critic: add a `critic:` section"),
     (["algorithm.advantage=gae", "critic.lr=0"], "critic.lr: got 0.0, expected > 0"),
+    (["critic.lr=-1"], "critic.lr: got -1.0, expected > 0"),  # grpo carries the recipe's section: still checked
     (
         ["algorithm.advantage=gae", "critic.critic_only_steps=10", "trainer.total_steps=10"],
         "critic.critic_only_steps=10 (critic-only RL steps) must be smaller",
