@@ -15,6 +15,12 @@ T = TypeVar("T")
 F = TypeVar("F")
 
 
+class LookupFailed(ValueError):
+    """A configured name (workflow.name, workflow.reward, workflow.kwargs) that resolves to nothing
+    usable: a mistake in the config, reported in one line. Errors raised inside the user's own code
+    are not wrapped in it and keep their traceback."""
+
+
 def qualified_name(obj: Any) -> str:
     return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
 

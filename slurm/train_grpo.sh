@@ -230,7 +230,7 @@ if ((nnodes == 1)); then
   else
     echo "train_grpo.sh: 1 node x $gpus_per_node GPUs: mlrl's local launcher (no Ray), config $config" >&2
   fi
-  launch --config "$config" "cluster.gpus_per_node=$gpus_per_node" "$@"
+  launch --nodes 1 --config "$config" "cluster.gpus_per_node=$gpus_per_node" "$@"   # whatever the recipe's nodes
   exit
 fi
 
@@ -264,9 +264,17 @@ check=("${step[@]}" --job-name=mlrl-check -w "$head" "${container[@]}" "$python"
        "${launch_args[@]}")
 if [[ -n "$dry" ]]; then
   run "${check[@]}"
-elif ! "${check[@]}" > /dev/null; then
-  echo "train_grpo.sh: the launcher refused the config (its error is above); no Ray step was started" >&2
-  exit 2
+else
+  rc=0
+  "${check[@]}" > /dev/null || rc=$?
+  if ((rc == 2)); then
+    echo "train_grpo.sh: the launcher refused the config (its error is above); no Ray step was started" >&2
+    exit 2
+  elif ((rc != 0)); then
+    echo "train_grpo.sh: the config check step on $head failed (exit $rc: srun, the container or Python; see" \
+         "above); no Ray step was started" >&2
+    exit "$rc"
+  fi
 fi
 stop_if_terminated
 

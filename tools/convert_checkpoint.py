@@ -65,7 +65,7 @@ def parse_size(text: str) -> int:
         unit, num = "", t
     try:
         size = int(float(num) * _SIZE_UNITS[unit])
-    except ValueError:
+    except (ValueError, OverflowError):  # not a number; inf / 1e400
         size = 0
     if size < 1:
         raise ConversionError(f"--max-shard-size {text!r}: expected a positive size like 2GB, 500MB or 1048576")

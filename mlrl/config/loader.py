@@ -88,31 +88,47 @@ def config_from_yaml(text: str) -> Config:
 class _StrictLoader(yaml.SafeLoader):
     """PyYAML's safe loader with two changes for configs: a key given twice in one mapping is an
     error (PyYAML keeps the last one and drops the first block without a word), and only
-    true / false are booleans (YAML 1.1 also reads yes / no / on / off as booleans: here they stay
-    strings, which a bool field refuses and a str field keeps as written)."""
+    true / false are booleans: YAML 1.1 also reads unquoted yes / no / on / off as booleans, which
+    a YAML 1.2 reader (and the eye) takes for strings, so they are refused as ambiguous, anywhere
+    (workflow.kwargs too); quoted, they are strings."""
 
 
 _BOOL = "tag:yaml.org,2002:bool"
+_AMBIGUOUS = "tag:mlrl,2026:ambiguous-bool"
 _StrictLoader.yaml_implicit_resolvers = {
     first: [(tag, rx) for tag, rx in resolvers if tag != _BOOL]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
 _StrictLoader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+_StrictLoader.add_implicit_resolver(
+    _AMBIGUOUS, re.compile(r"^(?:yes|Yes|YES|no|No|NO|on|On|ON|off|Off|OFF)$"), list("yYnNoO"))
+
+
+def _ambiguous(loader: _StrictLoader, node: yaml.ScalarNode) -> Any:
+    raise ConfigError(f"{node.value!r} on line {node.start_mark.line + 1} is ambiguous (YAML 1.1 reads it as a "
+                      "boolean): write true / false, or quote it for a string")
 
 
 def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
     seen: dict[Any, int] = {}
     for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: construct_mapping merges it below
+            continue
         key = loader.construct_object(key_node)
         line = key_node.start_mark.line + 1
-        if key in seen:
-            raise ConfigError(f"duplicate key {key!r} on line {line} (first on line {seen[key]}): YAML would keep only "
+        try:
+            first = seen.get(key)
+        except TypeError:  # `? [a, b]`: a list or mapping as a key
+            raise ConfigError(f"line {line}: a mapping key must be a plain value, got a {key_node.id}") from None
+        if first is not None:
+            raise ConfigError(f"duplicate key {key!r} on line {line} (first on line {first}): YAML would keep only "
                               "the last one; merge them into one block")
         seen[key] = line
     return loader.construct_mapping(node)
 
 
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
+_StrictLoader.add_constructor(_AMBIGUOUS, _ambiguous)
 
 
 def _load_yaml(text: str) -> Any:

@@ -137,9 +137,10 @@ def _check_ranges(cfg: Config) -> None:
     _positive("data.max_prompt_tokens", cfg.data.max_prompt_tokens)
     _positive("workflow.max_concurrency", cfg.workflow.max_concurrency)
     w = cfg.workflow
-    if not (w.episode_timeout_s > 0 and w.reward_timeout_s > 0):
-        raise ConfigError(f"workflow.episode_timeout_s / reward_timeout_s: got {w.episode_timeout_s} / "
-                          f"{w.reward_timeout_s}, expected > 0 seconds")
+    if w.episode_timeout_s < 0:
+        raise ConfigError(f"workflow.episode_timeout_s: got {w.episode_timeout_s}, expected >= 0 seconds (0 = off)")
+    if not w.reward_timeout_s > 0:
+        raise ConfigError(f"workflow.reward_timeout_s: got {w.reward_timeout_s}, expected > 0 seconds")
     _positive("workflow.reward_workers", w.reward_workers, 0)
     _positive("checkpoint.hf_export_every", cfg.checkpoint.hf_export_every, 0)
     _positive("data.eval_every", cfg.data.eval_every, 0)
@@ -401,41 +402,36 @@ def _check_unused(cfg: Config) -> None:
     if t.optimizer != "adam":
         _unused("trainer", t, ("adam_beta1", "adam_beta2", "adam_eps"), f"with trainer.optimizer={t.optimizer}")
     judge = cfg.reward_model
-    if c.gpus_per_node > 0:
+    if c.gpus_per_node > 0 and c.nodes == 1:  # (several nodes may be Ray "GPU" slots of CPU machines: Slurm)
         why = "on GPUs (cluster.gpus_per_node > 0: vLLM sizes its KV cache by gpu_memory_utilization there)"
         _unused("rollout", r, ("cpu_kv_cache_gb",), why)
         if judge is not None:
             _unused("reward_model", judge, ("cpu_kv_cache_gb",), why)
-    else:
+    elif c.gpus_per_node == 0:
         why = "on CPU (cluster.gpus_per_node=0)"
         _unused("rollout", r, ("gpu_memory_utilization",), why)
         _unused("cluster", c, ("gpu_memory_gb",), why)
         if judge is not None:
             _unused("reward_model", judge, ("gpu_memory_utilization",), why)
-        # vLLM's CPU build reads its KV cache size as whole GiB (VLLM_CPU_KVCACHE_SPACE, an int)
-        for section, kv in (("rollout", r.cpu_kv_cache_gb), ("reward_model", judge.cpu_kv_cache_gb if judge else 1)):
-            if kv < 1 or kv != int(kv):
-                raise ConfigError(f"{section}.cpu_kv_cache_gb={kv}: expected a whole number of GiB >= 1 (vLLM's CPU "
-                                  "build reads VLLM_CPU_KVCACHE_SPACE as an integer)")
+    # vLLM's CPU build reads its KV cache size as whole GiB (VLLM_CPU_KVCACHE_SPACE, an int)
+    for section, kv in (("rollout", r.cpu_kv_cache_gb), ("reward_model", judge.cpu_kv_cache_gb if judge else 1)):
+        if kv < 1 or kv != int(kv):
+            raise ConfigError(f"{section}.cpu_kv_cache_gb={kv}: expected a whole number of GiB >= 1 (vLLM's CPU "
+                              "build reads VLLM_CPU_KVCACHE_SPACE as an integer)")
     if c.nodes == 1:
         _unused("cluster", c, ("ray_address", "join_timeout_s"), "with cluster.nodes=1 (no Ray cluster is joined: "
                 "--nodes N for one)")
     if cfg.weight_sync.transport != "disk":
         _unused("weight_sync", cfg.weight_sync, ("disk_dir",), f"with weight_sync.transport="
                 f"{cfg.weight_sync.transport} (the disk transport's folder)")
+    # data.eval_every and data.num_synthetic describe a recipe's own datasets and stay when a command
+    # line swaps them (data.train=my.jsonl data.eval=null), as a recipe's critic section stays for gae
     if d.eval is None:
-        _unused("data", d, ("eval_every",), "without data.eval (no held-out set)")
         _unused("eval", cfg.eval, ("samples_per_prompt", "correct_threshold"), "without data.eval (no held-out "
                 "evaluation)")
     elif d.eval_every == 0:
         raise ConfigError(f"data.eval={d.eval} is never evaluated with data.eval_every=0: set data.eval_every to "
                           "evaluate every N steps (and at the end), or remove data.eval")
-    if not any(str(name).startswith("synthetic:") for name in (d.train, d.eval) if name):
-        _unused("data", d, ("num_synthetic",), "without a synthetic: dataset in data.train / data.eval (the rows "
-                "of a generated task)")
-    if cfg.logging.plot and not cfg.logging.jsonl:
-        raise ConfigError("logging.plot=true draws metrics.jsonl, which logging.jsonl=false turns off: set "
-                          "logging.plot=false or logging.jsonl=true")
 
 
 def _check_mode(cfg: Config) -> None:
@@ -790,7 +786,7 @@ def validate(cfg: Config, *, has_cuda: bool | None = None, has_te: bool | None =
     _check_lora(cfg, hf)
     _check_router_replay(cfg, hf, has_cuda=cfg.cluster.gpus_per_node > 0)
     _check_shared_prefix(cfg)
-    if cfg.reward_model is not None and cfg.reward_model.hf_dir:  # the judge's folder exists (read at start)
+    if cfg.reward_model is not None and cfg.reward_model.hf_dir and not dry_run:  # the judge's folder (read at start)
         try:
             hf_config_dict(cfg.reward_model.hf_dir, None, field="reward_model.hf_dir")
         except ModelSpecError as e:

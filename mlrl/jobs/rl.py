@@ -35,6 +35,7 @@ from mlrl.metrics import MetricsLogger
 from mlrl.metrics.console import configure_logging, progress_bar
 from mlrl.metrics.timer import timing_table
 from mlrl.modelzoo import ModelSpecError, resolve_model_dir
+from mlrl.registry import LookupFailed
 from mlrl.reward.model import ClassifierJudge, ModelJudge, set_active_judge
 from mlrl.rollout.pool import EnginePool
 from mlrl.trainer.driver.client import CriticClient, MegatronWeightSource, TrainerClient
@@ -136,7 +137,7 @@ def _checks(cfg: Config, hf_dir: Path, run_dir: Path) -> _Checked:
         workflow = build_workflow_from_config(
             cfg.workflow, tokenizer=tokenizer, gconfig=gconfig_from_sampling(cfg.rollout.sampling)
         )
-    except ValueError as e:
+    except LookupFailed as e:  # a name or argument of the config; an error inside the workflow keeps its traceback
         raise ConfigError(str(e)) from None
     out = _Checked(ckpts, resume, state, sampler, eval_rows, workflow)
     if cfg.reward_model is not None:  # the judge's folder and tokenizer, before any process starts

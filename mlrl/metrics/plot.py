@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from mlrl.metrics.sinks import read_jsonl
 
@@ -16,13 +18,14 @@ PANELS = [
 PHASE_KEYS = [f"timing/{p}" for p in ("rollout", "reward", "logprobs", "train", "sync", "eval", "checkpoint", "other")]
 
 
-def plot_run(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
+def plot_run(metrics: str | Path | Sequence[dict[str, Any]], out_png: str | Path) -> Path:
+    """run.png from a metrics.jsonl file or its records (one dict per step)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    recs = read_jsonl(metrics_jsonl)
+    recs = read_jsonl(metrics) if isinstance(metrics, (str, Path)) else list(metrics)
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
     for ax, (key, title) in zip(axes.flat, PANELS):
         pts = [(r["step"], r[key]) for r in recs if isinstance(r.get(key), (int, float))]

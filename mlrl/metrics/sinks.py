@@ -48,6 +48,7 @@ class MetricsLogger:
         self.jsonl_path = self.run_dir / "metrics.jsonl" if jsonl else None
         if self.jsonl_path is not None:
             self._trim_after(resume_step)
+        self._rows: list[dict[str, Any]] = []  # this process's steps: the plot's source without metrics.jsonl
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -79,7 +80,9 @@ class MetricsLogger:
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         rec = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
-        if self.jsonl_path is not None:
+        if self.jsonl_path is None:
+            self._rows.append(rec)
+        else:
             with open(self.jsonl_path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
                 f.flush()
@@ -105,16 +108,23 @@ class MetricsLogger:
             self._tb.flush()
 
     def close(self, *, plot: bool = False) -> None:
-        """Flush and close the sinks; `plot` (logging.plot): draw run.png from metrics.jsonl."""
+        """Flush and close the sinks; `plot` (logging.plot): draw run.png from metrics.jsonl (the
+        whole run, resumed parts included), or with logging.jsonl off from the steps this process
+        logged."""
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
-        jsonl = Path(self.run_dir) / "metrics.jsonl"
-        if plot and jsonl.exists():
+        if not plot:
+            return
+        if self.jsonl_path is not None and self.jsonl_path.exists():
+            records = read_jsonl(self.jsonl_path)
+        else:
+            records = self._rows
+        if records:
             from mlrl.metrics.plot import plot_run
 
-            plot_run(jsonl, Path(self.run_dir) / "run.png")
+            plot_run(records, Path(self.run_dir) / "run.png")
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:

@@ -15,7 +15,7 @@ import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from mlrl.registry import Registry
+from mlrl.registry import LookupFailed, Registry
 
 if TYPE_CHECKING:  # (mlrl.interfaces imports torch; reward worker processes stay light)
     from mlrl.interfaces import RewardFn
@@ -67,15 +67,15 @@ def import_from_string(path: str) -> Any:
     else:
         mod_name, _, attr = path.rpartition(".")
     if not mod_name or not attr:
-        raise ValueError(f"{path!r} is not a dotted path of the form pkg.module.name")
+        raise LookupFailed(f"{path!r} is not a dotted path of the form pkg.module.name")
     try:
         mod = importlib.import_module(mod_name)
     except ImportError as e:
-        raise ValueError(f"cannot import module {mod_name!r} (from {path!r}): {e}") from None
+        raise LookupFailed(f"cannot import module {mod_name!r} (from {path!r}): {e}") from None
     obj = mod
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ValueError(f"module {mod_name!r} has no attribute {attr!r} (from {path!r})")
+            raise LookupFailed(f"module {mod_name!r} has no attribute {attr!r} (from {path!r})")
         obj = getattr(obj, part)
     return obj
 
@@ -85,16 +85,16 @@ def get_reward_fn(name_or_path: str | RewardFn) -> RewardFn:
     if callable(name_or_path):
         return name_or_path
     if not isinstance(name_or_path, str) or not name_or_path:
-        raise ValueError(f"workflow.reward: expected a reward name or dotted path, got {name_or_path!r}")
+        raise LookupFailed(f"workflow.reward: expected a reward name or dotted path, got {name_or_path!r}")
     fn = _REWARDS.get(name_or_path)
     if fn is not None:
         return fn
     if "." in name_or_path or ":" in name_or_path:
         fn = import_from_string(name_or_path)
         if not callable(fn):
-            raise ValueError(f"workflow.reward: {name_or_path!r} is not callable")
+            raise LookupFailed(f"workflow.reward: {name_or_path!r} is not callable")
         return cast("RewardFn", fn)
-    raise ValueError(f"workflow.reward: unknown reward {name_or_path!r}; registered: {', '.join(list_rewards())}")
+    raise LookupFailed(f"workflow.reward: unknown reward {name_or_path!r}; registered: {', '.join(list_rewards())}")
 
 
 def list_rewards() -> list[str]:

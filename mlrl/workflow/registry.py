@@ -20,7 +20,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from mlrl.registry import Registry
+from mlrl.registry import LookupFailed, Registry
 from mlrl.registry import qualified_name as _qual
 from mlrl.reward import get_reward_fn, import_from_string
 from mlrl.types import GenerationHyperparameters
@@ -57,7 +57,7 @@ def get_workflow(name_or_path: str) -> Any:
         return TRINITY_WORKFLOWS.get(name_or_path)
     if "." in name_or_path or ":" in name_or_path:
         return import_from_string(name_or_path)
-    raise ValueError(f"workflow.name: unknown workflow {name_or_path!r}; registered: {', '.join(_WORKFLOWS.names())}")
+    raise LookupFailed(f"workflow.name: unknown workflow {name_or_path!r}; registered: {', '.join(_WORKFLOWS.names())}")
 
 
 def _accepts(fn: Any, name: str) -> bool:
@@ -106,7 +106,7 @@ def build_workflow(
         if inspect.isclass(obj):
             return _construct(spec, obj, context, kwargs)
         if kwargs:
-            raise ValueError(f"workflow.kwargs given for an already-built workflow instance {_qual(type(obj))}")
+            raise LookupFailed(f"workflow.kwargs given for an already-built workflow instance {_qual(type(obj))}")
         return obj
     if _is_agent(obj):
         from mlrl.workflow.builtin.agent import OpenAIAgentWorkflow
@@ -117,11 +117,11 @@ def build_workflow(
     if callable(obj) and not inspect.isclass(obj):  # a registered factory function
         built = _construct(spec, obj, context, kwargs)
         if not hasattr(built, "arun_episode"):
-            raise ValueError(
+            raise LookupFailed(
                 f"workflow factory {_qual(obj)} returned {type(built).__name__}, which has no arun_episode"
             )
         return built
-    raise ValueError(
+    raise LookupFailed(
         f"workflow {spec!r} resolves to {_qual(obj)}, which is neither a RolloutWorkflow (arun_episode), "
         "a Trinity or rLLM Workflow subclass, nor an agent with `async def run(data, **extra_kwargs)`"
     )
@@ -131,7 +131,7 @@ def _construct(spec: Any, target: Any, context: dict[str, Any], kwargs: dict[str
     try:
         return target(*args, **_pick(target, context, kwargs))
     except TypeError as e:
-        raise ValueError(f"workflow {spec!r} could not be built with {_qual(target)}: {e} "
+        raise LookupFailed(f"workflow {spec!r} could not be built with {_qual(target)}: {e} "
                          "(constructor arguments come from workflow.kwargs; reward_fn from workflow.reward)") from e
 
 

@@ -35,7 +35,8 @@ def test_the_save_and_export_schedule_follows_each_field():
     assert _due(save_every=4, save_at_end=False, hf_export_at_end=False) == [(4, True, False)]
 
 
-@pytest.mark.parametrize("jsonl,tensorboard,plot", [(True, True, True), (True, False, False), (False, True, False)])
+@pytest.mark.parametrize("jsonl,tensorboard,plot", [(True, True, True), (True, False, False), (False, True, False),
+                                                     (False, False, True)])  # the plot without metrics.jsonl: memory
 def test_each_metric_sink_writes_only_when_on(tmp_path, jsonl, tensorboard, plot):
     from mlrl.metrics import MetricsLogger
 

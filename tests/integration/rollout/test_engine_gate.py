@@ -67,7 +67,7 @@ def test_a_failed_input_check_stops_the_gated_engines_and_names_the_row(tmp_path
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
     assert out.returncode == 2, (out.returncode, out.stderr[-3000:])
-    assert f"data error: {data}:1: the row has no 'messages'" in out.stderr, out.stderr[-3000:]
+    assert f"data error: data.train: {data}:1: the row has no 'messages'" in out.stderr, out.stderr[-3000:]
     assert "Traceback" not in out.stderr, out.stderr[-3000:]
     # the engine had been started (gated) and is gone, its whole process group with it
     log = (run / "engines" / "engine-0.log").read_text(errors="replace")

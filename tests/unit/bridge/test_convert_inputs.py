@@ -26,7 +26,7 @@ def test_a_config_json_that_is_not_json_is_named(tmp_path, capsys):
     assert code == 2 and f"--hf {tmp_path}: config.json is not valid JSON" in err and "Traceback" not in err, err
 
 
-@pytest.mark.parametrize("size", ["0", "0MB", "0.0000001KB", "5XB"])
+@pytest.mark.parametrize("size", ["0", "0MB", "0.0000001KB", "5XB", "inf", "1e400GB"])
 def test_the_shard_size_must_be_a_positive_size(tmp_path, capsys, size):
     code = load_tool("convert_checkpoint").main(["mcore-to-hf", "--ckpt", str(tmp_path), "--out", str(tmp_path / "o"),
                                                  "--max-shard-size", size])

@@ -149,11 +149,13 @@ BAD = [
     # nan passes every `x < 0` check; YAML 1.1's yes / off are not booleans here
     (["trainer.grad_clip=nan"], "trainer.grad_clip: got 'nan', expected a finite number"),
     (["trainer.lr=.inf"], "trainer.lr: got inf, expected a finite number"),
-    (["trainer.deterministic=yes"], "trainer.deterministic: got 'yes', expected true or false or 'auto'"),
-    (["checkpoint.save_at_end=off"], "checkpoint.save_at_end: got 'off', expected true or false"),
+    (["trainer.deterministic=yes"], "override 'trainer.deterministic=yes': 'yes' on line 1 is ambiguous (YAML 1.1 "
+     "reads it as a boolean): write true / false, or quote it for a string"),
+    (["checkpoint.save_at_end=off"], "'off' on line 1 is ambiguous"),
+    (["workflow.kwargs={strict: no}"], "'no' on line 1 is ambiguous"),  # an untyped field: YAML 1.1 would say False
     (["trainer={lr: 1, lr: 2}"], "override 'trainer={lr: 1, lr: 2}': duplicate key 'lr' on line 1"),
-    (["workflow.reward_timeout_s=-1"], "workflow.episode_timeout_s / reward_timeout_s: got 300.0 / -1.0"),
-    (["workflow.episode_timeout_s=0"], "workflow.episode_timeout_s / reward_timeout_s: got 0.0 / 30.0"),
+    (["workflow.reward_timeout_s=0"], "workflow.reward_timeout_s: got 0.0, expected > 0 seconds"),
+    (["workflow.episode_timeout_s=-1"], "workflow.episode_timeout_s: got -1.0, expected >= 0 seconds (0 = off)"),
     (["workflow.reward_workers=-2"], "workflow.reward_workers: got -2, expected >= 0"),
     (["checkpoint.hf_export_every=-1"], "checkpoint.hf_export_every: got -1, expected >= 0"),
     (["data.eval_every=-3"], "data.eval_every: got -3, expected >= 0"),
@@ -312,12 +314,8 @@ UNUSED = [
      ["cluster.nodes=2", *GPU8]),
     (["weight_sync.disk_dir=/tmp/w"], "weight_sync.disk_dir='/tmp/w' has no effect with "
      "weight_sync.transport=broadcast", ["weight_sync.transport=disk"]),
-    (["data.eval_every=5"], "data.eval_every=5 has no effect without data.eval",
-     ["data.eval=synthetic:copy_digit"]),
     (["eval.samples_per_prompt=4"], "eval.samples_per_prompt=4 has no effect without data.eval",
      ["data.eval=synthetic:copy_digit", "data.eval_every=5"]),
-    (["data.train=gsm8k", "data.num_synthetic=64"], "data.num_synthetic=64 has no effect without a synthetic: "
-     "dataset", ["data.eval=synthetic:copy_digit", "data.eval_every=5"]),
 ]
 
 
@@ -333,7 +331,6 @@ def test_a_field_set_where_nothing_reads_it_is_refused(unused, message, live):
     (["rollout.cpu_kv_cache_gb=1.5"], "rollout.cpu_kv_cache_gb=1.5: expected a whole number of GiB >= 1"),
     (["rollout.cpu_kv_cache_gb=0"], "rollout.cpu_kv_cache_gb=0.0: expected a whole number of GiB >= 1"),
     (["data.eval=synthetic:copy_digit"], "data.eval=synthetic:copy_digit is never evaluated with data.eval_every=0"),
-    (["logging.jsonl=false"], "logging.plot=true draws metrics.jsonl, which logging.jsonl=false turns off"),
 ])
 def test_settings_that_would_silently_do_nothing_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -423,8 +420,12 @@ def test_a_recipe_with_a_key_twice_or_a_folder_for_a_file_is_refused(tmp_path):
         load_config(recipe)
     with pytest.raises(ConfigError, match="is a directory, expected a YAML file"):
         load_config(tmp_path)
-    # strings that YAML 1.1 would read as booleans stay strings, as written
-    assert load_config(DEFAULT, ["workflow.kwargs={style: on}"]).workflow.kwargs == {"style": "on"}
+    # quoted, the words YAML 1.1 reads as booleans are strings; merge keys still merge (explicit keys win)
+    assert load_config(DEFAULT, ["workflow.kwargs={style: 'on'}"]).workflow.kwargs == {"style": "on"}
+    merged = tmp_path / "m.yaml"
+    merged.write_text("trainer:\n  <<: {lr: 1.0e-5, seed: 3}\n  seed: 4\n")
+    t = load_config(merged).trainer
+    assert (t.lr, t.seed) == (1e-5, 4)
 
 
 def test_missing_model_config_json(tmp_path):

@@ -72,7 +72,7 @@ def test_a_bad_row_stops_the_run_before_any_process_starts(tmp_path):
     data = tmp_path / "prefs.jsonl"
     data.write_text(json.dumps({"prompt": "copy 3", "chosen": "3", "rejected": "4"}) + "\n"
                     + json.dumps({"prompt": "copy 4", "chosen": "4"}) + "\n")
-    out = _launch(tmp_path, f"data.train={data}", "data.eval=null", "data.eval_every=0", "data.num_synthetic=512")
+    out = _launch(tmp_path, f"data.train={data}", "data.eval=null")
     assert out.returncode == 2, out.stderr[-2000:]
     assert "config error: data.train:" in out.stderr
     assert "prefs.jsonl:2: a preference row needs 'rejected'" in out.stderr

@@ -78,7 +78,7 @@ def test_rows_without_an_assistant_turn_are_skipped_and_named(tmp_path, caplog):
             {"prompt": "copy 4", "completion": "4"}]
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = _validated(f"data.train={data}", "data.eval=null", "data.eval_every=0")
+    cfg = _validated(f"data.train={data}", "data.eval=null")
     with caplog.at_level("WARNING", logger="mlrl.jobs.sft"):
         train, held_out = load_sft_data(cfg, resolve_model_dir("builtin:tiny-llama"))
     assert len(train) == 2 and held_out is None

@@ -115,9 +115,8 @@ def test_one_node_without_gpus_runs_the_local_cpu_path(fake_path):
         out, cmds = _no_gpu_env(fake_path, 1, "trainer.total_steps=2", MLRL_PYTHON="/v/bin/python", **env)
         assert out.returncode == 0, out.stderr
         assert cmds == [["srun", "--nodes=1", "--ntasks=1", "--overlap", "--job-name=mlrl-launch", "-w", "gpu-a01",
-                         "/v/bin/python", "-m",
-                         "mlrl.launch", "--config", "launch/cpu_default.yaml", "cluster.gpus_per_node=0",
-                         "trainer.total_steps=2"]]
+                         "/v/bin/python", "-m", "mlrl.launch", "--nodes", "1", "--config",
+                         "launch/cpu_default.yaml", "cluster.gpus_per_node=0", "trainer.total_steps=2"]]
         assert "local CPU path (no Ray)" in out.stderr
 
 
@@ -128,9 +127,10 @@ def test_one_gpu_node_runs_the_local_launcher_without_ray(fake_path):
                             MLRL_CONFIG="launch/qwen3_8b_grpo.yaml")
     assert out.returncode == 0, out.stderr
     assert cmds == [["srun", "--nodes=1", "--ntasks=1", "--overlap", "--job-name=mlrl-launch", "-w", "gpu-a01",
-                     "python", "-m", "mlrl.launch", "--config", "launch/qwen3_8b_grpo.yaml",
+                     "python", "-m", "mlrl.launch", "--nodes", "1", "--config", "launch/qwen3_8b_grpo.yaml",
                      "cluster.gpus_per_node=4", "trainer.total_steps=2"]]
     assert "1 node x 4 GPUs: mlrl's local launcher (no Ray)" in out.stderr
+    # (--nodes 1 above: whatever the recipe says, qwen3_8b_grpo.yaml 16 nodes, no Ray cluster is joined)
 
 
 def test_a_refused_config_starts_no_ray_step(fake_path, tmp_path):
@@ -154,6 +154,20 @@ def test_a_refused_config_starts_no_ray_step(fake_path, tmp_path):
     assert "no Ray step was started" in out.stderr
     started = calls.read_text()
     assert "--job-name=mlrl-check" in started and "ray" not in started.replace("cluster.ray_address", "")
+
+
+def test_a_check_step_that_fails_otherwise_passes_its_exit_code(tmp_path):
+    """srun or the container failing (not the launcher's exit 2) is named as such, with its code."""
+    srun = tmp_path / "srun"
+    srun.write_text('#!/bin/sh\ncase "$*" in *hostname*) echo 127.0.0.1;; *--print-config*) exit 127;; esac\n')
+    srun.chmod(0o755)
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text("#!/bin/sh\necho 127.0.0.1\necho 127.0.0.2\n")
+    scontrol.chmod(0o755)
+    env = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "HOME": str(tmp_path), "SLURM_NNODES": "2",
+           "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_GPUS_PER_NODE": "0", "MLRL_CONFIG": "launch/cpu_default.yaml"}
+    out = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    assert out.returncode == 127 and "the config check step on 127.0.0.1 failed (exit 127" in out.stderr, out.stderr
 
 
 def test_several_nodes_without_gpus_offer_cpu_slots_from_one_environment(fake_path):
