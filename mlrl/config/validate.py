@@ -421,6 +421,8 @@ def _check_unused(cfg: Config) -> None:
     if c.nodes == 1:
         _unused("cluster", c, ("ray_address", "join_timeout_s"), "with cluster.nodes=1 (no Ray cluster is joined: "
                 "--nodes N for one)")
+    else:
+        _unused("rollout", r, ("host",), f"with cluster.nodes={c.nodes} (each engine listens on its node's address)")
     if cfg.weight_sync.transport != "disk":
         _unused("weight_sync", cfg.weight_sync, ("disk_dir",), f"with weight_sync.transport="
                 f"{cfg.weight_sync.transport} (the disk transport's folder)")

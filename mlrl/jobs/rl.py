@@ -246,7 +246,7 @@ async def _run(cfg: Config, layout: Layout, early: EarlyStart) -> int:
         tolerance = cfg.weight_sync.canary_tolerance_for(cfg.model.dtype)  # None: by dtype
         ws_cfg = dataclasses.replace(cfg.weight_sync, canary_tolerance=tolerance)
         weight_sync = make_weight_sync(ws_cfg, pool, MegatronWeightSource(policy), model_dir=hf_dir,
-                                       engine_tp=cfg.rollout.engine_tp, host=placement.host or cfg.rollout.host,
+                                       engine_tp=cfg.rollout.engine_tp, host=placement.host,
                                        run_dir=run_dir, backend=placement.sync_backend, lora=cfg.model.lora)
         pool.refresher = weight_sync.refresh  # an engine restarted after a crash is re-synced before it serves
         # 3. the engines hold the trainer's weights before the first step: checked by the canary when they

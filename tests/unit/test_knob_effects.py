@@ -100,3 +100,13 @@ def test_recompute_reaches_megatrons_transformer_config():
                                    "recompute_num_layers": None}
     assert fields("full") == {"recompute_granularity": "full", "recompute_method": "uniform",
                               "recompute_num_layers": 1}
+
+
+def test_the_critics_body_comes_from_critic_hf_dir_when_given(tmp_path):
+    from mlrl.config.schema import CriticConfig
+    from mlrl.modelzoo import resolve_model_dir
+    from mlrl.trainer.rank.service import critic_body_dir
+
+    policy = resolve_model_dir("builtin:tiny-llama")
+    assert critic_body_dir(CriticConfig(), policy) == policy
+    assert critic_body_dir(CriticConfig(hf_dir="builtin:tiny-qwen3"), policy) == resolve_model_dir("builtin:tiny-qwen3")

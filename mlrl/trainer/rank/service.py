@@ -15,6 +15,7 @@ import os
 import sys
 import traceback
 from multiprocessing.connection import Client
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -28,6 +29,13 @@ from mlrl.interfaces import ResumeInfo
 from mlrl.trainer.rpc import TOKEN_ENV, RankRouterDiagnostics, no_delay, recv, send
 
 ADAPTER_DIR = "adapter"  # the PEFT folder inside a LoRA run's HF export
+
+
+def critic_body_dir(critic_cfg: Any, policy_dir: Path) -> Path:
+    """The folder the critic's body is initialised from: critic.hf_dir, or the policy's model."""
+    from mlrl.modelzoo import resolve_model_dir
+
+    return resolve_model_dir(critic_cfg.hf_dir, field="critic.hf_dir") if critic_cfg.hf_dir else policy_dir
 
 
 class TrainerService:
@@ -72,10 +80,8 @@ class TrainerService:
 
             critic_cfg = cfg.critic
             assert critic_cfg is not None  # uses_critic implies a critic section
-            critic_dir = resolve_model_dir(critic_cfg.hf_dir) if critic_cfg.hf_dir else hf_dir
-            self.critic = MegatronCritic(
-                cfg.model, critic_cfg, cfg.parallel, cfg.trainer, self.layout, hf_dir=critic_dir
-            )
+            body = critic_body_dir(critic_cfg, hf_dir)
+            self.critic = MegatronCritic(cfg.model, critic_cfg, cfg.parallel, cfg.trainer, self.layout, hf_dir=body)
             self.value_loss_fn = make_value_loss_fn(critic_cfg.value_clip)
 
     def info(self) -> dict[str, Any]:

@@ -312,6 +312,8 @@ UNUSED = [
      ["cluster.gpus_per_node=0", "rollout.num_engines=1"]),
     (["cluster.ray_address=head:6379"], "cluster.ray_address='head:6379' has no effect with cluster.nodes=1",
      ["cluster.nodes=2", *GPU8]),
+    (["cluster.nodes=2", *GPU8, "rollout.host=0.0.0.0"], "rollout.host='0.0.0.0' has no effect with cluster.nodes=2",
+     ["cluster.nodes=1"]),
     (["weight_sync.disk_dir=/tmp/w"], "weight_sync.disk_dir='/tmp/w' has no effect with "
      "weight_sync.transport=broadcast", ["weight_sync.transport=disk"]),
     (["eval.samples_per_prompt=4"], "eval.samples_per_prompt=4 has no effect without data.eval",
