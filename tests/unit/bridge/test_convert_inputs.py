@@ -1,6 +1,7 @@
 """tools/convert_checkpoint.py refuses bad inputs in one line (exit 2) before any rank starts: a
 config.json that is not JSON names the file, --tp/--pp/--ep 0 is refused (it was read as "not
-given"), and --max-shard-size must be a positive size."""
+given"), and --max-shard-size must be a positive size. tools/compare_hf_megatron.py's pre-check
+names a broken config.json too."""
 
 import pytest
 from helpers.tools import load_tool
@@ -31,3 +32,12 @@ def test_the_shard_size_must_be_a_positive_size(tmp_path, capsys, size):
     code = load_tool("convert_checkpoint").main(["mcore-to-hf", "--ckpt", str(tmp_path), "--out", str(tmp_path / "o"),
                                                  "--max-shard-size", size])
     assert code == 2 and f"--max-shard-size {size!r}: expected a positive size" in capsys.readouterr().err
+
+
+def test_the_parity_tools_precheck_names_a_broken_config_json(tmp_path):
+    from types import SimpleNamespace
+
+    (tmp_path / "config.json").write_text("{bad")
+    args = SimpleNamespace(hf_dir=str(tmp_path), tp=1, pp=1, ep=1, samples=2, random_tokens=None)
+    why = load_tool("compare_hf_megatron")._precheck(args)
+    assert why is not None and why.startswith(f"--hf-dir: {tmp_path}/config.json is not valid JSON"), why
