@@ -23,22 +23,29 @@ from mlrl.data.rows import DatasetError
 SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
-def find_split_file(folder: Path, split: str) -> Path:
-    """`<folder>/<split>.{jsonl,json,parquet}` (also `<split>-*.parquet` shards: the first one)."""
+def find_split_files(folder: Path, split: str) -> list[Path]:
+    """`<folder>/<split>.{jsonl,json,parquet}`, or every shard of the split as the Hugging Face Hub
+    lays them out: `<split>-*.parquet` in the folder or in its `data/` (read in name order, all of
+    them: `train-00000-of-00003.parquet` is a third of the split)."""
     for suf in SUFFIXES:
         p = folder / f"{split}{suf}"
         if p.is_file():
-            return p
-    shards = sorted(folder.glob(f"{split}-*.parquet")) + sorted((folder / "data").glob(f"{split}-*.parquet"))
+            return [p]
+    shards = sorted(folder.glob(f"{split}-*.parquet")) or sorted((folder / "data").glob(f"{split}-*.parquet"))
     if shards:
-        return shards[0]
+        return shards
     have = sorted(p.name for p in folder.iterdir() if p.suffix in SUFFIXES) if folder.is_dir() else []
     raise DatasetError(
         f"{folder}: no file for split {split!r} (looked for {split}.jsonl/.json/.parquet); found: {have}"
     )
 
 
-def read_rows(path: Path, skip_malformed: bool, skipped: list[str]) -> Iterator[tuple[str, Any]]:
+def read_rows(path: Path | list[Path], skip_malformed: bool, skipped: list[str]) -> Iterator[tuple[str, Any]]:
+    """(where, row) of a dataset file, folder, or a split's parquet shards (a list: read in order)."""
+    if isinstance(path, list):
+        for shard in path:
+            yield from read_rows(shard, skip_malformed, skipped)
+        return
     if path.suffix == ".jsonl":
         yield from _read_jsonl(path, skip_malformed, skipped)
     elif path.suffix == ".json":

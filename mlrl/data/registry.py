@@ -24,7 +24,7 @@ from typing import Any, Literal, overload
 
 from mlrl.data import synthetic
 from mlrl.data.chat_tokens import NoAssistantTurn, sft_example
-from mlrl.data.files import find_split_file, read_rows
+from mlrl.data.files import find_split_files, read_rows
 from mlrl.data.preference import Side, preference_example, synthetic_pairs
 from mlrl.data.rows import DatasetError, RLDataset, normalise_rl_row
 from mlrl.data.tokenizer import apply_chat_template
@@ -108,7 +108,7 @@ def _raw_rows(name_or_path: str, split: str, skip_malformed: bool, skipped: list
         raise DatasetError(f"dataset {name_or_path!r}: no such file or folder, and not a registered name "
                            f"(registered: {', '.join(list_datasets())})")
     if path.is_dir() and not (path / "dataset_info.json").exists() and not (path / "state.json").exists():
-        path = find_split_file(path, split)
+        return list(read_rows(find_split_files(path, split), skip_malformed, skipped)), None
     return list(read_rows(path, skip_malformed, skipped)), None
 
 

@@ -104,6 +104,18 @@ def test_json_parquet_and_split_folders(tmp_path):
         get_dataset(str(tmp_path / "x.json"))
 
 
+def test_a_split_in_parquet_shards_is_read_whole(tmp_path):
+    """The Hub's layout: data/train-0000k-of-0000n.parquet; every shard's rows, in shard order."""
+    import datasets
+
+    (tmp_path / "data").mkdir()
+    for k in range(3):
+        rows = [dict(ROW, answer=str(10 * k + i)) for i in range(k + 2)]
+        datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "data" / f"train-0000{k}-of-00003.parquet"))
+    ds = get_dataset(str(tmp_path), split="train")
+    assert [r["answer"] for r in ds] == ["0", "1", "10", "11", "12", "20", "21", "22", "23"]
+
+
 def test_max_length_drops_long_prompts(tmp_path, tok):
     long = {"messages": [{"role": "user", "content": " ".join(["copy"] * 40)}], "answer": "1"}
     p = write_jsonl(tmp_path / "d.jsonl", [ROW, long])
