@@ -62,16 +62,33 @@ class CheckpointManager:
         tmp_latest.write_text(final.name + "\n")
         os.replace(tmp_latest, self.root / "latest")
         _fsync_dir(self.root)
-        self._prune()
+        self._prune(keep=final)
         return final
 
-    def _prune(self) -> None:
+    def _prune(self, keep: Path) -> None:
+        """Stale temporary folders, and complete checkpoints beyond the newest keep_last; never
+        `keep`, the one just committed (check_start keeps newer ones from sharing the root)."""
         for p in self.root.glob(".tmp-*"):
             shutil.rmtree(p, ignore_errors=True)
         if self.keep_last > 0:
             complete = self.complete_checkpoints()
             for p in complete[: -self.keep_last]:
-                shutil.rmtree(p, ignore_errors=True)
+                if p != keep:
+                    shutil.rmtree(p, ignore_errors=True)
+
+    def check_start(self, start_step: int) -> None:
+        """A run that starts at `start_step` (0: fresh) must not share its root with complete
+        checkpoints of later steps (another run's, or the timeline a rewind abandons): keep-last-k
+        would delete each of the new run's saves in their favour, and `resume=auto` would later
+        continue them. Refused before anything is written."""
+        newer = [p.name for p in self.complete_checkpoints()
+                 if (m := STEP_RE.match(p.name)) and int(m.group(1)) > start_step]
+        if newer:
+            start = f"step {start_step}" if start_step else "a fresh start"
+            raise CheckpointError(
+                f"checkpoint.dir {self.root} holds {', '.join(newer)}, newer than this run's start ({start}): its "
+                "saves would be pruned in their favour and checkpoint.resume=auto would later continue them; resume "
+                "the newest (checkpoint.resume=auto), use another logging.run_dir / checkpoint.dir, or move them away")
 
     def complete_checkpoints(self) -> list[Path]:
         return complete_checkpoints(self.root)

@@ -104,6 +104,7 @@ def run_offline(cfg: Config, layout: Layout, make_job: Callable[[Path], OfflineJ
     ckpts = CheckpointManager(cfg.checkpoint.dir or run_dir / "checkpoints", cfg.checkpoint.keep_last)
     resume = ckpts.resolve_resume(cfg.checkpoint.resume)
     state = read_state(resume) if resume else None
+    ckpts.check_start(int(state["step"]) if state else 0)
     if state is not None and state.get("kind") != job.kind:
         named = {"sft": "an SFT", "dpo": "a DPO"}
         raise ConfigError(f"checkpoint.resume: {resume} is {named.get(str(state.get('kind')), 'an RL')} checkpoint; "

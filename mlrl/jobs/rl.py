@@ -113,6 +113,7 @@ def _checks(cfg: Config, hf_dir: Path, run_dir: Path) -> _Checked:
     ckpts = CheckpointManager(cfg.checkpoint.dir or run_dir / "checkpoints", cfg.checkpoint.keep_last)
     resume = ckpts.resolve_resume(cfg.checkpoint.resume)
     state = read_state(resume) if resume else None
+    ckpts.check_start(int(state["step"]) if state else 0)
     if state is not None and state.get("kind") in ("sft", "dpo"):
         what = "a supervised fine-tuning" if state.get("kind") == "sft" else "a preference optimisation (DPO)"
         raise ConfigError(f"checkpoint.resume: {resume} is {what} checkpoint; start RL from it "

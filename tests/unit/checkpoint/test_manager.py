@@ -72,3 +72,20 @@ def test_resume_auto_never_picks_an_unmarked_folder(tmp_path):
     assert [p.name for p in m.complete_checkpoints()] == ["step_000002"]
     (tmp_path / "step_000006" / "COMPLETE").write_text("ok\n")  # the marker is what makes it a checkpoint
     assert m.resolve_resume("auto") == tmp_path / "step_000006"
+
+
+def test_a_run_does_not_start_beside_newer_checkpoints(tmp_path):
+    """A fresh run, or a rewind to an earlier step, in a root that holds later checkpoints: keep-last-k
+    would delete each new save in their favour and resume=auto would continue the old ones. Refused
+    at start; the checkpoint just committed is never pruned in any case."""
+    old = CheckpointManager(tmp_path, keep_last=2)
+    for s in (20, 30):
+        _save(old, s)
+    m = CheckpointManager(tmp_path, keep_last=2)
+    with pytest.raises(CheckpointError, match=r"holds step_000020, step_000030, newer than this run's start \(a fresh "
+                                              r"start\)"):
+        m.check_start(0)
+    with pytest.raises(CheckpointError, match=r"holds step_000030, newer than this run's start \(step 20\)"):
+        m.check_start(20)
+    m.check_start(30)  # resuming the newest: nothing later
+    assert _save(m, 5).exists()  # (were a run to save anyway, its own save survives the pruning)
