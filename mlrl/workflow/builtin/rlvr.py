@@ -46,7 +46,7 @@ class RLVRWorkflow(RolloutWorkflow):
         reward_fn: Callable[..., float] | str | AsyncRewardWrapper,
         gconfig: GenerationHyperparameters,
         tokenizer: Any,
-        enable_thinking: bool = False,
+        enable_thinking: bool | None = None,
         reward_timeout_s: float = 15.0,
         reward_workers: int | None = None,
         eval_gconfig: GenerationHyperparameters | None = None,
@@ -62,7 +62,8 @@ class RLVRWorkflow(RolloutWorkflow):
     def prompt_ids(self, data: dict[str, Any]) -> list[int]:
         if "messages" not in data:
             raise KeyError(f"rlvr: the row has no 'messages' (keys: {sorted(data)})")
-        kw = {"enable_thinking": self.enable_thinking} if self.enable_thinking else {}
+        # None: the template's own default; true / false reach it (Qwen3's renders an empty think block on false)
+        kw = {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
         return apply_chat_template(self.tokenizer, data["messages"], add_generation_prompt=True, **kw)
 
     group_native = True  # the runner calls arun_group: a GRPO group's n samples come from one engine request

@@ -135,3 +135,22 @@ def test_multi_turn_argument_checks(tok):
         MultiTurnWorkflow("exact_match", G, tok, max_turns=0)
     with pytest.raises(ValueError, match="turn_discount"):
         MultiTurnWorkflow("exact_match", G, tok, turn_discount=0.0)
+
+
+@pytest.mark.parametrize("thinking", [None, False, True])
+def test_enable_thinking_reaches_the_chat_template_false_included(tok, thinking):
+    """workflow.kwargs.enable_thinking: false must reach the template (Qwen3's then renders an empty
+    think block); None leaves the template's default."""
+    seen = []
+
+    class Recording:  # the model's tokenizer, recording what its template is asked
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+        def apply_chat_template(self, *args, **kw):
+            seen.append(kw.get("enable_thinking", "absent"))
+            return tok.apply_chat_template(*args, **kw)
+
+    wf = RLVRWorkflow("exact_match", G, Recording(), enable_thinking=thinking, reward_workers=1)
+    assert wf.prompt_ids(ROW)
+    assert seen == ["absent" if thinking is None else thinking]
