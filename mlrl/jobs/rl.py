@@ -124,11 +124,16 @@ def _checks(cfg: Config, hf_dir: Path, run_dir: Path) -> _Checked:
     check_model_init_from(cfg.model, hf_dir, resume=resume)
     train_rows = dataset_from_config(cfg.data, "train", tokenizer=tokenizer, seed=cfg.trainer.seed)
     _check_sample_fits(cfg, train_rows.longest_prompt)
-    eval_rows = (
-        list(dataset_from_config(cfg.data, "eval", tokenizer=tokenizer, seed=cfg.trainer.seed))
-        if cfg.data.eval
+    eval_set = dataset_from_config(cfg.data, "eval", tokenizer=tokenizer, seed=cfg.trainer.seed) if cfg.data.eval \
         else None
-    )
+    for which, ds in (("train", train_rows), ("eval", eval_set)):  # what loading left out is said, not hidden
+        if ds is not None and ds.too_long:
+            log.warning("data.%s: left out %d of %d prompt(s) longer than data.max_prompt_tokens=%d (chat template "
+                        "applied)", which, ds.too_long, ds.too_long + len(ds), cfg.data.max_prompt_tokens)
+        if ds is not None and ds.skipped:
+            log.warning("data.%s: skipped %d malformed row(s) (data.skip_malformed), e.g. %s", which,
+                        len(ds.skipped), ds.skipped[0])
+    eval_rows = list(eval_set) if eval_set is not None else None
     sampler = PromptSampler(train_rows, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
     if state:
         sampler = PromptSampler.from_state(

@@ -30,6 +30,7 @@ import contextlib
 import contextvars
 import inspect
 import logging
+import math
 import multiprocessing
 import os
 import pickle
@@ -278,12 +279,12 @@ class AsyncRewardWrapper:
             self._bump("failures")
             logger.warning("reward %s raised %s: %s; reward 0.0", self.name, type(value).__name__, value)
             return 0.0
-        try:
-            return float(value)
-        except (TypeError, ValueError):
+        score = _finite(value)
+        if score is None:
             self._bump("failures")
-            logger.warning("reward %s returned %r (expected a number); reward 0.0", self.name, value)
+            logger.warning("reward %s returned %r (expected a finite number); reward 0.0", self.name, value)
             return 0.0
+        return score
 
     async def score_many(self, calls: Sequence[tuple[tuple[Any, ...], dict[str, Any]]]) -> list[float]:
         """Score several completions, `calls` = [(args, kwargs), ...], in ONE executor task: one
@@ -312,11 +313,11 @@ class AsyncRewardWrapper:
             out = []
             for ok, value in outcomes:
                 if ok:
-                    try:
-                        out.append(float(value))
+                    score = _finite(value)
+                    if score is not None:
+                        out.append(score)
                         continue
-                    except (TypeError, ValueError):
-                        value = f"returned {value!r} (expected a number)"
+                    value = f"returned {value!r} (expected a finite number)"
                 self._bump("failures")
                 logger.warning("reward %s: %s; reward 0.0", self.name, value)
                 out.append(0.0)
@@ -326,3 +327,13 @@ class AsyncRewardWrapper:
     def shutdown_pools() -> None:
         """Terminate every shared reward pool of this process (tests, end of run)."""
         POOLS.shutdown_all()
+
+
+def _finite(value: Any) -> float | None:
+    """A reward's value as a float, or None when it is not a finite number (a NaN would make its
+    whole group's advantages NaN; it scores 0.0 and counts as a failure instead)."""
+    try:
+        score = float(value)
+    except (TypeError, ValueError):
+        return None
+    return score if math.isfinite(score) else None

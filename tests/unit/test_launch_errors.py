@@ -57,3 +57,18 @@ def test_overrides_may_stand_on_both_sides_of_an_option(capsys):
     assert launch.main(["trainer.lr=1e-4", "--print-config", "trainer.seed=3"]) == 0
     out = capsys.readouterr().out
     assert "  lr: 0.0001\n" in out and "  seed: 3\n" in out
+
+
+def test_prompts_left_out_by_max_prompt_tokens_are_reported(tmp_path, caplog):
+    import json
+    import logging
+
+    rows = [{"messages": [{"role": "user", "content": "copy 3"}], "answer": "3"},
+            {"messages": [{"role": "user", "content": " ".join(["copy"] * 40)}], "answer": "1"}]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows) + "{oops\n")
+    with caplog.at_level(logging.WARNING, logger="mlrl"):
+        _check(tmp_path, f"data.train={data}", "data.max_prompt_tokens=24", "data.skip_malformed=true")
+    text = caplog.text
+    assert "data.train: left out 1 of 2 prompt(s) longer than data.max_prompt_tokens=24" in text
+    assert "data.train: skipped 1 malformed row(s)" in text and "d.jsonl:3: invalid JSON" in text

@@ -30,11 +30,14 @@ def worker_pid(prompt, completions, prompt_ids, completion_ids, **data):
 
 
 def by_completion(prompt, completions, prompt_ids, completion_ids, **data):
-    """"boom" raises, "text" returns a non-number, "sleep" hangs, anything else scores its length."""
+    """"boom" raises, "text" returns a non-number, "nan" / "inf" non-finite numbers, "sleep" hangs,
+    anything else scores its length."""
     if completions == "boom":
         raise ValueError("boom in reward")
     if completions == "text":
         return "yes"
+    if completions in ("nan", "inf"):
+        return float(completions)
     if completions == "sleep":
         time.sleep(30)
     return float(len(completions)) + data.get("bonus", 0.0)

@@ -96,10 +96,11 @@ def test_argument_validation():
 @pytest.mark.parametrize("workers", [1, 0])
 async def test_score_many_keeps_each_calls_outcome(workers):
     w = AsyncRewardWrapper(fns.by_completion, timeout=5, max_workers=workers)
-    calls = [(("p", c, [1], [2]), {"bonus": 0.5}) for c in ("ab", "boom", "text", "abcd")]
+    # a NaN / inf reward would make its whole group's advantages NaN: a failure scoring 0.0
+    calls = [(("p", c, [1], [2]), {"bonus": 0.5}) for c in ("ab", "boom", "text", "nan", "inf", "abcd")]
     with collect_reward_stats() as stats:
-        assert await w.score_many(calls) == [2.5, 0.0, 0.0, 4.5]
-    assert (stats.calls, stats.failures, stats.timeouts) == (4, 2, 0)
+        assert await w.score_many(calls) == [2.5, 0.0, 0.0, 0.0, 0.0, 4.5]
+    assert (stats.calls, stats.failures, stats.timeouts) == (6, 4, 0)
     assert await w.score_many([]) == []
 
 
