@@ -212,6 +212,9 @@ class SampleStatus(str, enum.Enum):
     FAILED = "failed"         # the episode errored or timed out: kept for metrics, not trained on
 
 
+OVERLONG_PENALTY_KEY = "overlong_penalty"  # Sample.metadata: the DAPO overlong penalty added to the reward
+
+
 @dataclass
 class Sample:
     """One trainable sequence: prompt + response tokens with per-token bookkeeping."""
@@ -238,6 +241,13 @@ class Sample:
     @property
     def num_loss_tokens(self) -> int:
         return int(sum(self.loss_mask))
+
+    @property
+    def task_reward(self) -> float:
+        """The reward as the workflow scored it: `reward` less the DAPO overlong penalty the loop adds
+        before training (algorithm.overlong_buffer; recorded in metadata["overlong_penalty"]). The
+        rollout metrics (reward/mean, accuracy) report this one, whenever they are computed."""
+        return float(self.reward) - min(0.0, float(self.metadata.get(OVERLONG_PENALTY_KEY, 0.0)))
 
     @property
     def oldest_version(self) -> int:

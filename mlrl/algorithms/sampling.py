@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from mlrl.types import Sample
+from mlrl.types import OVERLONG_PENALTY_KEY, Sample
 
 
 def filter_groups(samples: Sequence[Sample], atol: float = 0.0) -> tuple[list[Sample], int]:
@@ -57,7 +57,7 @@ def apply_overlong_shaping(samples: Sequence[Sample], max_len: int, buffer: int,
     n = 0
     for s in samples:
         p = overlong_penalty(s.num_loss_tokens, max_len, buffer, penalty)
-        s.metadata["overlong_penalty"] = p
+        s.metadata[OVERLONG_PENALTY_KEY] = p
         if p < 0:
             s.reward = float(s.reward) + p
             n += 1

@@ -64,7 +64,7 @@ class EpisodeResult:
     def correct(self) -> bool:
         if self.is_correct is not None:
             return bool(self.is_correct)
-        return any(s.reward > 0 for s in self.samples)
+        return any(s.task_reward > 0 for s in self.samples)
 
 
 @dataclass
@@ -81,7 +81,7 @@ class GroupResult:
 
     @property
     def rewards(self) -> list[float]:
-        return [s.reward for s in self.samples]
+        return [s.task_reward for s in self.samples]
 
     def count(self, status: EpisodeStatus) -> int:
         return sum(e.status == status for e in self.episodes)
@@ -396,7 +396,7 @@ def summarize(groups: Sequence[GroupResult], prefix: str = "") -> dict[str, floa
         "reward_fn/timeouts": float(rs.timeouts),
     }
     if samples:
-        rewards = [s.reward for s in samples]
+        rewards = [s.task_reward for s in samples]  # before any overlong shaping, whenever summarised
         mu = _mean(rewards)
         m["reward/mean"] = mu
         m["reward/std"] = math.sqrt(_mean([(r - mu) ** 2 for r in rewards]))

@@ -46,3 +46,17 @@ def test_apply_overlong_shaping_uses_policy_token_count():
     assert apply_overlong_shaping(samples, 10, 4) == 2
     assert [s.reward for s in samples] == pytest.approx([1.0, 0.5, -0.75])
     assert samples[1].metadata["overlong_penalty"] == pytest.approx(-0.5)
+    # what the workflow scored stays readable: the rollout metrics report it, shaped or not, in any round
+    assert [s.task_reward for s in samples] == pytest.approx([1.0, 1.0, 0.0])
+
+
+def test_rollout_metrics_report_the_task_reward_after_shaping():
+    from mlrl.types import EpisodeStatus
+    from mlrl.workflow.runner import EpisodeResult, GroupResult, summarize
+
+    samples = [_s(1.0, "a", n_resp=5), _s(1.0, "a", n_resp=10)]
+    episodes = [EpisodeResult(EpisodeStatus.COMPLETED, [x]) for x in samples]
+    before = summarize([GroupResult("a", {}, episodes)])
+    apply_overlong_shaping(samples, 10, 4)   # the second sample: reward 1.0 - 1.0, no longer "> 0"
+    after = summarize([GroupResult("a", {}, episodes)])
+    assert before["reward/mean"] == after["reward/mean"] == 1.0 and after["reward/accuracy"] == 1.0
