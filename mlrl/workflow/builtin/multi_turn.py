@@ -74,6 +74,11 @@ class MultiTurnWorkflow(RolloutWorkflow):
         self.max_total_tokens = max_total_tokens
         self.reward: AsyncRewardWrapper = make_reward(reward_fn, reward_timeout_s, reward_workers)
         self._anchor = apply_chat_template(tokenizer, [{"role": "assistant", "content": "x"}])
+        # the turn's tokens end at the EOS the model samples; what the template puts after it (ChatML's
+        # "\n" after <|im_end|>) belongs to the next turn's delta, or the sequence would lack it
+        eos = tokenizer.eos_token_id
+        self._cut = (len(self._anchor) - self._anchor[::-1].index(eos) if eos is not None and eos in self._anchor
+                     else len(self._anchor))
         self._delta_cache: dict[str, list[int]] = {}
 
     def feedback_ids(self, text: str) -> list[int]:
@@ -82,10 +87,10 @@ class MultiTurnWorkflow(RolloutWorkflow):
         if text not in self._delta_cache:
             msgs = [{"role": "assistant", "content": "x"}, {"role": "user", "content": text}]
             full = apply_chat_template(self.tokenizer, msgs, add_generation_prompt=True)
-            if full[: len(self._anchor)] != self._anchor:
+            if full[: self._cut] != self._anchor[: self._cut]:
                 raise ValueError("multi_turn: the chat template re-renders earlier turns when a user turn is added; "
                                  "it cannot be extended token for token")
-            self._delta_cache[text] = full[len(self._anchor):]
+            self._delta_cache[text] = full[self._cut:]
         return self._delta_cache[text]
 
     def next_feedback(self, data: dict[str, Any], completion: str, reward: float, turn: int) -> str | None:

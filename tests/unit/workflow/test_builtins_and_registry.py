@@ -14,6 +14,7 @@ from mlrl.workflow import (
     build_workflow_from_config,
     get_workflow,
     list_workflows,
+    load_hf_tokenizer,
     register_workflow,
 )
 from mlrl.workflow.builtin.agent import OpenAIAgentWorkflow
@@ -154,3 +155,18 @@ def test_enable_thinking_reaches_the_chat_template_false_included(tok, thinking)
     wf = RLVRWorkflow("exact_match", G, Recording(), enable_thinking=thinking, reward_workers=1)
     assert wf.prompt_ids(ROW)
     assert seen == ["absent" if thinking is None else thinking]
+
+
+def test_multi_turn_feedback_continues_a_chatml_conversation_token_for_token():
+    """ChatML (SmolLM2, Qwen): a turn ends at the <|im_end|> the model samples; the template's "\n"
+    after it opens the feedback turn. Prompt + answer + EOS + feedback_ids must equal the template's
+    own rendering of the three turns."""
+    smol = load_hf_tokenizer("builtin:smollm2-135m-instruct")
+    wf = MultiTurnWorkflow("exact_match", G, smol, feedback="try again", reward_workers=1)
+    user = [{"role": "user", "content": "copy 3"}]
+    answer = smol("4", add_special_tokens=False)["input_ids"]
+    built = apply_chat_template(smol, user, add_generation_prompt=True) + answer + [smol.eos_token_id] \
+        + wf.feedback_ids("try again")
+    want = apply_chat_template(smol, [*user, {"role": "assistant", "content": "4"},
+                                      {"role": "user", "content": "try again"}], add_generation_prompt=True)
+    assert built == want, (smol.decode(built), smol.decode(want))
