@@ -58,6 +58,7 @@ def train_on(cfg: Config, policy: Policy, critic: Critic | None, samples: list[S
     """All updates of one RL step (blocking trainer calls). Returns the step's train/critic metrics."""
     a, t = cfg.algorithm, cfg.trainer
     temperature = cfg.rollout.sampling.logprob_temperature
+    check_rollout_logprobs(cfg, samples)
     kl_in_loss = a.kl_coef > 0 and not a.kl_in_reward
     # the step's samples, packed once (advantages are set on the packing below, once they exist)
     whole, pack_metrics = _pack(cfg, policy, samples)
@@ -128,6 +129,21 @@ def train_on(cfg: Config, policy: Policy, critic: Critic | None, samples: list[S
         metrics["advantages/mean"] = sum(adv) / len(adv)
         metrics["advantages/abs_mean"] = sum(abs(x) for x in adv) / len(adv)
     return metrics
+
+
+def check_rollout_logprobs(cfg: Config, samples: Sequence[Sample]) -> None:
+    """The engine's logprobs enter the loss with algorithm.rollout_is (the behaviour policy of the
+    importance weights) and use_rollout_logprobs (the PPO ratio's old policy). A workflow that
+    returned its samples without them (metadata["missing_logprobs"]: an AReaL-style result dict or a
+    Trinity experience without logprobs) would get weights / ratios against 0.0: refused, naming it."""
+    a = cfg.algorithm
+    uses = "algorithm.use_rollout_logprobs=true" if a.use_rollout_logprobs else (
+        f"algorithm.rollout_is={a.rollout_is}" if a.rollout_is != "none" else None)
+    missing = sum(bool(s.metadata.get("missing_logprobs")) for s in samples)
+    if uses and missing:
+        raise ValueError(f"{uses} needs the engine's logprob of every policy token, but workflow "
+                         f"{cfg.workflow.name} returned {missing} of {len(samples)} sample(s) without logprobs: return "
+                         "them (the result's 'logprobs'), or turn the setting off")
 
 
 def router_metrics(policy: Policy, whole: PerDP, samples: Sequence[Sample], temperature: float) -> dict[str, float]:
