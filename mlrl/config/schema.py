@@ -215,9 +215,12 @@ class SamplingConfig:
         return self.temperature or 1.0
 
     top_p: float = 1.0
-    """Nucleus sampling (1.0 = off)."""
+    """Nucleus sampling (1.0 = off). The engines report the logprobs of the distribution they
+    sample from (vLLM's processed logprobs: after top-p / top-k, renormalised), the trainer those of
+    the whole softmax: with top_p < 1 or top_k > 0 the train/rollout gap (train/mismatch/*) includes
+    the truncation, and algorithm.rollout_is weighs against the truncated sampling policy."""
     top_k: int = -1
-    """Top-k sampling (-1 = off)."""
+    """Top-k sampling (-1 = off); see top_p for the logprobs."""
     max_new_tokens: int = 64
     """Maximum response length in tokens."""
     seed: Optional[int] = None
