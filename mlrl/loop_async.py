@@ -156,7 +156,7 @@ async def collect(ctx: RunContext, st: AsyncState, groups: asyncio.Queue, eta: i
     cfg, ds, state = ctx.cfg, ctx.cfg.algorithm.dynamic_sampling, ctx.state
     want = cfg.trainer.prompts_per_step
     limit = ds.max_rounds * want if ds.enabled else want
-    sel, taken, stale = Selection(ctx), [], 0
+    sel, taken, stale, granted = Selection(ctx), [], 0, 0
     while len(taken) < want or (ds.enabled and sel.groups_kept < want and len(taken) < limit):
         key, group = await groups.get()
         state.in_flight.pop(key)
@@ -170,6 +170,13 @@ async def collect(ctx: RunContext, st: AsyncState, groups: asyncio.Queue, eta: i
         sel.routing_missing += await attach_routing(ctx, fresh)
         if not sel.add(fresh) and ds.enabled:
             st.extra_prompts += 1
+            granted += 1
             await wake_producer(st)
+    # a step that stopped at max_rounds * prompts_per_step took fewer extra groups than it granted:
+    # the credits it did not use are taken back, or the in-flight prompts would grow past the
+    # staleness bound for good (and age into stale, dropped, credit-earning groups)
+    unused = granted - max(0, len(taken) - want)
+    if unused > 0:
+        st.extra_prompts -= unused
     ctx.check_failures(step, taken)
     return sel.samples, {**summarize(taken), **sel.metrics(len(taken) / want)}, stale
