@@ -396,7 +396,7 @@ class EnginePool:
                 await self._release(e)
             break
 
-        async def settle(resp: ModelResponse, seg: Segment) -> ModelResponse:
+        async def settle(i: int, resp: ModelResponse, seg: Segment) -> ModelResponse:
             _append(resp, seg, e.name)
             self._keep_routing(resp, seg)
             if seg.finish != "abort":
@@ -404,9 +404,12 @@ class EnginePool:
             if req.rid in self._user_aborted:
                 return _finish(resp, StopReason.ABORT, t0)
             self.stats["interrupted"] += 1  # interrupted by a weight sync: this sample continues alone
-            return await self._run(dataclasses.replace(req, rid=resp.rid), resp, t0)
+            # with its own seed, as vLLM seeds sample i of a seeded n-request (seed + i): on the group's
+            # seed, samples cut at the same prefix (e.g. still queued) would continue identically
+            alone = req if g.seed is None else dataclasses.replace(req, gconfig=g.new(seed=g.seed + i))
+            return await self._run(dataclasses.replace(alone, rid=resp.rid), resp, t0)
 
-        return list(await asyncio.gather(*(settle(r, s) for r, s in zip(resps, segs))))
+        return list(await asyncio.gather(*(settle(i, r, s) for i, (r, s) in enumerate(zip(resps, segs)))))
 
     async def achat(self, messages: list[dict[str, Any]], gconfig: GenerationHyperparameters | None = None, *,
                     session_id: str | None = None, rid: str | None = None, **template_kwargs: Any) -> ModelResponse:

@@ -27,7 +27,8 @@ MAX_LEN = 64
 TOKEN = os.environ["MLRL_ENGINE_TOKEN"]
 DELAY = float(os.environ.get("FAKE_TOKEN_DELAY_S", "0.01"))
 
-state = {"version": "default", "paused": False, "running": {}, "peak": 0, "served": [], "resume": None, "pauses": 0}
+state = {"version": "default", "paused": False, "running": {}, "peak": 0, "served": [], "resume": None, "pauses": 0,
+         "seeds": []}
 
 
 def _auth(request: Request) -> bool:
@@ -65,6 +66,7 @@ async def generate(request: Request):
     if not 0 < sp.get("top_p", 1.0) <= 1:
         return JSONResponse({"error": {"message": f"top_p must be in (0, 1], got {sp['top_p']}."}}, status_code=400)
     rid = body["request_id"]
+    state["seeds"].append(sp.get("seed"))  # each request's sampling seed, in arrival order
     await _wait_unpaused()
     flag = {"abort": False}
     state["running"][rid] = flag
@@ -154,7 +156,7 @@ async def tokenize(request: Request):
 async def stats(request: Request):
     return JSONResponse(
         {"peak": state["peak"], "served": state["served"], "version": state["version"], "paused": state["paused"],
-         "pauses": state["pauses"]}
+         "pauses": state["pauses"], "seeds": state["seeds"]}
     )
 
 

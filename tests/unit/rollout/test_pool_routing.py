@@ -167,7 +167,7 @@ def _group(prompt, n, samples, **kw) -> ModelRequest:
 
 async def test_a_group_is_one_engine_request_and_interrupted_samples_continue_alone(make_pool):
     pool = await make_pool(num_engines=1, cap=8, delay_s=0.02, interrupt=True)
-    req = _group([1, 4], 30, samples=4)
+    req = ModelRequest(input_ids=[1, 4], gconfig=GenerationHyperparameters(max_new_tokens=30, n_samples=4, seed=100))
     task = asyncio.create_task(pool.agenerate_group(req))
     await _wait_generating(pool, 1)
     assert (await _stats(pool.engines[0]))["peak"] == 1            # one request carries the 4 samples
@@ -181,8 +181,11 @@ async def test_a_group_is_one_engine_request_and_interrupted_samples_continue_al
         assert resp.stop_reason == StopReason.LENGTH and resp.error is None
         assert resp.output_tokens == _expected(req.input_ids, 30)  # each continuation picks up where it stopped
         assert resp.output_versions == sorted(resp.output_versions) and set(resp.output_versions) == {0, 1}
-    served = (await _stats(pool.engines[0]))["served"]
-    assert len(served) == 1 + 4 and pool.stats["interrupted"] == 4  # the group, then one continuation per sample
+    stats = await _stats(pool.engines[0])
+    assert len(stats["served"]) == 1 + 4 and pool.stats["interrupted"] == 4  # the group, then one continuation each
+    # sample i continues on seed + i, as vLLM seeds sample i of the group: on the group's own seed, samples cut at
+    # the same prefix would continue identically
+    assert stats["seeds"][0] == 100 and sorted(stats["seeds"][1:]) == [100, 101, 102, 103]
     assert pool.engines[0].in_flight == 0
 
 
