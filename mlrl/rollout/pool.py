@@ -152,7 +152,9 @@ class EnginePool:
         self.max_restarts = max_restarts
         self.capture_routing = capture_routing  # MoE router replay: engines record routed experts
         # GPU: rows that came back with the answers (vLLM's own capture), by computed token sequence
-        self._routing_rows: collections.OrderedDict[tuple[int, ...], Any] = collections.OrderedDict()
+        # GPU router replay: token sequence -> the rows of each request that produced it, oldest first
+        # (two samples of a group with the same answer each get their own request's rows)
+        self._routing_rows: collections.OrderedDict[tuple[int, ...], list[Any]] = collections.OrderedDict()
         omp = engine_omp_threads(cfg)
         self.engines: list[EngineHandle] = []
         for i in range(cfg.num_engines):
@@ -560,9 +562,20 @@ class EnginePool:
         """GPU: the rows vLLM returned with a finished segment, kept (bounded) until fetch_routing."""
         if seg.routed_experts is None:
             return
-        self._routing_rows[tuple(resp.input_tokens + resp.output_tokens)[:-1]] = seg.routed_experts
+        key = tuple(resp.input_tokens + resp.output_tokens)[:-1]
+        self._routing_rows.setdefault(key, []).append(seg.routed_experts)
+        self._routing_rows.move_to_end(key)
         while len(self._routing_rows) > _MAX_KEPT_ROUTING:
             self._routing_rows.popitem(last=False)
+
+    def _take_routing(self, key: tuple[int, ...]) -> Any:
+        rows = self._routing_rows.get(key)
+        if not rows:
+            return None
+        row = rows.pop(0)
+        if not rows:
+            del self._routing_rows[key]
+        return row
 
     async def fetch_routing(self, sequences: Sequence[Sequence[int]]) -> list[Any]:
         """Routed-expert rows ([m, layers, top_k], m = computed positions, normally len - 1) of
@@ -570,7 +583,7 @@ class EnginePool:
         (an engine that died since, or rows evicted). Needs `capture_routing`."""
         if not self.capture_routing:
             raise RuntimeError("EnginePool.fetch_routing: the pool was started without capture_routing")
-        out: list[Any] = [self._routing_rows.pop(tuple(q[:-1]), None) for q in sequences]
+        out: list[Any] = [self._take_routing(tuple(q[:-1])) for q in sequences]
         for e in ([] if _gpu_engines() else self.live_engines()):
             todo = [i for i, r in enumerate(out) if r is None]
             if not todo:
