@@ -678,9 +678,12 @@ def _check_router_replay(cfg: Config, hf: dict[str, Any], *, has_cuda: bool) -> 
     if cfg.parallel.cp > 1:
         raise ConfigError(f"algorithm.router_replay=true with parallel.cp={cfg.parallel.cp}: replaying routes "
                           "into context-parallel slices is not implemented (use cp=1)")
-    if cfg.trainer.recompute == "full" and cfg.parallel.pp > 1:
-        raise ConfigError("algorithm.router_replay=true with trainer.recompute=full and parallel.pp > 1: the "
-                          "recomputed forward of a pipelined micro-batch would replay another micro-batch's routes")
+    if cfg.trainer.recompute == "full":
+        # the routers return to their own routing after each micro-batch's forward (RouterControl.after_forward),
+        # before its backward: a full recompute there would route by the trainer, and the gradients would go
+        # through other experts than the loss (with pp > 1, through another micro-batch's routes)
+        raise ConfigError("algorithm.router_replay=true with trainer.recompute=full: the recomputed forward in the "
+                          "backward pass would not replay the engine's routes; use recompute=selective or none")
     problem = routing_capture_problem(gpu=has_cuda, lora_adapter=cfg.model.lora is not None
                               and cfg.weight_sync.lora_mode == "adapter")
     if problem:
