@@ -55,6 +55,10 @@ def _per_sample(mb: MicroBatch, *values: torch.Tensor) -> tuple[torch.Tensor, to
     return mb.sample_ids[cu[:-1]], count, sums
 
 
+_PAIR_SUMS = ("chosen_reward", "rejected_reward", "reward_margin", "reward_accuracy", "chosen_logprob",
+              "rejected_logprob")  # the per-pair metrics, summed (divided by n_pairs after the step)
+
+
 def make_dpo_loss_fn(beta: float, loss_type: str) -> Callable[[MicroBatch, torch.Tensor, torch.Tensor],
                                                                tuple[torch.Tensor, dict]]:
     """The trainer's loss function for a DPO / IPO step (see the module docstring)."""
@@ -63,12 +67,14 @@ def make_dpo_loss_fn(beta: float, loss_type: str) -> Callable[[MicroBatch, torch
     pair_loss(torch.zeros(1), beta, loss_type)  # unknown loss types fail here, before any step
 
     def dpo_loss(mb: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """(loss, metrics): the pair sums of _PAIR_SUMS, n_pairs, n_tokens, entropy."""
         if mb.prefix_segment is not None:
             raise ValueError("DPO micro-batches are packed without shared prefixes")
         ent = (mb.loss_mask * entropy).sum().detach()
-        if mb.num_samples == 0:  # a padding-only micro-batch (a DP rank with fewer pairs)
-            zero = logprobs.sum() * 0.0
-            return zero, {"n_tokens": mb.loss_mask.sum(), "entropy": ent, "n_pairs": zero.detach()}
+        if mb.num_samples == 0:  # a padding-only micro-batch (a DP rank with fewer pairs): every key, at 0,
+            zero = logprobs.sum() * 0.0   # so that each micro-batch and DP rank reduces the same set
+            z = zero.detach()
+            return zero, {"n_tokens": mb.loss_mask.sum(), "entropy": ent, "n_pairs": z, **{k: z for k in _PAIR_SUMS}}
         if mb.ref_logprobs is None:
             raise ValueError("a DPO micro-batch needs the reference's logprobs (MicroBatch.ref_logprobs)")
         ids, count, (pol, ref, w) = _per_sample(mb, logprobs, mb.ref_logprobs, mb.loss_weight)

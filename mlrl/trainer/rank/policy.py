@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Optional, ca
 import torch
 import torch.distributed as dist
 
+from mlrl.algorithms.loss_metrics import combine_loss_metrics, metric_reduction
 from mlrl.bridge import HFCheckpoint, check_layout, spec_for
 from mlrl.bridge.select import resolve_bridge
 from mlrl.config.schema import ModelConfig, ParallelConfig, TrainerConfig
@@ -453,20 +454,33 @@ class MegatronPolicy:
             self.optimizer_steps += 1
         t_done = time.perf_counter()
 
-        keys = sorted(store[0]) if store else []
-        sums = torch.zeros(len(keys) + 2, dtype=torch.float64, device=self.device)
-        for d in store:
-            sums[: len(keys)] += torch.stack([d[k].double() for k in keys])
-        sums[-2] = float(sum(int(mb.cu_seqlens[-1]) for mb in micro_batches))
-        sums[-1] = float(sum(float(mb.loss_mask.sum()) for mb in micro_batches))
+        # each key reduced its own way (loss_metrics.metric_reduction): sums, and the _max / _min keys
+        # (e.g. ratio_max) by max / min, over micro-batches and DP ranks; the last stage's reach every stage
+        combined = combine_loss_metrics(store)
+        keys = self._broadcast_keys(sorted(combined))
+        last = self.ranks.pp_size == 1 or self.ranks.is_last_stage
+        parts: dict[str, torch.Tensor] = {}
+        for how in ("sum", "max", "min"):
+            ks = [k for k in keys if metric_reduction(k) == how]
+            extra = 2 if how == "sum" else 0  # + tokens, loss tokens
+            t = torch.zeros(len(ks) + extra, dtype=torch.float64, device=self.device)
+            if last and ks:
+                t[: len(ks)] = torch.stack([combined[k].to(self.device) for k in ks])
+            parts[how] = t
+        parts["sum"][-2] = float(sum(int(mb.cu_seqlens[-1]) for mb in micro_batches))
+        parts["sum"][-1] = float(sum(float(mb.loss_mask.sum()) for mb in micro_batches))
         if self.ranks.dp_size > 1:
-            dist.all_reduce(sums, group=ps.get_data_parallel_group())
-        keys = self._broadcast_keys(keys)
+            ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+            for how, t in parts.items():
+                if t.numel():
+                    dist.all_reduce(t, op=ops[how], group=ps.get_data_parallel_group())
         if self.ranks.pp_size > 1:
-            if not self.ranks.is_last_stage:
-                sums = torch.zeros(len(keys) + 2, dtype=torch.float64, device=self.device)
-            dist.broadcast(sums, src=ps.get_pipeline_model_parallel_last_rank(), group=_pp_group())
-        metrics = {k: float(v) for k, v in zip(keys, sums[: len(keys)].tolist())}
+            for t in parts.values():
+                if t.numel():
+                    dist.broadcast(t, src=ps.get_pipeline_model_parallel_last_rank(), group=_pp_group())
+        sums = parts["sum"]
+        metrics = {k: float(v) for how in ("sum", "max", "min")
+                   for k, v in zip([k for k in keys if metric_reduction(k) == how], parts[how].tolist())}
         metrics.update(
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             lr=float(self.optimizer.param_groups[0]["lr"]),

@@ -48,9 +48,15 @@ def make_step(vocab: int, n_samples: int, n_micro: int, seed: int) -> list[Micro
 
 
 def pg_loss(mb: MicroBatch, lp: torch.Tensor, ent: torch.Tensor):
-    """A policy-gradient loss with an entropy bonus, pre-normalised by loss_weight."""
+    """A policy-gradient loss with an entropy bonus, pre-normalised by loss_weight. Metrics: the
+    weighted entropy (a sum) and the step's largest / smallest loss-token logprob (`_max` / `_min`
+    keys: reduced by max / min over micro-batches and DP ranks, whatever the split)."""
     loss = -(mb.loss_weight * (mb.advantages * lp + 0.1 * ent)).sum()
-    return loss, {"entropy": (mb.loss_weight * ent).sum().detach()}
+    on = mb.loss_mask.bool()
+    lp_d = lp.detach()
+    return loss, {"entropy": (mb.loss_weight * ent).sum().detach(),
+                  "lp_max": torch.where(on, lp_d, torch.full_like(lp_d, float("-inf"))).max(),
+                  "lp_min": torch.where(on, lp_d, torch.full_like(lp_d, float("inf"))).min()}
 
 
 def hf_row(model, mb: MicroBatch, temperature: float, *, grad: bool = False):

@@ -133,6 +133,9 @@ def assert_grads(ranks: list[dict], model: str, tol: float = 1e-6) -> None:
         assert g["grad_max_1"] > 1e-3  # gradients are not trivially zero
         assert g["split_loss_diff"] <= tol and g["split_grad_diff"] <= tol, g
         assert g["tokens_1"] == g["tokens_4"] > 0
+        # _max / _min metrics are the step's, whatever the split (they were summed over micro-batches and DP ranks)
+        (lo1, hi1), (lo4, hi4) = g["lp_range_1"], g["lp_range_4"]
+        assert lo1 < hi1 < 0 and abs(lo1 - lo4) <= tol and abs(hi1 - hi4) <= tol, g
         assert g["names_1"] == g["names_4"]
         names += g["names_1"]
     # grad_err is a max over the exported gradients: together the ranks exported (and so compared)

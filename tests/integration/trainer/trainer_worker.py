@@ -156,6 +156,7 @@ def check_grads(ctx: Ctx) -> dict:
         res[f"grad_err_{n_micro}"] = max((_max_abs(g, ref_grads[n]) for n, g in grads.items()), default=0.0)
         res[f"grad_max_{n_micro}"] = max((float(g.abs().max()) for g in ref_grads.values()), default=0.0)
         res[f"tokens_{n_micro}"] = metrics["tokens"]
+        res[f"lp_range_{n_micro}"] = (metrics["lp_min"], metrics["lp_max"])
         res[f"names_{n_micro}"] = sorted(grads)
         grads_by_split[n_micro] = grads
         del pol

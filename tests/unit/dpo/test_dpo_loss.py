@@ -85,6 +85,24 @@ def test_loss_and_grads_are_the_formula_whatever_the_split(loss_type):
             assert n_mb > 2
 
 
+def test_a_padding_only_micro_batch_reports_every_key():
+    """A DP rank with fewer pairs gets padding-only micro-batches: they report the same keys (at 0) as
+    a real one, so the trainer reduces one key set over micro-batches and DP ranks (a missing key was
+    a KeyError in its reduction)."""
+    pairs = _pairs(3)
+    per_dp, _ = pack_pairs(pairs, 2, 20)  # rank 0: one pair, then padding; rank 1: two micro-batches of a pair
+    ref = _token_logprobs(pairs, 1)
+    fn = make_dpo_loss_fn(0.1, "sigmoid")
+    keys = []
+    for rank in per_dp:
+        attach_per_sample(rank, "ref_logprobs", ref)
+        for mb in rank:
+            lp = gather_per_sample(mb, _token_logprobs(pairs, 2)) if mb.num_samples else torch.zeros(mb.num_tokens)
+            keys.append((mb.num_samples, sorted(fn(mb, lp, torch.zeros(mb.num_tokens))[1])))
+    assert any(n == 0 for n, _ in keys) and any(n > 0 for n, _ in keys)  # both kinds were packed
+    assert len({tuple(k) for _, k in keys}) == 1, keys
+
+
 def test_pairs_are_packed_whole_and_in_order():
     pairs = _pairs(9, seed=4)
     per_dp, _ = pack_pairs(pairs, 2, 20)
