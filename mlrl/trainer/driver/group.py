@@ -111,6 +111,10 @@ class TrainerGroup:
         self._token = secrets.token_bytes(32)
         self._listener = Listener((host, 0), authkey=self._token)
         self._conns: list[Connection] = []
+        # one call at a time on the ranks' connections: the loop's train phase and a restarted engine's
+        # weight refresh (mlrl.rollout.pool, a background task) call from different threads, and two
+        # calls interleaved on one connection would mix their replies (or their collectives)
+        self._call_lock = threading.RLock()
         self._procs: RankProcesses | None = None
         self.rank_info: list[dict[str, Any]] = []
         (self.run_dir / "trainer_config.yaml").write_text(config_yaml)  # for the record
@@ -181,6 +185,10 @@ class TrainerGroup:
         return self._call_each(method, [_bind(method, mbs, *args, **kwargs) for mbs in per_rank])
 
     def _call_each(self, method: Callable[..., R], kwargs_per_rank: Sequence[dict[str, Any]]) -> list[R]:
+        with self._call_lock:
+            return self._call_each_locked(method, kwargs_per_rank)
+
+    def _call_each_locked(self, method: Callable[..., R], kwargs_per_rank: Sequence[dict[str, Any]]) -> list[R]:
         name = _service_method_name(method)
         for c, kwargs in zip(self._conns, kwargs_per_rank):
             send(c, (name, kwargs))

@@ -4,6 +4,7 @@ the function, never a string), with keyword arguments that bind to that method's
 
 import inspect
 import threading
+import time
 from multiprocessing import Pipe
 from pathlib import Path
 
@@ -86,7 +87,37 @@ def _group_over_pipes(n):
     ends = [Pipe() for _ in range(n)]
     g._conns = [a for a, _ in ends]
     g._procs = None
+    g._call_lock = threading.RLock()
     return g, [b for _, b in ends]
+
+
+def test_calls_from_two_threads_do_not_interleave_on_the_connections():
+    """The loop's train phase and a restarted engine's weight refresh call the ranks from different
+    threads: each call's requests and replies stay together (interleaved, a rank would answer the
+    other call's request, or two collectives would cross)."""
+    g, ranks = _group_over_pipes(2)
+    log = []
+
+    def rank(conn, r):
+        for _ in range(2):
+            name, kwargs = recv(conn)
+            log.append((r, "recv", kwargs["blocking"]))
+            time.sleep(0.05)  # a slow call: another thread's request would arrive meanwhile
+            send(conn, ("ok", (r, kwargs["blocking"])))
+
+    threads = [threading.Thread(target=rank, args=(c, r)) for r, c in enumerate(ranks)]
+    for th in threads:
+        th.start()
+    out = {}
+    callers = [threading.Thread(target=lambda b=b: out.__setitem__(b, g.call(TrainerService.finalize_checkpoints,
+                                                                             blocking=b))) for b in (True, False)]
+    for th in callers:
+        th.start()
+    for th in (*callers, *threads):
+        th.join(5)
+    assert out == {True: [(0, True), (1, True)], False: [(0, False), (1, False)]}
+    first = log[0][2]  # every rank saw one call's request before the other's
+    assert [b for r, _, b in log if r == 0] == [b for r, _, b in log if r == 1] == [first, not first]
 
 
 def test_group_sends_the_method_name_and_refuses_non_service_callables():
