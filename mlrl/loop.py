@@ -161,7 +161,7 @@ async def rollout_sync(ctx: RunContext, step: int = 0) -> tuple[list[Sample], di
     want = cfg.trainer.prompts_per_step
     sel, groups, rounds = Selection(ctx), [], 0
     while True:
-        rows = ctx.sampler.next_batch(want - sel.groups_kept)
+        rows = next_rows(ctx, want - sel.groups_kept)
         batch = await ctx.runner.run_batch(rows, cfg.trainer.samples_per_prompt)
         rounds += 1
         groups += batch
@@ -174,6 +174,15 @@ async def rollout_sync(ctx: RunContext, step: int = 0) -> tuple[list[Sample], di
     # one round: the batch's own summary is already these groups' (run_batch computed it)
     summary = batch.metrics if rounds == 1 else summarize(groups, ctx.runner.metric_prefix)
     return sel.samples, {**summary, **sel.metrics(rounds)}
+
+
+def next_rows(ctx: RunContext, n: int) -> list[Row]:
+    """The next n prompts: first the rows that were in flight when the resumed checkpoint was saved
+    (an asynchronous run's; its sampler position was saved after them), then the sampler's. A
+    synchronous run that resumes an asynchronous run's checkpoint so skips no prompt."""
+    resumed = ctx.state.resume_rows[:n]
+    del ctx.state.resume_rows[:n]
+    return resumed + (ctx.sampler.next_batch(n - len(resumed)) if n > len(resumed) else [])
 
 
 class Selection:
