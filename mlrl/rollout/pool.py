@@ -166,6 +166,7 @@ class EnginePool:
                                           runner=runner)
             self.engines.append(EngineHandle(i, server_factory(i, spec) if server_factory else EngineServer(spec)))
         self._version = initial_version
+        self._pushed = False  # weights were pushed to the engines (commit_version): a restart is then stale
         self._cond = asyncio.Condition()
         self._paused = False
         self._engines_paused: set[tuple[int, int]] = set()  # (index, incarnation) paused at the engine by `pause`
@@ -224,7 +225,10 @@ class EnginePool:
         if self.capture_routing and not _gpu_engines():
             await e.client.routing_enable()  # CPU: the worker extension captures (GPU: vLLM itself)
         e.incarnation += 1
-        e.state = EngineState.READY if self._version == self.initial_version else EngineState.STALE
+        # a (re)started engine holds the model folder's weights: current only while no weights were ever
+        # pushed (with model.init_from or a resume the first push is labelled initial_version too)
+        fresh = self._version == self.initial_version and not self._pushed
+        e.state = EngineState.READY if fresh else EngineState.STALE
 
     async def shutdown(self) -> None:
         if self._closed and not self._started:
@@ -635,9 +639,11 @@ class EnginePool:
             except asyncio.TimeoutError:
                 return False
 
-    def commit_version(self, version: int, engines: Sequence[EngineView]) -> None:
-        """Record that `engines` now hold `version` (called by the weight sync before `resume`)."""
+    def commit_version(self, version: int, engines: Sequence[EngineView], *, pushed: bool = True) -> None:
+        """Record that `engines` now hold `version` (called by the weight sync before `resume`);
+        `pushed=False`: the weights they loaded from the model folder themselves, checked."""
         self._version = version
+        self._pushed = self._pushed or pushed
         synced = {e.index for e in engines}
         for e in self.engines:
             if e.live:

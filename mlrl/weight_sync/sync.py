@@ -299,7 +299,7 @@ class WeightSync(abc.ABC):
                             "pushing the weights", diff, self.tolerance)
                 return None
             self._last_canary = got
-            self.pool.commit_version(version, engines)
+            self.pool.commit_version(version, engines, pushed=False)  # the engines' own load, checked
             rep = SyncReport(version=version, transport="loaded", engines=len(engines), canary_max_abs_diff=diff,
                              canary_checked=True, seconds=time.perf_counter() - t0)
             rep.verify_s = rep.seconds

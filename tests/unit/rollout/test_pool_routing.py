@@ -268,6 +268,26 @@ async def test_chat_variant_and_stale_engines(make_pool):
     assert refreshed.is_set() and resp.stop_reason == StopReason.LENGTH
 
 
+@pytest.mark.parametrize("pushed", [True, False])
+async def test_a_restart_before_the_first_trained_sync_is_stale_once_weights_were_pushed(make_pool, pushed):
+    """model.init_from / a resume: the first sync pushes the trainer's weights, labelled version 0 like
+    the folder's. An engine restarted after that push loads the folder: stale, refreshed before it
+    serves (it was marked ready and served the folder's model as version 0). After a checked load
+    of the folder itself (pushed=False) a restart is current."""
+    pool = await make_pool(num_engines=1)
+    refreshes = []
+
+    async def refresher():
+        refreshes.append(pool.version)
+        pool.commit_version(pool.version, pool.live_engines())
+
+    pool.refresher = refresher
+    pool.commit_version(0, pool.live_engines(), pushed=pushed)
+    pool.engines[0].server.crash()
+    resp = await pool.agenerate(_req([1, 2], 3))  # waits for the restart (and the refresh, when one is due)
+    assert resp.stop_reason == StopReason.LENGTH and refreshes == ([0] if pushed else [])
+
+
 async def test_pool_validates_its_inputs(tmp_path):
     with pytest.raises(ValueError, match="config.json"):
         EnginePool(RolloutConfig(), tmp_path)
