@@ -647,6 +647,15 @@ class Config:
                                 and not self.algorithm.router_replay)
 
     @property
+    def policy_updates(self) -> int:
+        """The policy's optimizer updates of the run, which its LR schedule decays over:
+        trainer.total_updates less those of the critic-only steps (critic.critic_only_steps, which
+        train only the critic)."""
+        t = self.trainer
+        skip = self.critic.critic_only_steps if self.uses_critic and self.critic is not None else 0
+        return max(0, t.total_steps - skip) * t.mini_batches_per_step * t.epochs_per_step
+
+    @property
     def uses_critic(self) -> bool:
         """A critic is built and trained: the estimator needs values (gae) and the section exists."""
         return self.algorithm.advantage == "gae" and self.critic is not None

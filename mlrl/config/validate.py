@@ -67,11 +67,12 @@ def _check_ranges(cfg: Config) -> None:
     _check_lr("trainer", t)
     for name in ("lr_warmup_steps",):
         _positive(f"trainer.{name}", getattr(t, name), 0)
-    updates = t.total_updates
+    updates = cfg.policy_updates  # the policy's: critic-only steps do not update it
     if t.lr_warmup_steps and t.lr_warmup_steps >= updates:
+        less = " less the critic.critic_only_steps'" if updates != t.total_updates else ""
         raise ConfigError(
             f"trainer.lr_warmup_steps={t.lr_warmup_steps} must be smaller than the optimizer updates of the run "
-            f"(trainer.total_steps * mini_batches_per_step * epochs_per_step = {updates})"
+            f"(trainer.total_steps * mini_batches_per_step * epochs_per_step{less} = {updates})"
         )
     if t.grad_clip < 0:
         raise ConfigError(f"trainer.grad_clip: got {t.grad_clip}, expected >= 0 (0 = off)")

@@ -24,7 +24,8 @@ so it does not rescale by 1 / tokens: the result is exactly the sum.
 Learning rate: optimizer step k (1-based) uses Megatron's OptimizerParamScheduler at
 num_steps = k (linear warm-up from 0 reaches trainer.lr at k = trainer.lr_warmup_steps; no step runs at
 lr 0); decay over trainer.total_steps * trainer.mini_batches_per_step * trainer.epochs_per_step
-optimizer steps (the updates of the whole run).
+optimizer steps (the updates of the whole run; the policy's without the critic-only steps',
+Config.policy_updates).
 
 Hooks for models built the same way (mlrl.trainer.rank.critic): `_build_chunks`, `_local_params`,
 `_optimizer_hparams`, `_token_values` (the per-token outputs handed to the loss function and
@@ -75,8 +76,12 @@ class MegatronPolicy:
     LORA = True  # model.lora adapts this model (the critic trains its full weights)
 
     def __init__(self, model_cfg: ModelConfig, parallel: ParallelConfig, trainer_cfg: TrainerConfig, layout: Layout, *,
-                 hf_dir: Path | str, trainable: bool = True):
+                 hf_dir: Path | str, trainable: bool = True, total_updates: Optional[int] = None):
+        """`total_updates`: the optimizer updates the LR schedule decays over (default the run's,
+        trainer.total_updates; the policy of a run with critic-only steps: Config.policy_updates)."""
         from megatron.core import parallel_state
+
+        self._total_updates = total_updates
 
         numerics.configure(model_cfg, trainer_cfg)  # before any TE module: determinism / TF32 env
         cpu_compat.apply()
@@ -225,7 +230,7 @@ class MegatronPolicy:
         with cpu_compat.cuda_tensor_methods():
             self.optimizer = get_megatron_optimizer(opt_cfg, self.model)
         self.config.grad_scale_func = self.optimizer.scale_loss
-        total = max(1, t.total_updates)
+        total = max(1, t.total_updates if self._total_updates is None else self._total_updates)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0, max_lr=h["lr"], min_lr=h["min_lr"], lr_warmup_steps=h["lr_warmup_steps"],
             lr_decay_steps=max(total, h["lr_warmup_steps"]), lr_decay_style=h["lr_schedule"],

@@ -49,7 +49,8 @@ class TrainerService:
         self.layout = validate(cfg)
         init_parallel(cfg.parallel, self.layout, seed=cfg.trainer.seed)
         hf_dir = resolve_model_dir(cfg.model.hf_dir)
-        self.policy = MegatronPolicy(cfg.model, cfg.parallel, cfg.trainer, self.layout, hf_dir=hf_dir, trainable=True)
+        self.policy = MegatronPolicy(cfg.model, cfg.parallel, cfg.trainer, self.layout, hf_dir=hf_dir, trainable=True,
+                                     total_updates=cfg.policy_updates)
         self.ref = None
         # the frozen reference (KL, and DPO's reference policy); LoRA: the base, adapters off
         if (cfg.algorithm.kl_coef > 0 or cfg.dpo is not None) and self.policy.lora is None:

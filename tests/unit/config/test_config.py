@@ -217,6 +217,9 @@ BAD = [
         ["trainer.lr_warmup_steps=10", "trainer.total_steps=5", "trainer.epochs_per_step=2"],
         "(trainer.total_steps * mini_batches_per_step * epochs_per_step = 10)",
     ),
+    (["algorithm.advantage=gae", "critic.critic_only_steps=4", "trainer.total_steps=6", "trainer.lr_warmup_steps=2"],
+     "trainer.lr_warmup_steps=2 must be smaller than the optimizer updates of the run (trainer.total_steps * "
+     "mini_batches_per_step * epochs_per_step less the critic.critic_only_steps' = 2)"),
     (["algorithm.advantage=gae", "critic=null"], "algorithm.advantage=gae needs a critic: add a `critic:` section"),
     (["algorithm.advantage=gae", "critic.lr=0"], "critic.lr: got 0.0, expected > 0"),
     (["critic.lr=-1"], "critic.lr: got -1.0, expected > 0"),  # grpo carries the recipe's section: still checked
@@ -520,3 +523,12 @@ def test_derived_quantities_have_one_home_on_the_config():
     with pytest.raises(ConfigError, match=r"trainer.lr_warmup_steps=6 .* = 6\)"):
         validate(load_config(DEFAULT, ["trainer.total_steps=3", "trainer.mini_batches_per_step=2",
                                     "trainer.lr_warmup_steps=6"]))
+
+
+def test_the_policys_lr_schedule_counts_its_own_updates():
+    """Critic-only steps train the critic alone: the policy's LR schedule decays over the other steps'
+    updates (it stopped short of min_lr by the critic-only steps' share)."""
+    cfg = load_config(DEFAULT, ["algorithm.advantage=gae", "critic.critic_only_steps=3", "trainer.total_steps=10",
+                                "trainer.mini_batches_per_step=2", "trainer.epochs_per_step=2"])
+    assert (cfg.trainer.total_updates, cfg.policy_updates) == (40, 28)
+    assert load_config(DEFAULT, ["critic.critic_only_steps=3"]).policy_updates == 35  # grpo: no critic, no skip
