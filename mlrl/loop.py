@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -83,6 +83,8 @@ class RunContext:
     colocation: Colocation | None = None  # cluster.placement=colocated: engines sleep while the trainer steps
     failures: FailureGuard | None = None  # stops the run when a step's episodes fail (made on first use)
     state: LoopState = field(default_factory=LoopState)
+    # held through each train phase: a restarted engine's weight refresh waits for it (guarded_refresh)
+    trainer_busy: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def check_failures(self, step: int, groups: Sequence[GroupResult]) -> None:
         """Raise EpisodeFailures before anything trains on a step whose episodes failed
@@ -112,9 +114,9 @@ async def train_sync(ctx: RunContext) -> None:
             await ctx.colocation.to_trainer(timer)
             if ctx.saves is not None:
                 await ctx.saves.run_deferred(timer)
-            metrics = await asyncio.to_thread(train_phase, ctx, samples, timer, step)
+            metrics = await train_phase_locked(ctx, samples, timer, step)
         else:  # the idle engines pause while the trainer trains: the weight sync finds them paused
-            metrics, _ = await asyncio.gather(asyncio.to_thread(train_phase, ctx, samples, timer, step),
+            metrics, _ = await asyncio.gather(train_phase_locked(ctx, samples, timer, step),
                                               ctx.engines.pause())
         sync_metrics = await sync_weights(ctx, step, timer)
         eval_metrics = await evaluate_if_due(ctx, step, timer)
@@ -255,6 +257,23 @@ async def attach_routing(ctx: RunContext, samples: list[Sample]) -> int:
     if missing:
         log.warning("router replay: %d of %d samples have no routed experts; left out of training", missing, len(todo))
     return missing
+
+
+async def train_phase_locked(ctx: RunContext, samples: list[Sample], timer: StepTimer, step: int) -> dict[str, float]:
+    """train_phase in a thread, holding ctx.trainer_busy (see guarded_refresh)."""
+    async with ctx.trainer_busy:
+        return await asyncio.to_thread(train_phase, ctx, samples, timer, step)
+
+
+def guarded_refresh(busy: asyncio.Lock, refresh: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
+    """The pool's refresher (an engine restarted after a crash gets the current weights), run between
+    train phases: in the middle of one the trainer's weights are part-way through a step's updates,
+    and would reach the engine labelled with the version they are not."""
+    async def guarded() -> None:
+        async with busy:
+            await refresh()
+
+    return guarded
 
 
 def train_phase(ctx: RunContext, samples: list[Sample], timer: StepTimer, step: int) -> dict[str, float]:

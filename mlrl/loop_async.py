@@ -23,7 +23,7 @@ from mlrl.loop import (
     finish_step,
     save_if_due,
     sync_timing,
-    train_phase,
+    train_phase_locked,
     train_timing,
 )
 from mlrl.metrics import StepTimer
@@ -86,7 +86,7 @@ async def train_and_pause_when_idle(ctx: RunContext, st: AsyncState, samples: li
     """The step's train phase, and the engines' pause (vLLM's /pause sleeps 20 ms) moved off the
     weight sync's path when the producer goes idle during training. After `collect` only a weight
     sync can give the producer work again, so an idle producer stays idle until the sync."""
-    train = asyncio.create_task(asyncio.to_thread(train_phase, ctx, samples, timer, step))
+    train = asyncio.create_task(train_phase_locked(ctx, samples, timer, step))
     idle = asyncio.create_task(st.producer_idle.wait())
     try:
         await asyncio.wait({train, idle}, return_when=asyncio.FIRST_COMPLETED)

@@ -40,11 +40,9 @@ def complete_checkpoints(root: Path) -> list[Path]:
 
 
 def latest_checkpoint(root: Path) -> Path | None:
-    """Newest complete checkpoint: the `latest` pointer if valid, else the newest complete folder."""
-    ptr = root / "latest"
-    if ptr.is_file():
-        cand = root / ptr.read_text().strip()
-        if is_complete(cand):
-            return cand
+    """Newest complete checkpoint, by step. The folders decide, not the `latest` pointer: a commit
+    renames the folder into place before it moves the pointer, so a process killed between the two
+    leaves the pointer one checkpoint behind (and a run resumed from it would stand beside a newer
+    one). The pointer is for people and tools that read the folder."""
     complete = complete_checkpoints(root)
     return complete[-1] if complete else None

@@ -29,7 +29,7 @@ from mlrl.data import dataset_from_config
 from mlrl.data.sampler import PromptSampler
 from mlrl.jobs.placement import cluster_placement
 from mlrl.jobs.rl_start import EarlyStart, begin, policy_pool
-from mlrl.loop import LoopState, RunContext, train_sync
+from mlrl.loop import LoopState, RunContext, guarded_refresh, train_sync
 from mlrl.loop_async import train_async
 from mlrl.metrics import MetricsLogger
 from mlrl.metrics.console import configure_logging, progress_bar
@@ -254,7 +254,9 @@ async def _run(cfg: Config, layout: Layout, early: EarlyStart) -> int:
         weight_sync = make_weight_sync(ws_cfg, pool, MegatronWeightSource(policy), model_dir=hf_dir,
                                        engine_tp=cfg.rollout.engine_tp, host=placement.host,
                                        run_dir=run_dir, backend=placement.sync_backend, lora=cfg.model.lora)
-        pool.refresher = weight_sync.refresh  # an engine restarted after a crash is re-synced before it serves
+        # an engine restarted after a crash is re-synced before it serves, between train phases
+        trainer_busy = asyncio.Lock()
+        pool.refresher = guarded_refresh(trainer_busy, weight_sync.refresh)
         # 3. the engines hold the trainer's weights before the first step: checked by the canary when they
         #    loaded them themselves, else pushed (resumed / init_from / LoRA weights, or first_sync=push)
         first = await weight_sync.check_loaded(version) if _engines_hold_start(cfg, resume) else None
@@ -287,6 +289,7 @@ async def _run(cfg: Config, layout: Layout, early: EarlyStart) -> int:
             progress=progress_bar(cfg.logging.progress_bar, total=cfg.trainer.total_steps, initial=start_step,
                                   desc="RL steps"),
             colocation=colocation,
+            trainer_busy=trainer_busy,
             state=LoopState(start_step=start_step, version=version,
                             resume_rows=list(state.get("in_flight_rows", [])) if state else []),
         )

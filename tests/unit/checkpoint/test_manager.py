@@ -43,6 +43,18 @@ def test_stale_latest_pointer_falls_back(tmp_path):
     assert m.latest().name == "step_000002"
 
 
+def test_a_crash_between_the_rename_and_the_pointer_resumes_the_newest(tmp_path):
+    """commit renames step_N into place, then moves `latest`: killed in between, the pointer names
+    step_N-1. resume=auto takes step_N (and the run may start: nothing is newer than it)."""
+    m = CheckpointManager(tmp_path)
+    _save(m, 1)
+    _save(m, 2)
+    _save(m, 3)
+    (tmp_path / "latest").write_text("step_000002\n")  # the pointer one behind
+    assert m.resolve_resume("auto").name == "step_000003"
+    m.check_start(3)
+
+
 def test_resolve_resume(tmp_path):
     m = CheckpointManager(tmp_path / "ck")
     assert m.resolve_resume("auto") is None and m.resolve_resume("none") is None

@@ -136,7 +136,9 @@ async def test_engines_pause_during_training_once_the_producer_is_idle(monkeypat
         ctx.engines.events.append("trained")
         return {"train/loss": 1.0}
 
-    monkeypatch.setattr(loop_async, "train_phase", train_phase)
+    from mlrl import loop
+
+    monkeypatch.setattr(loop, "train_phase", train_phase)  # what train_phase_locked runs
     ctx = RunContext(cfg=None, policy=None, engines=_PausingPool(), weight_sync=None, runner=None, sampler=None,
                      logger=None, checkpoint=None, saves=None)
     st = AsyncState()
@@ -163,3 +165,33 @@ async def test_a_moved_bound_clears_the_idle_flag_before_the_producer_runs():
     st.producer_idle.set()
     await loop_async.wake_producer(st)
     assert not st.producer_idle.is_set()
+
+
+async def test_a_restarted_engines_refresh_waits_for_the_train_phase(monkeypatch):
+    """The pool's refresher (guarded_refresh) runs between train phases: in the middle of one the
+    trainer's weights are part-way through a step's updates."""
+    import threading
+
+    from mlrl import loop
+
+    release, order = threading.Event(), []
+
+    def train_phase(ctx, samples, timer, step):
+        release.wait(5)
+        order.append("trained")
+        return {}
+
+    async def refresh():
+        order.append("refreshed")
+
+    monkeypatch.setattr(loop, "train_phase", train_phase)
+    ctx = RunContext(cfg=None, policy=None, engines=None, weight_sync=None, runner=None, sampler=None, logger=None,
+                     checkpoint=None, saves=None)
+    train = asyncio.create_task(loop.train_phase_locked(ctx, [], None, 1))
+    await asyncio.sleep(0.02)
+    refreshing = asyncio.create_task(loop.guarded_refresh(ctx.trainer_busy, refresh)())
+    await asyncio.sleep(0.05)
+    assert order == []  # the refresh waits while the trainer trains
+    release.set()
+    await asyncio.gather(train, refreshing)
+    assert order == ["trained", "refreshed"]
