@@ -152,8 +152,8 @@ class EnginePool:
         self.max_restarts = max_restarts
         self.capture_routing = capture_routing  # MoE router replay: engines record routed experts
         # GPU: rows that came back with the answers (vLLM's own capture), by computed token sequence
-        # GPU router replay: token sequence -> the rows of each request that produced it, oldest first
-        # (two samples of a group with the same answer each get their own request's rows)
+        # GPU router replay: token sequence -> the rows of each request that produced it, in arrival order
+        # (two samples of a group with the same answer each get one; the newest is taken first)
         self._routing_rows: collections.OrderedDict[tuple[int, ...], list[Any]] = collections.OrderedDict()
         omp = engine_omp_threads(cfg)
         self.engines: list[EngineHandle] = []
@@ -576,7 +576,8 @@ class EnginePool:
         rows = self._routing_rows.get(key)
         if not rows:
             return None
-        row = rows.pop(0)
+        row = rows.pop()  # the newest: rows of an older request never fetched (a failed or stale-dropped sample)
+        #                   are from older weights
         if not rows:
             del self._routing_rows[key]
         return row

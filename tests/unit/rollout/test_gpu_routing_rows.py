@@ -30,5 +30,5 @@ async def test_identical_answers_each_get_their_own_rows(tmp_path, monkeypatch):
     group = ModelRequest(input_ids=[1, 5, 6], gconfig=GenerationHyperparameters(n_samples=2))
     resps = await pool.agenerate_group(group)
     rows = await pool.fetch_routing([r.input_tokens + r.output_tokens for r in resps])
-    assert [None if r is None else int(r.max()) for r in rows] == [0, 1]
+    assert sorted(None if r is None else int(r.max()) for r in rows) == [0, 1]  # one each (newest first)
     assert await pool.fetch_routing([resps[0].input_tokens + resps[0].output_tokens]) == [None]  # each taken once
