@@ -319,6 +319,13 @@ class EpisodeRunner:
                              info={"error": {"error_message": message, "error_type": etype, "traceback": tb}})
 
     def _convert(self, result: Any, responses: list[ModelResponse]) -> EpisodeResult:
+        out = self._convert_result(result, responses)
+        bad = next((s.reward for s in out.samples if not math.isfinite(float(s.reward))), None)
+        if bad is not None:  # a NaN would make the whole group's advantages NaN: this episode fails instead
+            return self._error_result("WorkflowResultError", f"the workflow returned a non-finite reward ({bad})", "")
+        return out
+
+    def _convert_result(self, result: Any, responses: list[ModelResponse]) -> EpisodeResult:
         if isinstance(result, EpisodeOutput):
             status = result.status
             samples = list(result.samples) if status == EpisodeStatus.COMPLETED else []

@@ -36,6 +36,9 @@ class Scripted(RolloutWorkflow):
             await asyncio.wait_for(asyncio.sleep(10), timeout=0.01)
         if kind == "reject":
             return None
+        if kind == "nan":  # a reward the workflow computed itself, not through mlrl's reward wrapper
+            return {"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1], "logprobs": [0.0, -0.1, -0.1],
+                    "versions": [-1, 0, 0], "rewards": float("nan")}
         if kind == "mutate":
             data["messages"].append({"role": "assistant", "content": "mutated"})
             assert len(data["messages"]) == 2, "the runner must give every episode a fresh copy of the row"
@@ -84,6 +87,14 @@ async def test_every_failure_is_recorded_and_the_batch_continues():
     m = runner.last_metrics
     assert (m["episodes/completed"], m["episodes/rejected"], m["episodes/error"], m["episodes/timeout"]) == (2, 2, 4, 2)
     assert m["episodes/failures"] == 6 and m["groups/samples"] == 2
+
+
+async def test_a_non_finite_reward_fails_its_episode():
+    """A NaN reward from the workflow's own result would make its whole group's advantages NaN."""
+    runner = EpisodeRunner(Scripted(), ScriptedEngine(), max_concurrency=2, episode_timeout_s=10)
+    (g,) = await runner.run_batch([row("nan")], n=2)
+    assert g.count(EpisodeStatus.ERROR) == 2 and g.samples == []
+    assert g.episodes[0].info["error"]["error_message"] == "the workflow returned a non-finite reward (nan)"
 
 
 async def test_engine_failure_and_truncation_are_seen_through_the_engine():
