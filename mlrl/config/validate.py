@@ -16,7 +16,7 @@ from typing import Any
 
 from mlrl.config.loader import ConfigError
 from mlrl.config.schema import LORA_TARGETS, Config, OptimizerConfig
-from mlrl.modelzoo import ModelSpecError, hf_config_dict
+from mlrl.modelzoo import PRESETS, ModelSpecError, hf_config_dict
 
 
 @dataclass(frozen=True)
@@ -560,8 +560,6 @@ def _check_arch_preset(arch: str | None, hf: dict[str, Any]) -> None:
     """model.arch names a known preset; where the model's own config.json was read (a real run, or
     a dry run on a machine that holds the folder), the preset must describe that model: a plan made
     elsewhere from the preset is then the plan of this model."""
-    from mlrl.modelzoo import PRESETS
-
     if arch is None:
         return
     if arch not in PRESETS:

@@ -464,9 +464,9 @@ class MegatronPolicy:
         combined = combine_loss_metrics(store)
         keys = self._broadcast_keys(sorted(combined))
         last = self.ranks.pp_size == 1 or self.ranks.is_last_stage
+        by_how = {how: [k for k in keys if metric_reduction(k) == how] for how in ("sum", "max", "min")}
         parts: dict[str, torch.Tensor] = {}
-        for how in ("sum", "max", "min"):
-            ks = [k for k in keys if metric_reduction(k) == how]
+        for how, ks in by_how.items():
             extra = 2 if how == "sum" else 0  # + tokens, loss tokens
             t = torch.zeros(len(ks) + extra, dtype=torch.float64, device=self.device)
             if last and ks:
@@ -484,8 +484,7 @@ class MegatronPolicy:
                 if t.numel():
                     dist.broadcast(t, src=ps.get_pipeline_model_parallel_last_rank(), group=_pp_group())
         sums = parts["sum"]
-        metrics = {k: float(v) for how in ("sum", "max", "min")
-                   for k, v in zip([k for k in keys if metric_reduction(k) == how], parts[how].tolist())}
+        metrics = {k: float(v) for how, ks in by_how.items() for k, v in zip(ks, parts[how].tolist())}
         metrics.update(
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             lr=float(self.optimizer.param_groups[0]["lr"]),
