@@ -83,7 +83,7 @@ class RunContext:
     colocation: Colocation | None = None  # cluster.placement=colocated: engines sleep while the trainer steps
     failures: FailureGuard | None = None  # stops the run when a step's episodes fail (made on first use)
     state: LoopState = field(default_factory=LoopState)
-    # held through each train phase: a restarted engine's weight refresh waits for it (guarded_refresh)
+    # held through each train phase and its weight sync: a restarted engine's refresh waits (guarded_refresh)
     trainer_busy: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def check_failures(self, step: int, groups: Sequence[GroupResult]) -> None:
@@ -114,11 +114,13 @@ async def train_sync(ctx: RunContext) -> None:
             await ctx.colocation.to_trainer(timer)
             if ctx.saves is not None:
                 await ctx.saves.run_deferred(timer)
-            metrics = await train_phase_locked(ctx, samples, timer, step)
-        else:  # the idle engines pause while the trainer trains: the weight sync finds them paused
-            metrics, _ = await asyncio.gather(train_phase_locked(ctx, samples, timer, step),
-                                              ctx.engines.pause())
-        sync_metrics = await sync_weights(ctx, step, timer)
+        async with ctx.trainer_busy:  # through the sync: see guarded_refresh
+            if ctx.colocation is not None:
+                metrics = await train_phase_in_thread(ctx, samples, timer, step)
+            else:  # the idle engines pause while the trainer trains: the weight sync finds them paused
+                metrics, _ = await asyncio.gather(train_phase_in_thread(ctx, samples, timer, step),
+                                                  ctx.engines.pause())
+            sync_metrics = await sync_weights(ctx, step, timer)
         eval_metrics = await evaluate_if_due(ctx, step, timer)
         timing = timer.finish(details=sync_timing(sync_metrics) | train_timing(metrics))
         finish_step(ctx, step, {**rollout_metrics, **metrics, **sync_metrics, **eval_metrics, **timing})
@@ -259,16 +261,19 @@ async def attach_routing(ctx: RunContext, samples: list[Sample]) -> int:
     return missing
 
 
-async def train_phase_locked(ctx: RunContext, samples: list[Sample], timer: StepTimer, step: int) -> dict[str, float]:
-    """train_phase in a thread, holding ctx.trainer_busy (see guarded_refresh)."""
-    async with ctx.trainer_busy:
-        return await asyncio.to_thread(train_phase, ctx, samples, timer, step)
+async def train_phase_in_thread(ctx: RunContext, samples: list[Sample], timer: StepTimer,
+                                step: int) -> dict[str, float]:
+    """train_phase in a worker thread; the caller holds ctx.trainer_busy through the step's weight
+    sync (see guarded_refresh)."""
+    return await asyncio.to_thread(train_phase, ctx, samples, timer, step)
 
 
 def guarded_refresh(busy: asyncio.Lock, refresh: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
-    """The pool's refresher (an engine restarted after a crash gets the current weights), run between
-    train phases: in the middle of one the trainer's weights are part-way through a step's updates,
-    and would reach the engine labelled with the version they are not."""
+    """The pool's refresher (an engine restarted after a crash gets the current weights), run outside
+    a step's train phase and weight sync (the loops hold `busy` through both): in the middle of the
+    phase the trainer's weights are part-way through a step's updates, and between the phase and
+    the sync they are the next version's; either would reach the engines labelled with the pool's
+    current version, which they are not."""
     async def guarded() -> None:
         async with busy:
             await refresh()

@@ -23,7 +23,7 @@ from mlrl.loop import (
     finish_step,
     save_if_due,
     sync_timing,
-    train_phase_locked,
+    train_phase_in_thread,
     train_timing,
 )
 from mlrl.metrics import StepTimer
@@ -56,10 +56,11 @@ async def train_async(ctx: RunContext) -> None:
                 samples, rollout_metrics, stale = await collect(ctx, st, groups, eta, step)
             # engines keep generating; once the producer has run up to the staleness bound and its
             # groups finished, they pause while the trainer still trains (the sync finds them paused)
-            metrics = await train_and_pause_when_idle(ctx, st, samples, timer, step)
-            with timer("sync"):
-                ctx.state.version = step
-                sync_metrics = await ctx.weight_sync.sync(ctx.state.version)
+            async with ctx.trainer_busy:  # through the sync: see guarded_refresh
+                metrics = await train_and_pause_when_idle(ctx, st, samples, timer, step)
+                with timer("sync"):
+                    ctx.state.version = step
+                    sync_metrics = await ctx.weight_sync.sync(ctx.state.version)
             await wake_producer(st)
             eval_metrics = await evaluate_if_due(ctx, step, timer)
             timing = timer.finish(overlapped_rollout=True, details=sync_timing(sync_metrics) | train_timing(metrics))
@@ -86,7 +87,7 @@ async def train_and_pause_when_idle(ctx: RunContext, st: AsyncState, samples: li
     """The step's train phase, and the engines' pause (vLLM's /pause sleeps 20 ms) moved off the
     weight sync's path when the producer goes idle during training. After `collect` only a weight
     sync can give the producer work again, so an idle producer stays idle until the sync."""
-    train = asyncio.create_task(train_phase_locked(ctx, samples, timer, step))
+    train = asyncio.create_task(train_phase_in_thread(ctx, samples, timer, step))
     idle = asyncio.create_task(st.producer_idle.wait())
     try:
         await asyncio.wait({train, idle}, return_when=asyncio.FIRST_COMPLETED)

@@ -23,7 +23,9 @@ It owns N vLLM servers (`EngineServer`) and routes requests to them. Invariants:
   continue on a KV cache computed by the old weights, which matches neither weight version.
 - an engine restarted while the pool's version is newer than the model folder's holds stale
   weights: it is not routed to until the weight sync (the `refresher` hook, which mlrl/jobs/rl.py
-  sets to `WeightSync.refresh`) brings it to the current version.
+  sets to `WeightSync.refresh`) brings it to the current version. If that refresh fails, the
+  engine is stopped and stays out; the other engines go on. Once no engine is left (restarts
+  spent), requests fail at once rather than wait for their timeout.
 
 Construction: `EnginePool(cfg.rollout, model_dir, dtype=cfg.model.dtype, token=job_token,
 run_dir=run_dir)`; `command=[...]` replaces the vLLM command line (tests use a fake engine);
@@ -76,7 +78,7 @@ class EngineState(str, enum.Enum):
     STARTING = "starting"
     READY = "ready"            # routable
     STALE = "stale"            # alive, but holds an older weight version than the pool
-    DEAD = "dead"              # failed; a restart is scheduled or the restart budget is spent
+    DEAD = "dead"              # failed; a restart is scheduled, or none will be (restarts >= the pool's max_restarts)
     RESTARTING = "restarting"
     STOPPED = "stopped"
 
@@ -492,6 +494,10 @@ class EnginePool:
             while True:
                 if self._closed:
                     raise PoolClosedError("the engine pool was shut down")
+                if self._no_engine_left():
+                    raise PoolClosedError(
+                        f"no engine left: every engine died and its {self.max_restarts} restarts are spent, or its "
+                        f"weight refresh failed (the engine logs: {self.run_dir / 'engines'})")
                 if req.rid in self._user_aborted:
                     return None
                 if not self._paused:
@@ -550,17 +556,43 @@ class EnginePool:
             e.server.start()
             await asyncio.to_thread(e.server.wait_ready, self.cfg.startup_timeout_s)
             await self._connect(e)
-        except Exception as err:  # the engine stays out of rotation
+        except Exception as err:  # the engine stays out of rotation (nothing retries a failed restart)
             e.state = EngineState.DEAD
-            log.error("restart of %s failed: %s", e.name, err)
+            e.restarts = max(e.restarts, self.max_restarts)
+            log.error("restart of %s failed: %s; it stays out of rotation", e.name, err)
+            async with self._cond:
+                self._cond.notify_all()  # waiting requests fail at once if no engine is left
             return
         self.stats["restarts"] += 1
         async with self._cond:
             self._cond.notify_all()
         if e.state == EngineState.STALE and self.refresher is not None:
-            await self.refresher()
+            try:
+                await self.refresher()
+            except Exception as err:  # a background task: logged, the engine taken out
+                await self._refresh_failed(e, err)
             async with self._cond:
                 self._cond.notify_all()
+
+    async def _refresh_failed(self, e: EngineHandle, err: Exception) -> None:
+        """The weight refresh of restarted `e` failed (a background task: nobody awaits it). The
+        engine holds the folder's weights, not the pool's version: it is stopped and stays out. The
+        refresh's sync left every engine paused; the others hold the pool's version (the refresh
+        pushes the weights they already have, guarded_refresh), so they resume. A fault in the
+        trainer itself fails the next step's weight sync, which ends the run."""
+        log.error("%s restarted, but its weight refresh failed (%s: %s): it is stopped and stays out of "
+                  "rotation; the other engines go on", e.name, type(err).__name__, err)
+        e.state = EngineState.DEAD
+        e.restarts = max(e.restarts, self.max_restarts)  # no further restart of an engine that cannot be refreshed
+        await asyncio.to_thread(e.server.stop)
+        if not self._closed:
+            await self.resume()
+        self.stats["refresh_failures"] += 1
+
+    def _no_engine_left(self) -> bool:
+        """Every engine is dead with its restart budget spent (or stopped), none restarting."""
+        return all(e.state in (EngineState.DEAD, EngineState.STOPPED) and e.restarts >= self.max_restarts
+                   for e in self.engines)
 
     def _keep_routing(self, resp: ModelResponse, seg: Segment) -> None:
         """GPU: the rows vLLM returned with a finished segment, kept (bounded) until fetch_routing."""

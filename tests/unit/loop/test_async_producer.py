@@ -138,7 +138,7 @@ async def test_engines_pause_during_training_once_the_producer_is_idle(monkeypat
 
     from mlrl import loop
 
-    monkeypatch.setattr(loop, "train_phase", train_phase)  # what train_phase_locked runs
+    monkeypatch.setattr(loop, "train_phase", train_phase)  # what train_phase_in_thread runs
     ctx = RunContext(cfg=None, policy=None, engines=_PausingPool(), weight_sync=None, runner=None, sampler=None,
                      logger=None, checkpoint=None, saves=None)
     st = AsyncState()
@@ -167,31 +167,91 @@ async def test_a_moved_bound_clears_the_idle_flag_before_the_producer_runs():
     assert not st.producer_idle.is_set()
 
 
-async def test_a_restarted_engines_refresh_waits_for_the_train_phase(monkeypatch):
-    """The pool's refresher (guarded_refresh) runs between train phases: in the middle of one the
-    trainer's weights are part-way through a step's updates."""
-    import threading
+class _SyncStub:
+    """The weight sync's `sync` (records when it ran) for the loops' lock tests."""
 
-    from mlrl import loop
+    def __init__(self, order):
+        self.order = order
 
-    release, order = threading.Event(), []
+    async def sync(self, version, hooks=None):
+        await asyncio.sleep(0.02)  # a refresh started now would run inside the sync
+        self.order.append(f"synced v{version}")
+        return {}
+
+
+def _patch_step(monkeypatch, order, release):
+    from mlrl import loop, loop_async
 
     def train_phase(ctx, samples, timer, step):
         release.wait(5)
         order.append("trained")
         return {}
 
+    async def nothing(*a, **k):
+        return {}
+
+    monkeypatch.setattr(loop, "train_phase", train_phase)
+    for mod in (loop, loop_async):
+        monkeypatch.setattr(mod, "evaluate_if_due", nothing)
+        monkeypatch.setattr(mod, "save_if_due", nothing)
+        monkeypatch.setattr(mod, "finish_step", lambda ctx, step, metrics: None)
+
+
+def _lock_ctx(order, staleness):
+    cfg = load_config(None, ["trainer.total_steps=1", f"rollout.staleness={staleness}"])
+    return RunContext(cfg=cfg, policy=None, engines=_PausingPool(), weight_sync=_SyncStub(order), runner=None,
+                      sampler=None, logger=None, checkpoint=None, saves=None)
+
+
+async def _refresh_during_train(ctx, order, release, run):
+    """A restarted engine's refresh, asked for while the trainer trains: it must wait for the step's
+    weight sync too (between the train phase and the sync the trainer holds the next version's
+    weights, which the refresh would push labelled with the pool's current version)."""
+    from mlrl import loop
+
     async def refresh():
         order.append("refreshed")
 
-    monkeypatch.setattr(loop, "train_phase", train_phase)
-    ctx = RunContext(cfg=None, policy=None, engines=None, weight_sync=None, runner=None, sampler=None, logger=None,
-                     checkpoint=None, saves=None)
-    train = asyncio.create_task(loop.train_phase_locked(ctx, [], None, 1))
-    await asyncio.sleep(0.02)
+    step = asyncio.create_task(run(ctx))
+    while not ctx.trainer_busy.locked():
+        await asyncio.sleep(0.005)
     refreshing = asyncio.create_task(loop.guarded_refresh(ctx.trainer_busy, refresh)())
     await asyncio.sleep(0.05)
     assert order == []  # the refresh waits while the trainer trains
     release.set()
-    await asyncio.gather(train, refreshing)
-    assert order == ["trained", "refreshed"]
+    await asyncio.wait_for(asyncio.gather(step, refreshing), 10)
+    assert order == ["trained", "synced v1", "refreshed"]
+
+
+async def test_a_restarted_engines_refresh_waits_for_the_sync_loops_train_phase_and_sync(monkeypatch):
+    import threading
+
+    from mlrl import loop
+
+    order, release = [], threading.Event()
+    _patch_step(monkeypatch, order, release)
+
+    async def rollout_sync(ctx, step):
+        return [], {}
+
+    monkeypatch.setattr(loop, "rollout_sync", rollout_sync)
+    await _refresh_during_train(_lock_ctx(order, 0), order, release, loop.train_sync)
+
+
+async def test_a_restarted_engines_refresh_waits_for_the_async_loops_train_phase_and_sync(monkeypatch):
+    import threading
+
+    from mlrl import loop_async
+
+    order, release = [], threading.Event()
+    _patch_step(monkeypatch, order, release)
+
+    async def collect(ctx, st, groups, eta, step):
+        return [], {}, 0
+
+    async def produce(ctx, st, out, eta):
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(loop_async, "collect", collect)
+    monkeypatch.setattr(loop_async, "produce", produce)
+    await _refresh_during_train(_lock_ctx(order, 1), order, release, loop_async.train_async)

@@ -288,6 +288,41 @@ async def test_a_restart_before_the_first_trained_sync_is_stale_once_weights_wer
     assert resp.stop_reason == StopReason.LENGTH and refreshes == ([0] if pushed else [])
 
 
+async def _refresh_that_fails(pool):
+    await pool.pause()  # as the weight sync does: it leaves the engines paused when it fails
+    raise RuntimeError("transfer broke")
+
+
+async def test_a_failed_refresh_of_a_restarted_engine_takes_it_out_and_the_pool_goes_on(make_pool):
+    """The refresh runs in the pool's background restart task, where nobody awaits it: it used to
+    leave the pool paused (every request then waited until its timeout) and its error unseen."""
+    pool = await make_pool(num_engines=2)
+    pool.refresher = lambda: _refresh_that_fails(pool)
+    pool.commit_version(3, pool.live_engines())  # weights were pushed: a restarted engine is stale
+    pool.engines[0].server.crash()
+    resp = await pool.agenerate(_req([1, 2], 3))  # fails over to engine-1
+    assert resp.stop_reason == StopReason.LENGTH
+    for _ in range(300):
+        if pool.stats["refresh_failures"]:
+            break
+        await asyncio.sleep(0.05)
+    assert pool.stats["refresh_failures"] == 1
+    assert pool.engines[0].state == EngineState.DEAD and not pool.engines[0].server.alive()
+    assert not pool.paused
+    resp = await asyncio.wait_for(pool.agenerate(_req([1, 3], 3)), 10)
+    assert resp.stop_reason == StopReason.LENGTH and resp.engine == "engine-1"
+
+
+async def test_requests_fail_at_once_when_no_engine_is_left(make_pool):
+    pool = await make_pool(num_engines=1, timeout_s=60.0)
+    pool.refresher = lambda: _refresh_that_fails(pool)
+    pool.commit_version(1, pool.live_engines())
+    pool.engines[0].server.crash()
+    resp = await asyncio.wait_for(pool.agenerate(_req([1, 2], 3)), 30)  # not the 60 s request timeout
+    assert resp.stop_reason == StopReason.ERROR and "no engine left" in resp.error
+    assert pool.stats["refresh_failures"] == 1
+
+
 async def test_pool_validates_its_inputs(tmp_path):
     with pytest.raises(ValueError, match="config.json"):
         EnginePool(RolloutConfig(), tmp_path)
