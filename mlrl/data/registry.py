@@ -115,7 +115,8 @@ def _raw_rows(name_or_path: str, split: str, skip_malformed: bool, skipped: list
 @overload
 def get_dataset(name_or_path: str, split: str = ..., kind: Literal["rl"] = ..., tokenizer: Any = ...,
                 max_length: int | None = ..., *, skip_malformed: bool = ..., require_answer: bool = ...,
-                seed: int = ..., num_rows: int | None = ..., **kwargs: Any) -> RLDataset: ...
+                seed: int = ..., num_rows: int | None = ...,
+                prompt_ids: Callable[[dict[str, Any]], list[int]] | None = ..., **kwargs: Any) -> RLDataset: ...
 @overload
 def get_dataset(name_or_path: str, split: str, kind: Literal["sft"], tokenizer: Any = ...,
                 max_length: int | None = ..., *, skip_malformed: bool = ..., require_answer: bool = ...,
@@ -128,6 +129,7 @@ def get_dataset(name_or_path: str, split: str, kind: Literal["dpo"], tokenizer: 
 def get_dataset(name_or_path: str, split: str = ..., kind: str = ..., tokenizer: Any = ...,
                 max_length: int | None = ..., *, skip_malformed: bool = ..., require_answer: bool = ...,
                 seed: int = ..., num_rows: int | None = ...,
+                prompt_ids: Callable[[dict[str, Any]], list[int]] | None = ...,
                 **kwargs: Any) -> RLDataset | SFTDataset | PreferenceDataset: ...
 def get_dataset(
     name_or_path: str,
@@ -140,13 +142,16 @@ def get_dataset(
     require_answer: bool = True,
     seed: int = 0,
     num_rows: int | None = None,
+    prompt_ids: Callable[[dict[str, Any]], list[int]] | None = None,
     **kwargs: Any,
 ) -> RLDataset | SFTDataset | PreferenceDataset:
     """Load a dataset for RL prompts (`kind="rl"`), supervised fine-tuning (`kind="sft"`) or
     preference optimisation (`kind="dpo"`).
 
-    `seed` / `num_rows` apply to synthetic tasks (num_rows also caps other sources); extra kwargs go
-    to the registered loader or the synthetic generator."""
+    `seed` / `num_rows` apply to synthetic tasks (num_rows also caps other sources); `prompt_ids`
+    (RL): how the workflow renders a row's prompt (e.g. rlvr's `enable_thinking`), measured against
+    `max_length` instead of the plain chat template; extra kwargs go to the registered loader or the
+    synthetic generator."""
     if kind not in ("rl", "sft", "dpo"):
         raise ValueError(f"get_dataset: kind must be 'rl', 'sft' or 'dpo', got {kind!r}")
     if kind in ("sft", "dpo") and tokenizer is None:
@@ -156,9 +161,8 @@ def get_dataset(
     if num_rows is not None and not str(name_or_path).startswith("synthetic:"):
         raw = raw[:num_rows]
     if kind == "rl":
-        return _build_rl(
-            raw, str(name_or_path), split, skipped, skip_malformed, require_answer, tokenizer, max_length, reward
-        )
+        return _build_rl(raw, str(name_or_path), split, skipped, skip_malformed, require_answer, tokenizer,
+                         max_length, reward, prompt_ids)
     if kind == "dpo":
         if str(name_or_path).startswith("synthetic:"):
             raw = list(zip([w for w, _ in raw], synthetic_pairs([r for _, r in raw], str(name_or_path)[10:])))
@@ -166,7 +170,8 @@ def get_dataset(
     return _build_sft(raw, str(name_or_path), split, skipped, skip_malformed, tokenizer, max_length)
 
 
-def _build_rl(raw, name, split, skipped, skip_malformed, require_answer, tokenizer, max_length, reward) -> RLDataset:
+def _build_rl(raw, name, split, skipped, skip_malformed, require_answer, tokenizer, max_length, reward,
+              prompt_ids=None) -> RLDataset:
     rows, too_long, longest = [], 0, 0
     for where, row in raw:
         try:
@@ -176,8 +181,9 @@ def _build_rl(raw, name, split, skipped, skip_malformed, require_answer, tokeniz
                 raise
             skipped.append(str(e))
             continue
-        if tokenizer is not None and max_length is not None:
-            n = len(apply_chat_template(tokenizer, r["messages"], add_generation_prompt=True))
+        if max_length is not None and (prompt_ids is not None or tokenizer is not None):
+            n = len(prompt_ids(r) if prompt_ids is not None
+                    else apply_chat_template(tokenizer, r["messages"], add_generation_prompt=True))
             if n > max_length:
                 too_long += 1
                 continue
@@ -240,9 +246,11 @@ def _build_dpo(raw, name, split, skipped, skip_malformed, tokenizer, max_length)
     return PreferenceDataset(examples, name=name, split=split, skipped=skipped, truncated=truncated)
 
 
-def dataset_from_config(data: Any, which: str = "train", *, tokenizer: Any = None, seed: int = 0) -> RLDataset:
+def dataset_from_config(data: Any, which: str = "train", *, tokenizer: Any = None, seed: int = 0,
+                        prompt_ids: Callable[[dict[str, Any]], list[int]] | None = None) -> RLDataset:
     """The RL prompts `mlrl.config.schema.DataConfig` names: `data.train` (split "train") or `data.eval`
-    (split "test"; a synthetic task's held-out rows), filtered by `max_prompt_tokens`, `skip_malformed`
+    (split "test"; a synthetic task's held-out rows), filtered by `max_prompt_tokens` (prompts as
+    `prompt_ids` renders them, when given: the workflow's own rendering), `skip_malformed`
     honoured, `num_synthetic` rows for synthetic tasks."""
     if which not in ("train", "eval"):
         raise ValueError(f"dataset_from_config: which must be 'train' or 'eval', got {which!r}")
@@ -252,7 +260,8 @@ def dataset_from_config(data: Any, which: str = "train", *, tokenizer: Any = Non
     synthetic_rows = data.num_synthetic if str(name).startswith("synthetic:") else None
     try:
         ds = get_dataset(name, "train" if which == "train" else "test", "rl", tokenizer, data.max_prompt_tokens,
-                         skip_malformed=data.skip_malformed, seed=seed, num_rows=synthetic_rows)
+                         skip_malformed=data.skip_malformed, seed=seed, num_rows=synthetic_rows,
+                         prompt_ids=prompt_ids)
     except DatasetError as e:  # which of the two settings named the bad file or row
         raise DatasetError(f"data.{which}: {e}") from None
     assert isinstance(ds, RLDataset)

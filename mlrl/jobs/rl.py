@@ -122,10 +122,19 @@ def _checks(cfg: Config, hf_dir: Path, run_dir: Path) -> _Checked:
     if resume:
         check_resume_has_critic(resume, cfg.uses_critic)
     check_model_init_from(cfg.model, hf_dir, resume=resume)
-    train_rows = dataset_from_config(cfg.data, "train", tokenizer=tokenizer, seed=cfg.trainer.seed)
+    try:  # the registry's lookup / construction errors name workflow.name, .reward or .kwargs
+        workflow = build_workflow_from_config(
+            cfg.workflow, tokenizer=tokenizer, gconfig=gconfig_from_sampling(cfg.rollout.sampling)
+        )
+    except LookupFailed as e:  # a name or argument of the config; an error inside the workflow keeps its traceback
+        raise ConfigError(str(e)) from None
+    # prompts measured as the workflow renders them (rlvr's enable_thinking changes Qwen3's template)
+    rendered = getattr(workflow, "prompt_ids", None)
+    train_rows = dataset_from_config(cfg.data, "train", tokenizer=tokenizer, seed=cfg.trainer.seed,
+                                     prompt_ids=rendered)
     _check_sample_fits(cfg, train_rows.longest_prompt)
-    eval_set = dataset_from_config(cfg.data, "eval", tokenizer=tokenizer, seed=cfg.trainer.seed) if cfg.data.eval \
-        else None
+    eval_set = dataset_from_config(cfg.data, "eval", tokenizer=tokenizer, seed=cfg.trainer.seed,
+                                   prompt_ids=rendered) if cfg.data.eval else None
     for which, ds in (("train", train_rows), ("eval", eval_set)):  # what loading left out is said, not hidden
         if ds is not None and ds.too_long:
             log.warning("data.%s: left out %d of %d prompt(s) longer than data.max_prompt_tokens=%d (chat template "
@@ -139,12 +148,6 @@ def _checks(cfg: Config, hf_dir: Path, run_dir: Path) -> _Checked:
         sampler = PromptSampler.from_state(
             train_rows, state["sampler"], seed=cfg.trainer.seed, shuffle=cfg.data.shuffle
         )
-    try:  # the registry's lookup / construction errors name workflow.name, .reward or .kwargs
-        workflow = build_workflow_from_config(
-            cfg.workflow, tokenizer=tokenizer, gconfig=gconfig_from_sampling(cfg.rollout.sampling)
-        )
-    except LookupFailed as e:  # a name or argument of the config; an error inside the workflow keeps its traceback
-        raise ConfigError(str(e)) from None
     out = _Checked(ckpts, resume, state, sampler, eval_rows, workflow)
     if cfg.reward_model is not None:  # the judge's folder and tokenizer, before any process starts
         try:

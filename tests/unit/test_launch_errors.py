@@ -37,6 +37,17 @@ def test_workflow_and_budget_mistakes_are_config_errors(tmp_path, overrides, mes
     assert message in str(ei.value) and "\n" not in str(ei.value)
 
 
+def test_the_sample_fit_check_counts_prompts_as_the_workflow_renders_them(tmp_path, monkeypatch):
+    """rlvr renders prompts with its own template kwargs (enable_thinking): the data filter and the
+    sample-fit check measure that rendering, not the plain template's (7 tokens for copy_digit)."""
+    from mlrl.workflow.builtin.rlvr import RLVRWorkflow
+
+    plain = RLVRWorkflow.prompt_ids
+    monkeypatch.setattr(RLVRWorkflow, "prompt_ids", lambda self, row: plain(self, row) + [0] * 4)
+    with pytest.raises(ConfigError, match=r"the longest prompt of data.train \(11 tokens"):
+        _check(tmp_path, "trainer.micro_batch_tokens=42", "rollout.sampling.max_new_tokens=32")
+
+
 def test_a_budget_that_fits_the_longest_sample_passes(tmp_path):
     assert _check(tmp_path, "trainer.micro_batch_tokens=39", "rollout.sampling.max_new_tokens=32").workflow
 

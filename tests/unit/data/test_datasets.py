@@ -123,6 +123,24 @@ def test_max_length_drops_long_prompts(tmp_path, tok):
     assert len(ds) == 1 and ds.too_long == 1
 
 
+def test_max_length_measures_prompts_as_the_workflow_renders_them(tmp_path, tok):
+    """rlvr's enable_thinking: false adds Qwen3's empty think block to every prompt: the filter must
+    count it, not the plain template's rendering."""
+    from mlrl.workflow import apply_chat_template
+
+    rows = [ROW, dict(ROW, messages=[{"role": "user", "content": "copy 7 " * 3}])]
+    p = write_jsonl(tmp_path / "d.jsonl", rows)
+    n = len(apply_chat_template(tok, rows[1]["messages"], add_generation_prompt=True))
+    plain = get_dataset(str(p), tokenizer=tok, max_length=n)
+    assert len(plain) == 2 and plain.too_long == 0 and plain.longest_prompt == n
+
+    def think_block(row):  # what the workflow sends: the template's rendering and 3 tokens more
+        return apply_chat_template(tok, row["messages"], add_generation_prompt=True) + [0, 0, 0]
+
+    rendered = get_dataset(str(p), tokenizer=tok, max_length=n, prompt_ids=think_block)
+    assert len(rendered) == 1 and rendered.too_long == 1 and rendered.longest_prompt == len(think_block(ROW))
+
+
 def test_registry_and_batches():
     @register_dataset("unit_tiny")
     def load(split, k=2):
