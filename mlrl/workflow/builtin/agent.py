@@ -11,6 +11,12 @@ dict {completion id: reward} rewards named completions), else rewards the agent 
 `<base_url>/../rl/set_reward`, else the configured reward function applied to the last
 completion. Then rewards are propagated backward with `turn_discount` and exported `individual`
 (one sample per completion) or `concat` (see `mlrl.workflow.agent_proxy.interactions`).
+
+Sampling: the policy's own (`rollout.sampling`), whatever temperature / top_p / top_k the agent's
+requests carry: the trainer computes its logprobs at the config's temperature over the whole
+softmax, so a sample drawn at another temperature is off-policy with nothing to correct it.
+`sampling_overrides: true` lets the requests' values through (a warning says what it costs; the
+gap shows in train/mismatch/*); max_tokens / stop always apply.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
         reward_fn: Any = None,
         export_style: str = "individual",
         turn_discount: float = 1.0,
-        sampling_overrides: bool = True,
+        sampling_overrides: bool = False,
         agent_kwargs: dict[str, Any] | None = None,
         proxy: OpenAIProxy | None = None,
         reward_timeout_s: float = 15.0,
@@ -72,6 +78,10 @@ class OpenAIAgentWorkflow(RolloutWorkflow):
         self.export_style = export_style
         self.turn_discount = turn_discount
         self.sampling_overrides = sampling_overrides
+        if sampling_overrides:
+            logger.warning("openai_agent: sampling_overrides=true: requests' own temperature / top_p / top_k reach "
+                           "the engines, but the trainer's logprobs use rollout.sampling's; samples drawn otherwise "
+                           "are off-policy (train/mismatch/* shows the gap)")
         self.proxy = proxy or OpenAIProxy(tokenizer, default_gconfig=self.gconfig, tool_call_format=tool_call_format)
         self._owns_proxy = proxy is None
 

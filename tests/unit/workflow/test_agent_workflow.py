@@ -162,3 +162,27 @@ def test_agent_argument_checks(tok):
         OpenAIAgentWorkflow(object(), tok)
     with pytest.raises(ValueError, match="export_style"):
         OpenAIAgentWorkflow(TwoTurnAgent(), tok, export_style="tree")
+
+
+class HotAgent:
+    """Asks at its own temperature and top_p, as agents written for chat APIs often do."""
+
+    async def run(self, data, **kw):
+        c = openai.AsyncOpenAI(base_url=kw["base_url"], api_key=kw["api_key"], http_client=kw["http_client"])
+        await c.chat.completions.create(model="default", messages=data["messages"], temperature=0.2, top_p=0.5,
+                                        max_tokens=3)
+        return 1.0
+
+
+@pytest.mark.parametrize("overrides", [False, True])
+async def test_agents_sample_at_the_policys_temperature_unless_overrides_are_on(tok, overrides, caplog):
+    """The trainer's logprobs use rollout.sampling's temperature over the whole softmax: a request's
+    own temperature / top_p makes its sample off-policy, so by default they are ignored (max_tokens
+    still applies); sampling_overrides=true lets them through, with a warning."""
+    eng = ScriptedEngine.from_text(tok, last_user_word)
+    g, _ = await run(tok, HotAgent, eng, n=1, sampling_overrides=overrides)
+    assert g.count(EpisodeStatus.COMPLETED) == 1
+    got = eng.requests[0].gconfig
+    want = (0.2, 0.5) if overrides else (G.temperature, G.top_p)
+    assert (got.temperature, got.top_p, got.max_new_tokens) == (*want, 3)
+    assert ("off-policy" in caplog.text) == overrides
