@@ -107,7 +107,10 @@ class CheckpointManager:
         if not path.exists():
             raise CheckpointError(f"checkpoint.resume: {spec!r} does not exist (expected auto, none or the path of a "
                                   "checkpoint or of a run's checkpoint folder)")
-        if path.is_dir() and not STEP_RE.match(path.name) and (path / "latest").is_file():
+        # a run's checkpoint root: its `latest` pointer, or (killed before the first pointer write,
+        # or copied by hand) its complete step folders decide
+        if path.is_dir() and not STEP_RE.match(path.name) and ((path / "latest").is_file()
+                                                                 or complete_checkpoints(path)):
             found = CheckpointManager(path).latest()
             if found is None:
                 raise CheckpointError(f"checkpoint.resume: {spec!r} holds no complete checkpoint")

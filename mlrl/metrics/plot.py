@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from mlrl.metrics.sinks import read_jsonl
+from mlrl.metrics.timer import PHASES
 
 PANELS = [
     ("reward/mean", "mean reward"),
@@ -15,7 +16,7 @@ PANELS = [
     ("train/mismatch/logprob_gap", "|train - rollout| logprob"),
     ("timing/step", "step time (s), by phase"),
 ]
-PHASE_KEYS = [f"timing/{p}" for p in ("rollout", "reward", "logprobs", "train", "sync", "eval", "checkpoint", "other")]
+PHASE_KEYS = [f"timing/{p}" for p in (*PHASES, "other")]  # colocated runs' sleep / wake / offload / reload too
 
 
 def plot_run(metrics: str | Path | Sequence[dict[str, Any]], out_png: str | Path) -> Path:

@@ -63,6 +63,11 @@ def test_resolve_resume(tmp_path):
     _save(m, 3)
     assert m.resolve_resume(str(tmp_path / "ck")).name == "step_000003"
     assert m.resolve_resume(str(tmp_path / "ck" / "step_000003")).name == "step_000003"
+    # a root without its `latest` pointer (killed before the first pointer write, or copied by
+    # hand): its complete folders decide, as for resume=auto
+    _save(m, 5)
+    (tmp_path / "ck" / "latest").unlink()
+    assert m.resolve_resume(str(tmp_path / "ck")).name == "step_000005"
 
 
 def test_resume_auto_never_picks_an_unmarked_folder(tmp_path):

@@ -43,6 +43,26 @@ def test_plot_png(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_plots_phase_bars_add_up_to_the_step_time_colocated_phases_included(tmp_path, monkeypatch):
+    """timing/other is the step time less every timer phase (mlrl.metrics.timer.PHASES): the stacked
+    bars must draw each of them, or a colocated run's bars fall short by sleep + wake + offload + reload."""
+    import matplotlib.axes
+
+    drawn = {}
+    real_bar = matplotlib.axes.Axes.bar
+
+    def bar(self, xs, ys, *a, label=None, **kw):
+        drawn[label] = list(ys)
+        return real_bar(self, xs, ys, *a, label=label, **kw)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "bar", bar)
+    rec = {"step": 1, "timing/step": 10.0, "timing/rollout": 3.0, "timing/train": 2.0, "timing/sleep": 1.0,
+           "timing/wake": 1.5, "timing/offload": 0.5, "timing/reload": 1.0, "timing/other": 1.0}
+    plot_run([rec], tmp_path / "run.png")
+    assert {"sleep", "wake", "offload", "reload"} <= set(drawn)
+    assert sum(ys[0] for ys in drawn.values()) == pytest.approx(10.0)
+
+
 class FakeClock:
     """perf_counter() that only moves when told to."""
 
