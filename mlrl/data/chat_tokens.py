@@ -21,26 +21,46 @@ class NoAssistantTurn(DatasetError):
     """A conversation with nothing to train on (no assistant turn, no answer): skipped and counted."""
 
 
-def tokenize_messages(tokenizer: Any, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
-    """(input_ids, loss_mask) of a conversation; the mask covers assistant turns."""
+def _opening_head(tokenizer: Any) -> list[int]:
+    """What the template renders before a conversation's first turn when that turn is the
+    assistant's (BOS, a default system prompt, the role header): the tokens two one-turn assistant
+    conversations share. An empty conversation with a generation prompt is not it: templates add
+    their default system prompt only when a first message exists."""
+    a = apply_chat_template(tokenizer, [{"role": "assistant", "content": "a"}])
+    b = apply_chat_template(tokenizer, [{"role": "assistant", "content": "b"}])
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n]
+
+
+def tokenize_messages(tokenizer: Any, messages: list[dict[str, Any]], where: str = "") -> tuple[list[int], list[int]]:
+    """(input_ids, loss_mask) of a conversation; the mask covers assistant turns (never the first
+    token, which has no logprob). `where` names the row in errors."""
+    at = f"{where}: " if where else ""
     ids: list[int] = []
     mask: list[int] = []
     for i, m in enumerate(messages):
         full = apply_chat_template(tokenizer, messages[: i + 1])
         if m["role"] == "assistant":
-            head = apply_chat_template(tokenizer, messages[:i], add_generation_prompt=True) if i else []
+            head = apply_chat_template(tokenizer, messages[:i], add_generation_prompt=True) if i \
+                else _opening_head(tokenizer)
             if full[: len(head)] != head or head[: len(ids)] != ids:
                 raise DatasetError(
-                    "the chat template is not prefix-stable around assistant turns; cannot build a loss mask"
+                    f"{at}the chat template is not prefix-stable around assistant turns (turn {i}: the tokens before "
+                    "its content change once the content follows, e.g. content starting with a blank line merges "
+                    "with the role header's newline); cannot build a loss mask"
                 )
             mask += [0] * (len(head) - len(ids)) + [1] * (len(full) - len(head))
         else:
             if full[: len(ids)] != ids:
                 raise DatasetError(
-                    "the chat template re-renders earlier turns when a turn is added; cannot build a loss mask"
+                    f"{at}the chat template re-renders earlier turns when a turn is added; cannot build a loss mask"
                 )
             mask += [0] * (len(full) - len(ids))
         ids = full
+    if mask:
+        mask[0] = 0  # the first token is never predicted
     return ids, mask
 
 
@@ -56,7 +76,7 @@ def sft_example(tokenizer: Any, row: dict[str, Any], where: str) -> tuple[list[i
             if row.get("answer") is None:
                 raise NoAssistantTurn(f"{where}: an SFT row needs an assistant turn (or an 'answer' to use as one)")
             msgs = msgs + [{"role": "assistant", "content": str(row["answer"])}]
-        return tokenize_messages(tokenizer, msgs)
+        return tokenize_messages(tokenizer, msgs, where)
     completion = row.get("completion", row.get("response"))
     if isinstance(row.get("prompt"), str) and isinstance(completion, str):
         p = list(tokenizer(row["prompt"])["input_ids"])

@@ -37,7 +37,7 @@ def _conversational(tokenizer: Any, prompt: list[dict[str, Any]], completion: li
                     where: str, key: str) -> Side:
     if not any(m["role"] == "assistant" for m in completion):
         raise DatasetError(f"{where}: '{key}' has no assistant turn to prefer or reject")
-    ids, mask = tokenize_messages(tokenizer, prompt + completion)
+    ids, mask = tokenize_messages(tokenizer, prompt + completion, f"{where}: '{key}'")
     head = apply_chat_template(tokenizer, prompt, add_generation_prompt=True) if prompt else []
     if ids[:len(head)] != head:
         raise DatasetError(f"{where}: the chat template renders the prompt differently once '{key}' follows it")

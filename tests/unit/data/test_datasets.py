@@ -13,6 +13,7 @@ from mlrl.data import (
     get_dataset,
     list_datasets,
     register_dataset,
+    sft_example,
     tokenize_messages,
 )
 from mlrl.data.gsm8k import gsm8k_dir
@@ -258,6 +259,31 @@ def test_sft_masks_cover_assistant_content_only(tok, tmp_path):
     assert cut.truncated >= 1 and all(len(e["input_ids"]) <= 6 for e in cut)
     with pytest.raises(ValueError, match="needs the model's tokenizer"):
         get_dataset(str(p), kind="sft")
+
+
+def test_a_conversation_opened_by_the_assistant_trains_its_content_not_the_templates_opening():
+    """SmolLM2's template puts BOS-less default system prompt + "<|im_start|>assistant\\n" before a
+    first assistant turn: none of it is the assistant's (it was all trained, the first token too)."""
+    smol = load_hf_tokenizer("builtin:smollm2-135m-instruct")
+    msgs = [{"role": "assistant", "content": "Hello there"}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "Yo"}]
+    ids, mask = tokenize_messages(smol, msgs)
+    assert ids == apply_chat_template(smol, msgs) and mask[0] == 0
+    assert smol.decode([t for t, m in zip(ids, mask) if m]) == "Hello there<|im_end|>\nYo<|im_end|>\n"
+    # a DPO pair with no prompt masks the same way on both sides
+    from mlrl.data.preference import preference_example
+
+    chosen, rejected = preference_example(smol, {"chosen": [msgs[0]], "rejected": [dict(msgs[0], content="Bye")]},
+                                          "row 1")
+    assert smol.decode([t for t, m in zip(*chosen) if m]) == "Hello there<|im_end|>\n"
+    assert smol.decode([t for t, m in zip(*rejected) if m]) == "Bye<|im_end|>\n"
+
+
+def test_a_row_whose_mask_cannot_be_built_is_named():
+    smol = load_hf_tokenizer("builtin:smollm2-135m-instruct")
+    row = {"messages": [{"role": "user", "content": "list"}, {"role": "assistant", "content": "\n\n1. a"}]}
+    with pytest.raises(DatasetError, match=r"^data.jsonl:3: the chat template is not prefix-stable"):
+        sft_example(smol, row, "data.jsonl:3")
 
 
 def test_dataset_from_config(tok, tmp_path):
