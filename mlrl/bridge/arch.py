@@ -30,6 +30,32 @@ class BridgeError(ValueError):
     """The HF config, the weights or the parallel layout cannot be mapped onto Megatron-Core."""
 
 
+# What transformers (and vLLM, which reads the config through it) takes for a field config.json
+# leaves out: the defaults of each config class's __init__ (transformers 5.19), for the fields the
+# bridge reads whose own fallback would differ (e.g. qwen3_moe's norm_topk_prob is False, Qwen3's
+# head_dim 128, Mistral's sliding_window 4096). Written out rather than read from transformers,
+# whose import (~2 s, torch included) config validation avoids; tests/unit/bridge compares it with
+# the installed classes.
+HF_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"hidden_act": "silu", "max_position_embeddings": 2048, "rms_norm_eps": 1e-06,
+              "tie_word_embeddings": False},
+    "mistral": {"num_key_value_heads": 8, "hidden_act": "silu", "max_position_embeddings": 131072,
+                "rms_norm_eps": 1e-06, "tie_word_embeddings": False, "sliding_window": 4096},
+    "qwen2": {"num_key_value_heads": 32, "hidden_act": "silu", "max_position_embeddings": 32768,
+              "rms_norm_eps": 1e-06, "tie_word_embeddings": False, "sliding_window": 4096},
+    "qwen3": {"num_key_value_heads": 32, "head_dim": 128, "hidden_act": "silu", "max_position_embeddings": 32768,
+              "rms_norm_eps": 1e-06, "tie_word_embeddings": False, "sliding_window": 4096},
+    "qwen3_moe": {"num_key_value_heads": 4, "hidden_act": "silu", "max_position_embeddings": 32768,
+                  "rms_norm_eps": 1e-06, "tie_word_embeddings": False, "sliding_window": 4096,
+                  "decoder_sparse_step": 1, "norm_topk_prob": False},
+}
+
+
+def with_hf_defaults(hf: dict[str, Any]) -> dict[str, Any]:
+    """config.json with the fields it leaves out filled as transformers fills them."""
+    return {**HF_CONFIG_DEFAULTS.get(str(hf.get("model_type")), {}), **hf}
+
+
 @dataclass(frozen=True)
 class ModelArch:
     model_type: str

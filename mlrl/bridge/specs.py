@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
-from mlrl.bridge.arch import BridgeError, ModelArch, parse_dense
+from mlrl.bridge.arch import BridgeError, ModelArch, parse_dense, with_hf_defaults
 
 if TYPE_CHECKING:  # config validation reads the specs without importing torch (~1.2 s, before the engines start)
     import torch
@@ -381,7 +381,7 @@ def get_spec(model_type: Optional[str]) -> ArchSpec:
 def spec_for(hf: dict[str, Any]) -> tuple[ArchSpec, ModelArch]:
     """The spec registered for hf['model_type'] and the parsed architecture."""
     spec = get_spec(hf.get("model_type"))
-    return spec, spec.parse(hf)
+    return spec, spec.parse(with_hf_defaults(hf))
 
 
 @register("llama", "mistral")

@@ -87,6 +87,39 @@ def test_arch_fields():
     assert big.num_experts == 128 and big.rope_theta == 1e6
 
 
+def test_fields_config_json_leaves_out_take_transformers_defaults():
+    """transformers (and vLLM through it) fill an absent field with the config class's default: the
+    bridge must read the same model, or trainer and engines differ with no shape to tell (qwen3_moe
+    without norm_topk_prob: the trainer renormalised the top-k weights, transformers does not)."""
+    import inspect
+
+    from transformers import CONFIG_MAPPING
+
+    from mlrl.bridge.arch import HF_CONFIG_DEFAULTS
+
+    for mt in supported_model_types():
+        sig = inspect.signature(CONFIG_MAPPING[mt].__init__).parameters
+        assert HF_CONFIG_DEFAULTS[mt] == {k: sig[k].default for k in HF_CONFIG_DEFAULTS[mt]}, mt
+        # the fields the bridge falls back on itself are either listed or None in transformers too
+        for k in ("head_dim", "num_key_value_heads", "sliding_window", "norm_topk_prob", "tie_word_embeddings"):
+            if k in sig and k not in HF_CONFIG_DEFAULTS[mt]:
+                assert sig[k].default is None, (mt, k)
+
+    def without(name, *keys):
+        return {k: v for k, v in _hf(name).items() if k not in keys}
+
+    _, moe = spec_for(without("tiny-qwen3-moe", "norm_topk_prob", "num_key_value_heads"))
+    assert moe.norm_topk_prob is False and moe.num_kv_heads == 4
+    _, qwen3 = spec_for(without("tiny-qwen3", "head_dim"))
+    assert qwen3.head_dim == 128
+    _, mistral = spec_for(dict(without("tiny-llama", "sliding_window"), model_type="mistral",
+                               max_position_embeddings=8192))
+    assert mistral.sliding_window == 4096
+    # what config.json says wins
+    _, explicit = spec_for(_hf("tiny-qwen3-moe"))
+    assert explicit.norm_topk_prob is _hf("tiny-qwen3-moe")["norm_topk_prob"]
+
+
 def test_transformer_config_fields():
     spec, moe = spec_for(_hf("tiny-qwen3-moe"))
     cfg = spec.transformer_config(moe)
