@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -103,7 +104,8 @@ def finalize_hf_folder(tmp: str | Path, out_dir: str | Path, shard_maps: Iterabl
                        expected_names: Optional[Iterable[str]] = None, dtype: Optional[str] = None) -> Path:
     """Merge the writers' shard maps (all files already in `tmp`), name the shards, write the
     index, copy the config and tokenizer files from `files_from`, and move `tmp` to `out_dir`.
-    `dtype` (e.g. "bfloat16"), when it differs from config.json's, is written into the copied config."""
+    `dtype` (e.g. "bfloat16"; None: the one the shards hold), when it differs from config.json's, is
+    written into the copied config: transformers and vLLM load with config.json's dtype by default."""
     tmp, out, src = Path(tmp), Path(out_dir), Path(files_from)
     files: list[tuple[str, dict[str, int]]] = []
     owner: dict[str, str] = {}
@@ -143,6 +145,8 @@ def finalize_hf_folder(tmp: str | Path, out_dir: str | Path, shard_maps: Iterabl
     for f in COPY_FILES:
         if (src / f).is_file():
             shutil.copy2(src / f, tmp / f)
+    if dtype is None:  # the tensors' own dtype (e.g. fp32 training of a bf16 model, exported as kept)
+        dtype = _stored_dtype(tmp)
     if dtype is not None and (tmp / "config.json").is_file():
         cfg = json.loads((tmp / "config.json").read_text())
         if cfg.get("dtype", cfg.get("torch_dtype")) != dtype:
@@ -152,6 +156,22 @@ def finalize_hf_folder(tmp: str | Path, out_dir: str | Path, shard_maps: Iterabl
             (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     _move_into_place(tmp, out)
     return out
+
+
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def _stored_dtype(folder: Path) -> Optional[str]:
+    """The one floating dtype of the folder's safetensors files (headers only), else None."""
+    found: set[str] = set()
+    for f in folder.glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        found |= {v["dtype"] for k, v in header.items() if k != "__metadata__"}
+    floats = {_SAFETENSORS_DTYPES.get(d, d) for d in found if d.startswith(("F", "BF"))}
+    (only,) = floats if len(floats) == 1 else (None,)
+    return only if only in _SAFETENSORS_DTYPES.values() else None
 
 
 def _move_into_place(tmp: Path, out: Path) -> None:

@@ -33,3 +33,21 @@ def test_duplicate_tensor_is_an_error(tmp_path):
     t = torch.zeros(2)
     with pytest.raises(ValueError, match="produced twice"):
         write_hf_folder([[("a", t)], [("a", t)]], tmp_path / "o", tmp_path)
+
+
+def test_kept_tensors_dtype_is_what_config_json_says(tmp_path):
+    """--dtype keep (or a model whose config declares no dtype): the tensors keep the checkpoint's
+    dtype, and config.json must say it, or transformers / vLLM load them as the source's (fp32
+    training of a bf16 model came back bf16)."""
+    import json
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"model_type": "llama", "dtype": "bfloat16"}))
+    t = torch.ones(4, dtype=torch.float32)
+    out = write_hf_folder([[("a", t), ("b", t.clone())]], tmp_path / "kept", src)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+    out = write_hf_folder([[("a", t)]], tmp_path / "cast", src, dtype=torch.bfloat16)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    mixed = write_hf_folder([[("a", t), ("b", t.to(torch.float16))]], tmp_path / "mixed", src)
+    assert json.loads((mixed / "config.json").read_text())["dtype"] == "bfloat16"  # no one dtype: left as it was
