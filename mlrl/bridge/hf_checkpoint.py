@@ -76,6 +76,10 @@ class HFCheckpoint:
             except (json.JSONDecodeError, KeyError) as e:
                 raise BridgeError(f"{index}: not a valid safetensors index ({e})") from None
             files = sorted(set(weight_map.values()))
+        elif (self.dir / "model.safetensors").is_file():
+            # as transformers: without an index the weights are model.safetensors, whatever else is
+            # beside it (Mistral's consolidated.safetensors, an adapter, an EMA copy)
+            files, weight_map = ["model.safetensors"], None
         else:
             files = sorted(p.name for p in self.dir.glob("*.safetensors"))
             weight_map = None
@@ -93,6 +97,9 @@ class HFCheckpoint:
                     continue
                 if weight_map is not None and weight_map.get(key) != name:
                     continue
+                if key in self.tensors:  # files without an index, two holding one name: which one is meant?
+                    raise BridgeError(f"{self.dir}: tensor {key!r} is in both {self.tensors[key].file.name} and "
+                                      f"{name}, and no model.safetensors.index.json says which")
                 self.tensors[key] = TensorInfo(path, tuple(v["shape"]), v["dtype"])
         if weight_map is not None:
             missing = sorted(k for k in weight_map if k not in self.tensors)

@@ -247,6 +247,26 @@ def _write(path, tensors):
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
 
 
+def test_without_an_index_the_weights_are_model_safetensors_as_for_transformers(tmp_path):
+    """Another *.safetensors beside model.safetensors (Mistral's consolidated.safetensors, an EMA
+    copy) is not the model: transformers ignores it. Without model.safetensors, files that hold the
+    same tensor are ambiguous."""
+    spec, arch = spec_for(_hf("tiny-llama"))
+    hf = _random_hf(spec, arch)
+    (tmp_path / "config.json").write_text(json.dumps(_hf("tiny-llama")))
+    _write(tmp_path / "model.safetensors", hf)
+    _write(tmp_path / "model_ema.safetensors", {n: torch.zeros_like(t) for n, t in hf.items()})
+    _write(tmp_path / "consolidated.safetensors", {"tok_embeddings.weight": torch.zeros(2)})
+    ckpt = HFCheckpoint(tmp_path)
+    ckpt.check(spec, arch)
+    name = sorted(hf)[0]
+    assert torch.equal(ckpt.read([name])[name], hf[name])
+    (tmp_path / "model.safetensors").rename(tmp_path / "weights.safetensors")
+    (tmp_path / "consolidated.safetensors").unlink()
+    with pytest.raises(BridgeError, match=r"is in both model_ema.safetensors and weights.safetensors"):
+        HFCheckpoint(tmp_path)
+
+
 def test_checkpoint_validation(tmp_path):
     spec, arch = spec_for(_hf("tiny-llama"))
     hf = _random_hf(spec, arch)
