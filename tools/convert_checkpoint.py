@@ -278,6 +278,7 @@ def prepare(args) -> dict[str, Any]:
                     raise ConversionError(f"{flag} applies to LoRA checkpoints only: {path} holds the full weights "
                                           "(--out receives the full HF model)")
     check_layout(hf_config, tp, pp, ep, "--tp/--pp/--ep", bridge=job["bridge"])
+    _check_outputs_spare_inputs(job)
     try:
         check_output_dir(args.out, force=args.force)
         if job.get("merged_out"):
@@ -288,6 +289,21 @@ def prepare(args) -> dict[str, Any]:
 
     job.update(tp=tp, pp=pp, ep=ep, world=world_size_for(tp, pp, ep))
     return job
+
+
+def _check_outputs_spare_inputs(job: dict[str, Any]) -> None:
+    """An output folder is replaced whole (with --force when it exists): one that is an input, or
+    holds one, would delete it."""
+    inputs = {flag: Path(job[key]).resolve() for flag, key in (("--hf", "hf"), ("--ckpt", "ckpt"), ("--base", "base"))
+              if job.get(key)}
+    for out_flag, key in (("--out", "out"), ("--merged-out", "merged_out")):
+        if not job.get(key):
+            continue
+        out = Path(job[key]).resolve()
+        for in_flag, src in inputs.items():
+            if out == src or out in src.parents:
+                raise ConversionError(f"{out_flag} {out}: {'is' if out == src else 'holds'} the input {in_flag} {src}; "
+                                      "writing there would replace it: choose another folder")
 
 
 # ---- running the ranks ---------------------------------------------------------------------------

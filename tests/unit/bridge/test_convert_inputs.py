@@ -20,6 +20,20 @@ def test_a_zero_layout_is_refused(tmp_path, capsys, args, message):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("where", ["same", "parent"])
+def test_an_output_that_is_or_holds_the_input_is_refused_force_or_not(tmp_path, capsys, where):
+    """--force replaces the output folder whole: --out X --hf X (or --out a parent of X) deleted the input."""
+    import shutil
+
+    src = tmp_path / "models" / "hf"
+    shutil.copytree(resolve_model_dir("builtin:tiny-llama"), src)
+    out = src if where == "same" else src.parent
+    code = load_tool("convert_checkpoint").main(["hf-to-mcore", "--hf", str(src), "--out", str(out), "--force"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"--out {out}: {'is' if where == 'same' else 'holds'} the input --hf {src}" in err, err
+    assert (src / "config.json").is_file() and any(src.glob("*.safetensors"))
+
+
 def test_a_config_json_that_is_not_json_is_named(tmp_path, capsys):
     (tmp_path / "config.json").write_text("{bad")
     code = load_tool("convert_checkpoint").main(["hf-to-mcore", "--hf", str(tmp_path), "--out", str(tmp_path / "o")])
