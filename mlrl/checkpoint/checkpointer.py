@@ -15,6 +15,7 @@ finalized it on every rank. `finalize` does that: the loop calls it every step w
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -79,6 +80,26 @@ class Checkpointer:
         self.last_saved = self.manager.commit(pending.tmp, pending.step, pending.loop_state)
         log.info("checkpoint saved: %s", self.last_saved)
         return self.last_saved
+
+    def finish_pending(self, timeout_s: float = 20.0, poll_s: float = 0.5) -> Path | None:
+        """At teardown (SIGTERM, a failed step): commit the pending async save once its shards are
+        written, polling for at most `timeout_s` (Slurm's SIGKILL follows SIGTERM after KillWait,
+        30 s by default). A save not finished by then stays uncommitted: never resumed from, its
+        temporary folder removed by the next run's save. Returns the checkpoint committed here, if
+        any. Never raises (the teardown goes on)."""
+        deadline, done = time.monotonic() + timeout_s, None
+        try:
+            while self.pending is not None:
+                done = self.finalize(blocking=False)
+                if done is not None or time.monotonic() >= deadline:
+                    break
+                time.sleep(poll_s)
+        except Exception as err:  # the ranks may be what failed
+            log.warning("the checkpoint being written in the background could not be committed: %s", err)
+        if self.pending is not None:
+            log.warning("checkpoint step %d was still being written at exit: not committed (resume takes the one "
+                        "before)", self.pending.step)
+        return done
 
     def load(self, resume: Path) -> ResumeInfo:
         """Load the trainer state (and the critic's) of a complete checkpoint into the ranks."""

@@ -117,12 +117,12 @@ def run_offline(cfg: Config, layout: Layout, make_job: Callable[[Path], OfflineJ
                                            shuffle=cfg.data.shuffle)
     # 2. the trainer ranks (no engines)
     placement = Placement()  # this machine; on GPU the trainer ranks take every visible device (no engines)
-    group = logger = bar = None
+    group = logger = bar = checkpointer = None
     try:
         group = TrainerGroup(dump_yaml(cfg), layout.trainer_devices, run_dir=run_dir, host=placement.host,
                              env=rank_env(cfg, placement.trainer_env), spawn=placement.spawn_trainer)
         policy = TrainerClient(group)
-        checkpointer = Checkpointer(ckpts, run_dir, policy)
+        checkpointer = Checkpointer(ckpts, run_dir, policy, async_save=cfg.checkpoint.async_save)
         start = 0
         if resume and state is not None:
             checkpointer.load(resume)
@@ -145,6 +145,7 @@ def run_offline(cfg: Config, layout: Layout, make_job: Callable[[Path], OfflineJ
                     metrics.update(held_out)
                     metrics["timing/eval"] = time.perf_counter() - t
             t = time.perf_counter()
+            checkpointer.finalize(blocking=False)  # an async save whose shards are written is committed
             save, export = saves_due(c, step, total)
             if save:
                 checkpointer.save(step, {"kind": kind, "step": step, "sampler": sampler.state()})
@@ -167,6 +168,8 @@ def run_offline(cfg: Config, layout: Layout, make_job: Callable[[Path], OfflineJ
             print(f"Hugging Face export: {checkpointer.last_export}  (start RL from it: model.hf_dir=<this folder>)")
         return 0
     finally:
+        if checkpointer is not None:  # interrupted or failed: an async save already written is kept
+            checkpointer.finish_pending()
         if bar is not None:
             bar.close()
         if logger is not None:

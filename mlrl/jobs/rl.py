@@ -210,7 +210,7 @@ async def _run(cfg: Config, layout: Layout, early: EarlyStart) -> int:
         placement = await asyncio.to_thread(cluster_placement, cfg, layout, run_dir)
         reclaim_sigterm()  # ray.init in that thread took it: SIGTERM would abort, not tear down
         clock.mark("placement")  # joining the cluster, reserving the plan's GPUs, one agent per node
-    pool = judge_pool = group = policy = weight_sync = runner = logger = None
+    pool = judge_pool = group = policy = weight_sync = runner = logger = checkpointer = None
     try:
         devices = placement.engine_devices  # local GPUs: the policy's engines, then the judge's
         n = cfg.rollout.num_engines
@@ -306,6 +306,8 @@ async def _run(cfg: Config, layout: Layout, early: EarlyStart) -> int:
         _summary(ctx, run_dir)
         return 0
     finally:
+        if checkpointer is not None:  # SIGTERM or a failed step: an async save already written is kept
+            await asyncio.to_thread(checkpointer.finish_pending)
         if logger is not None:
             logger.close(plot=cfg.logging.plot)
         if runner is not None:

@@ -94,3 +94,96 @@ def test_save_already_finished_or_synchronous_commits_at_once(tmp_path):
         Checkpointer(manager, tmp_path, trainer, async_save=False).save(4, _state()) == tmp_path / "s" / "step_000004"
     )
     assert trainer.calls == [("save", "step_000004")] and manager.resolve_resume("auto").name == "step_000004"
+
+
+class _Flaky(AsyncTrainer):
+    """Its background writes end `after` polls after each save; `fail`: every finalize raises."""
+
+    def __init__(self, after=1, fail=False):
+        super().__init__()
+        self.after, self.fail, self.polls = after, fail, 0
+
+    def save_checkpoint(self, path, critic_path=None):
+        self.polls = 0
+        super().save_checkpoint(path, critic_path)
+
+    def finalize_checkpoints(self, blocking=True):
+        if self.fail:
+            raise RuntimeError("rank 1 is gone")
+        self.polls += 1
+        self.written = self.polls > self.after
+        return super().finalize_checkpoints(blocking=False)
+
+
+def test_teardown_commits_a_save_whose_shards_get_written_in_time(tmp_path):
+    """SIGTERM or a failed step with an async save in flight: it was dropped (committed only at the
+    next step's poll); finish_pending commits it if its shards are written within the bound."""
+    manager = CheckpointManager(tmp_path / "ck", keep_last=5)
+    ckpt = Checkpointer(manager, tmp_path, _Flaky(after=3), async_save=True)
+    assert ckpt.save(2, _state(2)) is None
+    assert ckpt.finish_pending(timeout_s=5, poll_s=0.01) == tmp_path / "ck" / "step_000002"
+    assert manager.resolve_resume("auto").name == "step_000002"
+    # writes that do not end in time: nothing committed, never resumed from; no exception either
+    slow = Checkpointer(CheckpointManager(tmp_path / "slow"), tmp_path, _Flaky(after=10**6), async_save=True)
+    slow.save(2, _state(2))
+    assert slow.finish_pending(timeout_s=0.05, poll_s=0.01) is None and slow.pending is not None
+    assert CheckpointManager(tmp_path / "slow").resolve_resume("auto") is None
+    broken = Checkpointer(CheckpointManager(tmp_path / "broken"), tmp_path, _Flaky(), async_save=True)
+    broken.save(2, _state(2))
+    broken.policy.fail = True
+    assert broken.finish_pending(timeout_s=0.05, poll_s=0.01) is None
+
+
+class _Job:
+    """An OfflineJob stand-in: `fail_at` raises in that step (a failed step, or SIGTERM's interrupt)."""
+
+    kind, title, batch_size = "sft", "SFT", 1
+
+    def __init__(self, fail_at=None):
+        self.train = [{"i": i} for i in range(8)]
+        self.fail_at, self.steps = fail_at, 0
+
+    def step(self, policy, batch):
+        self.steps += 1
+        if self.steps == self.fail_at:
+            raise KeyboardInterrupt
+        return {"sft/loss": 1.0}
+
+    def evaluate(self, policy):
+        return None
+
+
+def _offline(tmp_path, monkeypatch, trainer, job):
+    from types import SimpleNamespace
+
+    from mlrl.config import load_config
+    from mlrl.jobs import offline
+
+    monkeypatch.setattr(offline, "TrainerGroup", lambda *a, **k: SimpleNamespace(close=lambda: None))
+    monkeypatch.setattr(offline, "TrainerClient", lambda group: trainer)
+    monkeypatch.setattr(offline, "rank_env", lambda *a, **k: {})
+    monkeypatch.setattr(offline, "Placement", lambda: SimpleNamespace(host="127.0.0.1", trainer_env={},
+                                                                      spawn_trainer=None, close=lambda: None))
+    monkeypatch.setattr(offline, "resolve_model_dir", lambda spec: tmp_path)
+    monkeypatch.setattr(offline, "check_model_init_from", lambda *a, **k: None)
+    cfg = load_config(None, [f"logging.run_dir={tmp_path / 'run'}", "trainer.total_steps=4", "checkpoint.save_every=2",
+                             "checkpoint.async_save=true", "checkpoint.hf_export_at_end=false",
+                             "logging.tensorboard=false", "logging.plot=false", "logging.progress_bar=false"])
+    return offline.run_offline(cfg, SimpleNamespace(trainer_devices=None), lambda hf: job)
+
+
+def test_sft_and_dpo_runs_commit_async_saves_only_once_written(tmp_path, monkeypatch):
+    """The offline jobs built their Checkpointer without async_save: with checkpoint.async_save (GPU)
+    each save was committed (COMPLETE, `latest`) while megatron-core still wrote its shards."""
+    assert _offline(tmp_path, monkeypatch, _Flaky(after=0), _Job()) == 0
+    done = CheckpointManager(tmp_path / "run" / "checkpoints").complete_checkpoints()
+    assert [p.name for p in done] == ["step_000002", "step_000004"]
+    assert all((p / "model_optim" / META).is_file() for p in done)  # finalized before they were committed
+
+
+def test_an_interrupted_sft_run_keeps_the_async_save_already_written(tmp_path, monkeypatch):
+    import pytest
+
+    with pytest.raises(KeyboardInterrupt):
+        _offline(tmp_path, monkeypatch, _Flaky(after=0), _Job(fail_at=3))
+    assert CheckpointManager(tmp_path / "run" / "checkpoints").resolve_resume("auto").name == "step_000002"
