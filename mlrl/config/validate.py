@@ -333,6 +333,26 @@ def _check_reward_model(cfg: Config) -> None:
                               f"rollout.engine_tp={cfg.rollout.engine_tp} GPUs each; use the same value")
 
 
+def _check_colocate_transport(cfg: Config) -> None:
+    """Colocated on CUDA GPUs, the weight sync must reach engines on the trainer's own GPUs. NCCL does
+    not support a group holding two ranks on one GPU (the broadcast group would: a trainer rank and
+    an engine worker); CUDA IPC hands the memory of one trainer rank per pipeline stage (on its GPU)
+    to every engine worker, which can map it only on that same GPU."""
+    if cfg.cluster.placement != "colocated":
+        return
+    transport, r, pp = cfg.weight_sync.transport, cfg.rollout, cfg.parallel.pp
+    if transport == "broadcast":
+        raise ConfigError("weight_sync.transport=broadcast with cluster.placement=colocated on GPUs: the broadcast "
+                          "group would hold a trainer rank and an engine worker on one GPU, which NCCL does not "
+                          "support; use cuda_ipc (one engine GPU, parallel.pp=1) or disk")
+    workers = r.num_engines * r.engine_tp
+    if transport == "cuda_ipc" and (workers > 1 or pp > 1):
+        raise ConfigError(f"weight_sync.transport=cuda_ipc with rollout.num_engines x engine_tp = {workers} engine "
+                          f"GPU(s) and parallel.pp={pp}: one trainer rank per pipeline stage shares its GPU memory, "
+                          "which only an engine worker on that same GPU can map (one engine GPU, pp=1); use "
+                          "weight_sync.transport=disk")
+
+
 def _check_colocate(cfg: Config) -> None:
     """cluster.placement=colocated (mlrl.colocation). On CPU it runs the whole state machine (the
     engines get vLLM's sleep / wake calls, which pause their scheduling and clear their prefix cache,
@@ -625,7 +645,7 @@ def _check_devices(cfg: Config, cuda: Callable[[], bool]) -> None:
     if cfg.weight_sync.transport == "cuda_ipc" and c.nodes > 1:
         raise ConfigError(
             f"weight_sync.transport=cuda_ipc shares the trainer's GPU memory with engines on the same machine; "
-            f"cluster.nodes={c.nodes} puts engines on other nodes: use weight_sync.transport=broadcast"
+            f"cluster.nodes={c.nodes} puts engines on other nodes: use weight_sync.transport=disk"
         )
 
 
@@ -775,6 +795,8 @@ def validate(cfg: Config, *, has_cuda: bool | None = None, has_te: bool | None =
     _check_mode(cfg)
     _check_colocate(cfg)
     _check_devices(cfg, cuda=lambda: dry_run or cuda())
+    if cfg.cluster.gpus_per_node > 0 and (dry_run or cuda()):  # (Ray tests simulate GPUs on CPU: gloo, no NCCL)
+        _check_colocate_transport(cfg)
     if cfg.cluster.gpus_per_node > 0 and cfg.cluster.nodes == 1 and not dry_run and cuda():
         _check_transformer_engine(cfg, transformer_engine_installed() if has_te is None else has_te)
     layout = resolve_layout(cfg)

@@ -71,6 +71,11 @@ def policy_pool(cfg: Config, placement: Placement, hf_dir: Path, run_dir: Path) 
                       server_factory=placement.engine_server,
                       lora_rank=cfg.model.lora.rank if adapters and cfg.model.lora is not None else None,
                       sleep_mode=cfg.cluster.placement == "colocated",
+                      # colocated engines are not restarted: a restarted engine would hold its memory while the
+                      # trainer steps, and its weight refresh would skip the sleep / offload sequence around the
+                      # trainer's (offloaded) parameters; the run goes on with the other engines, or stops
+                      # clearly when none is left
+                      max_restarts=0 if cfg.cluster.placement == "colocated" else 3,
                       capture_routing=cfg.algorithm.router_replay)
 
 

@@ -57,7 +57,7 @@ def test_trainer_spanning_nodes_gets_local_ranks_per_node():
 
 def test_colocated_engines_share_trainer_gpus():
     plan = plan_for("cluster.nodes=2", "cluster.gpus_per_node=4", "cluster.placement=colocated",
-                    "rollout.num_engines=4", "rollout.engine_tp=2")
+                    "rollout.num_engines=4", "rollout.engine_tp=2", "weight_sync.transport=disk")
     a = assign(plan, fake_nodes(plan))
     assert len(a.trainers) == 8 and len(a.engines) == 4
     for e in a.engines:

@@ -48,7 +48,8 @@ def test_split_maps_through_the_callers_visible_devices(monkeypatch):
 def test_colocated_engines_share_the_trainer_gpus(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     p = _placement(
-        "cluster.placement=colocated", "rollout.num_engines=4", "rollout.engine_tp=2", "parallel.tp=2", "parallel.pp=1"
+        "cluster.placement=colocated", "rollout.num_engines=4", "rollout.engine_tp=2", "parallel.tp=2", "parallel.pp=1",
+        "weight_sync.transport=disk",
     )
     assert p.trainer_env == {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
     assert p.engine_devices == [[0, 1], [2, 3], [4, 5], [6, 7]]

@@ -20,6 +20,14 @@ BAD = [
     ([COLO, "cluster.gpus_per_node=1", "cluster.colocate.sleep_level=2", "model.lora.rank=8",
       "weight_sync.lora_mode=adapter", "weight_sync.transport=disk"],
      "cluster.colocate.sleep_level=2 discards the engines' weights, but weight_sync.lora_mode=adapter"),
+    # on GPUs the sync must reach engines on the trainer's own GPUs: NCCL refuses two ranks of a group on
+    # one GPU, and a CUDA IPC handle maps only on its own GPU
+    ([COLO, "cluster.gpus_per_node=1"],
+     "weight_sync.transport=broadcast with cluster.placement=colocated on GPUs: the broadcast group would hold"),
+    ([COLO, "cluster.gpus_per_node=2", "rollout.num_engines=2", "weight_sync.transport=cuda_ipc"],
+     "weight_sync.transport=cuda_ipc with rollout.num_engines x engine_tp = 2 engine GPU(s) and parallel.pp=1"),
+    ([COLO, "cluster.gpus_per_node=2", "parallel.pp=2", "weight_sync.transport=cuda_ipc"],
+     "= 1 engine GPU(s) and parallel.pp=2: one trainer rank per pipeline stage"),
 ]
 
 
@@ -42,3 +50,26 @@ def test_colocated_gpu_level_2_validates():
                                 "weight_sync.transport=cuda_ipc"])
     layout = validate(cfg, has_cuda=True)
     assert layout.trainer_devices == 2  # colocated: every GPU trains and serves
+
+
+def test_colocated_gpu_transports_that_reach_the_engines_validate():
+    for overrides in (["cluster.gpus_per_node=4", "rollout.num_engines=2", "weight_sync.transport=disk"],
+                      ["cluster.gpus_per_node=1", "weight_sync.transport=cuda_ipc"]):
+        validate(load_config(DEFAULT, [COLO, *overrides]), has_cuda=True)
+    # Ray clusters simulated on CPU (gloo between the ranks, no NCCL): broadcast works there
+    validate(load_config(DEFAULT, [COLO, "cluster.nodes=2", "cluster.gpus_per_node=1"]), has_cuda=False)
+
+
+@pytest.mark.parametrize("placement,restarts", [("disaggregated", 3), ("colocated", 0)])
+def test_colocated_engines_are_not_restarted(tmp_path, placement, restarts):
+    """A restarted colocated engine would hold its memory while the trainer steps, and its refresh
+    would read the trainer's offloaded parameters (freed storage: a segfault on CPU)."""
+    from types import SimpleNamespace
+
+    from mlrl.jobs.rl_start import policy_pool
+    from mlrl.modelzoo import resolve_model_dir
+
+    cfg = load_config(DEFAULT, [f"cluster.placement={placement}"])
+    pool = policy_pool(cfg, SimpleNamespace(engine_devices=None, engine_server=None),
+                       resolve_model_dir(cfg.model.hf_dir), tmp_path)
+    assert pool.max_restarts == restarts

@@ -266,7 +266,7 @@ BAD = [
      "weight_sync.canary_every=5 with the canary off (weight_sync.canary_tolerance <= 0)"),
     (
         ["cluster.nodes=2", "cluster.gpus_per_node=8", "cluster.placement=colocated", "weight_sync.transport=cuda_ipc"],
-        "cluster.nodes=2 puts engines on other nodes: use weight_sync.transport=broadcast",
+        "cluster.nodes=2 puts engines on other nodes: use weight_sync.transport=disk",
     ),
 ]
 

@@ -97,7 +97,7 @@ def test_nothing_fits_gives_one_whole_sequence_and_the_plan_says_why():
 
 
 COLOCATED = ("model.hf_dir=/nonexistent", "cluster.nodes=1", "cluster.gpus_per_node=4", "cluster.placement=colocated",
-             "rollout.num_engines=2", "cluster.gpu_memory_gb=141")
+             "rollout.num_engines=2", "cluster.gpu_memory_gb=141", "weight_sync.transport=disk")
 
 
 def test_colocated_sizes_the_training_phase_and_leaves_room_for_the_sleeping_engine():

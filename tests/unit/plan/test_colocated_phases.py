@@ -15,7 +15,8 @@ from mlrl.plan import format_plan, make_plan
 ROOT = Path(__file__).resolve().parents[3]
 QWEN8B = ROOT / "launch" / "qwen3_8b_grpo.yaml"
 GIB = 1024**3
-COLOCATED = ("cluster.nodes=2", "cluster.placement=colocated", "rollout.num_engines=8")
+# colocated on GPUs: NCCL's broadcast cannot hold two ranks of one GPU, CUDA IPC serves one engine GPU: disk
+COLOCATED = ("cluster.nodes=2", "cluster.placement=colocated", "rollout.num_engines=8", "weight_sync.transport=disk")
 OFFLOAD = "cluster.colocate.offload_params=true"
 CRITIC = ("algorithm.advantage=gae", "critic.lr=1e-6")
 
@@ -72,19 +73,24 @@ def test_sleep_level_changes_host_memory_not_gpu_memory():
     assert one.host_bytes_per_node()[0]["train"] == 8 * e.weights          # 8 engine ranks per node
 
 
-def test_broadcast_and_cuda_ipc_sync_buffers():
+def test_disk_and_cuda_ipc_sync_buffers():
     bucket, emb = 1024 * 2**20, 151936 * 4096 * 2            # weight_sync.bucket_mb=1024; V x h in bf16
     plan = colocated()
     b = plan.sync_buffers[0]
     assert b.sender == bucket + 2 * emb                      # one bucket + the embedding's TP gather
     assert b.other == 2 * emb
-    assert b.engine == 4 * bucket + 2 * (emb - bucket)      # 4 buckets in flight, embedding and lm_head oversize
+    assert b.engine == 0                                     # the engines read the files into their weights
     sender, other = plan.colocated_phases(0, sender=True), plan.colocated_phases(0, sender=False)
     assert sender.sync.total - other.sync.total == bucket
     # cuda_ipc: the stage's sender keeps every exported (full) tensor until the engines loaded them
-    ipc = plan_for("cluster.placement=colocated", "cluster.nodes=1", "rollout.num_engines=4",
-                   "weight_sync.transport=cuda_ipc").sync_buffers[0]                # cuda_ipc: one node only
+    ipc = plan_for("cluster.placement=colocated", "cluster.nodes=1", "rollout.num_engines=1", "rollout.engine_tp=1",
+                   "parallel.pp=1", "weight_sync.transport=cuda_ipc").sync_buffers[0]  # cuda_ipc: one engine GPU
     assert ipc.sender == 8_190_735_360 * 2 + 2 * emb and ipc.engine == 0
+    # the broadcast receivers' 4 buckets in flight (disaggregated runs; the planner sizes colocated GPUs only)
+    from mlrl.plan import memory as mem
+
+    wire = mem.sync_buffers("broadcast", bucket_bytes=bucket, largest=emb, big_tensors=2)
+    assert wire.engine == 4 * bucket + 2 * (emb - bucket) and wire.sender == bucket + 2 * emb
 
 
 def test_overall_peak_is_the_largest_phase_and_decides_the_fit():

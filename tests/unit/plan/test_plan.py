@@ -334,6 +334,7 @@ def test_cli_colocated_two_nodes(capsys):
         "2",
         "cluster.placement=colocated",
         "rollout.num_engines=8",
+        "weight_sync.transport=disk",  # colocated on GPUs: see validate._check_colocate_transport
     )
     assert out.returncode == 0, out.stderr
     assert "node   1 GPU 7  trainer rank   15  tp1 cp0 dp7 pp0  +  engine   7 tp-rank 1" in out.stdout
