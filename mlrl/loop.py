@@ -308,16 +308,18 @@ async def evaluate_if_due(ctx: RunContext, step: int, timer: StepTimer) -> dict[
 
 def pass_metrics(groups: Sequence[GroupResult], k: int, threshold: float) -> dict[str, float]:
     """pass@1 / pass@k / mean reward of evaluation groups; an episode that did not complete
-    counts as incorrect (and as reward 0)."""
+    counts as incorrect (and as reward 0), and so does each of the k episodes a group is short of
+    (a workflow's `arun_group` may return fewer, e.g. Trinity's adapter when a run yields nothing)."""
     per_prompt, rewards = [], []
     for g in groups:
         ok = [
             e.status == EpisodeStatus.COMPLETED and e.reward is not None and e.reward >= threshold for e in g.episodes
         ]
-        per_prompt.append((len(ok), sum(ok)))
+        missing = max(0, k - len(ok))
+        per_prompt.append((len(ok) + missing, sum(ok)))
         rewards += [
             e.reward if e.status == EpisodeStatus.COMPLETED and e.reward is not None else 0.0 for e in g.episodes
-        ]
+        ] + [0.0] * missing
     if not per_prompt:
         return {}
     out = {"eval/pass@1": mean_pass_at_k(per_prompt, 1), "eval/pass@k": mean_pass_at_k(per_prompt, k),

@@ -118,3 +118,21 @@ async def test_eval_reports_pass_at_1_and_pass_at_k():
     )
     strict.eval_rows = rows
     assert (await evaluate_if_due(strict, 1, StepTimer()))["eval/pass@k"] == 0.0
+
+
+def test_a_group_short_of_k_episodes_counts_the_missing_ones_as_incorrect():
+    """A group-native workflow may return fewer episodes than asked (Trinity's adapter, a run that
+    yields nothing): pass@k raised "k exceeds the n samples" and the step died before its metrics."""
+    from mlrl.loop import pass_metrics
+    from mlrl.types import Sample
+    from mlrl.workflow.runner import EpisodeResult, EpisodeStatus, GroupResult
+
+    def done(reward):
+        s = Sample(tokens=[1, 2], loss_mask=[0, 1], rollout_logprobs=[0.0, -1.0], versions=[0, 0], reward=reward)
+        return EpisodeResult(EpisodeStatus.COMPLETED, samples=[s])
+
+    full = GroupResult("a", {}, [done(1.0), done(0.0), done(0.0), done(0.0)])
+    short = GroupResult("b", {}, [EpisodeResult(EpisodeStatus.REJECTED)])
+    m = pass_metrics([full, short], 4, 0.5)
+    assert m["eval/pass@1"] == pytest.approx((0.25 + 0.0) / 2) and m["eval/pass@4"] == pytest.approx(0.5)
+    assert m["eval/mean_reward"] == pytest.approx(1.0 / 8)
