@@ -239,6 +239,9 @@ def _build_dpo(raw, name, split, skipped, skip_malformed, tokenizer, max_length)
         if not all(any(mask) for _, mask in sides):
             skipped.append(f"{where}: a side has no completion token left (after truncation to {max_length})")
             continue
+        if sides[0][0] == sides[1][0]:  # the sides differed only past the cut: the pair teaches nothing
+            skipped.append(f"{where}: 'chosen' and 'rejected' are the same tokens after truncation to {max_length}")
+            continue
         examples.append({"chosen": sides[0], "rejected": sides[1]})
     if not examples:
         raise DatasetError(f"dataset {name!r} split {split!r}: no usable preference pairs ({len(skipped)} skipped; "

@@ -98,6 +98,12 @@ def test_truncation_is_counted_and_a_side_cut_to_nothing_is_skipped(tok, tmp_pat
     assert len(ds) == 1 and ds.truncated == 2 and "p.jsonl:2: a side has no completion token left" in ds.skipped[0]
     chosen, rejected = ds[0]["chosen"], ds[0]["rejected"]
     assert len(chosen[0]) == 7 and rejected[1] == [0] * 5 + [1, 1]
+    # sides that differ only past the cut are the same pair of tokens: no gradient (loss log 2), skipped
+    same = {"prompt": "copy 3", "chosen": "3 3 3 3 3 5", "rejected": "3 3 3 3 3 7"}
+    data.write_text("".join(json.dumps(r) + "\n" for r in [rows[0], same]))
+    ds = get_dataset(str(data), "train", "dpo", tok, max_length=7, skip_malformed=True)
+    assert len(ds) == 1
+    assert ds.skipped[0].endswith("p.jsonl:2: 'chosen' and 'rejected' are the same tokens after truncation to 7")
 
 
 def test_synthetic_pairs_reject_a_wrong_answer(tok):
