@@ -6,11 +6,14 @@ the conversation rendered up to that turn with a generation prompt, and rendered
 every other token is 0. Rendering must be prefix-stable (each longer conversation extends the
 shorter one token for token); a template that re-renders earlier turns gets a clear error rather
 than a silently shifted mask. Plain `prompt` + `completion` strings are tokenised without a template,
-with EOS appended to the completion (trained on).
+with EOS appended to the completion (trained on). A row's `tools` reach the template with every
+turn (`row_tools`); a conversation opened by the assistant trains its content, not the template's
+opening (`_opening_head`).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from mlrl.data.rows import DatasetError, normalise_messages
@@ -21,30 +24,49 @@ class NoAssistantTurn(DatasetError):
     """A conversation with nothing to train on (no assistant turn, no answer): skipped and counted."""
 
 
-def _opening_head(tokenizer: Any) -> list[int]:
+def row_tools(row: dict[str, Any], where: str) -> list[dict[str, Any]] | None:
+    """A row's `tools` (OpenAI function schemas, as TRL's tool-calling datasets carry them; a JSON
+    string of them is read too): rendered by the chat template with every turn, as the agent proxy
+    renders them at rollout time. None without."""
+    tools = row.get("tools")
+    if tools is None:
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise DatasetError(f"{where}: 'tools' is a string but not JSON ({e})") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise DatasetError(f"{where}: 'tools' must be a list of tool schemas (objects), got {type(tools).__name__}")
+    return tools or None
+
+
+def _opening_head(tokenizer: Any, **kw: Any) -> list[int]:
     """What the template renders before a conversation's first turn when that turn is the
     assistant's (BOS, a default system prompt, the role header): the tokens two one-turn assistant
     conversations share. An empty conversation with a generation prompt is not it: templates add
     their default system prompt only when a first message exists."""
-    a = apply_chat_template(tokenizer, [{"role": "assistant", "content": "a"}])
-    b = apply_chat_template(tokenizer, [{"role": "assistant", "content": "b"}])
+    a = apply_chat_template(tokenizer, [{"role": "assistant", "content": "a"}], **kw)
+    b = apply_chat_template(tokenizer, [{"role": "assistant", "content": "b"}], **kw)
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     return a[:n]
 
 
-def tokenize_messages(tokenizer: Any, messages: list[dict[str, Any]], where: str = "") -> tuple[list[int], list[int]]:
+def tokenize_messages(tokenizer: Any, messages: list[dict[str, Any]], where: str = "",
+                      tools: list[dict[str, Any]] | None = None) -> tuple[list[int], list[int]]:
     """(input_ids, loss_mask) of a conversation; the mask covers assistant turns (never the first
-    token, which has no logprob). `where` names the row in errors."""
+    token, which has no logprob). `where` names the row in errors; `tools` reach the template."""
     at = f"{where}: " if where else ""
+    kw: dict[str, Any] = {"tools": tools} if tools else {}
     ids: list[int] = []
     mask: list[int] = []
     for i, m in enumerate(messages):
-        full = apply_chat_template(tokenizer, messages[: i + 1])
+        full = apply_chat_template(tokenizer, messages[: i + 1], **kw)
         if m["role"] == "assistant":
-            head = apply_chat_template(tokenizer, messages[:i], add_generation_prompt=True) if i \
-                else _opening_head(tokenizer)
+            head = apply_chat_template(tokenizer, messages[:i], add_generation_prompt=True, **kw) if i \
+                else _opening_head(tokenizer, **kw)
             if full[: len(head)] != head or head[: len(ids)] != ids:
                 raise DatasetError(
                     f"{at}the chat template is not prefix-stable around assistant turns (turn {i}: the tokens before "
@@ -76,7 +98,7 @@ def sft_example(tokenizer: Any, row: dict[str, Any], where: str) -> tuple[list[i
             if row.get("answer") is None:
                 raise NoAssistantTurn(f"{where}: an SFT row needs an assistant turn (or an 'answer' to use as one)")
             msgs = msgs + [{"role": "assistant", "content": str(row["answer"])}]
-        return tokenize_messages(tokenizer, msgs, where)
+        return tokenize_messages(tokenizer, msgs, where, row_tools(row, where))
     completion = row.get("completion", row.get("response"))
     if isinstance(row.get("prompt"), str) and isinstance(completion, str):
         p = list(tokenizer(row["prompt"])["input_ids"])

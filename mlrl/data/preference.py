@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlrl.data.chat_tokens import tokenize_messages
+from mlrl.data.chat_tokens import row_tools, tokenize_messages
 from mlrl.data.rows import DatasetError, _short, normalise_messages
 from mlrl.data.tokenizer import apply_chat_template
 
@@ -34,11 +34,12 @@ def _messages(v: Any, where: str, key: str) -> list[dict[str, Any]]:
 
 
 def _conversational(tokenizer: Any, prompt: list[dict[str, Any]], completion: list[dict[str, Any]],
-                    where: str, key: str) -> Side:
+                    where: str, key: str, tools: list[dict[str, Any]] | None = None) -> Side:
     if not any(m["role"] == "assistant" for m in completion):
         raise DatasetError(f"{where}: '{key}' has no assistant turn to prefer or reject")
-    ids, mask = tokenize_messages(tokenizer, prompt + completion, f"{where}: '{key}'")
-    head = apply_chat_template(tokenizer, prompt, add_generation_prompt=True) if prompt else []
+    ids, mask = tokenize_messages(tokenizer, prompt + completion, f"{where}: '{key}'", tools)
+    head = apply_chat_template(tokenizer, prompt, add_generation_prompt=True, **({"tools": tools} if tools else {})) \
+        if prompt else []
     if ids[:len(head)] != head:
         raise DatasetError(f"{where}: the chat template renders the prompt differently once '{key}' follows it")
     return ids, [0] * len(head) + mask[len(head):]
@@ -78,8 +79,9 @@ def preference_example(tokenizer: Any, row: Any, where: str) -> tuple[Side, Side
             p = [{"role": "user", "content": prompt}]
         else:
             p = _messages(prompt, where, "prompt")
-        sides = (_conversational(tokenizer, p, c, where, "chosen"),
-                 _conversational(tokenizer, p, r, where, "rejected"))
+        tools = row_tools(row, where)
+        sides = (_conversational(tokenizer, p, c, where, "chosen", tools),
+                 _conversational(tokenizer, p, r, where, "rejected", tools))
     if sides[0][0] == sides[1][0]:
         raise DatasetError(f"{where}: 'chosen' and 'rejected' are the same text: the pair teaches nothing")
     return sides

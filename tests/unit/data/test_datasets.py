@@ -279,6 +279,28 @@ def test_a_conversation_opened_by_the_assistant_trains_its_content_not_the_templ
     assert smol.decode([t for t, m in zip(*rejected) if m]) == "Bye<|im_end|>\n"
 
 
+def test_a_rows_tools_reach_the_template_in_sft_and_dpo():
+    """TRL's tool-calling datasets carry `tools` beside `messages`: the model must learn its calls
+    with the schemas in the prompt, as the agent proxy renders them at rollout time."""
+    import json
+
+    from mlrl.data.preference import preference_example
+
+    tools_tok = load_hf_tokenizer("builtin:tiny-llama-tools")
+    tool = {"type": "function", "function": {"name": "multiply", "parameters": {"type": "object"}}}
+    msgs = [{"role": "user", "content": "multiply 7 6"}, {"role": "assistant", "content": "42"}]
+    ids, mask = sft_example(tools_tok, {"messages": msgs, "tools": [tool]}, "row 1")
+    assert ids == apply_chat_template(tools_tok, msgs, tools=[tool])
+    assert tools_tok.decode(ids).startswith("system : tools multiply")
+    assert tools_tok.decode([t for t, m in zip(ids, mask) if m]).startswith("42")
+    assert sft_example(tools_tok, {"messages": msgs, "tools": json.dumps([tool])}, "row 1") == (ids, mask)
+    chosen, _ = preference_example(tools_tok, {"prompt": msgs[:1], "chosen": msgs[1:], "tools": [tool],
+                                               "rejected": [{"role": "assistant", "content": "41"}]}, "row 2")
+    assert chosen[0] == ids
+    with pytest.raises(DatasetError, match="row 3: 'tools' must be a list of tool schemas"):
+        sft_example(tools_tok, {"messages": msgs, "tools": {"name": "multiply"}}, "row 3")
+
+
 def test_a_row_whose_mask_cannot_be_built_is_named():
     smol = load_hf_tokenizer("builtin:smollm2-135m-instruct")
     row = {"messages": [{"role": "user", "content": "list"}, {"role": "assistant", "content": "\n\n1. a"}]}
