@@ -409,7 +409,8 @@ class SFTConfig:
     """Conversations per optimizer step (split over the data-parallel ranks, packed into
     micro-batches of trainer.micro_batch_tokens)."""
     max_seq_tokens: int = 1024
-    """Conversations longer than this many tokens are cut (counted in sft/truncated)."""
+    """Conversations longer than this many tokens are cut (counted in the run's start-up log line,
+    training and held-out data)."""
 
 
 @dataclass
@@ -423,7 +424,8 @@ class DPOConfig:
     """Preference pairs per optimizer step (split over the data-parallel ranks; each pair's chosen
     and rejected sequences are packed into the same micro-batch of trainer.micro_batch_tokens)."""
     max_seq_tokens: int = 1024
-    """Chosen / rejected sequences (prompt + completion) longer than this are cut (counted)."""
+    """Chosen / rejected sequences (prompt + completion) longer than this are cut (counted in the
+    run's start-up log line, training and held-out data)."""
     beta: float = 0.1
     """Strength of the implicit KL constraint: sigmoid loss -log sigmoid(beta * h); IPO's target
     margin is 1 / (2 beta). Larger beta: the policy stays closer to the reference."""

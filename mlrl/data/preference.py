@@ -38,8 +38,8 @@ def _conversational(tokenizer: Any, prompt: list[dict[str, Any]], completion: li
     if not any(m["role"] == "assistant" for m in completion):
         raise DatasetError(f"{where}: '{key}' has no assistant turn to prefer or reject")
     ids, mask = tokenize_messages(tokenizer, prompt + completion, f"{where}: '{key}'", tools)
-    head = apply_chat_template(tokenizer, prompt, add_generation_prompt=True, **({"tools": tools} if tools else {})) \
-        if prompt else []
+    kw: dict[str, Any] = {"tools": tools} if tools else {}
+    head = apply_chat_template(tokenizer, prompt, add_generation_prompt=True, **kw) if prompt else []
     if ids[:len(head)] != head:
         raise DatasetError(f"{where}: the chat template renders the prompt differently once '{key}' follows it")
     return ids, [0] * len(head) + mask[len(head):]

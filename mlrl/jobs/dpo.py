@@ -95,9 +95,10 @@ class DPOJob:
         self.train, self.held_out = load_preference_data(cfg, hf_dir)
         self.batch_size, self.token_budget = self.cfg.batch_size, cfg.trainer.token_budget
         self.loss_fn = make_dpo_loss_fn(self.cfg.beta, self.cfg.loss_type)  # the ranks' loss, for held-out metrics
-        log.info("DPO (%s, beta %g): %d training pairs (%d cut at dpo.max_seq_tokens=%d), %s held out",
+        log.info("DPO (%s, beta %g): %d training pairs (%d cut at dpo.max_seq_tokens=%d), %s held out%s",
                  self.cfg.loss_type, self.cfg.beta, len(self.train), self.train.truncated, self.cfg.max_seq_tokens,
-                 len(self.held_out) if self.held_out else "none")
+                 len(self.held_out) if self.held_out else "none",
+                 f" ({self.held_out.truncated} cut)" if self.held_out else "")
 
     def step(self, policy: TrainerClient, batch: list[Any]) -> dict[str, Any]:
         t0 = time.perf_counter()

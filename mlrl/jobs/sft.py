@@ -80,8 +80,9 @@ class SFTJob:
         sft = _sft_section(cfg)
         self.train, self.held_out = load_sft_data(cfg, hf_dir)
         self.batch_size, self.token_budget = sft.batch_size, cfg.trainer.token_budget
-        log.info("SFT: %d training conversations (%d cut at sft.max_seq_tokens=%d), %s held out", len(self.train),
-                 self.train.truncated, sft.max_seq_tokens, len(self.held_out) if self.held_out else "none")
+        log.info("SFT: %d training conversations (%d cut at sft.max_seq_tokens=%d), %s held out%s", len(self.train),
+                 self.train.truncated, sft.max_seq_tokens, len(self.held_out) if self.held_out else "none",
+                 f" ({self.held_out.truncated} cut)" if self.held_out else "")
 
     def step(self, policy: TrainerClient, batch: list[Any]) -> dict[str, Any]:
         per_dp, pack = pack_step(samples_of(batch), dp_size=policy.dp_size, token_budget=self.token_budget,
