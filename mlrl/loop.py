@@ -338,7 +338,7 @@ def saved_loop_state(ctx: RunContext) -> SavedLoopState:
     """What a checkpoint records besides the trainer state, for resume: the weight version, the
     sampler position, the config, and (async) the rows in flight, re-issued first on resume."""
     return {"weight_version": ctx.state.version, "sampler": ctx.sampler.state(), "config": dump_yaml(ctx.cfg),
-            "in_flight_rows": [*ctx.state.in_flight.values(), *ctx.state.resume_rows]}
+            "in_flight_rows": ctx.sampler.portable([*ctx.state.in_flight.values(), *ctx.state.resume_rows])}
 
 
 def finish_step(ctx: RunContext, step: int, metrics: dict[str, float]) -> None:

@@ -11,6 +11,8 @@ import random
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+ROW_INDEX_KEY = "__mlrl_dataset_index__"  # a row recorded by its position in the training data (`portable`)
+
 
 @dataclass
 class SamplerState:
@@ -28,6 +30,7 @@ class PromptSampler:
         self.shuffle = shuffle
         self._state = SamplerState(**vars(state)) if state else SamplerState()
         self._perm = self._permutation(self._state.epoch)
+        self._index_of: dict[int, int] | None = None  # id(row) -> its position (portable), built on first use
 
     def _permutation(self, epoch: int) -> list[int]:
         order = list(range(len(self.rows)))
@@ -49,6 +52,32 @@ class PromptSampler:
 
     def state(self) -> dict[str, int]:
         return dict(vars(self._state))
+
+    def portable(self, rows: Sequence[Any]) -> list[Any]:
+        """`rows` (handed out by this sampler) as a checkpoint records them: by their position in
+        the dataset, since a row's values need not be JSON (a parquet timestamp or binary column
+        made the save's commit fail); a row that is not the dataset's own object, as it is."""
+        if self._index_of is None:
+            self._index_of = {id(r): i for i, r in enumerate(self.rows)}
+        out = []
+        for r in rows:
+            i = self._index_of.get(id(r))
+            out.append({ROW_INDEX_KEY: i} if i is not None and self.rows[i] is r else r)
+        return out
+
+    def restore(self, saved: Sequence[Any]) -> list[Any]:
+        """The rows `portable` recorded (rows recorded whole, by older checkpoints too, as they are)."""
+        out = []
+        for r in saved:
+            if isinstance(r, dict) and set(r) == {ROW_INDEX_KEY}:
+                i = r[ROW_INDEX_KEY]
+                if not isinstance(i, int) or not 0 <= i < len(self.rows):
+                    raise ValueError(f"the checkpoint's in-flight row {i} is not in the training data "
+                                     f"({len(self.rows)} rows): data.train changed since the save")
+                out.append(self.rows[i])
+            else:
+                out.append(r)
+        return out
 
     @classmethod
     def from_state(

@@ -148,6 +148,10 @@ def _checks(cfg: Config, hf_dir: Path, run_dir: Path) -> _Checked:
         sampler = PromptSampler.from_state(
             train_rows, state["sampler"], seed=cfg.trainer.seed, shuffle=cfg.data.shuffle
         )
+        try:  # (async) the rows in flight at the save, recorded by their position in data.train
+            sampler.restore(state.get("in_flight_rows", []))
+        except ValueError as e:
+            raise ConfigError(f"checkpoint.resume: {resume}: {e}") from None
     out = _Checked(ckpts, resume, state, sampler, eval_rows, workflow)
     if cfg.reward_model is not None:  # the judge's folder and tokenizer, before any process starts
         try:
@@ -294,7 +298,7 @@ async def _run(cfg: Config, layout: Layout, early: EarlyStart) -> int:
             colocation=colocation,
             trainer_busy=trainer_busy,
             state=LoopState(start_step=start_step, version=version,
-                            resume_rows=list(state.get("in_flight_rows", [])) if state else []),
+                            resume_rows=sampler.restore(state.get("in_flight_rows", [])) if state else []),
         )
         freeze_startup_heap()
         clock.mark("ready")
