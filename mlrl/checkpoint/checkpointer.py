@@ -18,10 +18,13 @@ import logging
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from mlrl.checkpoint.manager import CheckpointManager
+from mlrl.checkpoint.schedule import saves_due
 from mlrl.ckpt_files.layout import CRITIC_DIR, TRAINER_DIR
 from mlrl.config import ConfigError
+from mlrl.config.schema import CheckpointConfig
 from mlrl.interfaces import PendingSave, Policy, ResumeInfo
 
 log = logging.getLogger(__name__)
@@ -36,6 +39,22 @@ def check_resume_has_critic(resume: Path, uses_critic: bool) -> None:
             "trains a critic (algorithm.advantage=gae); resume from a checkpoint of a gae run or set "
             "checkpoint.resume=none"
         )
+
+
+def report_resume(resume: Path, info: Mapping[str, Any] | None) -> None:
+    """One line on what the trainer restored, and a warning for what it did not."""
+    if not info:
+        return
+    log.info("resumed trainer state from %s: %d optimizer steps, saved layout %s", resume,
+             int(info.get("optimizer_steps", 0)), info.get("saved_layout"))
+    if not info.get("optimizer_loaded", True):
+        log.warning("resume: the optimizer state was not loaded (%s): Adam's moments start from zero", resume)
+    if not info.get("rng_restored", True):
+        log.warning("resume: the random state was not restored (the parallel layout changed since the save): "
+                    "dropout and other trainer randomness differ from an uninterrupted run")
+    if info.get("scheduler_overrides"):
+        log.warning("resume: the LR schedule follows the config, not the checkpoint, for %s",
+                    ", ".join(f"{k}={v}" for k, v in dict(info["scheduler_overrides"]).items()))
 
 
 class Checkpointer:
@@ -102,11 +121,24 @@ class Checkpointer:
         return done
 
     def load(self, resume: Path) -> ResumeInfo:
-        """Load the trainer state (and the critic's) of a complete checkpoint into the ranks."""
-        return self.policy.load_checkpoint(resume / TRAINER_DIR, resume / CRITIC_DIR if self.with_critic else None)
+        """Load the trainer state (and the critic's) of a complete checkpoint into the ranks, and
+        say what of it did not come back (the resumed run then differs from an uninterrupted one)."""
+        info = self.policy.load_checkpoint(resume / TRAINER_DIR, resume / CRITIC_DIR if self.with_critic else None)
+        report_resume(resume, info)
+        return info
+
+    def export_path(self, step: int) -> Path:
+        return self.run_dir / "hf" / f"step_{step:06d}"
+
+    def export_left_undone(self, cfg: CheckpointConfig, start_step: int, total_steps: int) -> bool:
+        """The HF export due at the resumed step is missing: the previous run stopped during it (a
+        step's checkpoint is committed before its export), e.g. preempted in the final export; the
+        resumed run would otherwise finish without it."""
+        due = start_step > 0 and saves_due(cfg, start_step, total_steps)[1]
+        return due and not self.export_path(start_step).is_dir()
 
     def export_hf(self, step: int) -> Path:
-        out = self.run_dir / "hf" / f"step_{step:06d}"
+        out = self.export_path(step)
         self.policy.export_hf(out)
         self.last_export = out
         log.info("HF export written: %s", out)

@@ -128,6 +128,10 @@ def run_offline(cfg: Config, layout: Layout, make_job: Callable[[Path], OfflineJ
             checkpointer.load(resume)
             start = int(state["step"])
             log.info("resumed from %s (step %d)", resume, start)
+            if checkpointer.export_left_undone(cfg.checkpoint, start, cfg.trainer.total_steps):
+                log.warning("the HF export due at step %d is missing (the last run stopped during it): written now",
+                            start)
+                checkpointer.export_hf(start)
         logger = MetricsLogger(run_dir, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard,
                                wandb_project=cfg.logging.wandb_project, resume_step=start)
         total, c, kind = cfg.trainer.total_steps, cfg.checkpoint, job.kind

@@ -256,6 +256,10 @@ async def _run(cfg: Config, layout: Layout, early: EarlyStart) -> int:
             await asyncio.to_thread(checkpointer.load, resume)
             version = int(state["weight_version"])
             log.info("resumed from %s (step %d, weight version %d)", resume, state["step"], version)
+            if checkpointer.export_left_undone(cfg.checkpoint, int(state["step"]), cfg.trainer.total_steps):
+                log.warning("the HF export due at step %d is missing (the last run stopped during it): written now",
+                            state["step"])
+                await asyncio.to_thread(checkpointer.export_hf, int(state["step"]))
         tolerance = cfg.weight_sync.canary_tolerance_for(cfg.model.dtype)  # None: by dtype
         ws_cfg = dataclasses.replace(cfg.weight_sync, canary_tolerance=tolerance)
         weight_sync = make_weight_sync(ws_cfg, pool, MegatronWeightSource(policy), model_dir=hf_dir,

@@ -187,3 +187,54 @@ def test_an_interrupted_sft_run_keeps_the_async_save_already_written(tmp_path, m
     with pytest.raises(KeyboardInterrupt):
         _offline(tmp_path, monkeypatch, _Flaky(after=0), _Job(fail_at=3))
     assert CheckpointManager(tmp_path / "run" / "checkpoints").resolve_resume("auto").name == "step_000002"
+
+
+def test_an_export_the_last_run_did_not_finish_is_written_on_resume(tmp_path, monkeypatch):
+    """Preempted during the final HF export: the step's checkpoint was committed first, so the resumed
+    run had 0 steps left, printed "finished" and never wrote the export."""
+    from types import SimpleNamespace
+
+    from mlrl.config import load_config
+
+    exported = []
+    trainer = SimpleNamespace(export_hf=lambda out: exported.append(out))
+    ckpt = Checkpointer(CheckpointManager(tmp_path / "ck"), tmp_path, trainer)
+    c = load_config(None, ["checkpoint.hf_export_every=0"]).checkpoint  # hf_export_at_end: on by default
+    assert ckpt.export_left_undone(c, 10, 10) and not ckpt.export_left_undone(c, 5, 10)
+    ckpt.export_hf(10)
+    assert exported == [tmp_path / "hf" / "step_000010"]
+    exported[0].mkdir(parents=True)
+    assert not ckpt.export_left_undone(c, 10, 10)  # there: nothing to redo
+    assert not ckpt.export_left_undone(c, 0, 10)
+
+
+def test_the_offline_job_writes_the_missing_final_export_on_resume(tmp_path, monkeypatch, caplog):
+    trainer = _Flaky(after=0)
+    exported = []
+    trainer.export_hf = lambda out: exported.append(out.name)
+    trainer.load_checkpoint = lambda path, critic=None: {"optimizer_steps": 4, "optimizer_loaded": True,
+                                                         "rng_restored": False, "saved_layout": {"tp": 1},
+                                                         "scheduler_overrides": {}}
+    manager = CheckpointManager(tmp_path / "run" / "checkpoints")
+    tmp = manager.begin(4)
+    (tmp / "model_optim").mkdir()
+    manager.commit(tmp, 4, {"kind": "sft", "step": 4, "sampler": {"epoch": 0, "index": 4, "consumed": 4}})
+    # resume=auto finds step 4; the config's hf_export_at_end (default) makes its export due
+    from types import SimpleNamespace
+
+    from mlrl.config import load_config
+    from mlrl.jobs import offline
+
+    monkeypatch.setattr(offline, "TrainerGroup", lambda *a, **k: SimpleNamespace(close=lambda: None))
+    monkeypatch.setattr(offline, "TrainerClient", lambda group: trainer)
+    monkeypatch.setattr(offline, "rank_env", lambda *a, **k: {})
+    monkeypatch.setattr(offline, "Placement", lambda: SimpleNamespace(host="127.0.0.1", trainer_env={},
+                                                                      spawn_trainer=None, close=lambda: None))
+    monkeypatch.setattr(offline, "resolve_model_dir", lambda spec: tmp_path)
+    monkeypatch.setattr(offline, "check_model_init_from", lambda *a, **k: None)
+    cfg = load_config(None, [f"logging.run_dir={tmp_path / 'run'}", "trainer.total_steps=4",
+                             "logging.tensorboard=false", "logging.plot=false", "logging.progress_bar=false"])
+    with caplog.at_level("WARNING"):
+        assert offline.run_offline(cfg, SimpleNamespace(trainer_devices=None), lambda hf: _Job()) == 0
+    assert exported == ["step_000004"]
+    assert "the random state was not restored" in caplog.text  # what the resume did not bring back is said
