@@ -426,12 +426,12 @@ async def test_killing_one_engine_mid_rollout_loses_no_request(env):
     ]
     tasks = [asyncio.create_task(pool.agenerate(r)) for r in reqs]
     victim = pool.engines[1]
-    # crash as soon as the victim holds requests (a fixed sleep lets a fast machine finish them all first)
+    # crash as soon as the victim holds requests (any wait after that is a race: once, on a loaded machine,
+    # the victim's share had finished within a 0.2 s "let generation start" sleep)
     t0 = time.monotonic()
     while victim.in_flight == 0 and time.monotonic() - t0 < 30:
-        await asyncio.sleep(0.02)
-    await asyncio.sleep(0.2)  # let generation start on it
-    assert victim.in_flight > 0
+        await asyncio.sleep(0.002)
+    assert victim.in_flight > 0, f"no request reached {victim.name} in 30 s (state {victim.state})"
     victim.server.crash()
     resps = await asyncio.gather(*tasks)
     assert [r.rid for r in resps] == [r.rid for r in reqs] and len({r.rid for r in resps}) == len(reqs)
