@@ -12,10 +12,13 @@ dropped, so every curve stays single-valued.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 def _clean(v: Any) -> Any:
@@ -35,6 +38,19 @@ def _import_wandb() -> Any:
             "pip install mlrl[wandb]  (or pip install wandb), or unset wandb_project"
         ) from None
     return wandb
+
+
+def _warn_wandb_rewind(run: Any, resume_step: int | None) -> None:
+    """W&B only takes steps above the run's current one: continuing a W&B run (WANDB_RUN_ID) that
+    logged past the checkpoint this run resumed from, it drops the re-run steps and keeps the
+    abandoned run's values, which metrics.jsonl and TensorBoard have rewound. Said, not silent."""
+    logged = int(getattr(run, "step", 0) or 0)  # the next step W&B accepts
+    first = (resume_step or 0) + 1
+    if logged > first:
+        log.warning("W&B run %s already holds steps up to %d; W&B ignores steps below that, so steps %d-%d of this "
+                    "resumed run will not reach it and it keeps the earlier run's values (metrics.jsonl and "
+                    "TensorBoard have this run's). Unset WANDB_RUN_ID for a new W&B run to see them.",
+                    getattr(run, "id", "?"), logged - 1, first, logged - 1)
 
 
 class MetricsLogger:
@@ -60,6 +76,7 @@ class MetricsLogger:
         if wandb is not None:
             self._wandb = wandb.init(project=wandb_project, dir=str(self.run_dir), config=config, resume="allow",
                                      id=os.environ.get("WANDB_RUN_ID"))
+            _warn_wandb_rewind(self._wandb, resume_step)
 
     def _trim_after(self, resume_step: int | None) -> None:
         """Drop lines of steps after `resume_step` and any torn last line (a crash mid-write)."""

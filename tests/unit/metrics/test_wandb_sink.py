@@ -107,3 +107,24 @@ def test_missing_wandb_is_a_clear_error_at_construction(tmp_path, monkeypatch):
         MetricsLogger(run_dir, tensorboard=False, wandb_project="p")
     assert not run_dir.exists()                        # raised before touching the run folder
     MetricsLogger(run_dir, tensorboard=False).close()  # without wandb_project wandb is not needed
+
+
+@pytest.mark.parametrize("wandb_step,warned", [(13, True), (6, False)])
+def test_continuing_a_wandb_run_past_the_resumed_step_says_what_wandb_drops(tmp_path, monkeypatch, caplog,
+                                                                             wandb_step, warned):
+    """W&B ignores steps below the run's current one (its offline mode cannot resume a run, so a
+    stand-in reports the step W&B would): resuming step 5 into a W&B run that reached step 12, steps
+    6-12 never reach W&B."""
+    from types import SimpleNamespace
+
+    from mlrl.metrics import sinks
+
+    logged = []
+    run = SimpleNamespace(step=wandb_step, id="abc", log=lambda rec, step: logged.append(step))
+    monkeypatch.setattr(sinks, "_import_wandb", lambda: SimpleNamespace(init=lambda **kw: run))
+    with caplog.at_level("WARNING"):
+        log = MetricsLogger(tmp_path, tensorboard=False, wandb_project="p", resume_step=5)
+    log.log(6, {"x": 1.0})
+    assert logged == [6]
+    assert ("W&B run abc already holds steps up to 12; W&B ignores steps below that, so steps 6-12" in caplog.text) \
+        == warned
