@@ -214,7 +214,7 @@ async def _run(cfg: Config, layout: Layout, early: EarlyStart) -> int:
         placement = await asyncio.to_thread(cluster_placement, cfg, layout, run_dir)
         reclaim_sigterm()  # ray.init in that thread took it: SIGTERM would abort, not tear down
         clock.mark("placement")  # joining the cluster, reserving the plan's GPUs, one agent per node
-    pool = judge_pool = group = policy = weight_sync = runner = logger = checkpointer = None
+    pool = judge_pool = group = policy = weight_sync = runner = logger = checkpointer = saves = None
     try:
         devices = placement.engine_devices  # local GPUs: the policy's engines, then the judge's
         n = cfg.rollout.num_engines
@@ -295,7 +295,7 @@ async def _run(cfg: Config, layout: Layout, early: EarlyStart) -> int:
             sampler=sampler,
             logger=logger,
             checkpoint=checkpointer,
-            saves=SaveSchedule(cfg.checkpoint, cfg.trainer.total_steps, checkpointer, colocation),
+            saves=(saves := SaveSchedule(cfg.checkpoint, cfg.trainer.total_steps, checkpointer, colocation)),
             eval_rows=eval_rows,
             progress=progress_bar(cfg.logging.progress_bar, total=cfg.trainer.total_steps, initial=start_step,
                                   desc="RL steps"),
@@ -316,6 +316,10 @@ async def _run(cfg: Config, layout: Layout, early: EarlyStart) -> int:
     finally:
         if checkpointer is not None:  # SIGTERM or a failed step: an async save already written is kept
             await asyncio.to_thread(checkpointer.finish_pending)
+        if saves is not None and saves.deferred is not None:  # colocated: due at step k, made in step k+1's phase
+            log.warning("the checkpoint / export due at step %d was not written: a colocated run makes it in the next "
+                        "step's training phase, which the run did not reach; resume takes the checkpoint before",
+                        saves.deferred[0])
         if logger is not None:
             logger.close(plot=cfg.logging.plot)
         if runner is not None:
