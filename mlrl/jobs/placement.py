@@ -47,6 +47,9 @@ def local_placement(cfg: Config, layout: Layout) -> Placement:
             f"cluster.gpus_per_node={cfg.cluster.gpus_per_node} but CUDA_VISIBLE_DEVICES={','.join(visible)} "
             f"lists {len(visible)}"
         )
+    if any(not d.isdigit() for d in visible[:cfg.cluster.gpus_per_node]):
+        raise ConfigError(f"CUDA_VISIBLE_DEVICES={','.join(visible)}: mlrl places trainer ranks and engines by GPU "
+                          "index; list the GPUs by index (nvidia-smi -L shows each UUID's index)")
     ids = tuple(int(visible[g]) if visible else g for g in range(cfg.cluster.gpus_per_node))
     ports = (0,) * ports_needed(plan)[0]  # torchrun and the engines pick their own ports on one machine
     a = assign(plan, [NodeInfo(0, "local", "127.0.0.1", ids, ports)])

@@ -43,6 +43,10 @@ def test_split_maps_through_the_callers_visible_devices(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     with pytest.raises(ConfigError, match="cluster.gpus_per_node=8 but CUDA_VISIBLE_DEVICES=0,1 lists 2"):
         _placement("rollout.num_engines=2", "rollout.engine_tp=2", "parallel.tp=2", "parallel.pp=1")
+    # GPU UUIDs (CUDA accepts them): one line naming the variable, not a ValueError traceback
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(f"GPU-5f0e{i}" for i in range(8)))
+    with pytest.raises(ConfigError, match="CUDA_VISIBLE_DEVICES=GPU-5f0e0,.*list the GPUs by index"):
+        _placement("rollout.num_engines=2", "rollout.engine_tp=2", "parallel.tp=2", "parallel.pp=1")
 
 
 def test_colocated_engines_share_the_trainer_gpus(monkeypatch):
