@@ -254,3 +254,21 @@ def test_a_ray_head_that_never_listens_stops_the_job(fake_path, tmp_path, head):
     started = calls.read_text()
     assert "--job-name=mlrl-ray-head" in started and "mlrl-ray-worker" not in started
     assert "--job-name=mlrl-launch" not in started
+
+
+@pytest.mark.parametrize("addresses,head_ip", [("fd00::2 127.0.1.1 10.1.2.3", "10.1.2.3"), ("", "127.0.1.1")])
+def test_the_ray_head_is_advertised_on_its_first_ipv4_address_off_loopback(tmp_path, addresses, head_ip):
+    """`hostname --ip-address` resolves the host name, which Debian / Ubuntu map to 127.0.1.1: the
+    workers would dial their own loopback. `hostname -I`'s first IPv4 off loopback is taken; the
+    resolved name only when the node has no other address."""
+    srun = tmp_path / "srun"
+    srun.write_text(f'#!/bin/sh\ncase "$*" in *"hostname -I"*) echo "{addresses}";; *hostname*) echo 127.0.1.1;; '
+                    '*--print-config*) exit 127;; esac\n')
+    srun.chmod(0o755)
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text("#!/bin/sh\necho n1\necho n2\n")
+    scontrol.chmod(0o755)
+    env = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "HOME": str(tmp_path), "SLURM_NNODES": "2",
+           "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_GPUS_PER_NODE": "0", "MLRL_CONFIG": "launch/cpu_default.yaml"}
+    out = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    assert f"Ray head n1 ({head_ip}:6379)" in out.stderr, out.stderr
