@@ -39,6 +39,11 @@ DEFAULT_FEEDBACK = (
 FeedbackFn = Callable[[dict[str, Any], str, float, int], "str | None"]
 
 
+class EngineError(RuntimeError):
+    """An engine request of the episode failed or was aborted: the episode fails (the runner's
+    EngineError for workflows that return samples)."""
+
+
 @register_workflow("multi_turn")
 class MultiTurnWorkflow(RolloutWorkflow):
     """Answer, get feedback, retry. `feedback_fn(data, completion, reward, turn) -> str | None`
@@ -115,6 +120,10 @@ class MultiTurnWorkflow(RolloutWorkflow):
         while True:
             req = ModelRequest(input_ids=list(input_ids), gconfig=gconfig, session_id=session, tokenizer=self.tokenizer)
             resp = await engine.agenerate(req)
+            if resp.stop_reason in (StopReason.ERROR, StopReason.ABORT):
+                # its tokens (partial, or none) are not an answer: nothing to score, train or continue from
+                raise EngineError(f"multi_turn: engine request {resp.rid} (turn {turn + 1}) ended with "
+                                  f"{resp.stop_reason.value}: {resp.error}")
             if resp.input_tokens[: len(seq)] != seq:
                 raise RuntimeError("multi_turn: the engine's input tokens do not extend the episode's sequence")
             new_prompt = resp.input_tokens[len(seq):]

@@ -114,6 +114,29 @@ async def test_multi_turn_feedback_loop_masks_only_model_tokens(tok):
     assert [v for v, m in zip(s.versions, s.loss_mask) if not m] == [-1] * (len(s.tokens) - len(trained))
 
 
+async def test_a_failed_engine_request_fails_the_multi_turn_episode(tok):
+    """An engine request that ended in error (a timeout keeps its partial tokens) is no answer: it was
+    scored and trained, and an empty one left an EOS the engine never produced in the next prompt."""
+    from mlrl.workflow import EpisodeRunner, EpisodeStatus
+
+    def second_turn_fails(input_ids, call):
+        if call == 1:
+            raise RuntimeError("request timed out")
+        return list(tok("1", add_special_tokens=False)["input_ids"]) + [tok.eos_token_id]
+
+    eng = ScriptedEngine(second_turn_fails, eos_token_id=tok.eos_token_id, vocab_size=len(tok))
+    wf = MultiTurnWorkflow("exact_match", G, tok, max_turns=3, feedback="try again", reward_workers=1)
+    runner = EpisodeRunner(wf, eng, max_concurrency=1, episode_timeout_s=20)
+    try:
+        (g,) = await runner.run_batch([ROW], n=1)
+    finally:
+        await runner.aclose()
+    (e,) = g.episodes
+    assert e.status == EpisodeStatus.ERROR and not g.samples
+    assert e.info["error"]["error_type"] == "EngineError" and "(turn 2) ended with error" in \
+        e.info["error"]["error_message"]
+
+
 async def test_multi_turn_turn_limit_and_env_stop(tok):
     eng = ScriptedEngine.from_text(tok, lambda p: "1")
     wf = MultiTurnWorkflow("exact_match", G, tok, max_turns=2, reward_workers=1)
