@@ -550,17 +550,24 @@ class RLLMWorkflowAdapter(RolloutWorkflow):
 
 def attach_model_outputs(episode: Episode, calls: list[tuple[list[dict], ModelOutput]]) -> None:
     """Give token ids to steps an agent recorded from text only (`update_from_model(response)`):
-    the engine call whose messages equal the step's conversation before its answer (else whose text
-    equals the step's model_response), each call used once. Nothing is re-tokenized."""
+    the engine call whose messages equal the step's conversation before its answer and whose text
+    is the step's model_response (the only call with those messages, when the texts differ; else,
+    with no call of those messages, the call whose text is the step's), each call used once.
+    Several attempts of one prompt (rLLM's solver pattern) finish in any order: the messages alone
+    would give a step another attempt's tokens under its own reward. Nothing is re-tokenized."""
     unused = list(calls)
     for traj in episode.trajectories:
         for st in traj.steps:
             if st.response_ids or not unused:
                 continue
             prompt = [m for m in st.chat_completions[:-1]] if st.chat_completions else None
-            match = next((c for c in unused if prompt is not None and _same_messages(c[0], prompt)), None)
-            if match is None:
-                match = next((c for c in unused if st.model_response and c[1].text == st.model_response), None)
+            text = st.model_response
+            same = [c for c in unused if prompt is not None and _same_messages(c[0], prompt)]
+            match = next((c for c in same if text and c[1].text == text), None)
+            if match is None and len(same) == 1:
+                match = same[0]
+            if match is None and not same:
+                match = next((c for c in unused if text and c[1].text == text), None)
             if match is None:
                 continue
             unused.remove(match)

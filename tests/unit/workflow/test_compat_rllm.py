@@ -238,3 +238,41 @@ async def test_agent_env_multi_turn_workflow_and_error_episodes(tok):
     e2 = await bad.run_episode({"q": 1})
     assert e2.status == EpisodeStatus.ERROR and e2.info["error"]["error_message"] == "no env"
     assert "RuntimeError" in e2.info["error"]["traceback"]
+
+
+class _SlowFirst(ScriptedEngine):
+    """Call k answers ["7", "3", "5"][k]; the first call finishes last."""
+
+    async def agenerate(self, req):
+        resp = await super().agenerate(req)
+        await asyncio.sleep([0.3, 0.1, 0.2][(len(self.requests) - 1) % 3])
+        return resp
+
+
+class _Solvers(Workflow):
+    """n attempts of one problem at once, steps recorded from text (update_from_model style)."""
+
+    async def run(self, task, uid, **kw):
+        msgs = [{"role": "user", "content": task["question"]}]
+        outs = await asyncio.gather(*(self.rollout_engine.get_model_response(msgs) for _ in range(3)))
+        for out in outs:  # trajectories in the order the attempts were made
+            st = Step(chat_completions=msgs + [{"role": "assistant", "content": out.text}],
+                      model_response=out.text, reward=float(out.text == task["answer"]))
+            self.commit(name="solver", trajectory=Trajectory(steps=[st]))
+
+
+async def test_text_only_steps_of_attempts_at_one_prompt_get_their_own_tokens(tok):
+    """The calls of attempts at one prompt come back in completion order: matched on the messages
+    alone, a step got another attempt's tokens under its own reward (the right answer was trained
+    with reward 0 and a wrong one with 1)."""
+    answers = ["7", "3", "5"]
+    eng = _SlowFirst(lambda ids, call: list(tok(answers[call % 3], add_special_tokens=False)["input_ids"])
+                     + [tok.eos_token_id], eos_token_id=tok.eos_token_id, vocab_size=len(tok))
+    wf = build_workflow(_Solvers, tokenizer=tok, gconfig=G)
+    try:
+        g = await EpisodeRunner(wf, eng).run_group({"question": "copy 7", "answer": "7"}, 1)
+    finally:
+        await wf.aclose()
+    trained = {tok.decode([t for t, m in zip(s.tokens, s.loss_mask) if m], skip_special_tokens=True): s.reward
+               for s in g.samples}
+    assert trained == {"7": 1.0, "3": 0.0, "5": 0.0}
