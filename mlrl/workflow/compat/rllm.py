@@ -592,6 +592,12 @@ def _step_versions(step: Any) -> list[int]:
     return [int(v)] * n
 
 
+def _missing_logprobs(step: Any) -> dict[str, bool]:
+    """The sample's flag when a step carries no engine logprobs (`_step_logprobs` puts 0.0 there):
+    mlrl.update.check_rollout_logprobs then refuses it where they would be used."""
+    return {} if len(step.logprobs) == len(step.response_ids) else {"missing_logprobs": True}
+
+
 def _step_logprobs(step: Any) -> list[float]:
     return (
         [float(x) for x in step.logprobs]
@@ -618,7 +624,8 @@ def trajectory_to_samples(traj: Trajectory, steps: list[Any], mode: str) -> list
                 versions=chain.versions + [-1] * len(extra) + _step_versions(st),
                 reward=reward,
                 prompt_len=chain.prompt_len,
-                metadata={**chain.metadata, "steps": chain.metadata["steps"] + [i]},
+                metadata={**chain.metadata, "steps": chain.metadata["steps"] + [i],
+                          **_missing_logprobs(st)},
             )
             out[-1] = chain
             continue
@@ -627,7 +634,7 @@ def trajectory_to_samples(traj: Trajectory, steps: list[Any], mode: str) -> list
             loss_mask=[0] * len(prompt) + [1] * len(resp),
             rollout_logprobs=[0.0] * len(prompt) + _step_logprobs(st),
             versions=[-1] * len(prompt) + _step_versions(st),
-            reward=reward, prompt_len=len(prompt), metadata={**base, "steps": [i]},
+            reward=reward, prompt_len=len(prompt), metadata={**base, "steps": [i], **_missing_logprobs(st)},
         )
         out.append(chain)
     for s in out:

@@ -335,14 +335,14 @@ class ModelWrapper:
         return self._sync(self.generate_async(prompts, **kwargs))
 
     def convert_messages_to_experience(self, messages: list[dict]) -> Experience:
-        """A conversation as one Experience whose action mask covers the assistant turns."""
+        """A conversation as one Experience whose action mask covers the assistant turns. Its
+        tokens are the template's, not an engine's: no logprobs (None, so that a run that would
+        weigh against them refuses it, mlrl.update.check_rollout_logprobs)."""
         from mlrl.data.chat_tokens import tokenize_messages
 
         ids, mask = tokenize_messages(self.tokenizer, messages)
         p = next((i for i, m in enumerate(mask) if m), len(mask))
-        return Experience(
-            tokens=ids, prompt_length=p, action_mask=mask[p:], logprobs=[0.0] * (len(ids) - p), messages=messages
-        )
+        return Experience(tokens=ids, prompt_length=p, action_mask=mask[p:], logprobs=None, messages=messages)
 
     @property
     def model_version(self) -> int:

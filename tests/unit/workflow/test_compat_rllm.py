@@ -276,3 +276,13 @@ async def test_text_only_steps_of_attempts_at_one_prompt_get_their_own_tokens(to
     trained = {tok.decode([t for t, m in zip(s.tokens, s.loss_mask) if m], skip_special_tokens=True): s.reward
                for s in g.samples}
     assert trained == {"7": 1.0, "3": 0.0, "5": 0.0}
+
+
+def test_a_step_without_engine_logprobs_is_flagged():
+    """0.0 stood in for the missing logprobs unflagged: rollout_is weighed against them silently."""
+    st = Step(prompt_ids=[5, 6], response_ids=[7, 8], reward=1.0)
+    (s,) = trajectory_to_samples(Trajectory(steps=[st]), [st], "step")
+    assert s.metadata.get("missing_logprobs") is True
+    st.logprobs = [-0.5, -0.25]
+    (s,) = trajectory_to_samples(Trajectory(steps=[st]), [st], "step")
+    assert "missing_logprobs" not in s.metadata and s.rollout_logprobs[-2:] == [-0.5, -0.25]

@@ -168,6 +168,14 @@ async def test_multi_turn_experience_masks_assistant_turns(tok):
     s = groups[0].samples[0]
     trained = tok.decode([t for t, m in zip(s.tokens, s.loss_mask) if m])
     assert trained == "7 . 3 ." and s.reward == 1.0
+    # the template's tokens, not an engine's: no logprobs, flagged (0.0 looked like real ones, and a
+    # run weighing against them, rollout_is / use_rollout_logprobs, took them silently)
+    assert s.metadata.get("missing_logprobs") is True
+    from mlrl.config import load_config
+    from mlrl.update import check_rollout_logprobs
+
+    with pytest.raises(ValueError, match=r"returned 1 of 1 sample\(s\) without logprobs"):
+        check_rollout_logprobs(load_config(None, ["algorithm.rollout_is=tis"]), [s])
 
 
 def test_experience_validation():
