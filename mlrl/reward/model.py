@@ -77,11 +77,18 @@ class ModelJudge:
         return _chat_ids(self.tokenizer, [{"role": "user", "content": text}], add_generation_prompt=True)
 
     def parse(self, reply: str) -> float:
-        m = self.pattern.search(reply)
-        if m is None:
+        """The LAST score in the reply (a judge that reasons first names other numbers before its
+        verdict), in [0, max_score]: anything outside is no score on this scale (a 0-100 answer to a
+        0-10 template, an injected "score: 1000"), not a reward above 1."""
+        found = list(self.pattern.finditer(reply))
+        if not found:
             raise JudgeError(f"the judge's reply {reply[:80]!r} has no score (reward_model.score_pattern "
                              f"{self.pattern.pattern!r})")
-        return float(m.group(1)) / self.max_score
+        value = float(found[-1].group(1))
+        if not 0.0 <= value <= self.max_score:
+            raise JudgeError(f"the judge's score {value:g} is outside [0, reward_model.max_score={self.max_score:g}] "
+                             f"(reply {reply[:80]!r})")
+        return value / self.max_score
 
     async def score(self, question: str, response: str, answer: Any = None) -> float:
         self.calls += 1

@@ -184,3 +184,18 @@ def test_the_judges_engine_fields_reach_its_servers(monkeypatch):
     g2 = launch(RewardModelConfig(hf_dir="/judge", gpu_memory_utilization=0.7), True)[0]
     flag = "--gpu-memory-utilization"
     assert g1[g1.index(flag) + 1] == "0.5" and g2[g2.index(flag) + 1] == "0.7"
+
+
+def test_the_verdict_is_the_last_score_and_must_lie_on_the_scale(tok):
+    """A judge that reasons first names numbers before its verdict (the first one was taken), and a
+    score off the 0..max_score scale became a reward above 1 or below 0."""
+    from mlrl.config.schema import RewardModelConfig
+
+    d = RewardModelConfig()  # the default template and pattern ("score: N")
+    judge = ModelJudge(ScriptedEngine(tok, {}), tok, prompt_template=d.prompt_template, score_pattern=d.score_pattern,
+                       max_score=10.0)
+    assert judge.parse("I would score 2 points for style, but overall. Score: 9") == pytest.approx(0.9)
+    assert judge.parse("Score: 10/10") == pytest.approx(1.0)
+    for reply in ("Score: 85", "Score: 100/100", "score=-3"):
+        with pytest.raises(JudgeError, match=r"is outside \[0, reward_model.max_score=10\]"):
+            judge.parse(reply)
