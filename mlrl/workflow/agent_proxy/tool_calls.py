@@ -118,9 +118,12 @@ def _split_top_level(body: str) -> list[str]:
     """`{...}; {...}` -> the JSON objects (a `;` inside a string or an object is not a separator)."""
     parts, depth, in_str, esc, start = [], 0, False, False, 0
     for i, ch in enumerate(body):
-        if in_str:
-            esc = ch == "\\" and not esc
-            if ch == '"' and not esc:
+        if in_str:  # the character after a backslash is escaped, whatever it is (an escaped quote included)
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
                 in_str = False
             continue
         if ch == '"':

@@ -51,6 +51,13 @@ def test_llama3_json_calls():
     assert parse_tool_calls("The answer is 5.", "llama3_json").calls == []
     bad = parse_tool_calls('{"name": "calc", "parameters": {"expr"}', "llama3_json")
     assert bad.calls == [] and bad.content.startswith("{") and bad.error.startswith("llama3_json")
+    # an escaped quote does not end its string: braces and ';' after it are still inside (valid calls
+    # came back as text, counted as parse failures)
+    code = 'print(\\"}};{\\")'  # JSON text of the string: print(\"}};{\")
+    p = parse_tool_calls('{"name": "python", "parameters": {"code": "' + code + '"}}; {"name": "now", '
+                         '"parameters": {"s": "a\\"b\\\\"}}', "llama3_json")
+    assert p.error is None, p.error
+    assert [_fn(c) for c in p.calls] == [("python", {"code": 'print("}};{")'}), ("now", {"s": 'a"b\\'})]
 
 
 def test_format_detection_and_none():
