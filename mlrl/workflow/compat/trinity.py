@@ -10,7 +10,8 @@ in the event loop when `is_async`), so the loop that serves every other episode 
 Repeatable workflows (`can_repeat`) get `set_repeat_times(n)` and produce the whole group in one
 run; the others run n times, concurrently, one instance each. A thread cannot be cancelled: when an
 episode times out, its `run()` keeps its worker thread until it returns, and every model call it
-makes after the timeout raises.
+makes after the timeout raises (its proxy session is ended: OpenAI-client calls get a 404); a
+`run_async()` coroutine is cancelled.
 
 Conversion to samples: Experience.tokens = prompt + response, `prompt_length`, `logprobs` and
 `action_mask` over the response part. Weight versions are not part of Trinity's Experience: they are
@@ -295,6 +296,8 @@ class ModelWrapper:
         return self._adapter.gconfig.new(n_samples=1, **over), n
 
     async def _agenerate_ids(self, input_ids: list[int], **kw: Any) -> list[Experience]:
+        if self.cancelled:  # the async paths (run_async, chat_async) too, not only the blocking calls
+            raise RuntimeError("the episode was cancelled (timeout); no more model calls")
         gconfig, n = self._gconfig(kw)
         reqs = [ModelRequest(input_ids=list(input_ids), gconfig=gconfig, tokenizer=self.tokenizer) for _ in range(n)]
         resps = await asyncio.gather(*(self._engine.agenerate(r) for r in reqs))
@@ -386,6 +389,17 @@ class ModelWrapper:
         if clear_history:
             self.history = []
         return exps
+
+    def _end_session(self) -> None:
+        """The episode's proxy session ends with it (an instance that is not reused): it held every
+        response of the episode, and a late call from a timed-out run gets a 404, not the policy."""
+        if self._session is not None:
+            try:
+                self._adapter.proxy.end_session(self._session.id)
+            except KeyError:  # the proxy was stopped (aclose) and its sessions with it
+                pass
+            self._session = None
+            self.openai_client = self.openai_async_client = None
 
     def _record_proxy(self) -> None:
         if self._session is not None:
@@ -479,6 +493,8 @@ class TrinityWorkflowAdapter(RolloutWorkflow):
         if _flag(inst, "resettable"):
             with self._lock:
                 self._idle.append(inst)
+        else:  # built for this episode only
+            inst.model._end_session()
 
     async def arun_episode(self, engine: Any, data: dict[str, Any]) -> EpisodeOutput:
         return (await self._run(engine, data, 1, 0))[0]
@@ -504,14 +520,18 @@ class TrinityWorkflowAdapter(RolloutWorkflow):
             if repeat > 1 or _flag(inst, "repeatable"):
                 inst.set_repeat_times(repeat, run_id_base)
             if _flag(inst, "asynchronous"):
-                return asyncio.run_coroutine_threadsafe(inst.run_async(), self._loop).result()
+                holder["future"] = asyncio.run_coroutine_threadsafe(inst.run_async(), self._loop)
+                return holder["future"].result()
             return inst.run()
 
         try:
             exps = await self._loop.run_in_executor(self._threads, build_and_run)
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # timed out: its model calls stop, its coroutine is cancelled
             if "inst" in holder:
                 holder["inst"].model.cancelled = True
+                holder["inst"].model._end_session()
+            if "future" in holder:
+                holder["future"].cancel()
             raise
         inst = holder["inst"]
         inst.model._record_proxy()
@@ -549,6 +569,8 @@ class TrinityWorkflowAdapter(RolloutWorkflow):
             self._threads.shutdown(wait=False, cancel_futures=True)
             self._threads = None
         with self._lock:
+            for inst in self._idle:
+                inst.model._end_session()
             self._idle.clear()  # their OpenAI clients point at the stopped proxy
 
 

@@ -183,3 +183,59 @@ def test_experience_validation():
         Experience(tokens=[1, 2], prompt_length=2)
     e = Experience(tokens=[1, 2, 3], prompt_length=2, logprobs=[-0.5])
     assert e.tokens.tolist() == [1, 2, 3] and e.experience_type == "single_turn"
+
+
+class _ThroughOpenAI(Workflow):
+    """Not resettable: built for one task (Trinity's default); calls the policy through the proxy."""
+
+    def __init__(self, *, task, model, auxiliary_models=None):
+        super().__init__(task=task, model=model, auxiliary_models=auxiliary_models)
+        self.q = task.raw_task["question"]
+
+    def run(self):
+        c = self.model.get_openai_client()
+        c.chat.completions.create(model=c.model_path, messages=[{"role": "user", "content": self.q}])
+        exps = self.model.extract_experience_from_history()
+        for e in exps:
+            e.reward = 1.0
+        return exps
+
+
+async def test_an_episodes_proxy_session_ends_with_it(tok):
+    """One session per episode stayed open for the whole run, holding every response it saw."""
+    wf = build_workflow(_ThroughOpenAI, kwargs={"enable_history": True}, tokenizer=tok, gconfig=G)
+    runner = EpisodeRunner(wf, ScriptedEngine.from_text(tok, last_user_word), max_concurrency=4)
+    try:
+        for _ in range(2):
+            groups = await runner.run_batch(ROWS, n=2)
+            assert all(e.status == EpisodeStatus.COMPLETED for g in groups for e in g.episodes)
+            assert wf.proxy._sessions == {}
+    finally:
+        await runner.aclose()
+
+
+async def test_a_timed_out_async_workflow_stops_calling_the_engine(tok):
+    import asyncio
+
+    calls = []
+
+    class Looping(Workflow):
+        is_async = True
+
+        async def run_async(self):
+            for _ in range(8):  # an agent loop that outlives the episode's timeout
+                (out,) = await self.model.chat_async([{"role": "user", "content": "copy 7"}])
+                calls.append(out)
+            return [out]
+
+    wf = build_workflow(Looping, tokenizer=tok, gconfig=G)
+    eng = ScriptedEngine.from_text(tok, last_user_word, delay_s=0.1)
+    runner = EpisodeRunner(wf, eng, episode_timeout_s=0.25)
+    try:
+        g = await runner.run_group(ROWS[0], 1)
+        assert g.episodes[0].status == EpisodeStatus.TIMEOUT
+        at_timeout = len(eng.requests)
+        await asyncio.sleep(0.6)
+        assert len(eng.requests) <= at_timeout + 1 and len(calls) < 8  # it kept calling (8 calls, all loops)
+    finally:
+        await runner.aclose()
