@@ -37,6 +37,7 @@ class Interaction:
     reward: float | None = None
     gconfig: GenerationHyperparameters | None = None
     created: float = field(default_factory=time.time)
+    own_reward: float | None = None                # the reward set on it, before apply_reward_discount
 
     @property
     def seq(self) -> list[int]:
@@ -95,6 +96,7 @@ class InteractionLog:
             logger.warning("the last completion of the episode has no reward; using 0.0")
         running = 0.0
         for inter in reversed(items):
+            inter.own_reward = inter.reward
             running = running * turn_discount + (inter.reward or 0.0)
             inter.reward = running
 
@@ -152,4 +154,9 @@ def _concat(items: list[Interaction]) -> list[Sample]:
             status=SampleStatus.TRUNCATED if resp.stop_reason == StopReason.LENGTH else SampleStatus.COMPLETED,
             metadata={"interaction_id": inter.id, "merged_turns": base.metadata.get("merged_turns", 0) + 1},
         )
+    dropped = [i.id for i in items if i.id in has_child and (i.own_reward or 0.0) != 0.0]
+    if dropped:  # AReaL's semantics: a merged sample is trained with its leaf's reward
+        logger.warning("concat export: reward(s) set on %d completion(s) that a later one extends (%s) are not "
+                       "trained: each merged sample takes its last completion's reward; export_style=individual "
+                       "keeps them", len(dropped), ", ".join(dropped[:3]))
     return [s for k, s in merged.items() if k not in has_child]

@@ -164,3 +164,25 @@ def test_reward_discount_and_export_styles():
     log2.add(_inter("a", [1, 2], [3]))
     log2.add(_inter("b", [7, 8], [9], reward=1.0))
     assert len(log2.export_samples("concat")) == 2
+
+
+def test_concat_says_when_a_reward_on_an_extended_completion_is_not_trained(caplog):
+    """concat trains a merged sample with its leaf's reward (AReaL's semantics): a reward the agent set
+    on an earlier completion that a later one extends was dropped without a word."""
+    from mlrl.types import ModelResponse
+    from mlrl.workflow.agent_proxy.interactions import Interaction, InteractionLog
+
+    def completion(cid, inp, out):
+        return Interaction(id=cid, model_response=ModelResponse(
+            input_tokens=inp, output_tokens=out, output_logprobs=[-0.1] * len(out), output_versions=[0] * len(out)))
+
+    for reward_on, warned in (("A", True), ("B", False)):
+        log = InteractionLog()
+        log.add(completion("A", [1, 2], [3, 4]))
+        log.add(completion("B", [1, 2, 3, 4, 5], [6, 7]))  # extends A token for token
+        log.set_reward(reward_on, 1.0)
+        log.apply_reward_discount(1.0)
+        caplog.clear()
+        (merged,) = log.export_samples("concat")
+        assert merged.metadata["interaction_id"] == "B" and merged.reward == (0.0 if reward_on == "A" else 1.0)
+        assert ("reward(s) set on 1 completion(s) that a later one extends (A)" in caplog.text) == warned
