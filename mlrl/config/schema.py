@@ -225,7 +225,8 @@ class SamplingConfig:
     """Maximum response length in tokens."""
     seed: Optional[int] = None
     """Reproducible sampling: every generation request gets its own vLLM seed, derived from this
-    seed, the weight version, the dataset row, the episode index and the call number, so a run's
+    seed, the weight version, the group's start order at that version (evaluation apart), the
+    episode index and the call number, so a run's
     samples do not depend on batching, engine choice or timing (None = off: the engines' shared
     RNG, whose draws depend on how requests were batched)."""
 
@@ -242,7 +243,8 @@ class RolloutConfig:
     staleness: int = 0
     """Async bound eta: a sample may be at most this many weight versions old (0 = synchronous)."""
     stale_policy: Literal["drop", "reweight"] = "drop"
-    """What happens to a sample older than `staleness` versions."""
+    """What happens to a sample older than `staleness` versions: `drop` it, or `reweight`: keep it,
+    weighted like any other sample by algorithm.rollout_is against its engine's logprobs."""
     interrupt_on_sync: bool = False
     """On a weight sync interrupt in-flight requests and resume them afterwards (False = let them finish first)."""
     host: str = "127.0.0.1"
@@ -401,7 +403,8 @@ class SFTConfig:
     same Megatron policy, trainer ranks and checkpoints; chat rows from data.train (held-out loss on
     data.eval, every data.eval_every steps), loss on assistant tokens only (token mean over the
     step). Uses model, parallel, trainer (optimizer and schedule fields, micro_batch_tokens,
-    total_steps = optimizer steps, seed), data, checkpoint, logging and cluster; the RL sections
+    total_steps = optimizer steps, seed), data (not data.max_prompt_tokens: sft.max_seq_tokens cuts),
+    checkpoint, logging and cluster; the RL sections
     (rollout, weight_sync, algorithm, critic, workflow, eval) and trainer.prompts_per_step /
     samples_per_prompt / mini_batches_per_step / epochs_per_step must keep their defaults."""
 
@@ -445,7 +448,9 @@ class EvalConfig:
 @dataclass
 class DataConfig:
     train: str = "synthetic:copy_digit"
-    """Training dataset: a registered name, `synthetic:<task>`, or a .jsonl / .parquet path."""
+    """Training dataset: a registered name, `synthetic:<task>`, a .jsonl / .json / .parquet file, a
+    folder (`<split>.jsonl`, a Hub download's parquet shards, a `datasets` save) or a
+    `pkg.module:loader` function."""
     eval: Optional[str] = None
     """Held-out dataset (None = off)."""
     eval_every: int = 0
@@ -470,9 +475,10 @@ class RewardModelConfig:
     its own vLLM engines, never synced, scored through `workflow.reward=reward_model`.
     kind=generative: an LLM judge. Each (prompt, response) is rendered into `prompt_template`
     (placeholders {question}, {response}, {answer}) as one user turn of the judge's chat template,
-    the judge answers greedily in at most `max_tokens` tokens, and the first match of
-    `score_pattern` (its first group) divided by `max_score` is the reward; a reply without a match
-    scores 0 and counts as a reward failure of that episode."""
+    the judge answers greedily in at most `max_tokens` tokens, and the LAST match of
+    `score_pattern` (its first group; a judge that reasons first names other numbers before its
+    verdict) divided by `max_score` is the reward; a reply without a match, or a score outside
+    [0, max_score], scores 0 and counts as a reward failure of that episode."""
 
     hf_dir: str = ""
     """The judge's Hugging Face folder (or builtin:<name>)."""
@@ -596,7 +602,8 @@ class ClusterConfig:
     left after the engines when disaggregated; on CPU, tp*pp*cp, i.e. dp = 1). The data-parallel
     size is derived: trainer_devices / (parallel.tp * pp * cp), and tp*pp*cp must divide it."""
     gpu_memory_gb: float = 80.0
-    """Memory per GPU in GiB (for --dry-run's fit check)."""
+    """Memory per GPU in GiB (--dry-run's fit check, and what trainer.micro_batch_tokens=auto sizes
+    the micro-batches to)."""
     ray_address: str = "auto"
     """Ray cluster address for --nodes > 1."""
     join_timeout_s: float = 600.0
