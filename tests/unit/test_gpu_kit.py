@@ -204,6 +204,11 @@ def test_session_runs_only_the_named_stages_and_reuses_a_warm_install(tmp_path):
     assert "--micro-batch-tokens auto --mlrl-only" in runs[3]
     assert "every stage passed" in r.stdout
     assert calls.count("pkill -f") == 4 and "torch.distributed.run" in calls  # after each stage, ranks included
+    # the device tool brings back at most 8 files: stage logs, XML and JSON are packed into one, after
+    # every stage (a call cut at its limit keeps what ran before)
+    out = tmp_path / "out"
+    assert calls.count(f"tar czf {out}/results.tar.gz -C") == 5  # the TE wait, then 4 stages
+    assert sorted(p.name for p in out.iterdir()) == ["session.log"]  # (tar is a stand-in here)
 
 
 def test_session_without_fp8_and_without_a_stage_that_needs_te(tmp_path):

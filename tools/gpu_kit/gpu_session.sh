@@ -21,8 +21,11 @@
 #   check          the kit's own check (imports, a 10-token generation)
 # e.g. STAGES="trainer_tests train_bench auto_bench" for the trainer alone. Every stage but
 # rollout_tests and check waits for the TE build, which runs only when such a stage is named.
-# Summary lines go to stdout and $OUT/session.log; each stage's log and a tarball of the engine /
-# trainer logs go to $OUT (OUT defaults to ./gpu_out). Exit 0 when every named stage ran and
+# Summary lines go to stdout and $OUT/session.log (a failed stage's log tail to stdout too). Each
+# stage's log, junit XML and bench JSON go to GPU_WORK (default a fresh /tmp folder), packed into
+# $OUT/results.tar.gz after every stage: the device tool brings back at most 8 files, and a call
+# cut at its limit still returns what the stages before wrote. The engine / trainer logs go to
+# $OUT/logs.tar.gz at the end (OUT defaults to ./gpu_out). Exit 0 when every named stage ran and
 # passed; 2 on an unknown stage.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -42,6 +45,8 @@ for s in $STAGES; do
   }
 done
 mkdir -p "$O" "$K"
+W=${GPU_WORK:-$(mktemp -d /tmp/gpu_session.XXXXXX)}
+mkdir -p "$W"
 T0=$(date +%s)
 failed=0
 say() { echo "[session $(($(date +%s) - T0)) s] $*" | tee -a "$O/session.log"; }
@@ -62,12 +67,17 @@ stage() { # name cap_s command...: run with min(cap, time left), record the outc
     failed=1
     return 1
   fi
-  timeout -s INT -k 15 "$t" "$@" >"$O/$name.log" 2>&1
+  timeout -s INT -k 15 "$t" "$@" >"$W/$name.log" 2>&1
   local rc=$?
   cleanup
   ((rc == 0)) || failed=1
-  say "$name: rc=$rc in ${t}s cap; $(grep -E 'passed|failed|error|ratio|kit check|Timeout' "$O/$name.log" | tail -1)"
+  say "$name: rc=$rc in ${t}s cap; $(grep -E 'passed|failed|error|ratio|kit check|Timeout' "$W/$name.log" | tail -1)"
+  ((rc == 0)) || tail -n 20 "$W/$name.log"
+  pack
   return $rc
+}
+pack() { # every stage's log, XML and JSON so far, as one file in $OUT
+  tar czf "$O/results.tar.gz" -C "$W" . 2>/dev/null
 }
 pytest_stage() { # name cap_s tests...
   local name=$1 cap=$2
@@ -83,10 +93,7 @@ stamp="$S/.mlrl_kit_manifest.json"
 if cmp -s "$K/manifest.json" "$stamp" 2>/dev/null; then
   say "install: this kit is already in $S (warm machine)"
 else
-  stage install 150 bash "$here/device_install.sh" "$K" "$S" install || {
-    tail -20 "$O/install.log"
-    exit 1
-  }
+  stage install 150 bash "$here/device_install.sh" "$K" "$S" install || exit 1
   rm -f "$S"/transformer_engine/wheel_lib/transformer_engine_torch*.so
   cp "$K/manifest.json" "$stamp"
 fi
@@ -94,14 +101,16 @@ needs_te=
 for s in trainer_tests train_bench auto_bench e2e_bench colocated_run; do
   want $s && needs_te=1
 done
+jobs=16
+want rollout_tests && jobs=12  # leave cores to the stage that runs beside the build
 if [[ -z $needs_te ]]; then
-  echo "not needed by STAGES" >"$O/te_build.log"
+  echo "not needed by STAGES" >"$W/te_build.log"
   true &
 elif compgen -G "$S/transformer_engine/wheel_lib/transformer_engine_torch*.so" >/dev/null; then
-  echo "built before" >"$O/te_build.log"
+  echo "built before" >"$W/te_build.log"
   true &
-else
-  MAX_JOBS=${MAX_JOBS:-12} bash "$here/device_install.sh" "$K" "$S" build-te >"$O/te_build.log" 2>&1 &
+else  # its own process group: stopped whole (ninja, nvcc) if it outlives the deadline
+  MAX_JOBS=${MAX_JOBS:-$jobs} setsid bash "$here/device_install.sh" "$K" "$S" build-te >"$W/te_build.log" 2>&1 &
 fi
 te=$!
 export PYTHONPATH=$PWD:$S
@@ -110,22 +119,34 @@ if want rollout_tests; then
     "tests/gpu/test_colocate_gpu.py::test_sleep_releases_weights_and_kv_cache_and_wakes_to_the_same_model" \
     "tests/gpu/test_router_replay_gpu.py::test_vllm_returns_the_routes_hf_would_take"
 fi
-wait $te
-te_rc=$?
-say "te build: rc=$te_rc; $(tail -1 "$O/te_build.log")"
+while kill -0 "$te" 2>/dev/null && (($(left) > 30)); do
+  sleep 2
+done
+if kill -0 "$te" 2>/dev/null; then
+  kill -- -"$te" 2>/dev/null || kill "$te"
+  wait "$te"
+  te_rc=124
+  echo "stopped: the deadline came first" >>"$W/te_build.log"
+else
+  wait "$te"
+  te_rc=$?
+fi
+say "te build: rc=$te_rc; $(tail -1 "$W/te_build.log")"
+pack
 if ((te_rc == 0)); then
   if want trainer_tests; then
     # the offload test reads the whole device's free memory: alone, after the others (3 at a time)
-    pytest_stage trainer_tests 150 -n 3 --timeout 120 --junitxml="$O/trainer_tests.xml" \
+    pytest_stage trainer_tests 150 -n 3 --timeout 120 --junitxml="$W/trainer_tests.xml" \
       --ignore=tests/gpu/trainer/test_offload_gpu.py tests/gpu/trainer tests/gpu/test_cuda_visible.py
-    pytest_stage trainer_offload 60 --timeout 50 --junitxml="$O/trainer_offload.xml" tests/gpu/trainer/test_offload_gpu.py
+    pytest_stage trainer_offload 60 --timeout 50 --junitxml="$W/trainer_offload.xml" tests/gpu/trainer/test_offload_gpu.py
   fi
   fp8=()
   [[ $TRAIN_FP8 == none ]] || fp8=(--fp8-recipe "$TRAIN_FP8")
   want train_bench && stage train_bench 150 python3 tools/bench_train_step.py --device cuda \
-    --model-shape qwen3-1.7b "${fp8[@]}" --json "$O/train_bench.json" --timeout 140
+    --model-shape qwen3-1.7b "${fp8[@]}" --json "$W/train_bench.json" --timeout 140
   want auto_bench && stage auto_bench 100 python3 tools/bench_train_step.py --device cuda \
-    --model-shape qwen3-1.7b --micro-batch-tokens auto --mlrl-only --json "$O/auto_bench.json" --timeout 90
+    --model-shape qwen3-1.7b --micro-batch-tokens auto --mlrl-only --json "$W/auto_bench.json" --timeout 90
+  want e2e_bench && rm -rf /root/bench_run  # a warm machine's earlier run: the bench wants an empty folder
   # shellcheck disable=SC2086  # BENCH_ARGS is a list of arguments
   want e2e_bench && stage e2e_bench 200 python3 tools/bench_e2e_gpu.py --run-dir /root/bench_run $BENCH_ARGS
   if want colocated_run; then
@@ -139,7 +160,7 @@ else
   [[ -z $needs_te ]] || failed=1
 fi
 want check && stage check 90 python3 "$here/check_install.py"
-tail -25 "$O/e2e_bench.log" 2>/dev/null
+tail -25 "$W/e2e_bench.log" 2>/dev/null
 tar czf "$O/logs.tar.gz" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.distcp' --exclude='*.bin' \
   /tmp/pytest-of-* /root/bench_run /root/tebuild/build.log 2>/dev/null
 say "done: $( ((failed == 0)) && echo 'every stage passed' || echo 'some stage failed or was skipped')"
