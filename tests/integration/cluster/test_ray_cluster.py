@@ -50,7 +50,8 @@ def test_disaggregated_join(cluster):
 
 
 def test_colocated_join(cluster):
-    cfg, plan = plan_for(cluster, "cluster.placement=colocated", "rollout.num_engines=4", "rollout.engine_tp=2")
+    cfg, plan = plan_for(cluster, "cluster.placement=colocated", "rollout.num_engines=4", "rollout.engine_tp=2",
+                         "weight_sync.transport=disk")  # colocated on GPUs: see validate._check_colocate_transport
     a = join_cluster(cfg, plan, wait_s=30, reserve_s=60)
     try:
         assert len(a.trainers) == 8 and a.trainers[7].env["WORLD_SIZE"] == "8"
