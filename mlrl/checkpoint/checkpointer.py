@@ -100,11 +100,12 @@ class Checkpointer:
         log.info("checkpoint saved: %s", self.last_saved)
         return self.last_saved
 
-    def finish_pending(self, timeout_s: float = 20.0, poll_s: float = 0.5) -> Path | None:
+    def finish_pending(self, timeout_s: float = 10.0, poll_s: float = 0.5) -> Path | None:
         """At teardown (SIGTERM, a failed step): commit the pending async save once its shards are
         written, polling for at most `timeout_s` (Slurm's SIGKILL follows SIGTERM after KillWait,
-        30 s by default). A save not finished by then stays uncommitted: never resumed from, its
-        temporary folder removed by the next run's save. Returns the checkpoint committed here, if
+        30 s by default, and the rest of the teardown needs its time too). A save not finished by
+        then stays uncommitted: never resumed from, its temporary folder removed by the next run's
+        save. Returns the checkpoint committed here, if
         any. Never raises (the teardown goes on)."""
         deadline, done = time.monotonic() + timeout_s, None
         try:

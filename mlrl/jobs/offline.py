@@ -13,6 +13,9 @@ A checkpoint records its kind ("sft" / "dpo"): a run resumes only checkpoints of
 from __future__ import annotations
 
 import logging
+import signal
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Literal, Protocol, Sequence
@@ -92,9 +95,36 @@ class OfflineJob(Protocol):
         ...
 
 
+TERMINATED_EXIT = 128 + signal.SIGTERM  # the shell's code for a process ended by SIGTERM (as an RL run's)
+
+
+class _Terminated(BaseException):
+    """SIGTERM (Slurm's scancel / time limit, `kill`), raised where the run is: its teardown runs."""
+
+
 def run_offline(cfg: Config, layout: Layout, make_job: Callable[[Path], OfflineJob]) -> int:
-    """Run `make_job(hf_dir)`'s job to trainer.total_steps; 0 on success."""
+    """Run `make_job(hf_dir)`'s job to trainer.total_steps; 0 on success, 143 when SIGTERM stopped it
+    (torn down: a checkpoint whose shards are written committed, the ranks stopped, metrics closed)."""
     configure_logging(cfg.logging.level)
+    if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
+        return _run_offline(cfg, layout, make_job)
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the teardown short
+        raise _Terminated
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        return _run_offline(cfg, layout, make_job)
+    except _Terminated:
+        print(f"terminated (SIGTERM): trainer ranks stopped; metrics up to the last finished step in "
+              f"{cfg.logging.run_dir}", file=sys.stderr)
+        return TERMINATED_EXIT
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run_offline(cfg: Config, layout: Layout, make_job: Callable[[Path], OfflineJob]) -> int:
 
     run_dir = Path(cfg.logging.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -128,7 +158,7 @@ def run_offline(cfg: Config, layout: Layout, make_job: Callable[[Path], OfflineJ
             checkpointer.load(resume)
             start = int(state["step"])
             log.info("resumed from %s (step %d)", resume, start)
-            if checkpointer.export_left_undone(cfg.checkpoint, start, cfg.trainer.total_steps):
+            if ckpts.owns(resume) and checkpointer.export_left_undone(cfg.checkpoint, start, cfg.trainer.total_steps):
                 log.warning("the HF export due at step %d is missing (the last run stopped during it): written now",
                             start)
                 checkpointer.export_hf(start)

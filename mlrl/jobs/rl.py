@@ -256,7 +256,8 @@ async def _run(cfg: Config, layout: Layout, early: EarlyStart) -> int:
             await asyncio.to_thread(checkpointer.load, resume)
             version = int(state["weight_version"])
             log.info("resumed from %s (step %d, weight version %d)", resume, state["step"], version)
-            if checkpointer.export_left_undone(cfg.checkpoint, int(state["step"]), cfg.trainer.total_steps):
+            if ckpts.owns(resume) and checkpointer.export_left_undone(cfg.checkpoint, int(state["step"]),
+                                                                      cfg.trainer.total_steps):
                 log.warning("the HF export due at step %d is missing (the last run stopped during it): written now",
                             state["step"])
                 await asyncio.to_thread(checkpointer.export_hf, int(state["step"]))
@@ -314,8 +315,12 @@ async def _run(cfg: Config, layout: Layout, early: EarlyStart) -> int:
         _summary(ctx, run_dir)
         return 0
     finally:
-        if checkpointer is not None:  # SIGTERM or a failed step: an async save already written is kept
-            await asyncio.to_thread(checkpointer.finish_pending)
+        if checkpointer is not None and checkpointer.pending is not None:  # SIGTERM or a failed step
+            if group is not None and group.in_call():  # a train phase's thread: its call would hold the commit
+                log.warning("checkpoint step %d was still being written and a trainer call is still running: not "
+                            "committed (resume takes the one before)", checkpointer.pending.step)
+            else:  # an async save whose shards are written is kept
+                await asyncio.to_thread(checkpointer.finish_pending)
         if saves is not None and saves.deferred is not None:  # colocated: due at step k, made in step k+1's phase
             log.warning("the checkpoint / export due at step %d was not written: a colocated run makes it in the next "
                         "step's training phase, which the run did not reach; resume takes the checkpoint before",

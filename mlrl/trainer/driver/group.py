@@ -184,9 +184,27 @@ class TrainerGroup:
             raise ValueError(f"got micro-batches for {len(per_rank)} ranks, the trainer has {len(self._conns)}")
         return self._call_each(method, [_bind(method, mbs, *args, **kwargs) for mbs in per_rank])
 
+    def in_call(self) -> bool:
+        """A trainer call is running on another thread (e.g. the train phase a SIGTERM cancelled
+        the waiting for: its thread goes on until the ranks answer)."""
+        if self._call_lock.acquire(blocking=False):
+            self._call_lock.release()
+            return False
+        return True
+
+    _out_of_step = False  # a call was interrupted between its requests and its replies
+
     def _call_each(self, method: Callable[..., R], kwargs_per_rank: Sequence[dict[str, Any]]) -> list[R]:
         with self._call_lock:
-            return self._call_each_locked(method, kwargs_per_rank)
+            if self._out_of_step:  # the next reply read would be the interrupted call's
+                raise TrainerError(f"{_service_method_name(method)}: an earlier trainer call was interrupted "
+                                   "(SIGTERM, Ctrl-C) before its replies arrived; the ranks are out of step")
+            try:
+                return self._call_each_locked(method, kwargs_per_rank)
+            except BaseException as e:
+                if not isinstance(e, Exception):  # KeyboardInterrupt, a SIGTERM raised here: replies left unread
+                    self._out_of_step = True
+                raise
 
     def _call_each_locked(self, method: Callable[..., R], kwargs_per_rank: Sequence[dict[str, Any]]) -> list[R]:
         name = _service_method_name(method)

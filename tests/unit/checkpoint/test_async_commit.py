@@ -135,7 +135,7 @@ def test_teardown_commits_a_save_whose_shards_get_written_in_time(tmp_path):
 
 
 class _Job:
-    """An OfflineJob stand-in: `fail_at` raises in that step (a failed step, or SIGTERM's interrupt)."""
+    """An OfflineJob stand-in: SIGTERM arrives during step `fail_at`."""
 
     kind, title, batch_size = "sft", "SFT", 1
 
@@ -146,7 +146,10 @@ class _Job:
     def step(self, policy, batch):
         self.steps += 1
         if self.steps == self.fail_at:
-            raise KeyboardInterrupt
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler raises here, in the step
         return {"sft/loss": 1.0}
 
     def evaluate(self, policy):
@@ -181,12 +184,14 @@ def test_sft_and_dpo_runs_commit_async_saves_only_once_written(tmp_path, monkeyp
     assert all((p / "model_optim" / META).is_file() for p in done)  # finalized before they were committed
 
 
-def test_an_interrupted_sft_run_keeps_the_async_save_already_written(tmp_path, monkeypatch):
-    import pytest
-
-    with pytest.raises(KeyboardInterrupt):
-        _offline(tmp_path, monkeypatch, _Flaky(after=0), _Job(fail_at=3))
+def test_a_sigtermed_sft_run_exits_143_and_keeps_the_async_save_already_written(tmp_path, monkeypatch):
+    """SIGTERM (a Slurm time limit) killed an SFT / DPO run at once: no teardown, and the save whose
+    shards were written was lost (it is committed only at the next step's poll)."""
+    assert _offline(tmp_path, monkeypatch, _Flaky(after=0), _Job(fail_at=3)) == 143
     assert CheckpointManager(tmp_path / "run" / "checkpoints").resolve_resume("auto").name == "step_000002"
+    import signal
+
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is the run's alone
 
 
 def test_an_export_the_last_run_did_not_finish_is_written_on_resume(tmp_path, monkeypatch):

@@ -120,6 +120,30 @@ def test_calls_from_two_threads_do_not_interleave_on_the_connections():
     assert [b for r, _, b in log if r == 0] == [b for r, _, b in log if r == 1] == [first, not first]
 
 
+def test_in_call_tells_whether_another_thread_is_in_a_trainer_call():
+    """SIGTERM's teardown asks before committing a pending checkpoint: a train phase left running in
+    its thread holds the call lock, and a commit behind it would outlast Slurm's KillWait."""
+    g, ranks = _group_over_pipes(1)
+    started, release = threading.Event(), threading.Event()
+
+    def rank(conn):
+        recv(conn)
+        started.set()
+        release.wait(5)
+        send(conn, ("ok", 1))
+
+    rank_thread = threading.Thread(target=rank, args=(ranks[0],))
+    rank_thread.start()
+    assert not g.in_call()
+    caller = threading.Thread(target=lambda: g.call(TrainerService.finalize_checkpoints, blocking=True))
+    caller.start()
+    assert started.wait(5) and g.in_call()
+    release.set()
+    caller.join(5)
+    rank_thread.join(5)
+    assert not g.in_call()
+
+
 def test_group_sends_the_method_name_and_refuses_non_service_callables():
     g, ranks = _group_over_pipes(2)
     seen = []
@@ -216,3 +240,22 @@ def test_no_service_result_type_is_defined_in_the_service_module():
     from mlrl.trainer.rpc import RankRouterDiagnostics
 
     assert typing.get_type_hints(TrainerService.router_diagnostics)["return"] is RankRouterDiagnostics
+
+
+def test_a_call_interrupted_before_its_replies_leaves_the_group_refusing_calls(monkeypatch):
+    """SIGTERM raised inside an SFT run's trainer call (or Ctrl-C) leaves its replies unread: the next
+    call would read them as its own (a teardown's checkpoint commit, for one)."""
+    from mlrl.trainer.driver import group as group_mod
+    from mlrl.trainer.driver.group import TrainerError
+
+    g, ranks = _group_over_pipes(1)
+
+    def interrupted(conn, *a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(group_mod, "recv", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        g.call(TrainerService.finalize_checkpoints, blocking=True)
+    monkeypatch.undo()
+    with pytest.raises(TrainerError, match="an earlier trainer call was interrupted"):
+        g.call(TrainerService.finalize_checkpoints, blocking=False)
