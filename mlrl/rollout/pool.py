@@ -171,6 +171,7 @@ class EnginePool:
         self._pushed = False  # weights were pushed to the engines (commit_version): a restart is then stale
         self._cond = asyncio.Condition()
         self._paused = False
+        self._pauses = 0  # `pause` calls so far (a failed refresh resumes only the pause it made)
         self._engines_paused: set[tuple[int, int]] = set()  # (index, incarnation) paused at the engine by `pause`
         self._started = False
         self._prestarted = False
@@ -567,25 +568,28 @@ class EnginePool:
         async with self._cond:
             self._cond.notify_all()
         if e.state == EngineState.STALE and self.refresher is not None:
+            pauses = self._pauses
             try:
                 await self.refresher()
             except Exception as err:  # a background task: logged, the engine taken out
-                await self._refresh_failed(e, err)
+                await self._refresh_failed(e, err, pauses)
             async with self._cond:
                 self._cond.notify_all()
 
-    async def _refresh_failed(self, e: EngineHandle, err: Exception) -> None:
+    async def _refresh_failed(self, e: EngineHandle, err: Exception, pauses: int) -> None:
         """The weight refresh of restarted `e` failed (a background task: nobody awaits it). The
         engine holds the folder's weights, not the pool's version: it is stopped and stays out. The
         refresh's sync left every engine paused; the others hold the pool's version (the refresh
-        pushes the weights they already have, guarded_refresh), so they resume. A fault in the
+        pushes the weights they already have, guarded_refresh), so they resume, unless someone
+        paused the pool after the refresh's own pause (`pauses`: the count before the refresh; the
+        loop's next train phase and weight sync, which resume it themselves). A fault in the
         trainer itself fails the next step's weight sync, which ends the run."""
         log.error("%s restarted, but its weight refresh failed (%s: %s): it is stopped and stays out of "
                   "rotation; the other engines go on", e.name, type(err).__name__, err)
         e.state = EngineState.DEAD
         e.restarts = max(e.restarts, self.max_restarts)  # no further restart of an engine that cannot be refreshed
         await asyncio.to_thread(e.server.stop)
-        if not self._closed:
+        if not self._closed and self._paused and self._pauses <= pauses + 1:
             await self.resume()
         self.stats["refresh_failures"] += 1
 
@@ -643,6 +647,7 @@ class EnginePool:
         mode = mode or ("abort" if self.cfg.interrupt_on_sync else "wait")
         if mode not in ("wait", "abort"):
             raise ValueError(f"pause mode must be 'wait' or 'abort', got {mode!r}")
+        self._pauses += 1
         async with self._cond:
             # already paused (e.g. by the sync loop while the trainer trained) with nothing in flight
             # and the same live engines: nothing to do (each vLLM /pause sleeps 20 ms)

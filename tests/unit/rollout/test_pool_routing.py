@@ -313,6 +313,30 @@ async def test_a_failed_refresh_of_a_restarted_engine_takes_it_out_and_the_pool_
     assert resp.stop_reason == StopReason.LENGTH and resp.engine == "engine-1"
 
 
+async def test_a_failed_refresh_leaves_a_later_pause_alone(make_pool):
+    """The loop's next train phase / weight sync may pause the pool while the failed refresh still
+    stops its engine: resuming then would let requests reach engines in the middle of the sync."""
+    pool = await make_pool(num_engines=2)
+    later = []
+
+    async def refresh_then_the_loop_pauses():
+        await pool.pause()
+        later.append(asyncio.ensure_future(pool.pause()))  # the loop's pause, after the refresh's
+        raise RuntimeError("transfer broke")
+
+    pool.refresher = refresh_then_the_loop_pauses
+    pool.commit_version(3, pool.live_engines())
+    pool.engines[0].server.crash()
+    assert (await pool.agenerate(_req([1, 2], 3))).stop_reason == StopReason.LENGTH
+    for _ in range(300):
+        if pool.stats["refresh_failures"]:
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.gather(*later)
+    assert pool.stats["refresh_failures"] == 1 and pool.paused  # left for the loop's sync to resume
+    await pool.resume()
+
+
 async def test_requests_fail_at_once_when_no_engine_is_left(make_pool):
     pool = await make_pool(num_engines=1, timeout_s=60.0)
     pool.refresher = lambda: _refresh_that_fails(pool)
