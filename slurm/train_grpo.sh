@@ -252,14 +252,15 @@ fi
 if [[ -n "$dry" ]]; then
   head_ip=$head
 else
-  # the head's first IPv4 address off loopback (`hostname -I`): `hostname --ip-address` resolves the
-  # host name, which /etc/hosts often maps to 127.0.1.1 (Debian / Ubuntu), and the workers would
-  # then dial their own loopback; that answer only when the node has no other address
-  # shellcheck disable=SC2016  # an awk program: its $i is awk's
-  ipv4='{for (i = 1; i <= NF; i++) if ($i ~ /^[0-9]+[.][0-9]+[.][0-9]+[.][0-9]+$/ && $i !~ /^127[.]/) {print $i; exit}}'
-  head_ip=$("${step[@]}" -w "$head" hostname -I 2>/dev/null | awk "$ipv4") || head_ip=""
-  if [[ -z "$head_ip" ]]; then
-    head_ip=$("${step[@]}" -w "$head" hostname --ip-address | awk '{print $1}')
+  # the address the head's host name resolves to (the cluster network's, normally); on hosts whose
+  # /etc/hosts maps the name to loopback (127.0.1.1 on Debian / Ubuntu) the workers would dial
+  # their own loopback: then the head's first IPv4 address off loopback (`hostname -I`)
+  head_ip=$("${step[@]}" -w "$head" hostname --ip-address | awk '{print $1}')
+  if [[ $head_ip == 127.* ]]; then
+    # shellcheck disable=SC2016  # an awk program: its $i is awk's
+    ipv4='{for (i = 1; i <= NF; i++) if ($i ~ /^[0-9]+[.][0-9]+[.][0-9]+[.][0-9]+$/ && $i !~ /^127[.]/) {print $i; exit}}'
+    off_loopback=$("${step[@]}" -w "$head" hostname -I 2>/dev/null | awk "$ipv4") || off_loopback=""
+    [[ -z $off_loopback ]] || head_ip=$off_loopback
   fi
 fi
 address="$head_ip:$ray_port"

@@ -256,13 +256,17 @@ def test_a_ray_head_that_never_listens_stops_the_job(fake_path, tmp_path, head):
     assert "--job-name=mlrl-launch" not in started
 
 
-@pytest.mark.parametrize("addresses,head_ip", [("fd00::2 127.0.1.1 10.1.2.3", "10.1.2.3"), ("", "127.0.1.1")])
-def test_the_ray_head_is_advertised_on_its_first_ipv4_address_off_loopback(tmp_path, addresses, head_ip):
+@pytest.mark.parametrize("resolved,addresses,head_ip", [
+    ("10.9.9.9", "172.17.0.1 10.9.9.9", "10.9.9.9"),       # the host name's address: the cluster network's
+    ("127.0.1.1", "fd00::2 127.0.1.1 10.1.2.3", "10.1.2.3"),  # resolved to loopback: the first IPv4 off it
+    ("127.0.1.1", "", "127.0.1.1"),                          # no other address: one machine, loopback works
+])
+def test_the_ray_head_is_advertised_off_loopback(tmp_path, resolved, addresses, head_ip):
     """`hostname --ip-address` resolves the host name, which Debian / Ubuntu map to 127.0.1.1: the
-    workers would dial their own loopback. `hostname -I`'s first IPv4 off loopback is taken; the
-    resolved name only when the node has no other address."""
+    workers would dial their own loopback. Then `hostname -I`'s first IPv4 off loopback is taken
+    (only then: its first address can be docker0's)."""
     srun = tmp_path / "srun"
-    srun.write_text(f'#!/bin/sh\ncase "$*" in *"hostname -I"*) echo "{addresses}";; *hostname*) echo 127.0.1.1;; '
+    srun.write_text(f'#!/bin/sh\ncase "$*" in *"hostname -I"*) echo "{addresses}";; *hostname*) echo {resolved};; '
                     '*--print-config*) exit 127;; esac\n')
     srun.chmod(0o755)
     scontrol = tmp_path / "scontrol"
