@@ -533,6 +533,10 @@ class TrinityWorkflowAdapter(RolloutWorkflow):
             if "future" in holder:
                 holder["future"].cancel()
             raise
+        except BaseException:  # the run failed: its instance is not reused, its session ends
+            if "inst" in holder:
+                holder["inst"].model._end_session()
+            raise
         inst = holder["inst"]
         inst.model._record_proxy()
         try:

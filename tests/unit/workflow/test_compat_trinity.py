@@ -201,14 +201,23 @@ class _ThroughOpenAI(Workflow):
         return exps
 
 
-async def test_an_episodes_proxy_session_ends_with_it(tok):
-    """One session per episode stayed open for the whole run, holding every response it saw."""
-    wf = build_workflow(_ThroughOpenAI, kwargs={"enable_history": True}, tokenizer=tok, gconfig=G)
+class _FailsAfterACall(_ThroughOpenAI):
+    def run(self):
+        super().run()
+        raise RuntimeError("the environment broke")
+
+
+@pytest.mark.parametrize("cls,status", [(_ThroughOpenAI, EpisodeStatus.COMPLETED),
+                                        (_FailsAfterACall, EpisodeStatus.ERROR)])
+async def test_an_episodes_proxy_session_ends_with_it(tok, cls, status):
+    """One session per episode stayed open for the whole run, holding every response it saw (a
+    failed episode's too)."""
+    wf = build_workflow(cls, kwargs={"enable_history": True}, tokenizer=tok, gconfig=G)
     runner = EpisodeRunner(wf, ScriptedEngine.from_text(tok, last_user_word), max_concurrency=4)
     try:
         for _ in range(2):
             groups = await runner.run_batch(ROWS, n=2)
-            assert all(e.status == EpisodeStatus.COMPLETED for g in groups for e in g.episodes)
+            assert all(e.status == status for g in groups for e in g.episodes)
             assert wf.proxy._sessions == {}
     finally:
         await runner.aclose()
