@@ -509,7 +509,9 @@ def resolve_layout(cfg: Config) -> Layout:
 
 
 def _check_model(cfg: Config, hf: dict[str, Any], layout: Layout) -> None:
-    p = cfg.parallel
+    from mlrl.bridge.arch import with_hf_defaults  # (torch-free) what transformers fills in
+
+    p, hf = cfg.parallel, with_hf_defaults(hf)
     heads = hf.get("num_attention_heads")
     layers = hf.get("num_hidden_layers")
     if heads is None or layers is None:

@@ -140,7 +140,11 @@ class ModelShape:
 
 
 def model_shape(hf: dict[str, Any], name: str) -> ModelShape:
-    """Read the sizes from an HF config dict; a one-line error names a missing field."""
+    """Read the sizes from an HF config dict (the fields it leaves out as transformers fills them,
+    mlrl.bridge.arch.with_hf_defaults); a one-line error names a missing field."""
+    from mlrl.bridge.arch import with_hf_defaults
+
+    hf = with_hf_defaults(hf)
 
     def need(key: str) -> Any:
         if hf.get(key) is None:

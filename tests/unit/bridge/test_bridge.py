@@ -112,6 +112,10 @@ def test_fields_config_json_leaves_out_take_transformers_defaults():
     assert moe.norm_topk_prob is False and moe.num_kv_heads == 4
     _, qwen3 = spec_for(without("tiny-qwen3", "head_dim"))
     assert qwen3.head_dim == 128
+    from mlrl.plan.model import model_shape  # the planner's memory estimates read the same model
+
+    assert model_shape(without("tiny-qwen3", "head_dim"), "q").head_dim == 128
+    assert model_shape(without("tiny-qwen3-moe", "num_key_value_heads"), "m").kv_heads == 4
     _, mistral = spec_for(dict(without("tiny-llama", "sliding_window"), model_type="mistral",
                                max_position_embeddings=8192))
     assert mistral.sliding_window == 4096
