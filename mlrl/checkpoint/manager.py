@@ -93,6 +93,10 @@ class CheckpointManager:
     def complete_checkpoints(self) -> list[Path]:
         return complete_checkpoints(self.root)
 
+    def owns(self, ckpt: Path) -> bool:
+        """`ckpt` is one of this root's checkpoints (this run's), not another run's."""
+        return Path(ckpt).resolve().parent == Path(self.root).resolve()
+
     def latest(self) -> Path | None:
         """Newest complete checkpoint: the `latest` pointer if valid, else the newest complete folder."""
         return latest_checkpoint(self.root)

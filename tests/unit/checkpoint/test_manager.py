@@ -106,3 +106,11 @@ def test_a_run_does_not_start_beside_newer_checkpoints(tmp_path):
         m.check_start(20)
     m.check_start(30)  # resuming the newest: nothing later
     assert _save(m, 5).exists()  # (were a run to save anyway, its own save survives the pruning)
+
+
+def test_owns_tells_this_roots_checkpoints_from_another_runs(tmp_path):
+    """A resume of another run's checkpoint must not look for that run's HF export in this run's folder."""
+    m = CheckpointManager(tmp_path / "a")
+    mine = _save(m, 2)
+    theirs = _save(CheckpointManager(tmp_path / "b"), 2)
+    assert m.owns(mine) and not m.owns(theirs)
