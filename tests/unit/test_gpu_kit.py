@@ -207,7 +207,7 @@ def test_session_runs_only_the_named_stages_and_reuses_a_warm_install(tmp_path):
     # the device tool brings back at most 8 files: stage logs, XML and JSON are packed into one, after
     # every stage (a call cut at its limit keeps what ran before)
     out = tmp_path / "out"
-    assert calls.count(f"tar czf {out}/results.tar.gz -C") == 5  # the TE wait, then 4 stages
+    assert calls.count(f"tar czf {out}/.results.tar.gz -C") == 5  # the TE wait, then 4 stages
     assert sorted(p.name for p in out.iterdir()) == ["session.log"]  # (tar is a stand-in here)
 
 

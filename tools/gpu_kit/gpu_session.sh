@@ -76,8 +76,9 @@ stage() { # name cap_s command...: run with min(cap, time left), record the outc
   pack
   return $rc
 }
-pack() { # every stage's log, XML and JSON so far, as one file in $OUT
-  tar czf "$O/results.tar.gz" -C "$W" . 2>/dev/null
+pack() { # every stage's log, XML and JSON so far, as one file in $OUT (renamed into place: a call cut
+  # during tar keeps the previous archive whole)
+  tar czf "$O/.results.tar.gz" -C "$W" . 2>/dev/null && mv -f "$O/.results.tar.gz" "$O/results.tar.gz" 2>/dev/null
 }
 pytest_stage() { # name cap_s tests...
   local name=$1 cap=$2
@@ -109,8 +110,11 @@ if [[ -z $needs_te ]]; then
 elif compgen -G "$S/transformer_engine/wheel_lib/transformer_engine_torch*.so" >/dev/null; then
   echo "built before" >"$W/te_build.log"
   true &
-else  # its own process group: stopped whole (ninja, nvcc) if it outlives the deadline
-  MAX_JOBS=${MAX_JOBS:-$jobs} setsid bash "$here/device_install.sh" "$K" "$S" build-te >"$W/te_build.log" 2>&1 &
+else  # its own session (setsid -w: waited for, whether it forks or not), its group id written down:
+  # stopped whole (ninja, nvcc) if it outlives the deadline
+  # shellcheck disable=SC2016  # $$ and $@ are the inner shell's
+  MAX_JOBS=${MAX_JOBS:-$jobs} setsid -w bash -c 'echo $$ >"$0"; exec bash "$@"' "$W/te.pgid" \
+    "$here/device_install.sh" "$K" "$S" build-te >"$W/te_build.log" 2>&1 &
 fi
 te=$!
 export PYTHONPATH=$PWD:$S
@@ -123,7 +127,7 @@ while kill -0 "$te" 2>/dev/null && (($(left) > 30)); do
   sleep 2
 done
 if kill -0 "$te" 2>/dev/null; then
-  kill -- -"$te" 2>/dev/null || kill "$te"
+  kill -- -"$(cat "$W/te.pgid" 2>/dev/null || echo "$te")" 2>/dev/null || kill "$te"
   wait "$te"
   te_rc=124
   echo "stopped: the deadline came first" >>"$W/te_build.log"
