@@ -77,7 +77,8 @@ class ProxySession:
     engine: Any
     gconfig: GenerationHyperparameters
     base_url: str
-    sampling_overrides: bool = True   # False: temperature/top_p/top_k of requests are ignored (the policy's own)
+    sampling_overrides: bool = False  # True: requests' temperature / top_p / top_k are used (off-policy
+    #                                   for the trainer, whose logprobs assume the policy's own sampling)
     log: InteractionLog = field(default_factory=InteractionLog)
     tool_call_failures: list[str] = field(default_factory=list)  # why a tool call in the output did not parse
     num_tool_calls: int = 0  # tool calls parsed and returned to the agent as `tool_calls`
@@ -154,7 +155,7 @@ class OpenAIProxy:
 
     # --- sessions --------------------------------------------------------------------------
     def start_session(
-        self, engine: Any, gconfig: GenerationHyperparameters | None = None, *, sampling_overrides: bool = True
+        self, engine: Any, gconfig: GenerationHyperparameters | None = None, *, sampling_overrides: bool = False
     ) -> ProxySession:
         if not self.started:
             raise RuntimeError("OpenAIProxy.start() must be awaited before sessions are opened")

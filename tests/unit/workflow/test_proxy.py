@@ -65,14 +65,14 @@ async def test_concurrent_sessions_do_not_mix(proxy, tok):
 
 async def test_sampling_parameters_reach_the_engine(proxy, tok):
     eng = ScriptedEngine.from_text(tok, lambda p: "1 2 3 4 5 6 7 8 9")
-    s = proxy.start_session(eng)
+    s = proxy.start_session(eng, sampling_overrides=True)
     out = await client(s).chat.completions.create(
         model="m", messages=MSGS, max_tokens=3, temperature=0.0, top_p=0.5, stop=["x"]
     )
     g = eng.requests[0].gconfig
     assert (g.max_new_tokens, g.temperature, g.greedy, g.top_p, g.stop) == (3, 0.0, True, 0.5, ["x"])
     assert out.choices[0].finish_reason == "length" and out.choices[0].message.content == "1 2 3"
-    locked = proxy.start_session(eng, sampling_overrides=False)
+    locked = proxy.start_session(eng)  # the default (a Trinity workflow's openai client too): the policy's own
     await client(locked).chat.completions.create(model="m", messages=MSGS, temperature=0.0, max_tokens=2)
     assert eng.requests[-1].gconfig.temperature == 1.0 and eng.requests[-1].gconfig.max_new_tokens == 2
 
