@@ -187,11 +187,12 @@ def test_sft_and_dpo_runs_commit_async_saves_only_once_written(tmp_path, monkeyp
 def test_a_sigtermed_sft_run_exits_143_and_keeps_the_async_save_already_written(tmp_path, monkeypatch):
     """SIGTERM (a Slurm time limit) killed an SFT / DPO run at once: no teardown, and the save whose
     shards were written was lost (it is committed only at the next step's poll)."""
-    assert _offline(tmp_path, monkeypatch, _Flaky(after=0), _Job(fail_at=3)) == 143
-    assert CheckpointManager(tmp_path / "run" / "checkpoints").resolve_resume("auto").name == "step_000002"
     import signal
 
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is the run's alone
+    before = signal.getsignal(signal.SIGTERM)  # (an earlier test in the process may have installed one)
+    assert _offline(tmp_path, monkeypatch, _Flaky(after=0), _Job(fail_at=3)) == 143
+    assert CheckpointManager(tmp_path / "run" / "checkpoints").resolve_resume("auto").name == "step_000002"
+    assert signal.getsignal(signal.SIGTERM) is before  # the run's handler is gone with it
 
 
 def test_an_export_the_last_run_did_not_finish_is_written_on_resume(tmp_path, monkeypatch):
