@@ -156,7 +156,8 @@ class _Job:
         return None
 
 
-def _offline(tmp_path, monkeypatch, trainer, job):
+def _offline(tmp_path, monkeypatch, trainer, job, *overrides):
+    """run_offline on stand-ins (no ranks); `overrides` after the defaults (async saves every 2 of 4 steps)."""
     from types import SimpleNamespace
 
     from mlrl.config import load_config
@@ -171,7 +172,8 @@ def _offline(tmp_path, monkeypatch, trainer, job):
     monkeypatch.setattr(offline, "check_model_init_from", lambda *a, **k: None)
     cfg = load_config(None, [f"logging.run_dir={tmp_path / 'run'}", "trainer.total_steps=4", "checkpoint.save_every=2",
                              "checkpoint.async_save=true", "checkpoint.hf_export_at_end=false",
-                             "logging.tensorboard=false", "logging.plot=false", "logging.progress_bar=false"])
+                             "logging.tensorboard=false", "logging.plot=false", "logging.progress_bar=false",
+                             *overrides])
     return offline.run_offline(cfg, SimpleNamespace(trainer_devices=None), lambda hf: job)
 
 
@@ -225,22 +227,8 @@ def test_the_offline_job_writes_the_missing_final_export_on_resume(tmp_path, mon
     tmp = manager.begin(4)
     (tmp / "model_optim").mkdir()
     manager.commit(tmp, 4, {"kind": "sft", "step": 4, "sampler": {"epoch": 0, "index": 4, "consumed": 4}})
-    # resume=auto finds step 4; the config's hf_export_at_end (default) makes its export due
-    from types import SimpleNamespace
-
-    from mlrl.config import load_config
-    from mlrl.jobs import offline
-
-    monkeypatch.setattr(offline, "TrainerGroup", lambda *a, **k: SimpleNamespace(close=lambda: None))
-    monkeypatch.setattr(offline, "TrainerClient", lambda group: trainer)
-    monkeypatch.setattr(offline, "rank_env", lambda *a, **k: {})
-    monkeypatch.setattr(offline, "Placement", lambda: SimpleNamespace(host="127.0.0.1", trainer_env={},
-                                                                      spawn_trainer=None, close=lambda: None))
-    monkeypatch.setattr(offline, "resolve_model_dir", lambda spec: tmp_path)
-    monkeypatch.setattr(offline, "check_model_init_from", lambda *a, **k: None)
-    cfg = load_config(None, [f"logging.run_dir={tmp_path / 'run'}", "trainer.total_steps=4",
-                             "logging.tensorboard=false", "logging.plot=false", "logging.progress_bar=false"])
+    # resume=auto finds step 4; hf_export_at_end makes its export due
     with caplog.at_level("WARNING"):
-        assert offline.run_offline(cfg, SimpleNamespace(trainer_devices=None), lambda hf: _Job()) == 0
+        assert _offline(tmp_path, monkeypatch, trainer, _Job(), "checkpoint.hf_export_at_end=true") == 0
     assert exported == ["step_000004"]
     assert "the random state was not restored" in caplog.text  # what the resume did not bring back is said
