@@ -39,7 +39,7 @@ from mlrl.registry import LookupFailed
 from mlrl.reward.model import ClassifierJudge, ModelJudge, set_active_judge
 from mlrl.rollout.pool import EnginePool
 from mlrl.trainer.driver.client import CriticClient, MegatronWeightSource, TrainerClient
-from mlrl.trainer.driver.group import TrainerGroup, rank_env
+from mlrl.trainer.driver.group import rank_env, start_group
 from mlrl.weight_sync import make_weight_sync
 from mlrl.workflow import EpisodeRunner, build_workflow_from_config, gconfig_from_sampling, load_hf_tokenizer
 from mlrl.workflow.failures import EpisodeFailures
@@ -227,9 +227,9 @@ async def _run(cfg: Config, layout: Layout, early: EarlyStart) -> int:
                                     runner="pooling" if rm.kind == "classifier" else None)
         pool_started = asyncio.create_task(clock.span("engines", pool.start(), since=engines_since))
         judge_started = asyncio.create_task(judge_pool.start()) if judge_pool is not None else None
+        starting = [t for t in (pool_started, judge_started) if t is not None]
         try:
-            group = await clock.span("trainer", asyncio.to_thread(
-                TrainerGroup,
+            group = await clock.span("trainer", start_group(
                 dump_yaml(cfg),
                 layout.trainer_devices,
                 run_dir=run_dir,
@@ -237,10 +237,13 @@ async def _run(cfg: Config, layout: Layout, early: EarlyStart) -> int:
                 env=rank_env(cfg, placement.trainer_env),
                 spawn=placement.spawn_trainer,
             ))
-        finally:
-            await pool_started
-            if judge_started is not None:
-                await judge_started
+        except BaseException:  # SIGTERM or a failed trainer start: the engines' start is not waited for
+            for t in starting:  # (their processes are stopped by the pools' shutdown below)
+                t.cancel()
+            await asyncio.gather(*starting, return_exceptions=True)
+            raise
+        for t in starting:
+            await t
         if judge_pool is not None and cfg.reward_model is not None:
             rm = cfg.reward_model
             set_active_judge(

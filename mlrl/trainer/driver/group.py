@@ -16,6 +16,8 @@ This module imports no megatron: the driver stays light.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import inspect
 import os
 import secrets
@@ -23,6 +25,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Concatenate, ParamSpec, Protocol, Sequence, TypeVar
@@ -103,7 +106,11 @@ class TrainerGroup:
     """
 
     def __init__(self, config_yaml: str, world_size: int, *, run_dir: str | Path, host: str = "127.0.0.1",
-                 start_timeout_s: float = 300.0, env: dict[str, str] | None = None, spawn: SpawnRanks | None = None):
+                 start_timeout_s: float = 300.0, env: dict[str, str] | None = None, spawn: SpawnRanks | None = None,
+                 cancel: threading.Event | None = None):
+        """Starts the ranks and waits until every one said hello. `cancel` (set from another thread:
+        `start_group`, on SIGTERM) stops the wait, kills the ranks and raises TrainerError; so does
+        anything raised while waiting (an SFT run's SIGTERM handler): the ranks are not left behind."""
         self.world_size = world_size
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -122,13 +129,17 @@ class TrainerGroup:
         service_args = ["-m", "mlrl.trainer.rank.service", "--connect", f"{host_}:{port}"]
         full_env = dict(env or {})
         full_env[TOKEN_ENV] = self._token.hex()
-        if spawn is None:
-            self._procs = LocalTorchrun(world_size, service_args, full_env, self.run_dir / "trainer.log")
-        else:
-            self._procs = spawn(service_args, full_env)
-        self._accept_all(start_timeout_s)
+        try:
+            if spawn is None:
+                self._procs = LocalTorchrun(world_size, service_args, full_env, self.run_dir / "trainer.log")
+            else:
+                self._procs = spawn(service_args, full_env)
+            self._accept_all(start_timeout_s, cancel or threading.Event())
+        except BaseException:
+            self.close(timeout_s=0)  # ranks still starting have nothing to finish: killed at once
+            raise
 
-    def _accept_all(self, timeout_s: float) -> None:
+    def _accept_all(self, timeout_s: float, cancel: threading.Event) -> None:
         conns: dict[int, Connection] = {}
         err: list[BaseException] = []
 
@@ -153,10 +164,13 @@ class TrainerGroup:
 
         t = threading.Thread(target=accept, daemon=True)
         t.start()
-        t.join(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while t.is_alive() and not cancel.is_set() and time.monotonic() < deadline:
+            t.join(min(0.2, max(0.0, deadline - time.monotonic())))
+        if cancel.is_set() and t.is_alive():
+            raise TrainerError(f"trainer start cancelled with {len(conns)}/{self.world_size} ranks up")
         if len(conns) < self.world_size or err:
             tail = self.log_tail()
-            self.close()
             why = (
                 f"{type(err[0]).__name__}: {err[0]}"
                 if err
@@ -250,6 +264,26 @@ class TrainerGroup:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+async def start_group(*args: Any, **kwargs: Any) -> TrainerGroup:
+    """`TrainerGroup(*args, **kwargs)` in a thread, for the asyncio driver. When the awaiting task is
+    cancelled (an RL run's SIGTERM), the start is cancelled too and waited for, and a group that was
+    built anyway is closed, before CancelledError goes on: the teardown never waits on a start
+    nobody will use, and no rank outlives the run. (A plain `asyncio.to_thread` would leave the
+    thread waiting up to start_timeout_s and hand its group to nobody.)"""
+    cancel = threading.Event()
+    built = asyncio.get_running_loop().run_in_executor(None, lambda: TrainerGroup(*args, cancel=cancel, **kwargs))
+    try:
+        return await asyncio.shield(built)
+    except asyncio.CancelledError:
+        cancel.set()
+        group = None
+        with contextlib.suppress(Exception):
+            group = await built
+        if group is not None:
+            await asyncio.to_thread(group.close)
+        raise
 
 
 def _service_method_name(method: Callable[..., Any]) -> str:

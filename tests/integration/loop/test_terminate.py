@@ -87,3 +87,58 @@ def test_sigterm_tears_the_whole_run_down(tmp_path):
     assert not left, [Path(f"/proc/{c}/cmdline").read_bytes()[:120] for c in left if _alive(c)]
     lines = metrics.read_text().splitlines()
     assert len(lines) >= 2 and all(json.loads(line)["step"] == i + 1 for i, line in enumerate(lines))
+
+
+def test_sigterm_while_the_trainer_starts_stops_at_once(tmp_path):
+    """SIGTERM during start-up, while the trainer ranks are still importing megatron and the
+    engine is still loading: the run stops without waiting for either to come up, and none of
+    their processes is left behind. Before, the trainer's start went on in its thread, whatever it
+    built was closed by nobody, and the teardown first waited for the engines to be ready."""
+    run_dir = tmp_path / "run"
+    before = _trainer_processes()
+    cmd = [sys.executable, "-m", "mlrl.launch", "--config", "launch/cpu_default.yaml", "trainer.total_steps=5",
+           "logging.progress_bar=false", "rollout.startup_timeout_s=600", f"logging.run_dir={run_dir}"]
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ))
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "trainer_config.yaml").exists():  # written just before torchrun starts
+            assert p.poll() is None, f"the run ended early ({p.returncode}): {p.stderr.read()[-3000:]}"
+            assert time.monotonic() < deadline, "the trainer did not start within 300 s"
+            time.sleep(0.05)
+        time.sleep(1.0)  # torchrun and its rank are up, importing
+        started = _descendants(p.pid)
+        names = {Path(f"/proc/{c}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                 for c in started if _alive(c)}
+        assert any("torch.distributed.run" in n for n in names), names
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=180)
+        took = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 143, f"exit status {p.returncode}:\n{err[-3000:]}"
+    assert "Traceback" not in err, err[-3000:]
+    assert not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text().strip()
+    assert took < 20, f"{took:.1f} s from SIGTERM to exit"
+    deadline = time.monotonic() + 15  # a rank torchrun started after the snapshot is orphaned, not a descendant
+    while ((left := [c for c in started if _alive(c)] + sorted(_trainer_processes() - before))
+           and time.monotonic() < deadline):
+        time.sleep(0.2)
+    assert not left, [Path(f"/proc/{c}/cmdline").read_bytes()[:120] for c in left if _alive(c)]
+
+
+def _trainer_processes() -> set[int]:
+    """Live torchrun agents and trainer ranks on this machine, whoever their parent is now."""
+    out = set()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and _alive(int(d.name)):
+            try:
+                cmd = (d / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"torch.distributed.run" in cmd or b"mlrl.trainer.rank.service" in cmd:
+                out.add(int(d.name))
+    return out

@@ -1,0 +1,126 @@
+"""TrainerGroup's start is stoppable: a cancel (an RL run's SIGTERM, through `start_group`) or an
+exception raised while it waits (an SFT run's SIGTERM handler) kills the ranks at once instead of
+waiting start_timeout_s for them and leaving them to nobody. Stand-in rank processes (the spawn
+hook Ray's placement uses) that never connect, so no torchrun is needed."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from mlrl.trainer.driver import group as group_mod
+from mlrl.trainer.driver.group import TrainerError, TrainerGroup, start_group
+
+
+class NeverConnect:
+    """Rank processes that never call back (still importing megatron, say)."""
+
+    def __init__(self) -> None:
+        self.killed = threading.Event()
+
+    def wait(self, timeout_s: float) -> bool:
+        return self.killed.is_set()
+
+    def kill(self) -> None:
+        self.killed.set()
+
+    def log_tail(self, lines: int = 40) -> str:
+        return ""
+
+
+def _spawner(made: list[NeverConnect]):
+    def spawn(args: list[str], env: dict[str, str]) -> NeverConnect:
+        made.append(NeverConnect())
+        return made[-1]
+
+    return spawn
+
+
+def test_a_cancelled_start_kills_the_ranks_at_once(tmp_path: Path) -> None:
+    made: list[NeverConnect] = []
+    cancel = threading.Event()
+    threading.Timer(0.3, cancel.set).start()
+    t0 = time.monotonic()
+    with pytest.raises(TrainerError, match="cancelled with 0/2 ranks up"):
+        TrainerGroup("x: 1\n", 2, run_dir=tmp_path, start_timeout_s=60, spawn=_spawner(made), cancel=cancel)
+    assert time.monotonic() - t0 < 5  # not the 60 s start timeout
+    assert made and made[0].killed.is_set()
+
+
+def test_the_start_timeout_still_applies_without_a_cancel(tmp_path: Path) -> None:
+    made: list[NeverConnect] = []
+    with pytest.raises(TrainerError, match="only 0/1 ranks connected within 1 s"):
+        TrainerGroup("x: 1\n", 1, run_dir=tmp_path, start_timeout_s=1, spawn=_spawner(made))
+    assert made[0].killed.is_set()
+
+
+class _Terminated(BaseException):
+    pass
+
+
+def test_an_exception_raised_while_waiting_kills_the_ranks(tmp_path: Path) -> None:
+    """As the SFT / DPO SIGTERM handler does: it raises in the main thread, inside the wait."""
+    made: list[NeverConnect] = []
+
+    def on_alarm(*_: object) -> None:
+        raise _Terminated
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, 0.3)
+    try:
+        with pytest.raises(_Terminated):
+            TrainerGroup("x: 1\n", 1, run_dir=tmp_path, start_timeout_s=60, spawn=_spawner(made))
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert made[0].killed.is_set()
+
+
+def test_start_group_cancelled_stops_the_start_and_returns_promptly(tmp_path: Path) -> None:
+    made: list[NeverConnect] = []
+
+    async def main() -> float:
+        task = asyncio.create_task(start_group("x: 1\n", 1, run_dir=tmp_path, start_timeout_s=60,
+                                               spawn=_spawner(made)))
+        await asyncio.sleep(0.3)
+        t0 = time.monotonic()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return time.monotonic() - t0
+
+    assert asyncio.run(main()) < 5  # the start thread is done: asyncio.run's executor shutdown does not wait
+    assert made[0].killed.is_set()
+
+
+def test_start_group_closes_a_group_built_while_it_was_cancelled(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cancel came after the ranks were up: the built group is closed, not dropped."""
+    closed = threading.Event()
+    release = threading.Event()
+
+    class Built:
+        def __init__(self, *args: object, cancel: threading.Event, **kwargs: object) -> None:
+            release.wait(5)  # finishes regardless of cancel
+
+        def close(self) -> None:
+            closed.set()
+
+    monkeypatch.setattr(group_mod, "TrainerGroup", Built)
+
+    async def main() -> None:
+        task = asyncio.create_task(start_group("x: 1\n", 1, run_dir=tmp_path))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        await asyncio.sleep(0.1)
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert closed.is_set()
