@@ -316,8 +316,9 @@ class WeightSyncConfig:
 @dataclass
 class DynamicSamplingConfig:
     enabled: bool = False
-    """Drop prompt groups whose rewards are all equal (no group-relative signal) and generate more
-    prompts until trainer.prompts_per_step informative groups are kept (False = off)."""
+    """Drop prompt groups whose task rewards (before overlong shaping) are all equal (no
+    group-relative signal about the task) and generate more prompts until
+    trainer.prompts_per_step informative groups are kept (False = off)."""
     max_rounds: int = 4
     """Generation rounds per step at most (sync: batches of the missing prompts; async: groups
     taken = max_rounds * prompts_per_step); then the step trains on what was kept."""
@@ -363,9 +364,11 @@ class AlgorithmConfig:
     icepop_high: float = 5.0
     """ICEPOP (rollout_is=icepop): tokens whose train/rollout probability ratio is above this are masked out."""
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
-    """DAPO dynamic sampling: drop groups whose rewards are all equal and refill the batch."""
+    """DAPO dynamic sampling: drop groups whose rewards (the workflow's scores, before overlong
+    shaping) are all equal and refill the batch."""
     overlong_buffer: int = 0
-    """DAPO overlong shaping: tokens before max_new_tokens where the penalty starts (0 = off)."""
+    """DAPO overlong shaping: tokens before max_new_tokens where the penalty starts (0 = off); a
+    sample is measured by its longest generation (a multi-turn sample by its longest turn)."""
     overlong_penalty: float = 1.0
     """Maximum overlong penalty."""
     gamma: float = 1.0

@@ -85,8 +85,12 @@ def layout_fields(arch: ModelArch, model: ModelConfig, parallel: ParallelConfig,
         moe_token_dispatcher_type="alltoall",
     )
     if arch.is_moe:
-        fields.update(moe_grouped_gemm=gpu, moe_permute_fusion=False,
-                      moe_router_dtype="fp32")
+        # no load-balancing loss, on either path (the built-in spec sets the same; a megatron-bridge
+        # provider would take the HF config's aux-loss coefficient): megatron scales that loss by 1
+        # per micro-batch under calculate_per_token_loss and DDP sums it over DP, so its weight
+        # against mlrl's step-normalised loss would depend on the split
+        fields.update(moe_grouped_gemm=gpu, moe_permute_fusion=False, moe_router_dtype="fp32",
+                      moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
     if trainer.recompute == "selective":
         fields.update(recompute_granularity="selective")
     elif trainer.recompute == "full":

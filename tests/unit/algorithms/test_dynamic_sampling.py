@@ -60,3 +60,36 @@ def test_rollout_metrics_report_the_task_reward_after_shaping():
     apply_overlong_shaping(samples, 10, 4)   # the second sample: reward 1.0 - 1.0, no longer "> 0"
     after = summarize([GroupResult("a", {}, episodes)])
     assert before["reward/mean"] == after["reward/mean"] == 1.0 and after["reward/accuracy"] == 1.0
+
+
+def test_filter_groups_compares_the_task_reward_not_the_length_shaped_one():
+    """Four correct answers, one inside the overlong buffer: shaped rewards [1, 1, 1, .875] differ,
+    but the group says nothing about the task (DAPO keeps 0 < |correct| < G; verl's recipe
+    filters on acc). Before, it was kept and GRPO gave it advantages [.5, .5, .5, -1.5]."""
+    group = [_s(1.0, "a", n_resp=n) for n in (20, 30, 40, 50)]
+    assert apply_overlong_shaping(group, 64, 16) == 1
+    assert [s.reward for s in group] == pytest.approx([1, 1, 1, 0.875])
+    assert filter_groups(group) == ([], 1)
+    mixed = [_s(1.0, "b", n_resp=20), _s(0.0, "b", n_resp=50)]  # a real correctness spread stays
+    apply_overlong_shaping(mixed, 64, 16)
+    assert filter_groups(mixed) == (mixed, 0)
+
+
+def _turns(*lengths):
+    """A multi-turn sample: a prompt token, then each turn's policy tokens after 3 masked tool tokens."""
+    mask = [0]
+    for n in lengths:
+        mask += [0, 0, 0] + [1] * n
+    return Sample(tokens=[0] * len(mask), loss_mask=mask, rollout_logprobs=[0.0] * len(mask),
+                  versions=[0 if m else -1 for m in mask], reward=1.0, group_id="t")
+
+
+def test_overlong_shaping_measures_the_longest_turn_of_a_multi_turn_sample():
+    """max_new_tokens limits each request: three 30-token turns under a 64-token limit were
+    penalised -1.0 for their 90 tokens in all; now only a turn inside the buffer is penalised."""
+    from mlrl.algorithms.sampling import longest_generation
+
+    three, long_one = _turns(30, 30, 30), _turns(10, 60, 5)
+    assert (longest_generation(three), longest_generation(long_one)) == (30, 60)
+    assert apply_overlong_shaping([three, long_one], 64, 16) == 1
+    assert three.reward == 1.0 and long_one.reward == pytest.approx(1.0 + (48 - 60) / 16)

@@ -125,3 +125,16 @@ def test_validation_refuses_deterministic_false_on_cpu():
         validate(c, has_cuda=False)
     c.trainer.deterministic = "auto"
     validate(c, has_cuda=False)
+
+
+def test_moe_layout_fields_turn_the_load_balancing_loss_off_on_both_paths():
+    """The megatron-bridge path sets these fields over its provider, which would otherwise keep the
+    HF config's router aux-loss coefficient: under calculate_per_token_loss megatron weighs that
+    loss once per micro-batch and DDP sums it over DP, so it would grow with the split."""
+    c = _cfg("float32", True)
+    _, moe = spec_for(hf_config_dict("builtin:tiny-qwen3-moe"))
+    f = model_mod.layout_fields(moe, c.model, c.parallel, c.trainer, resolve_layout(c))
+    assert (f["moe_router_load_balancing_type"], f["moe_aux_loss_coeff"]) == ("none", 0.0)
+    _, dense = spec_for(hf_config_dict("builtin:tiny-llama"))
+    assert "moe_aux_loss_coeff" not in model_mod.layout_fields(dense, c.model, c.parallel, c.trainer,
+                                                               resolve_layout(c))
