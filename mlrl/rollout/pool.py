@@ -361,16 +361,19 @@ class EnginePool:
         if bad:
             return [_failed(r, bad, t0) for r in resps]
         self.stats["requests"] += n
+        settled: set[int] = set()  # samples that finished before a timeout (a response is STOP until set)
         try:
-            return await asyncio.wait_for(self._run_group(one, resps, t0), timeout=self.cfg.request_timeout_s)
+            return await asyncio.wait_for(self._run_group(one, resps, t0, settled),
+                                          timeout=self.cfg.request_timeout_s)
         except asyncio.TimeoutError:
             self.stats["timeouts"] += 1
             msg = f"request {req.rid} timed out after {self.cfg.request_timeout_s:.0f} s (rollout.request_timeout_s)"
-            return [r if r.stop_reason is not None else _failed(r, msg, t0) for r in resps]
+            return [r if i in settled else _failed(r, msg, t0) for i, r in enumerate(resps)]
         finally:
             self._user_aborted.discard(req.rid)
 
-    async def _run_group(self, req: ModelRequest, resps: list[ModelResponse], t0: float) -> list[ModelResponse]:
+    async def _run_group(self, req: ModelRequest, resps: list[ModelResponse], t0: float,
+                         settled: set[int]) -> list[ModelResponse]:
         g, n = req.gconfig, len(resps)
         failovers = attempt = 0
         while True:
@@ -418,7 +421,12 @@ class EnginePool:
             alone = req if g.seed is None else dataclasses.replace(req, gconfig=g.new(seed=g.seed + i))
             return await self._run(dataclasses.replace(alone, rid=resp.rid), resp, t0)
 
-        return list(await asyncio.gather(*(settle(i, r, s) for i, (r, s) in enumerate(zip(resps, segs)))))
+        async def settle_one(i: int, resp: ModelResponse, seg: Segment) -> ModelResponse:
+            out = await settle(i, resp, seg)
+            settled.add(i)
+            return out
+
+        return list(await asyncio.gather(*(settle_one(i, r, s) for i, (r, s) in enumerate(zip(resps, segs)))))
 
     async def achat(self, messages: list[dict[str, Any]], gconfig: GenerationHyperparameters | None = None, *,
                     session_id: str | None = None, rid: str | None = None, **template_kwargs: Any) -> ModelResponse:

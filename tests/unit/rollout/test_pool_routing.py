@@ -250,6 +250,16 @@ async def test_request_timeout_is_an_error_response(make_pool):
     await pool.resume()
 
 
+async def test_a_timed_out_group_fails_its_unfinished_samples(make_pool):
+    """Before, a group's timeout returned every unfinished sample as finished (STOP, the response's
+    default), with its partial tokens or none: rlvr scored and trained them as complete answers."""
+    pool = await make_pool(num_engines=1, timeout_s=1.0, delay_s=0.05)
+    resps = await pool.agenerate_group(_group([1, 2], 100, samples=3))  # 100 tokens take 5 s
+    assert [r.stop_reason for r in resps] == [StopReason.ERROR] * 3
+    assert all("timed out" in r.error for r in resps)
+    assert pool.stats["timeouts"] == 1
+
+
 async def test_chat_variant_and_stale_engines(make_pool):
     pool = await make_pool(num_engines=1)
     resp = await pool.achat([{"role": "user", "content": "hello"}], GenerationHyperparameters(max_new_tokens=4))
