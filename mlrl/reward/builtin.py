@@ -106,12 +106,27 @@ def gsm8k_gold(answer: Any) -> Fraction | None:
     return n if n is not None else last_number(s)
 
 
+_HEADING = re.compile(r"\s*(?:[^\W\d_]|\d+[.)]\s+[^\W\d_])")  # '#### Step 2: ...', '#### 2. Cost of ...'
+
+
+def hash_answer_line(completion: str) -> str | None:
+    """The text after the last GSM8K answer marker `#### ` (to the end of its line) that holds a
+    number. A markdown level-4 heading (`#### Step 2: ...`, `#### 2. Cost of pears`: a word, or
+    a numbered title) is not an answer marker: a model that writes headings and answers in
+    `\\boxed{}` (what mlrl's gsm8k prompt asks for) was scored on a number in a heading."""
+    for part in reversed(completion.split("####")[1:]):
+        line = part.split("\n")[0]
+        if not _HEADING.match(line) and last_number(line) is not None:
+            return line.strip()
+    return None
+
+
 def extract_final_number(completion: str) -> Fraction | None:
-    """The model's final numeric answer: `#### n`, else the last `\\boxed{}`, else the last number."""
-    if "####" in completion:
-        n = last_number(completion.rsplit("####", 1)[1].split("\n")[0])
-        if n is not None:
-            return n
+    """The model's final numeric answer: `#### n` (`hash_answer_line`), else the last `\\boxed{}`,
+    else the last number."""
+    line = hash_answer_line(completion)
+    if line is not None:
+        return last_number(line)
     boxed = extract_boxed(completion)
     if boxed is not None:
         n = parse_number(boxed)
@@ -222,12 +237,11 @@ def math_equal(reference: Any, candidate: str) -> bool | None:
 
 def final_answer_text(completion: str) -> str | None:
     """The span holding the model's final answer, in `extract_final_number`'s order: the text
-    after the last `####` (to the end of its line), else the last `\\boxed{}`'s content, else the
+    after the last `####` answer marker (`hash_answer_line`), else the last `\\boxed{}`'s content, else the
     last number — a span is skipped when it holds no number (GSM8K answers are numeric)."""
-    if "####" in completion:
-        line = completion.rsplit("####", 1)[1].split("\n")[0].strip()
-        if last_number(line) is not None:
-            return line
+    line = hash_answer_line(completion)
+    if line is not None:
+        return line
     boxed = extract_boxed(completion)
     if boxed is not None and last_number(boxed) is not None:
         return boxed

@@ -48,6 +48,11 @@ def test_exact_match(completion, answer, expected):
         ("$10.00", "10", 1.0),
         ("no number here", "3", 0.0),
         ("-4 degrees", "-4", 1.0),
+        # a markdown heading is not GSM8K's answer marker: before, its number beat the \boxed{} answer
+        ("#### Step 1: apples\n#### Step 2: Cost of pears\n3 * 24 = 72\n\\boxed{72}.", "72", 1.0),
+        ("#### Step 3: add\n2 + 3 = 5\n\\boxed{5}", "3", 0.0),
+        ("#### 2. Cost of pears\n\\boxed{9}", "9", 1.0),        # a numbered heading
+        ("#### 72\n\n#### Note: checked", "72", 1.0),             # the last marker that holds an answer
     ],
 )
 def test_gsm8k(completion, answer, expected):
