@@ -529,7 +529,8 @@ class WorkflowConfig:
     max_failure_fraction: float = 0.5
     """A training step whose share of failed episodes (error or timeout) exceeds this, for
     `max_failure_steps` steps in a row, stops the run (exit 1, the first failure's traceback on
-    stderr). A step in which every episode failed always stops it: nothing is trained on nothing."""
+    stderr). A step in which every episode failed always stops it: nothing is trained on nothing
+    (an episode none of whose reward calls gave a score counts as failed there)."""
     max_failure_steps: int = 3
     """Consecutive steps above `max_failure_fraction` that stop the run."""
 

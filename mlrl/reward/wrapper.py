@@ -39,7 +39,7 @@ import threading
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, cast
 
@@ -56,11 +56,18 @@ class RewardStats:
     calls: int = 0
     failures: int = 0   # the function raised, returned a non-number, or the pool died twice
     timeouts: int = 0
+    first_error: str = field(default="", compare=False)  # what the first failure or timeout was
 
     def add(self, other: "RewardStats") -> None:
         self.calls += other.calls
         self.failures += other.failures
         self.timeouts += other.timeouts
+        self.first_error = self.first_error or other.first_error
+
+    @property
+    def all_failed(self) -> bool:
+        """Every reward call failed or timed out (each scored 0.0): nothing was scored."""
+        return self.calls > 0 and self.failures + self.timeouts >= self.calls
 
 
 GLOBAL_REWARD_STATS = RewardStats()
@@ -82,10 +89,11 @@ def collect_reward_stats() -> Iterator[RewardStats]:
         _CURRENT.reset(token)
 
 
-def _count(field: str) -> None:
+def _count(name: str, why: str = "") -> None:
     for st in (GLOBAL_REWARD_STATS, _CURRENT.get()):
         if st is not None:
-            setattr(st, field, getattr(st, field) + 1)
+            setattr(st, name, getattr(st, name) + 1)
+            st.first_error = st.first_error or why
 
 
 def default_max_workers() -> int:
@@ -204,9 +212,12 @@ class AsyncRewardWrapper:
     def timeout_seconds(self) -> float:
         return self.timeout
 
-    def _bump(self, field: str) -> None:
-        setattr(self.stats, field, getattr(self.stats, field) + 1)
-        _count(field)
+    def _bump(self, name: str, why: str = "") -> None:
+        """Count a call, failure or timeout; `why` (a failure's or timeout's message, the first one
+        kept) names it in the run's stop message when every reward call of a step fails."""
+        setattr(self.stats, name, getattr(self.stats, name) + 1)
+        self.stats.first_error = self.stats.first_error or why
+        _count(name, why)
 
     async def __call__(self, *args: Any, **kwargs: Any) -> float:
         with ACTIVITY.busy("reward"):  # timing/reward (mlrl.metrics.timer)
@@ -268,21 +279,25 @@ class AsyncRewardWrapper:
         else:
             status, value = await self._run(partial(self.reward_fn, *args, **kwargs), self.timeout)
         if status == "timeout":
-            self._bump("timeouts")
-            logger.warning("reward %s timed out after %.1fs; reward 0.0", self.name, self.timeout)
+            why = f"reward {self.name} timed out after {self.timeout:.1f}s"
+            self._bump("timeouts", why)
+            logger.warning("%s; reward 0.0", why)
             return 0.0
         if status == "broken":
-            self._bump("failures")
-            logger.warning("reward %s: process pool broke twice; reward 0.0", self.name)
+            why = f"reward {self.name}: process pool broke twice"
+            self._bump("failures", why)
+            logger.warning("%s; reward 0.0", why)
             return 0.0
         if status == "raised":
-            self._bump("failures")
-            logger.warning("reward %s raised %s: %s; reward 0.0", self.name, type(value).__name__, value)
+            why = f"reward {self.name} raised {type(value).__name__}: {value}"
+            self._bump("failures", why)
+            logger.warning("%s; reward 0.0", why)
             return 0.0
         score = _finite(value)
         if score is None:
-            self._bump("failures")
-            logger.warning("reward %s returned %r (expected a finite number); reward 0.0", self.name, value)
+            why = f"reward {self.name} returned {value!r} (expected a finite number)"
+            self._bump("failures", why)
+            logger.warning("%s; reward 0.0", why)
             return 0.0
         return score
 
@@ -305,10 +320,11 @@ class AsyncRewardWrapper:
             budget = self.timeout * len(calls)
             status, outcomes = await self._run(job, budget)
             if status != "ok":
+                why = (f"reward {self.name}: {len(calls)} calls "
+                       + (f"timed out after {budget:.1f}s" if status == "timeout" else f"failed ({status})"))
                 for _ in calls:
-                    self._bump("timeouts" if status == "timeout" else "failures")
-                logger.warning("reward %s: %d calls %s; reward 0.0", self.name, len(calls),
-                               f"timed out after {budget:.1f}s" if status == "timeout" else f"failed ({status})")
+                    self._bump("timeouts" if status == "timeout" else "failures", why)
+                logger.warning("%s; reward 0.0", why)
                 return [0.0] * len(calls)
             out = []
             for ok, value in outcomes:
@@ -318,8 +334,9 @@ class AsyncRewardWrapper:
                         out.append(score)
                         continue
                     value = f"returned {value!r} (expected a finite number)"
-                self._bump("failures")
-                logger.warning("reward %s: %s; reward 0.0", self.name, value)
+                why = f"reward {self.name}: {value}"
+                self._bump("failures", why)
+                logger.warning("%s; reward 0.0", why)
                 out.append(0.0)
             return out
 

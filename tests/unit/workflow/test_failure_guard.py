@@ -66,3 +66,54 @@ def test_a_good_step_resets_the_count_and_an_empty_step_is_ignored():
     guard.observe(4, [])         # no episodes (nothing to judge)
     with pytest.raises(EpisodeFailures, match="step 5"):
         guard.observe(5, _step(6))
+
+
+def _scored(reward_fn, n: int) -> list:
+    """The stats of n episodes each scoring one completion with the real reward wrapper (in a thread)."""
+    import asyncio
+
+    from mlrl.reward import collect_reward_stats
+    from mlrl.reward.wrapper import AsyncRewardWrapper
+
+    wrapper = AsyncRewardWrapper(reward_fn, max_workers=0, timeout=5)
+
+    async def one():
+        with collect_reward_stats() as stats:
+            await wrapper("p", "c", [1], [2], answer="7")
+        return stats
+
+    async def main():
+        return [await one() for _ in range(n)]
+
+    return asyncio.run(main())
+
+
+def _bad_reward(prompt, completions, prompt_ids, completion_ids, **data):
+    return data["no_such_column"]
+
+
+def _good_reward(prompt, completions, prompt_ids, completion_ids, **data):
+    return 1.0
+
+
+def test_a_reward_that_fails_on_every_row_stops_the_run():
+    """The wrapper scores a raising reward 0.0 and the episode completes: before, the guard saw 8
+    completed episodes and the run trained on zeros to its end, exit 0."""
+    eps = [EpisodeResult(EpisodeStatus.COMPLETED, reward_stats=st) for st in _scored(_bad_reward, 8)]
+    guard = FailureGuard(max_fraction=0.5, max_steps=3)
+    with pytest.raises(EpisodeFailures, match=r"step 1: all 8 episodes failed") as e:
+        guard.observe(1, [GroupResult("g", {}, eps)])
+    assert "all 1 reward calls of the episode failed; the first: reward _bad_reward raised KeyError" in str(e.value)
+
+
+def test_a_reward_failing_on_some_rows_is_left_to_the_metrics():
+    """A judge's unparsed reply is a reward failure scored 0.0, and the signal the policy learns
+    from: only a step where nothing was scored stops the run."""
+    bad = [EpisodeResult(EpisodeStatus.COMPLETED, reward_stats=st) for st in _scored(_bad_reward, 7)]
+    good = [EpisodeResult(EpisodeStatus.COMPLETED, reward_stats=st) for st in _scored(_good_reward, 1)]
+    guard = FailureGuard(max_fraction=0.5, max_steps=1)
+    for step in range(1, 4):
+        guard.observe(step, [GroupResult("g", {}, bad + good)])
+    errors = [EpisodeResult(EpisodeStatus.ERROR) for _ in range(4)]  # errors and unscored together: all failed
+    with pytest.raises(EpisodeFailures, match="all 8 episodes failed"):
+        FailureGuard(max_fraction=0.9, max_steps=3).observe(1, [GroupResult("g", {}, errors + bad[:4])])
