@@ -38,8 +38,15 @@ class StopReason(str, enum.Enum):
     STOP = "stop"            # EOS or a stop string / token
     LENGTH = "length"        # max_new_tokens or context length reached
     ABORT = "abort"          # aborted by the caller
-    INTERRUPT = "interrupt"  # interrupted by a weight sync; may be resumed as a partial rollout
+    INTERRUPT = "interrupt"  # interrupted and not resumed (the pool closed, or no engine was left):
+    #                          the partial tokens of a request that did not finish, with the error
     ERROR = "error"          # the request failed (message in ModelResponse.error)
+
+    @property
+    def unfinished(self) -> bool:
+        """The request did not end on its own (error, abort, interruption): its tokens are not an
+        answer to score or train. Every workflow's check of a failed request uses this."""
+        return self in (StopReason.ERROR, StopReason.ABORT, StopReason.INTERRUPT)
 
 
 @dataclass

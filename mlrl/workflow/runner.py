@@ -334,7 +334,7 @@ class EpisodeRunner:
             return EpisodeResult(
                 status, samples, result.termination_reason, result.is_correct, dict(result.metrics), dict(result.info)
             )
-        failed = [r for r in responses if r.stop_reason in (StopReason.ERROR, StopReason.ABORT)]
+        failed = [r for r in responses if r.stop_reason.unfinished]
         if failed:
             msg = f"engine request {failed[0].rid} ended with {failed[0].stop_reason.value}: {failed[0].error}"
             return self._error_result("EngineError", msg, "")

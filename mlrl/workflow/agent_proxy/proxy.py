@@ -275,7 +275,7 @@ class OpenAIProxy:
         ]
         resps = await asyncio.gather(*(session.engine.agenerate(r) for r in reqs))
         for r in resps:
-            if r.stop_reason in (StopReason.ERROR, StopReason.ABORT):
+            if r.stop_reason.unfinished:
                 raise ProxyRequestError(
                     502, f"engine request failed ({r.stop_reason.value}): {r.error}", "engine_error"
                 )

@@ -120,7 +120,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
         while True:
             req = ModelRequest(input_ids=list(input_ids), gconfig=gconfig, session_id=session, tokenizer=self.tokenizer)
             resp = await engine.agenerate(req)
-            if resp.stop_reason in (StopReason.ERROR, StopReason.ABORT):
+            if resp.stop_reason.unfinished:
                 # its tokens (partial, or none) are not an answer: nothing to score, train or continue from
                 raise EngineError(f"multi_turn: engine request {resp.rid} (turn {turn + 1}) ended with "
                                   f"{resp.stop_reason.value}: {resp.error}")

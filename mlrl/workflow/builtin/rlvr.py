@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mlrl.reward import AsyncRewardWrapper, get_reward_fn, reward_data
-from mlrl.types import GenerationHyperparameters, ModelResponse, Sample, StopReason, TerminationReason
+from mlrl.types import GenerationHyperparameters, ModelResponse, Sample, TerminationReason
 from mlrl.workflow.api import (
     EpisodeOutput,
     EpisodeStatus,
@@ -82,7 +82,7 @@ class RLVRWorkflow(RolloutWorkflow):
         gconfig = (self.eval_gconfig if is_evaluation() else self.gconfig).new(n_samples=n)
         req = ModelRequest(input_ids=input_ids, gconfig=gconfig, tokenizer=self.tokenizer)
         resps = await engine.agenerate_group(req)  # type: ignore[attr-defined]
-        ok = [r for r in resps if r.stop_reason not in (StopReason.ERROR, StopReason.ABORT)]
+        ok = [r for r in resps if not r.stop_reason.unfinished]
         prompt = self.tokenizer.decode(input_ids, skip_special_tokens=True)
         completions = [self.tokenizer.decode(r.output_tokens, skip_special_tokens=True) for r in ok]
         row = reward_data(data)

@@ -227,7 +227,7 @@ class MlrlRolloutEngine(RolloutEngine):
         req = ModelRequest(input_ids=input_ids, gconfig=self.gconfig.new(n_samples=1, **over),
                            session_id=kwargs.get("application_id"), tokenizer=self.tokenizer)
         resp = await self.engine.agenerate(req)
-        if resp.stop_reason in (StopReason.ERROR, StopReason.ABORT):
+        if resp.stop_reason.unfinished:
             raise RuntimeError(f"engine request failed ({resp.stop_reason.value}): {resp.error}")
         text = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
         reasoning, sep, content = text.partition("</think>")

@@ -303,7 +303,7 @@ class ModelWrapper:
         resps = await asyncio.gather(*(self._engine.agenerate(r) for r in reqs))
         exps = []
         for r in resps:
-            if r.stop_reason in (StopReason.ERROR, StopReason.ABORT):
+            if r.stop_reason.unfinished:
                 raise RuntimeError(f"engine request failed ({r.stop_reason.value}): {r.error}")
             tokens = list(r.input_tokens) + list(r.output_tokens)
             self._generated[tuple(tokens)] = list(r.output_versions)

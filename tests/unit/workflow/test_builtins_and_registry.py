@@ -193,3 +193,27 @@ def test_multi_turn_feedback_continues_a_chatml_conversation_token_for_token():
     want = apply_chat_template(smol, [*user, {"role": "assistant", "content": "4"},
                                       {"role": "user", "content": "try again"}], add_generation_prompt=True)
     assert built == want, (smol.decode(built), smol.decode(want))
+
+
+async def test_rlvr_fails_a_sample_whose_request_was_interrupted_and_not_resumed(tok):
+    """The pool answers INTERRUPT, with the partial tokens, when it closed (or had no engine left)
+    before an interrupted request could continue: not an answer. It was scored and trained."""
+    from mlrl.types import ModelResponse, StopReason
+    from mlrl.workflow import EpisodeStatus
+
+    answer = list(tok("7", add_special_tokens=False)["input_ids"]) + [tok.eos_token_id]
+
+    class Closing:
+        async def agenerate_group(self, req):
+            return [ModelResponse(input_tokens=list(req.input_ids), output_tokens=answer, output_logprobs=[-0.1] * 2,
+                                  output_versions=[0] * 2, stop_reason=StopReason.STOP, rid="r:0"),
+                    ModelResponse(input_tokens=list(req.input_ids), output_tokens=answer[:1], output_logprobs=[-0.1],
+                                  output_versions=[0], stop_reason=StopReason.INTERRUPT, rid="r:1",
+                                  error="EnginePool is shut down")]
+
+    wf = RLVRWorkflow("exact_match", G, tok, reward_workers=0)
+    done, cut = await wf.arun_group(Closing(), ROW, 2)
+    assert done.status == EpisodeStatus.COMPLETED and done.samples[0].reward == 1.0
+    assert cut.status == EpisodeStatus.ERROR and not cut.samples
+    assert "ended with interrupt: EnginePool is shut down" in cut.info["error"]["error_message"]
+    assert [r.unfinished for r in StopReason] == [r in ("error", "abort", "interrupt") for r in StopReason]
