@@ -5,7 +5,7 @@ anything that cannot be faithful answers None instead of wrong experts."""
 import numpy as np
 import pytest
 
-from mlrl.config.validate import routing_capture_problem
+from mlrl.config.validate_model import routing_capture_problem
 from mlrl.rollout.routing import RoutingStore, decode, encode, routing_dtype
 
 L, K, E, B = 2, 2, 4, 4  # layers, top-k, experts, KV block size
