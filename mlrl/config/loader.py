@@ -86,27 +86,56 @@ def config_from_yaml(text: str) -> Config:
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """PyYAML's safe loader with two changes for configs: a key given twice in one mapping is an
-    error (PyYAML keeps the last one and drops the first block without a word), and only
+    """PyYAML's safe loader with three changes for configs: a key given twice in one mapping is an
+    error (PyYAML keeps the last one and drops the first block without a word); only
     true / false are booleans: YAML 1.1 also reads unquoted yes / no / on / off as booleans, which
     a YAML 1.2 reader (and the eye) takes for strings, so they are refused as ambiguous, anywhere
-    (workflow.kwargs too); quoted, they are strings."""
+    (workflow.kwargs too); quoted, they are strings; and numbers are YAML 1.2's: `1e-5` is a float
+    (YAML 1.1 wants `1.0e-5`, and a free-form field such as workflow.kwargs got the string), a
+    number with a leading zero is refused as ambiguous (YAML 1.1 reads `010` as octal 8), and
+    `1:30` is a string (YAML 1.1 reads it in base 60, 90)."""
 
 
 _BOOL = "tag:yaml.org,2002:bool"
+_INT = "tag:yaml.org,2002:int"
+_FLOAT = "tag:yaml.org,2002:float"
 _AMBIGUOUS = "tag:mlrl,2026:ambiguous-bool"
+_AMBIGUOUS_NUMBER = "tag:mlrl,2026:ambiguous-number"
 _StrictLoader.yaml_implicit_resolvers = {
-    first: [(tag, rx) for tag, rx in resolvers if tag != _BOOL]
+    first: [(tag, rx) for tag, rx in resolvers if tag not in (_BOOL, _INT, _FLOAT)]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
 _StrictLoader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 _StrictLoader.add_implicit_resolver(
     _AMBIGUOUS, re.compile(r"^(?:yes|Yes|YES|no|No|NO|on|On|ON|off|Off|OFF)$"), list("yYnNoO"))
+# YAML 1.2's core schema (ints: decimal, 0o octal, 0x hex; floats with an optional exponent, inf, nan)
+_StrictLoader.add_implicit_resolver(
+    _AMBIGUOUS_NUMBER, re.compile(r"^[-+]?0[0-9_]+$"), list("-+0"))
+_StrictLoader.add_implicit_resolver(
+    _INT, re.compile(r"^(?:[-+]?(?:0|[1-9][0-9]*)|0o[0-7]+|0x[0-9a-fA-F]+)$"), list("-+0123456789"))
+_StrictLoader.add_implicit_resolver(
+    _FLOAT, re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+                       r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"), list("-+0123456789."))
 
 
 def _ambiguous(loader: _StrictLoader, node: yaml.ScalarNode) -> Any:
     raise ConfigError(f"{node.value!r} on line {node.start_mark.line + 1} is ambiguous (YAML 1.1 reads it as a "
                       "boolean): write true / false, or quote it for a string")
+
+
+def _ambiguous_number(loader: _StrictLoader, node: yaml.ScalarNode) -> Any:
+    raise ConfigError(f"{node.value!r} on line {node.start_mark.line + 1} is ambiguous (YAML 1.1 reads a leading "
+                      "zero as octal): write it without the leading zero, or quote it for a string")
+
+
+def _yaml12_int(loader: _StrictLoader, node: yaml.ScalarNode) -> int:
+    v = node.value
+    return int(v[2:], 8) if v.startswith("0o") else int(v, 0) if v.startswith("0x") else int(v)
+
+
+def _yaml12_float(loader: _StrictLoader, node: yaml.ScalarNode) -> float:
+    v = node.value.lower()
+    return float(v.replace(".inf", "inf").replace(".nan", "nan"))
 
 
 def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
@@ -129,6 +158,9 @@ def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode) -
 
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
 _StrictLoader.add_constructor(_AMBIGUOUS, _ambiguous)
+_StrictLoader.add_constructor(_AMBIGUOUS_NUMBER, _ambiguous_number)
+_StrictLoader.add_constructor(_INT, _yaml12_int)
+_StrictLoader.add_constructor(_FLOAT, _yaml12_float)
 
 
 def _load_yaml(text: str) -> Any:
@@ -154,12 +186,19 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
     parts = key.strip().split(".")
     if not all(parts):
         raise ConfigError(f"override {override!r} has an empty key part")
+    text = value.strip()
     try:
-        parsed = _load_yaml(value) if value.strip() != "" else None
+        parsed = _load_yaml(value) if text != "" else None
     except yaml.YAMLError:
         parsed = value
     except ConfigError as e:
         raise ConfigError(f"override {override!r}: {e}") from None
+    # a value is YAML, except where plain text would be read as more than it says: ' #' starts no
+    # comment (run_dir=runs/a #1), and a collection is only written `{...}` / `[...]`
+    # (kwargs.note=Answer: briefly is a string, not {Answer: briefly})
+    flow = text[:1] in ("{", "[", "'", '"')
+    if not flow and (" #" in text or isinstance(parsed, (dict, list))):
+        parsed = text
     node = raw
     for part in parts[:-1]:
         nxt = node.get(part)

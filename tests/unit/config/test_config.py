@@ -34,6 +34,24 @@ def test_defaults_and_overrides_types():
     assert "lr: 0.0003" in dump_yaml(cfg)
 
 
+def test_numbers_are_yaml_1_2_and_override_text_is_taken_as_written(tmp_path):
+    """YAML 1.1 read `1e-5` in a free-form field as a string (a workflow's `lr < x` then raised),
+    `010` as octal 8 and `1:30` in base 60 (90); an override's ` #` started a comment and `a: b`
+    made a mapping."""
+    cfg = load_config(DEFAULT, ["workflow.kwargs.lr=1e-5", "workflow.kwargs.t=12:30", "workflow.kwargs.h=0x10",
+                                "workflow.kwargs.note=Answer: briefly", "logging.run_dir=runs/a #1",
+                                "workflow.kwargs.l=[1, 2]", "workflow.kwargs.d={a: 1.5e2}", "workflow.kwargs.q='x #y'"])
+    assert cfg.workflow.kwargs == {"lr": 1e-5, "t": "12:30", "h": 16, "note": "Answer: briefly", "l": [1, 2],
+                                   "d": {"a": 150.0}, "q": "x #y"}
+    assert cfg.logging.run_dir == "runs/a #1"
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("trainer:\n  lr: 5e-6\n  total_steps: 012\n")
+    with pytest.raises(ConfigError, match="'012' on line 3 is ambiguous .YAML 1.1 reads a leading zero as octal"):
+        load_config(recipe)
+    recipe.write_text("trainer:\n  lr: 5e-6\n")
+    assert load_config(recipe).trainer.lr == 5e-6
+
+
 def test_default_recipe_validates():
     layout = validate(load_config(DEFAULT), has_cuda=False)
     assert layout.dp == 1 and layout.trainer_devices == 1
@@ -152,6 +170,8 @@ BAD = [
     (["trainer.deterministic=yes"], "override 'trainer.deterministic=yes': 'yes' on line 1 is ambiguous (YAML 1.1 "
      "reads it as a boolean): write true / false, or quote it for a string"),
     (["checkpoint.save_at_end=off"], "'off' on line 1 is ambiguous"),
+    (["trainer.total_steps=010"], "'010' on line 1 is ambiguous (YAML 1.1 reads a leading zero as octal)"),
+    (["trainer.total_steps=1:30"], "trainer.total_steps: got '1:30' (str), expected an integer"),  # not 90
     (["workflow.kwargs={strict: no}"], "'no' on line 1 is ambiguous"),  # an untyped field: YAML 1.1 would say False
     (["trainer={lr: 1, lr: 2}"], "override 'trainer={lr: 1, lr: 2}': duplicate key 'lr' on line 1"),
     (["workflow.reward_timeout_s=0"], "workflow.reward_timeout_s: got 0.0, expected > 0 seconds"),
