@@ -50,6 +50,9 @@ def _check_lr(section: str, o: OptimizerConfig) -> None:
 
 def _check_ranges(cfg: Config) -> None:
     p, t, r, a, s = cfg.parallel, cfg.trainer, cfg.rollout, cfg.algorithm, cfg.rollout.sampling
+    for name, seed in (("trainer.seed", t.seed), ("rollout.sampling.seed", s.seed)):
+        if seed is not None and not 0 <= seed < 2**63:  # torch.manual_seed / vLLM's take 64-bit seeds
+            raise ConfigError(f"{name}: got {seed}, expected 0 <= seed < 2**63")
     _positive("weight_sync.canary_every", cfg.weight_sync.canary_every)
     if cfg.weight_sync.canary_every != 1 and cfg.weight_sync.canary_tolerance_for(cfg.model.dtype) <= 0:
         raise ConfigError(f"weight_sync.canary_every={cfg.weight_sync.canary_every} with the canary off "
@@ -632,6 +635,12 @@ def validate(cfg: Config, *, has_cuda: bool | None = None, has_te: bool | None =
     else:
         cuda = functools.partial(bool, has_cuda)
     _check_ranges(cfg)
+    if cfg.logging.wandb_project and not dry_run:  # else the run failed at its first metrics line, after start-up
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError(f"logging.wandb_project={cfg.logging.wandb_project!r}: Weights & Biases is not "
+                              "installed here; pip install mlrl[wandb] (or pip install wandb), or unset it")
     _check_offline(cfg)
     _check_unused(cfg)
     _check_reward_model(cfg)

@@ -172,6 +172,8 @@ BAD = [
     (["checkpoint.save_at_end=off"], "'off' on line 1 is ambiguous"),
     (["trainer.total_steps=010"], "'010' on line 1 is ambiguous (YAML 1.1 reads a leading zero as octal)"),
     (["trainer.total_steps=1:30"], "trainer.total_steps: got '1:30' (str), expected an integer"),  # not 90
+    (["trainer.seed=99999999999999999999"], "trainer.seed: got 99999999999999999999, expected 0 <= seed < 2**63"),
+    (["rollout.sampling.seed=-1"], "rollout.sampling.seed: got -1, expected 0 <= seed < 2**63"),
     (["workflow.kwargs={strict: no}"], "'no' on line 1 is ambiguous"),  # an untyped field: YAML 1.1 would say False
     (["trainer={lr: 1, lr: 2}"], "override 'trainer={lr: 1, lr: 2}': duplicate key 'lr' on line 1"),
     (["workflow.reward_timeout_s=0"], "workflow.reward_timeout_s: got 0.0, expected > 0 seconds"),
@@ -552,3 +554,17 @@ def test_the_policys_lr_schedule_counts_its_own_updates():
                                 "trainer.mini_batches_per_step=2", "trainer.epochs_per_step=2"])
     assert (cfg.trainer.total_updates, cfg.policy_updates) == (40, 28)
     assert load_config(DEFAULT, ["critic.critic_only_steps=3"]).policy_updates == 35  # grpo: no critic, no skip
+
+
+def test_wandb_project_without_wandb_installed_fails_at_validation(monkeypatch):
+    """Before, the run failed at its first metrics line: after the engines, the trainer ranks and
+    the first weight sync, with a traceback."""
+    import importlib.util
+
+    cfg = load_config(DEFAULT, ["logging.wandb_project=demo"])
+    validate(cfg, has_cuda=False)  # installed here (the wandb extra)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    with pytest.raises(ConfigError, match="logging.wandb_project='demo': Weights & Biases is not installed here"):
+        validate(cfg, has_cuda=False)
+    validate(cfg, has_cuda=False, dry_run=True)  # a plan made elsewhere
