@@ -60,7 +60,22 @@ def push_from_rank(request: "PushRequest | dict[str, Any]", buckets: BucketFn, s
         return None
     digest = Digest()
     rep = SendReport(sender, req.transport)
-    parts.send(req, sender, buckets, digest, rep)
+    made: list[Iterator[NamedTensors]] = []
+
+    def tracked(bucket_bytes: int) -> Iterator[NamedTensors]:
+        made.append(iter(buckets(bucket_bytes)))
+        return made[-1]
+
+    try:
+        parts.send(req, sender, tracked, digest, rep)
+    except BaseException:
+        # the sender's TP / EP peers are still gathering their share of every tensor: walk the rest of
+        # this rank's iterator too (its collectives only, nothing sent), so that they finish and every
+        # rank answers the driver, which retries; else they waited out the process group's timeout
+        rest = made[-1] if made else iter(buckets(req.bucket_bytes))
+        for _ in rest:
+            pass
+        raise
     rep.tensors, rep.bytes, rep.digest = digest.tensors, digest.bytes, digest.hexdigest()
     rep.seconds = time.perf_counter() - t0
     return rep

@@ -423,3 +423,27 @@ async def test_the_default_canary_tolerance_follows_the_model_dtype(tmp_path, dt
         with pytest.raises(WeightSyncError, match=r"by 0\.0197 > weight_sync\.canary_tolerance=0\.001"):
             await ws.sync(1)
     assert WeightSyncConfig(canary_tolerance=0.3).canary_tolerance_for(dtype) == 0.3
+
+
+async def test_a_failed_engine_call_raises_only_once_every_engine_call_ended():
+    """disk / cuda_ipc drive every engine at once: a plain gather raised at the first failure and
+    left the other engines' update calls running, into the retry's start_weight_update (or past
+    cuda_ipc's release of the handles they were reading)."""
+    import asyncio
+
+    from mlrl.weight_sync.transports import _every
+
+    ended = []
+
+    async def slow_ok():
+        await asyncio.sleep(0.2)
+        ended.append("slow")
+        return 1
+
+    async def fails():
+        raise ConnectionError("engine-1 died")
+
+    with pytest.raises(ConnectionError, match="engine-1 died"):
+        await _every([slow_ok(), fails()])
+    assert ended == ["slow"]
+    assert await _every([slow_ok(), slow_ok()]) == [1, 1]

@@ -252,3 +252,46 @@ def test_checksums_name_their_algorithm_and_catch_corruption():
     assert checksum(t, "crc32").startswith("crc32:") and checksum(t, "crc32") != checksum(flipped, "crc32")
     with pytest.raises(WireError):
         checksum(t, "md5")
+
+
+def test_a_failed_send_walks_the_rest_of_its_buckets_so_tp_peers_finish(monkeypatch):
+    """The sender's TP / EP peers gather their share of every tensor while the sender streams: when
+    its transport fails (an engine died mid-broadcast, a full disk), the sender must still walk the
+    rest of its iterator, or its peers wait out the process group's timeout (30 min) in their next
+    collective and the driver cannot retry. Stands in for the collectives by counting the buckets
+    each rank's iterator produced."""
+    from mlrl.weight_sync import sender as sender_mod
+
+    produced: list[int] = []
+
+    def buckets(bucket_bytes):
+        for i in range(5):
+            produced.append(i)  # in the real iterator: the all-gathers of this bucket's tensors
+            yield [(f"w{i}", torch.zeros(2))]
+
+    class Failing:
+        release = None
+
+        @staticmethod
+        def send(req, sender, bucket_fn, digest, rep):
+            for i, _ in enumerate(bucket_fn(req.bucket_bytes)):
+                if i == 1:
+                    raise OSError("engine-0 went away")
+
+    monkeypatch.setattr(sender_mod, "transport", lambda name: Failing)
+    with pytest.raises(OSError, match="engine-0 went away"):
+        push_from_rank(PushRequest("disk", 1), buckets, 0)
+    assert produced == [0, 1, 2, 3, 4]  # the peers' five gathers are met, once each
+
+    class FailingFirst:  # (joining the group failed before any bucket)
+        release = None
+
+        @staticmethod
+        def send(req, sender, bucket_fn, digest, rep):
+            raise ConnectionError("no store")
+
+    produced.clear()
+    monkeypatch.setattr(sender_mod, "transport", lambda name: FailingFirst)
+    with pytest.raises(ConnectionError):
+        push_from_rank(PushRequest("disk", 1), buckets, 0)
+    assert produced == [0, 1, 2, 3, 4]
