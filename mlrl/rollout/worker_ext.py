@@ -106,7 +106,7 @@ def refresh_embedding_kernels(model: torch.nn.Module) -> list[str]:
     for name, m in model.named_modules():
         qm = getattr(m, "quant_method", None)
         if isinstance(qm, UnquantizedEmbeddingMethod):
-            qm.process_weights_after_loading(m)
+            type(qm).process_weights_after_loading(qm, m)  # the class's, past any deferral left in place
             names.append(name)
     return names
 
@@ -181,6 +181,8 @@ class MlrlWeightTransferEngine(WeightTransferEngine[MlrlInitInfo, MlrlUpdateInfo
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         expected = {n for n, _ in self.model.named_parameters()}
+        if self._update is not None:  # an attempt that never finished (the sync failed on another engine):
+            restore_embedding_kernels(self._update["deferred"])  # its deferral ends here, or would never end
         with vllm_compat.weight_update_config(self.vllm_config):
             initialize_layerwise_reload(self.model)
         self._update = {"t0": time.perf_counter(), "expected": expected, "loaded": set(), "streams": [], "recv_s": 0.0,
