@@ -22,6 +22,7 @@ table's length).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -119,8 +120,10 @@ def build_inputs(mb: MicroBatch, device: torch.device, *, tp: int = 1, sequence_
                              "context parallelism")
         tokens, pos = mb.tokens.to(torch.int64), mb.position_ids.to(torch.int64)
         labels, label_mask = next_token_labels(tokens, bounds[:n_samples + 1])
+        # each CP rank's slice is split over the TP ranks too under sequence parallelism: the slice
+        # must divide by tp (Megatron's scatter to the sequence-parallel region asserts it)
         return _cp_inputs(tokens, pos, labels, label_mask, bounds, S, device, cp, cp_rank,
-                          FP8_TOKEN_MULTIPLE[fp8_recipe])
+                          row_multiple(fp8_recipe=fp8_recipe, tp=tp, sequence_parallel=sequence_parallel))
     # the row goes to the device first: labels, mask and padding are then built there
     tokens = mb.tokens.to(device=device, dtype=torch.int64)
     pos = mb.position_ids.to(device=device, dtype=torch.int64)
@@ -154,10 +157,11 @@ def build_inputs(mb: MicroBatch, device: torch.device, *, tp: int = 1, sequence_
 def cp_padded_lengths(lens: list[int], cp: int, multiple: int = 1) -> list[int]:
     """Each segment padded to a multiple of 2*cp (TE's THD context-parallel split: every segment
     is cut into 2*cp chunks), the last one further so that each CP rank's slice (total / cp) is
-    a multiple of `multiple` (FP8)."""
+    a multiple of `multiple` (`row_multiple`: FP8's token multiple, times tp under sequence
+    parallelism)."""
     unit = 2 * cp
     padded = [(n + unit - 1) // unit * unit for n in lens]
-    extra = (-sum(padded)) % (cp * multiple)  # a multiple of 2*cp as well (both terms are)
+    extra = (-sum(padded)) % math.lcm(unit, cp * multiple)  # keeps the last segment a multiple of 2*cp
     if padded and extra:
         padded[-1] += extra
     return padded

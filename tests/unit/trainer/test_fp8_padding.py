@@ -72,3 +72,21 @@ def test_context_parallel_segments_and_rank_slices(cp, multiple):
     assert sum(padded) % (cp * multiple) == 0                              # each CP rank's slice: the FP8 multiple
     assert padded[:-1] == [(n + 2 * cp - 1) // (2 * cp) * (2 * cp) for n in lens[:-1]]  # only the last grows
     assert sum(padded) - sum(lens) < cp * max(multiple, 2) + len(lens) * 2 * cp  # no more than needed
+
+
+@pytest.mark.parametrize("tp,fp8", [(4, "none"), (2, "tensorwise"), (3, "none")])
+def test_context_parallel_slices_divide_over_tp_under_sequence_parallelism(monkeypatch, tp, fp8):
+    """cp > 1 with sequence parallelism: each CP rank's slice is split again over the TP ranks, so it
+    must divide by tp (times FP8's multiple). Before, only FP8's multiple was asked for: [10] at
+    cp=2 gave 6-token slices, which Megatron's scatter to 4 TP ranks refuses. (_cp_inputs itself
+    needs Transformer Engine: what build_inputs asks of it is checked here.)"""
+    from mlrl.trainer.rank import inputs as inputs_mod
+
+    asked = []
+    monkeypatch.setattr(inputs_mod, "_cp_inputs", lambda *a: asked.append(a[-1]))
+    build_inputs(_mb([10]), torch.device("cpu"), tp=tp, sequence_parallel=True, cp=2, fp8_recipe=fp8)
+    (multiple,) = asked
+    assert multiple == FP8_TOKEN_MULTIPLE[fp8] * tp
+    for lens in ([10], [100, 3, 1], [7, 7, 7]):
+        padded = cp_padded_lengths(lens, 2, multiple)
+        assert (sum(padded) // 2) % multiple == 0 and all(p % 4 == 0 for p in padded)
