@@ -685,15 +685,18 @@ class EnginePool:
             except asyncio.TimeoutError:
                 return False
 
-    def commit_version(self, version: int, engines: Sequence[EngineView], *, pushed: bool = True) -> None:
+    def commit_version(self, version: int, engines: Sequence[EngineView], *, pushed: bool = True,
+                       incarnations: dict[int, int] | None = None) -> None:
         """Record that `engines` now hold `version` (called by the weight sync before `resume`);
-        `pushed=False`: the weights they loaded from the model folder themselves, checked."""
+        `pushed=False`: the weights they loaded from the model folder themselves, checked.
+        `incarnations` (index -> incarnation when the sync chose them): an engine restarted since
+        holds the model folder's weights, not `version`, and stays STALE."""
         self._version = version
         self._pushed = self._pushed or pushed
-        synced = {e.index for e in engines}
+        synced = {e.index: (incarnations or {}).get(e.index, e.incarnation) for e in engines}
         for e in self.engines:
             if e.live:
-                e.state = EngineState.READY if e.index in synced else EngineState.STALE
+                e.state = EngineState.READY if synced.get(e.index) == e.incarnation else EngineState.STALE
 
     async def resume(self) -> None:
         """Resume the engines and dispatching; interrupted requests continue."""

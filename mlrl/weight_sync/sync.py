@@ -252,6 +252,7 @@ class WeightSync(abc.ABC):
             for attempt in (1, 2):
                 rep.attempts = attempt
                 engines = self.pool.live_engines()
+                chosen = {e.index: e.incarnation for e in engines}  # a restart meanwhile: not this version
                 if not engines:
                     if reference is not None:
                         reference.cancel()
@@ -273,7 +274,7 @@ class WeightSync(abc.ABC):
                     f"weight sync to version {version} ({self.transport}) failed twice; engines left paused. "
                     f"Last error: {type(last).__name__}: {last}"
                 ) from last
-            self.pool.commit_version(version, engines)
+            self.pool.commit_version(version, engines, incarnations=chosen)
             await self.pool.resume()
             rep.seconds = time.perf_counter() - t0
             self.history.append(rep)
@@ -290,6 +291,7 @@ class WeightSync(abc.ABC):
         async with self._lock:
             t0 = time.perf_counter()
             engines = self.pool.live_engines()
+            chosen = {e.index: e.incarnation for e in engines}
             if not engines:
                 raise WeightSyncError("weight sync: no live engine to check")
             want = await self._canary_reference()
@@ -299,7 +301,7 @@ class WeightSync(abc.ABC):
                             "pushing the weights", diff, self.tolerance)
                 return None
             self._last_canary = got
-            self.pool.commit_version(version, engines, pushed=False)  # the engines' own load, checked
+            self.pool.commit_version(version, engines, pushed=False, incarnations=chosen)  # their own load, checked
             rep = SyncReport(version=version, transport="loaded", engines=len(engines), canary_max_abs_diff=diff,
                              canary_checked=True, seconds=time.perf_counter() - t0)
             rep.verify_s = rep.seconds

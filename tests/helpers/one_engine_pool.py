@@ -30,6 +30,6 @@ class OneEnginePool:
         self.paused = False
         self.events.append("resume")
 
-    def commit_version(self, version, engines, *, pushed=True):
+    def commit_version(self, version, engines, *, pushed=True, incarnations=None):
         self.version = version
         self.events.append(("commit", version))

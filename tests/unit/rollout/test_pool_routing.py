@@ -365,3 +365,15 @@ async def test_pool_validates_its_inputs(tmp_path):
         EnginePool(RolloutConfig(num_engines=0), tmp_path)
     with pytest.raises(Exception, match="not started"):
         await EnginePool(RolloutConfig(), tmp_path).agenerate(_req([1], 1))
+
+
+async def test_an_engine_restarted_during_a_sync_is_not_marked_as_holding_its_version(make_pool):
+    """commit_version matched engines by index only: an engine that crashed and came back while the
+    sync ran (its new incarnation holds the model folder's weights) was marked READY."""
+    pool = await make_pool(num_engines=2)
+    chosen = {e.index: e.incarnation for e in pool.live_engines()}  # what the sync pushed to
+    pool.engines[1].incarnation += 1  # restarted meanwhile
+    pool.commit_version(1, pool.live_engines(), incarnations=chosen)
+    assert [e.state for e in pool.engines] == [EngineState.READY, EngineState.STALE]
+    pool.commit_version(2, pool.live_engines())  # no snapshot: the engines as they are now
+    assert [e.state for e in pool.engines] == [EngineState.READY, EngineState.READY]
