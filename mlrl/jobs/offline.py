@@ -27,13 +27,13 @@ from mlrl.config import Config, ConfigError, Layout, dump_yaml
 from mlrl.data import get_dataset
 from mlrl.data.rows import DatasetError
 from mlrl.data.sampler import PromptSampler
+from mlrl.jobs.model_folder import chat_template_error, check_model_weights, model_tokenizer
 from mlrl.jobs.placement import Placement
 from mlrl.metrics import MetricsLogger
 from mlrl.metrics.console import configure_logging, progress_bar
 from mlrl.modelzoo import resolve_model_dir
 from mlrl.trainer.driver.client import TrainerClient
 from mlrl.trainer.driver.group import TrainerGroup, rank_env
-from mlrl.workflow import load_hf_tokenizer
 
 log = logging.getLogger("mlrl.jobs.offline")
 
@@ -43,7 +43,7 @@ def load_splits(cfg: Config, hf_dir: Path, kind: Literal["sft", "dpo"],
     """[("train", dataset), ("eval", dataset or None)]: data.train and data.eval (its "test" split)
     tokenised for `kind` with the model's tokenizer. A bad row or a tokenizer without a chat
     template is a ConfigError naming the field, before any process starts."""
-    tokenizer = load_hf_tokenizer(str(hf_dir))
+    tokenizer = model_tokenizer(hf_dir)
     out: list[tuple[str, Any]] = []
     for which, name, split in (("train", cfg.data.train, "train"), ("eval", cfg.data.eval, "test")):
         if not name:
@@ -56,10 +56,8 @@ def load_splits(cfg: Config, hf_dir: Path, kind: Literal["sft", "dpo"],
         except DatasetError as e:
             raise ConfigError(f"data.{which}: {e}") from None
         except ValueError as e:
-            if "chat template" in str(e).lower() or "chat_template" in str(e):
-                raise ConfigError(f"model.hf_dir: the tokenizer of {hf_dir} has no chat template, which renders the "
-                                  f"conversations of data.{which} ({name}); add one (chat_template in "
-                                  "tokenizer_config.json or chat_template.jinja)") from None
+            if (err := chat_template_error(e, hf_dir, which, name)) is not None:
+                raise err from None
             raise
         out.append((which, ds))
     return out
@@ -130,6 +128,7 @@ def _run_offline(cfg: Config, layout: Layout, make_job: Callable[[Path], Offline
     run_dir.mkdir(parents=True, exist_ok=True)
     # 1. cheap checks first: model, data, checkpoint to resume
     hf_dir = resolve_model_dir(cfg.model.hf_dir)
+    check_model_weights(hf_dir)
     job = make_job(hf_dir)
     ckpts = CheckpointManager(cfg.checkpoint.dir or run_dir / "checkpoints", cfg.checkpoint.keep_last)
     resume = ckpts.resolve_resume(cfg.checkpoint.resume)

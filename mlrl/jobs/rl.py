@@ -27,6 +27,7 @@ from mlrl.colocation import Colocation
 from mlrl.config import Config, ConfigError, Layout, dump_yaml
 from mlrl.data import dataset_from_config
 from mlrl.data.sampler import PromptSampler
+from mlrl.jobs.model_folder import chat_template_error, check_model_weights, model_tokenizer
 from mlrl.jobs.placement import cluster_placement
 from mlrl.jobs.rl_start import EarlyStart, begin, policy_pool
 from mlrl.loop import LoopState, RunContext, guarded_refresh, train_sync
@@ -41,7 +42,7 @@ from mlrl.rollout.pool import EnginePool
 from mlrl.trainer.driver.client import CriticClient, MegatronWeightSource, TrainerClient
 from mlrl.trainer.driver.group import rank_env, start_group
 from mlrl.weight_sync import make_weight_sync
-from mlrl.workflow import EpisodeRunner, build_workflow_from_config, gconfig_from_sampling, load_hf_tokenizer
+from mlrl.workflow import EpisodeRunner, build_workflow_from_config, gconfig_from_sampling
 from mlrl.workflow.failures import EpisodeFailures
 
 log = logging.getLogger("mlrl")
@@ -109,7 +110,8 @@ class _Checked:
 
 def _checks(cfg: Config, hf_dir: Path, run_dir: Path) -> _Checked:
     """Tokenizer, checkpoint to resume, data, workflow, judge folder: each fails with a clear error."""
-    tokenizer = load_hf_tokenizer(str(hf_dir))
+    tokenizer = model_tokenizer(hf_dir)
+    check_model_weights(hf_dir)
     ckpts = CheckpointManager(cfg.checkpoint.dir or run_dir / "checkpoints", cfg.checkpoint.keep_last)
     resume = ckpts.resolve_resume(cfg.checkpoint.resume)
     state = read_state(resume) if resume else None
@@ -130,11 +132,18 @@ def _checks(cfg: Config, hf_dir: Path, run_dir: Path) -> _Checked:
         raise ConfigError(str(e)) from None
     # prompts measured as the workflow renders them (rlvr's enable_thinking changes Qwen3's template)
     rendered = getattr(workflow, "prompt_ids", None)
-    train_rows = dataset_from_config(cfg.data, "train", tokenizer=tokenizer, seed=cfg.trainer.seed,
-                                     prompt_ids=rendered)
+
+    def rows(which: str) -> Any:
+        try:
+            return dataset_from_config(cfg.data, which, tokenizer=tokenizer, seed=cfg.trainer.seed, prompt_ids=rendered)
+        except ValueError as e:  # (a DatasetError names its field itself)
+            if (err := chat_template_error(e, hf_dir, which, getattr(cfg.data, which))) is not None:
+                raise err from None
+            raise
+
+    train_rows = rows("train")
     _check_sample_fits(cfg, train_rows.longest_prompt)
-    eval_set = dataset_from_config(cfg.data, "eval", tokenizer=tokenizer, seed=cfg.trainer.seed,
-                                   prompt_ids=rendered) if cfg.data.eval else None
+    eval_set = rows("eval") if cfg.data.eval else None
     for which, ds in (("train", train_rows), ("eval", eval_set)):  # what loading left out is said, not hidden
         if ds is not None and ds.too_long:
             log.warning("data.%s: left out %d of %d prompt(s) longer than data.max_prompt_tokens=%d (chat template "
@@ -156,11 +165,10 @@ def _checks(cfg: Config, hf_dir: Path, run_dir: Path) -> _Checked:
     if cfg.reward_model is not None:  # the judge's folder and tokenizer, before any process starts
         try:
             out.judge_dir = resolve_model_dir(cfg.reward_model.hf_dir, field="reward_model.hf_dir")
-            out.judge_tokenizer = load_hf_tokenizer(str(out.judge_dir))
         except ModelSpecError as e:
             raise ConfigError(str(e)) from None
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"reward_model.hf_dir={cfg.reward_model.hf_dir}: {e}") from None
+        out.judge_tokenizer = model_tokenizer(out.judge_dir, field="reward_model.hf_dir")
+        check_model_weights(out.judge_dir, field="reward_model.hf_dir")
     return out
 
 

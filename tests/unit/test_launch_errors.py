@@ -83,3 +83,51 @@ def test_prompts_left_out_by_max_prompt_tokens_are_reported(tmp_path, caplog):
     text = caplog.text
     assert "data.train: left out 1 of 2 prompt(s) longer than data.max_prompt_tokens=24" in text
     assert "data.train: skipped 1 malformed row(s)" in text and "d.jsonl:3: invalid JSON" in text
+
+
+def _model_copy(tmp_path: Path, *drop: str) -> Path:
+    """builtin:tiny-llama copied without the files named in `drop`."""
+    import shutil
+
+    src = resolve_model_dir("builtin:tiny-llama")
+    dst = tmp_path / "model"
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(*drop))
+    return dst
+
+
+def _check_folder(tmp_path: Path, model: Path):
+    cfg = load_config(DEFAULT, [f"model.hf_dir={model}"])
+    validate(cfg, has_cuda=False)  # config.json alone passes validation (a dry run plans from it)
+    return _checks(cfg, model, tmp_path / "run")
+
+
+def test_a_model_folder_without_weights_fails_before_any_rank_starts(tmp_path):
+    """Before, it passed every check and failed in the trainer ranks' bridge or the engines."""
+    model = _model_copy(tmp_path, "model.safetensors")
+    with pytest.raises(ConfigError, match=r"model.hf_dir: .*/model has no weights: expected model.safetensors or "
+                                          r"model.safetensors.index.json$"):
+        _check_folder(tmp_path, model)
+    (model / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"\(found pytorch_model.bin: save the model with save_pretrained"):
+        _check_folder(tmp_path, model)
+
+
+def test_a_model_folder_without_tokenizer_files_names_the_folder(tmp_path):
+    """transformers' own error blamed a missing sentencepiece / tiktoken."""
+    model = _model_copy(tmp_path, "tokenizer*", "special_tokens_map.json")
+    with pytest.raises(ConfigError, match=r"^model.hf_dir: no tokenizer loads from .*/model \(expected tokenizer.json"):
+        _check_folder(tmp_path, model)
+
+
+def test_a_tokenizer_without_a_chat_template_is_a_config_error_in_rl_too(tmp_path):
+    """SFT / DPO said so already; an RL run ended in transformers' traceback."""
+    import json
+
+    model = _model_copy(tmp_path, "chat_template.jinja")
+    cfg_path = model / "tokenizer_config.json"
+    tc = json.loads(cfg_path.read_text())
+    tc.pop("chat_template", None)
+    cfg_path.write_text(json.dumps(tc))
+    with pytest.raises(ConfigError, match=r"model.hf_dir: the tokenizer of .*/model has no chat template, which "
+                                          r"renders the conversations of data.train"):
+        _check_folder(tmp_path, model)

@@ -169,6 +169,7 @@ def _offline(tmp_path, monkeypatch, trainer, job, *overrides):
     monkeypatch.setattr(offline, "Placement", lambda: SimpleNamespace(host="127.0.0.1", trainer_env={},
                                                                       spawn_trainer=None, close=lambda: None))
     monkeypatch.setattr(offline, "resolve_model_dir", lambda spec: tmp_path)
+    monkeypatch.setattr(offline, "check_model_weights", lambda hf_dir: None)  # (a folder without the model)
     monkeypatch.setattr(offline, "check_model_init_from", lambda *a, **k: None)
     cfg = load_config(None, [f"logging.run_dir={tmp_path / 'run'}", "trainer.total_steps=4", "checkpoint.save_every=2",
                              "checkpoint.async_save=true", "checkpoint.hf_export_at_end=false",

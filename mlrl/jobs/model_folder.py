@@ -1,0 +1,48 @@
+"""The model folder's own files, checked where a job starts (before its ranks and engines do any
+work): the tokenizer loads, and the weights the bridge and vLLM read are there. Validation reads
+config.json only (a dry run plans from it alone), so these checks belong to the jobs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mlrl.config import ConfigError
+
+
+def model_tokenizer(hf_dir: Path, field: str = "model.hf_dir") -> Any:
+    """The folder's tokenizer. One that does not load is a ConfigError naming `field`: transformers'
+    own error blames something else for a folder without tokenizer files ("You need to have
+    sentencepiece or tiktoken installed")."""
+    from mlrl.workflow import load_hf_tokenizer
+
+    try:
+        return load_hf_tokenizer(str(hf_dir))
+    except (OSError, ValueError, TypeError) as e:
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise ConfigError(f"{field}: no tokenizer loads from {hf_dir} (expected tokenizer.json or the tokenizer "
+                          f"files with tokenizer_config.json): {type(e).__name__}: {first}") from None
+
+
+def check_model_weights(hf_dir: Path, field: str = "model.hf_dir") -> None:
+    """The folder holds the weights the trainer's bridge reads (and vLLM loads): model.safetensors,
+    or a model.safetensors.index.json of shards. Before, a folder without them passed every check
+    and failed in the trainer ranks or the engines, after they had started."""
+    if (hf_dir / "model.safetensors").is_file() or (hf_dir / "model.safetensors.index.json").is_file():
+        return
+    others = sorted(p.name for p in hf_dir.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".gguf"))
+    raise ConfigError(f"{field}: {hf_dir} has no weights: expected model.safetensors or model.safetensors.index.json"
+                      + (f" (found {', '.join(others[:4])}: save the model with save_pretrained, which writes "
+                         "safetensors)" if others else ""))
+
+
+def chat_template_error(e: ValueError, hf_dir: Path, which: str, name: Any) -> ConfigError | None:
+    """A ConfigError for transformers' "no chat template" error while data.<which> is rendered (None
+    for any other ValueError, which keeps its traceback)."""
+    from mlrl.data.rows import DatasetError
+
+    if not isinstance(e, DatasetError) and ("chat template" in str(e).lower() or "chat_template" in str(e)):
+        return ConfigError(f"model.hf_dir: the tokenizer of {hf_dir} has no chat template, which renders the "
+                           f"conversations of data.{which} ({name}); add one (chat_template in "
+                           "tokenizer_config.json or chat_template.jinja)")
+    return None
