@@ -448,6 +448,9 @@ def _check_unused(cfg: Config) -> None:
                 "--nodes N for one)")
     else:
         _unused("rollout", r, ("host",), f"with cluster.nodes={c.nodes} (each engine listens on its node's address)")
+    if cfg.offline is None and _inline_reward(cfg.workflow.reward):
+        _unused("workflow", cfg.workflow, ("reward_timeout_s", "reward_workers"), f"with workflow.reward="
+                f"{cfg.workflow.reward} (an inline reward: called in the driver, with no process pool and no timeout)")
     if cfg.weight_sync.transport != "disk":
         _unused("weight_sync", cfg.weight_sync, ("disk_dir",), f"with weight_sync.transport="
                 f"{cfg.weight_sync.transport} (the disk transport's folder)")
@@ -459,6 +462,14 @@ def _check_unused(cfg: Config) -> None:
     elif d.eval_every == 0:
         raise ConfigError(f"data.eval={d.eval} is never evaluated with data.eval_every=0: set data.eval_every to "
                           "evaluate every N steps (and at the end), or remove data.eval")
+
+
+def _inline_reward(name: Any) -> bool:
+    """A registered reward declared inline (mlrl.reward.register_reward(inline=True): exact_match,
+    token_match); a dotted path is not imported here."""
+    from mlrl.reward.registry import get_reward_fn, is_inline, list_rewards
+
+    return isinstance(name, str) and name in list_rewards() and is_inline(get_reward_fn(name))
 
 
 def _check_mode(cfg: Config) -> None:

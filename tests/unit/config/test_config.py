@@ -341,6 +341,11 @@ UNUSED = [
      ["cluster.nodes=1"]),
     (["weight_sync.disk_dir=/tmp/w"], "weight_sync.disk_dir='/tmp/w' has no effect with "
      "weight_sync.transport=broadcast", ["weight_sync.transport=disk"]),
+    (["workflow.reward_timeout_s=5"], "workflow.reward_timeout_s=5.0 has no effect with workflow.reward=exact_match "
+     "(an inline reward: called in the driver, with no process pool and no timeout)", ["workflow.reward=gsm8k"]),
+    (["workflow.reward=token_match", "workflow.reward_workers=7"], "workflow.reward_workers=7 has no effect with "
+     "workflow.reward=token_match",
+     ["workflow.reward=math_verify"]),
     (["eval.samples_per_prompt=4"], "eval.samples_per_prompt=4 has no effect without data.eval",
      ["data.eval=synthetic:copy_digit", "data.eval_every=5"]),
 ]
