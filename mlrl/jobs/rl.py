@@ -142,6 +142,11 @@ def _checks(cfg: Config, hf_dir: Path, run_dir: Path) -> _Checked:
             raise
 
     train_rows = rows("train")
+    if train_rows.reward and cfg.workflow.reward != train_rows.reward:  # a deliberate choice is allowed: said
+        log.warning("data.train=%s is made for the %r reward, and workflow.reward=%r scores it (set workflow.reward=%s "
+                    "unless this is meant: a reward that cannot read the dataset's answers gives 0.0 everywhere, and "
+                    "the run learns nothing)", cfg.data.train, train_rows.reward, cfg.workflow.reward,
+                    train_rows.reward)
     _check_sample_fits(cfg, train_rows.longest_prompt)
     eval_set = rows("eval") if cfg.data.eval else None
     for which, ds in (("train", train_rows), ("eval", eval_set)):  # what loading left out is said, not hidden

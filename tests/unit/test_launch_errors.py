@@ -131,3 +131,17 @@ def test_a_tokenizer_without_a_chat_template_is_a_config_error_in_rl_too(tmp_pat
     with pytest.raises(ConfigError, match=r"model.hf_dir: the tokenizer of .*/model has no chat template, which "
                                           r"renders the conversations of data.train"):
         _check_folder(tmp_path, model)
+
+
+def test_a_dataset_scored_by_another_reward_than_its_own_is_said(tmp_path, caplog):
+    """data.train=gsm8k with the default exact_match scored 0.0 everywhere: the run learnt nothing,
+    silently. A deliberate choice (math_verify on gsm8k) stays allowed, with the warning."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="mlrl"):
+        _check(tmp_path, "data.train=synthetic:copy_digit", "workflow.reward=exact_match")
+    assert "is made for" not in caplog.text
+    with caplog.at_level(logging.WARNING, logger="mlrl"):
+        _check(tmp_path, "data.train=synthetic:copy_digit", "workflow.reward=gsm8k")
+    assert "data.train=synthetic:copy_digit is made for the 'exact_match' reward, and workflow.reward='gsm8k' " \
+           "scores it" in caplog.text
