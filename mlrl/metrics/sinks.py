@@ -21,9 +21,13 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
+def _scalar(v: Any) -> Any:
+    return v.item() if hasattr(v, "item") else v
+
+
 def _clean(v: Any) -> Any:
-    if hasattr(v, "item"):
-        v = v.item()
+    """For the JSON line: a non-finite float as its string ("nan", "inf"; JSON has no such numbers)."""
+    v = _scalar(v)
     if isinstance(v, float) and not math.isfinite(v):
         return str(v)
     return v
@@ -96,7 +100,8 @@ class MetricsLogger:
         os.replace(tmp, p)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        rec = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
+        raw = {"step": step, **{k: _scalar(v) for k, v in metrics.items()}}
+        rec = {k: _clean(v) for k, v in raw.items()}
         if self.jsonl_path is None:
             self._rows.append(rec)
         else:
@@ -104,10 +109,12 @@ class MetricsLogger:
                 f.write(json.dumps(rec) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
+        # TensorBoard and W&B take the numbers themselves: a NaN loss must show there as NaN, not vanish
+        # (as the JSON line's string it was no scalar)
         if self._tb is not None:
-            self._tb_scalars(step, rec)
+            self._tb_scalars(step, raw)
         if self._wandb is not None:
-            self._wandb.log(rec, step=step)
+            self._wandb.log(raw, step=step)
 
     def _tb_scalars(self, step: int, rec: dict[str, Any]) -> None:
         """All of a step's scalars as ONE TensorBoard event (a Summary with one value per tag, the

@@ -25,6 +25,25 @@ def test_jsonl_and_tensorboard_written(tmp_path):
     assert [e.value for e in ev.Scalars("timing/step")] == [1.0, 1.0, 1.0]
 
 
+def test_a_nan_or_inf_metric_reaches_tensorboard_as_a_number(tmp_path):
+    """The JSON line writes it as a string (JSON has no NaN); TensorBoard got that string and dropped
+    the scalar: a diverged loss vanished from the plots instead of showing."""
+    import math
+
+    import torch
+
+    log = MetricsLogger(tmp_path, tensorboard=True)
+    log.log(1, {"train/loss": float("nan"), "train/grad_norm": torch.tensor(float("inf")), "x": 1.0})
+    log.close()
+    (rec,) = read_jsonl(tmp_path / "metrics.jsonl")
+    assert rec["train/loss"] == "nan" and rec["train/grad_norm"] == "inf"
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ev = EventAccumulator(str(tmp_path / "tensorboard"))
+    ev.Reload()
+    assert math.isnan(ev.Scalars("train/loss")[0].value) and ev.Scalars("train/grad_norm")[0].value == math.inf
+
+
 def test_resume_drops_lines_after_checkpoint_and_torn_line(tmp_path):
     p = tmp_path / "metrics.jsonl"
     p.write_text("".join(json.dumps({"step": s, "x": s}) + "\n" for s in range(1, 6)) + '{"step": 6, "x"')

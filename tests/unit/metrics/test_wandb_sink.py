@@ -7,6 +7,7 @@ this runs in CI rather than skipping."""
 import json
 import struct
 import sys
+import time
 
 import psutil
 import pytest
@@ -63,6 +64,9 @@ def wandb_offline(tmp_path, monkeypatch):
     if wandb.run is not None:                  # a failed test must not leave its run open
         wandb.finish()
     wandb.teardown()                           # stops the wandb-core service process
+    deadline = time.monotonic() + 15           # (it may take a moment to exit on a loaded machine)
+    while _wandb_children() and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert not _wandb_children(), "wandb left a background process behind"
 
 
