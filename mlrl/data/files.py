@@ -58,18 +58,20 @@ def read_rows(path: Path | list[Path], skip_malformed: bool, skipped: list[str])
 
 def _read_jsonl(path: Path, skip_malformed: bool, skipped: list[str]) -> Iterator[tuple[str, Any]]:
     try:
-        f = path.open("r", encoding="utf-8")
+        f = path.open("rb")  # decoded line by line: a line that is not UTF-8 is named (and skippable)
     except OSError as e:
         raise DatasetError(f"{path}: cannot open ({e.strerror})") from None
     with f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
+        for lineno, raw in enumerate(f, start=1):
             where = f"{path}:{lineno}"
             try:
+                line = raw.decode("utf-8")
+                if not line.strip():
+                    continue
                 row = json.loads(line)
-            except json.JSONDecodeError as e:
-                msg = f"{where}: invalid JSON ({e.msg} at column {e.colno})"
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                msg = (f"{where}: invalid JSON ({e.msg} at column {e.colno})" if isinstance(e, json.JSONDecodeError)
+                       else f"{where}: not UTF-8 (byte {e.object[e.start:e.start + 1]!r} at column {e.start + 1})")
                 if not skip_malformed:
                     raise DatasetError(msg) from None
                 skipped.append(msg)
@@ -82,6 +84,10 @@ def _read_json(path: Path) -> Iterator[tuple[str, Any]]:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise DatasetError(f"{path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"{path}: not UTF-8 (byte {e.object[e.start:e.start + 1]!r} at offset {e.start})") from None
+    except OSError as e:
+        raise DatasetError(f"{path}: cannot read ({e.strerror})") from None
     if not isinstance(data, list):
         raise DatasetError(f"{path}: a .json dataset must hold a list of rows, got {type(data).__name__}")
     for i, row in enumerate(data):

@@ -107,6 +107,11 @@ def _raw_rows(name_or_path: str, split: str, skip_malformed: bool, skipped: list
     if not path.exists():
         raise DatasetError(f"dataset {name_or_path!r}: no such file or folder, and not a registered name "
                            f"(registered: {', '.join(list_datasets())})")
+    if path.is_dir() and (path / "dataset_dict.json").is_file():  # DatasetDict.save_to_disk: one folder per split
+        if not (path / split / "state.json").is_file():
+            raise DatasetError(f"dataset {name_or_path!r}: a saved DatasetDict without a {split!r} split (it has: "
+                               f"{', '.join(sorted(p.name for p in path.iterdir() if (p / 'state.json').is_file()))})")
+        return list(read_rows(path / split, skip_malformed, skipped)), None
     if path.is_dir() and not (path / "dataset_info.json").exists() and not (path / "state.json").exists():
         return list(read_rows(find_split_files(path, split), skip_malformed, skipped)), None
     return list(read_rows(path, skip_malformed, skipped)), None

@@ -105,6 +105,33 @@ def test_json_parquet_and_split_folders(tmp_path):
         get_dataset(str(tmp_path / "x.json"))
 
 
+def test_a_file_that_is_not_utf8_names_its_line_and_can_be_skipped(tmp_path):
+    """Before, UnicodeDecodeError came out as a traceback: no line named, data.skip_malformed not
+    applied."""
+    p = tmp_path / "d.jsonl"
+    p.write_bytes(json.dumps(ROW).encode() + b"\n" + b'{"answer": "caf\xe9"}\n' + json.dumps(ROW).encode() + b"\n")
+    with pytest.raises(DatasetError, match=re.escape(f"{p}:2: not UTF-8 (byte b'\\xe9' at column 16)")):
+        get_dataset(str(p))
+    ds = get_dataset(str(p), skip_malformed=True)
+    assert len(ds) == 2 and ds.skipped == [f"{p}:2: not UTF-8 (byte b'\\xe9' at column 16)"]
+    (tmp_path / "x.json").write_bytes(b'[{"a": "\xff"}]')
+    with pytest.raises(DatasetError, match="x.json: not UTF-8"):
+        get_dataset(str(tmp_path / "x.json"))
+
+
+def test_a_saved_dataset_dict_folder_gives_the_split_asked_for(tmp_path):
+    """DatasetDict.save_to_disk writes dataset_dict.json and one folder per split: it was taken for a
+    folder of split files and refused ("no file for split 'train'")."""
+    import datasets
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_list([ROW] * 3),
+                          "test": datasets.Dataset.from_list([ROW])}).save_to_disk(str(tmp_path / "dd"))
+    assert len(get_dataset(str(tmp_path / "dd"), split="train")) == 3
+    assert len(get_dataset(str(tmp_path / "dd"), split="test")) == 1
+    with pytest.raises(DatasetError, match="a saved DatasetDict without a 'valid' split .it has: test, train"):
+        get_dataset(str(tmp_path / "dd"), split="valid")
+
+
 def test_a_split_in_parquet_shards_is_read_whole(tmp_path):
     """The Hub's layout: data/train-0000k-of-0000n.parquet; every shard's rows, in shard order."""
     import datasets
