@@ -186,9 +186,21 @@ def hf_config_dict(spec: str, arch: str | None = None, *, field: str = "model.hf
     if not cfg.is_file():
         raise ModelSpecError(f"{field}: {spec!r} has no config.json (expected a Hugging Face model folder)")
     try:
-        return json.loads(cfg.read_text())
-    except json.JSONDecodeError as e:
+        data = json.loads(cfg.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelSpecError(f"{field}: {cfg} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ModelSpecError(f"{field}: {cfg} must hold a JSON object, got {type(data).__name__}")
+    for key in _SHAPE_INTS:  # what validation computes with: a string there gave a TypeError traceback
+        v = data.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise ModelSpecError(f"{field}: {cfg}: {key} is {v!r}, expected a non-negative integer")
+    return data
+
+
+_SHAPE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "max_position_embeddings", "num_experts", "num_local_experts",
+               "num_experts_per_tok", "moe_intermediate_size")
 
 
 def resolve_model_dir(spec: str, *, field: str = "model.hf_dir") -> Path:

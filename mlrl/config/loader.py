@@ -74,7 +74,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file {str(p)!r} is a directory, expected a YAML file")
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
-        raw = _yaml_mapping(p.read_text(), f"config file {str(p)!r}")
+        try:
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {str(p)!r} is not UTF-8 text (byte at offset {e.start})") from None
+        except OSError as e:
+            raise ConfigError(f"config file {str(p)!r} cannot be read ({e.strerror})") from None
+        raw = _yaml_mapping(text, f"config file {str(p)!r}")
     for ov in overrides or []:
         _apply_override(raw, ov)
     return from_dict(Config, raw, "")

@@ -465,6 +465,22 @@ def test_missing_model_config_json(tmp_path):
         validate(load_config(DEFAULT, [f"model.hf_dir={tmp_path}"]), has_cuda=False)
 
 
+def test_a_malformed_config_json_or_recipe_is_a_config_error(tmp_path):
+    """A list for config.json, a string head count, a recipe that is not UTF-8: tracebacks before
+    (AttributeError, TypeError, UnicodeDecodeError)."""
+    cfg_json = tmp_path / "config.json"
+    for text, message in (("[1, 2]", "must hold a JSON object, got list"),
+                          ('{"num_attention_heads": "4", "num_hidden_layers": 2}',
+                           "num_attention_heads is '4', expected a non-negative integer")):
+        cfg_json.write_text(text)
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            validate(load_config(DEFAULT, [f"model.hf_dir={tmp_path}"]), has_cuda=False)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_bytes(b"trainer: {lr: 1.0e-3}\n# caf\xe9\n")
+    with pytest.raises(ConfigError, match=r"r.yaml' is not UTF-8 text \(byte at offset 27\)"):
+        load_config(recipe)
+
+
 def _model_dir(path: Path, base: str = "builtin:tiny-llama", **fields) -> Path:
     """A model folder whose config.json is `base`'s with `fields` changed (validation reads no weights)."""
     from mlrl.modelzoo import hf_config_dict
