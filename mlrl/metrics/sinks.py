@@ -6,7 +6,8 @@ Invariant: a step's metrics are written as one JSON line and flushed before the 
 considered done, so a crash never leaves a half-written line that a resumed run would choke on.
 A run starts from `resume_step` (the checkpoint's step, 0 for a fresh run): lines of later steps
 (written by a run that died after that checkpoint, or by an earlier run in the same folder) are
-dropped, so every curve stays single-valued.
+dropped, so every curve stays single-valued; they are kept aside in `metrics.dropped.jsonl`
+(appended) and the run says how many, so nothing written is lost.
 """
 
 from __future__ import annotations
@@ -87,14 +88,21 @@ class MetricsLogger:
         p = self.jsonl_path
         if p is None or not p.exists():
             return
-        keep = []
+        keep, dropped = [], []
         for line in p.read_text().splitlines():
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if resume_step is None or rec.get("step", 0) <= resume_step:
-                keep.append(line)
+            (keep if resume_step is None or rec.get("step", 0) <= resume_step else dropped).append(line)
+        if dropped:  # kept aside before the file is rewritten: the other timeline's lines are not lost
+            aside = p.with_name("metrics.dropped.jsonl")
+            with open(aside, "a") as f:
+                f.write("".join(d + "\n" for d in dropped))
+                f.flush()
+                os.fsync(f.fileno())
+            log.warning("metrics: %d line(s) of steps after %d (an earlier run in %s, or one that died after its "
+                        "checkpoint) moved to %s", len(dropped), resume_step or 0, self.run_dir, aside)
         tmp = p.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(k + "\n" for k in keep))
         os.replace(tmp, p)

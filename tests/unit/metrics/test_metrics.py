@@ -51,6 +51,19 @@ def test_resume_drops_lines_after_checkpoint_and_torn_line(tmp_path):
     log.log(4, {"x": 40})
     log.close()
     assert [(r["step"], r["x"]) for r in read_jsonl(p)] == [(1, 1), (2, 2), (3, 3), (4, 40)]
+    # the dropped steps are kept aside, not lost
+    assert [(r["step"], r["x"]) for r in read_jsonl(tmp_path / "metrics.dropped.jsonl")] == [(4, 4), (5, 5)]
+
+
+def test_a_fresh_run_in_a_folder_with_metrics_keeps_the_old_lines_aside(tmp_path, caplog):
+    import logging
+
+    p = tmp_path / "metrics.jsonl"
+    p.write_text("".join(json.dumps({"step": s, "x": s}) + "\n" for s in range(1, 4)))
+    with caplog.at_level(logging.WARNING, logger="mlrl"):
+        MetricsLogger(tmp_path, tensorboard=False, resume_step=0).close()
+    assert p.read_text() == "" and len(read_jsonl(tmp_path / "metrics.dropped.jsonl")) == 3
+    assert "metrics: 3 line(s) of steps after 0" in caplog.text
 
 
 def test_plot_png(tmp_path):
