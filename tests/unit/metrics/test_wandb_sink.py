@@ -82,6 +82,17 @@ def test_wandb_offline_run_records_the_logged_steps(tmp_path, wandb_offline):
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     (log_file,) = runs[0].glob("run-*.wandb")
+    # wandb's own service process writes the file: on a loaded machine it may still be writing when
+    # finish() returns (a run's process exit waits for it, at wandb's teardown)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            kinds = [r.WhichOneof("record_type") for r in _read_wandb_log(log_file)]
+        except Exception:  # (a record half-written)
+            kinds = []
+        if kinds and kinds[-1] == "exit":
+            break
+        time.sleep(0.2)
     records = _read_wandb_log(log_file)
     kinds = [r.WhichOneof("record_type") for r in records]
     assert kinds[0] == "header" and kinds[-1] == "exit" and records[-1].exit.exit_code == 0
