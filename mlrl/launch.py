@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from mlrl.config import ConfigError, dump_yaml, load_config, validate
+from mlrl.config.validate import check_driver
 
 DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "launch" / "cpu_default.yaml"
 
@@ -63,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config or DEFAULT_RECIPE, overrides)
         layout = validate(cfg, dry_run=args.dry_run or args.print_config)
+        if not (args.dry_run or args.print_config):
+            check_driver(cfg)
         if cfg.trainer.micro_batch_tokens == "auto":  # sized by the memory plan (the planner is imported only here)
             from mlrl.plan.planner import resolve_micro_batch_tokens
 

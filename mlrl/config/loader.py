@@ -117,10 +117,10 @@ _StrictLoader.add_implicit_resolver(
 # YAML 1.2's core schema (ints: decimal, 0o octal, 0x hex; floats with an optional exponent, inf, nan)
 _StrictLoader.add_implicit_resolver(
     _AMBIGUOUS_NUMBER, re.compile(r"^[-+]?0[0-9_]+$"), list("-+0"))
+_StrictLoader.add_implicit_resolver(  # (`_` between digits, as YAML 1.1 and Python allow: 1_000)
+    _INT, re.compile(r"^(?:[-+]?(?:0|[1-9][0-9_]*)|0o[0-7]+|0x[0-9a-fA-F]+)$"), list("-+0123456789"))
 _StrictLoader.add_implicit_resolver(
-    _INT, re.compile(r"^(?:[-+]?(?:0|[1-9][0-9]*)|0o[0-7]+|0x[0-9a-fA-F]+)$"), list("-+0123456789"))
-_StrictLoader.add_implicit_resolver(
-    _FLOAT, re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+    _FLOAT, re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9][0-9_]*(?:\.[0-9_]*)?)(?:[eE][-+]?[0-9]+)?"
                        r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"), list("-+0123456789."))
 
 
@@ -136,11 +136,11 @@ def _ambiguous_number(loader: _StrictLoader, node: yaml.ScalarNode) -> Any:
 
 def _yaml12_int(loader: _StrictLoader, node: yaml.ScalarNode) -> int:
     v = node.value
-    return int(v[2:], 8) if v.startswith("0o") else int(v, 0) if v.startswith("0x") else int(v)
+    return int(v[2:], 8) if v.startswith("0o") else int(v, 0) if v.startswith("0x") else int(v.replace("_", ""))
 
 
 def _yaml12_float(loader: _StrictLoader, node: yaml.ScalarNode) -> float:
-    v = node.value.lower()
+    v = node.value.lower().replace("_", "")
     return float(v.replace(".inf", "inf").replace(".nan", "nan"))
 
 
@@ -203,7 +203,7 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
     # comment (run_dir=runs/a #1), and a collection is only written `{...}` / `[...]`
     # (kwargs.note=Answer: briefly is a string, not {Answer: briefly})
     flow = text[:1] in ("{", "[", "'", '"')
-    if not flow and (" #" in text or isinstance(parsed, (dict, list))):
+    if not flow and (" #" in text or text.startswith("#") or isinstance(parsed, (dict, list))):
         parsed = text
     node = raw
     for part in parts[:-1]:
@@ -316,5 +316,13 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
+class _StrictDumper(yaml.SafeDumper):
+    """Quotes every string `_StrictLoader` would read as something else (`'1e3'`, `'010'`, `'yes'`):
+    the dumped config (what the trainer ranks and checkpoints read back) round-trips exactly."""
+
+
+_StrictDumper.yaml_implicit_resolvers = _StrictLoader.yaml_implicit_resolvers
+
+
 def dump_yaml(cfg: Any) -> str:
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
+    return yaml.dump(to_dict(cfg), Dumper=_StrictDumper, sort_keys=False, default_flow_style=False)

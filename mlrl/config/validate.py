@@ -448,7 +448,9 @@ def _check_unused(cfg: Config) -> None:
                 "--nodes N for one)")
     else:
         _unused("rollout", r, ("host",), f"with cluster.nodes={c.nodes} (each engine listens on its node's address)")
-    if cfg.offline is None and _inline_reward(cfg.workflow.reward):
+    # (the built-in workflows: a custom one may read reward_timeout_s / reward_workers for a reward of its own)
+    if cfg.offline is None and cfg.workflow.name in ("rlvr", "multi_turn", "openai_agent") and \
+            _inline_reward(cfg.workflow.reward):
         _unused("workflow", cfg.workflow, ("reward_timeout_s", "reward_workers"), f"with workflow.reward="
                 f"{cfg.workflow.reward} (an inline reward: called in the driver, with no process pool and no timeout)")
     if cfg.weight_sync.transport != "disk":
@@ -646,12 +648,6 @@ def validate(cfg: Config, *, has_cuda: bool | None = None, has_te: bool | None =
     else:
         cuda = functools.partial(bool, has_cuda)
     _check_ranges(cfg)
-    if cfg.logging.wandb_project and not dry_run:  # else the run failed at its first metrics line, after start-up
-        import importlib.util
-
-        if importlib.util.find_spec("wandb") is None:
-            raise ConfigError(f"logging.wandb_project={cfg.logging.wandb_project!r}: Weights & Biases is not "
-                              "installed here; pip install mlrl[wandb] (or pip install wandb), or unset it")
     _check_offline(cfg)
     _check_unused(cfg)
     _check_reward_model(cfg)
@@ -696,6 +692,17 @@ def validate(cfg: Config, *, has_cuda: bool | None = None, has_te: bool | None =
         except ConfigError as e:
             raise ConfigError(f"critic.hf_dir: {e}") from None
     return layout
+
+
+def check_driver(cfg: Config) -> None:
+    """What only the launching process needs, checked there before start-up (`validate` also runs in
+    every trainer rank, which needs none of it): W&B installed for logging.wandb_project (else the
+    run failed at its first metrics line, after the engines, the ranks and the first sync)."""
+    import importlib.util
+
+    if cfg.logging.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(f"logging.wandb_project={cfg.logging.wandb_project!r}: Weights & Biases is not "
+                          "installed here; pip install mlrl[wandb] (or pip install wandb), or unset it")
 
 
 def _cuda_available() -> bool:

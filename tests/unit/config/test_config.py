@@ -40,10 +40,15 @@ def test_numbers_are_yaml_1_2_and_override_text_is_taken_as_written(tmp_path):
     made a mapping."""
     cfg = load_config(DEFAULT, ["workflow.kwargs.lr=1e-5", "workflow.kwargs.t=12:30", "workflow.kwargs.h=0x10",
                                 "workflow.kwargs.note=Answer: briefly", "logging.run_dir=runs/a #1",
-                                "workflow.kwargs.l=[1, 2]", "workflow.kwargs.d={a: 1.5e2}", "workflow.kwargs.q='x #y'"])
+                                "workflow.kwargs.l=[1, 2]", "workflow.kwargs.d={a: 1.5e2}", "workflow.kwargs.q='x #y'",
+                                "workflow.kwargs.tag=#v2", "workflow.kwargs.s='1e3'", "workflow.kwargs.o='0o17'",
+                                "trainer.total_steps=1_000"])
     assert cfg.workflow.kwargs == {"lr": 1e-5, "t": "12:30", "h": 16, "note": "Answer: briefly", "l": [1, 2],
-                                   "d": {"a": 150.0}, "q": "x #y"}
-    assert cfg.logging.run_dir == "runs/a #1"
+                                   "d": {"a": 150.0}, "q": "x #y", "tag": "#v2", "s": "1e3", "o": "0o17"}
+    assert cfg.logging.run_dir == "runs/a #1" and cfg.trainer.total_steps == 1000
+    # what the trainer ranks read back: strings the loader would take for numbers are quoted
+    assert config_from_yaml(dump_yaml(cfg)) == cfg
+    assert config_from_yaml(dump_yaml(load_config(DEFAULT, ["logging.run_dir='1e3'"]))).logging.run_dir == "1e3"
     recipe = tmp_path / "r.yaml"
     recipe.write_text("trainer:\n  lr: 5e-6\n  total_steps: 012\n")
     with pytest.raises(ConfigError, match="'012' on line 3 is ambiguous .YAML 1.1 reads a leading zero as octal"):
@@ -351,6 +356,12 @@ UNUSED = [
 ]
 
 
+def test_a_custom_workflow_may_read_the_reward_pool_settings_for_its_own_reward():
+    """The inline-reward rule is the built-in workflows': a custom one is handed reward_timeout_s /
+    reward_workers (when it declares them) whatever workflow.reward names."""
+    validate(load_config(DEFAULT, ["workflow.name=my_pkg.MyWorkflow", "workflow.reward_workers=4"]), has_cuda=False)
+
+
 @pytest.mark.parametrize("unused,message,live", UNUSED, ids=[u[1].split(" ")[0] for u in UNUSED])
 def test_a_field_set_where_nothing_reads_it_is_refused(unused, message, live):
     with pytest.raises(ConfigError) as ei:
@@ -577,15 +588,22 @@ def test_the_policys_lr_schedule_counts_its_own_updates():
     assert load_config(DEFAULT, ["critic.critic_only_steps=3"]).policy_updates == 35  # grpo: no critic, no skip
 
 
-def test_wandb_project_without_wandb_installed_fails_at_validation(monkeypatch):
+def test_wandb_project_without_wandb_installed_fails_in_the_launcher(monkeypatch, capsys):
     """Before, the run failed at its first metrics line: after the engines, the trainer ranks and
-    the first weight sync, with a traceback."""
+    the first weight sync, with a traceback. Checked by the launcher only: the trainer ranks
+    re-validate the config and never log to W&B."""
     import importlib.util
 
+    from mlrl import launch
+    from mlrl.config.validate import check_driver
+
     cfg = load_config(DEFAULT, ["logging.wandb_project=demo"])
-    validate(cfg, has_cuda=False)  # installed here (the wandb extra)
+    check_driver(cfg)  # installed here (the wandb extra)
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
     with pytest.raises(ConfigError, match="logging.wandb_project='demo': Weights & Biases is not installed here"):
-        validate(cfg, has_cuda=False)
-    validate(cfg, has_cuda=False, dry_run=True)  # a plan made elsewhere
+        check_driver(cfg)
+    validate(cfg, has_cuda=False)  # what each rank runs: no W&B needed there
+    assert launch.main(["logging.wandb_project=demo"]) == 2
+    assert "config error: logging.wandb_project='demo': Weights & Biases is not installed" in capsys.readouterr().err
+    assert launch.main(["logging.wandb_project=demo", "--print-config"]) == 0  # a plan / print made elsewhere
