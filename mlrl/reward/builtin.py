@@ -106,13 +106,14 @@ def gsm8k_gold(answer: Any) -> Fraction | None:
     return n if n is not None else last_number(s)
 
 
-_HEADING = re.compile(r"\s*(?:[^\W\d_]|\d+[.)]\s+[^\W\d_])")  # '#### Step 2: ...', '#### 2. Cost of ...'
+# '#### Step 2: ...', '#### 2. Cost of ...' (but '#### Answer: 18', '#### The final answer is 5' are answers)
+_HEADING = re.compile(r"(?i)(?!.*\banswer\b)\s*(?:[^\W\d_]|\d+[.)]\s+[^\W\d_])")
 
 
 def hash_answer_line(completion: str) -> str | None:
     """The text after the last GSM8K answer marker `#### ` (to the end of its line) that holds a
     number. A markdown level-4 heading (`#### Step 2: ...`, `#### 2. Cost of pears`: a word, or
-    a numbered title) is not an answer marker: a model that writes headings and answers in
+    a numbered title, without the word "answer") is not an answer marker: a model that writes headings and answers in
     `\\boxed{}` (what mlrl's gsm8k prompt asks for) was scored on a number in a heading."""
     for part in reversed(completion.split("####")[1:]):
         line = part.split("\n")[0]

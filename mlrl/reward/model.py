@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from mlrl.metrics.timer import ACTIVITY
 from mlrl.reward.registry import register_reward
-from mlrl.types import GenerationHyperparameters, ModelRequest, StopReason
+from mlrl.types import GenerationHyperparameters, ModelRequest
 
 if TYPE_CHECKING:
     from mlrl.interfaces import InferenceEngine
@@ -96,9 +96,10 @@ class ModelJudge:
             t0 = time.perf_counter()
             resp = await self.engine.agenerate(ModelRequest(self.prompt_ids(question, response, answer),
                                                             gconfig=self.gconfig))
-        if resp.stop_reason == StopReason.ERROR:
+        if resp.stop_reason.unfinished:  # (an error, or cut short: the pool closed / no engine was left)
             self.errors += 1
-            raise JudgeError(f"the judge's engine failed after {time.perf_counter() - t0:.1f}s: {resp.error}")
+            raise JudgeError(f"the judge's engine failed after {time.perf_counter() - t0:.1f}s "
+                             f"({resp.stop_reason.value}): {resp.error}")
         self.reply_tokens += len(resp.output_tokens)
         try:
             return self.parse(self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True))

@@ -53,6 +53,8 @@ def test_exact_match(completion, answer, expected):
         ("#### Step 3: add\n2 + 3 = 5\n\\boxed{5}", "3", 0.0),
         ("#### 2. Cost of pears\n\\boxed{9}", "9", 1.0),        # a numbered heading
         ("#### 72\n\n#### Note: checked", "72", 1.0),             # the last marker that holds an answer
+        ("#### Answer: 18\nShe sells 16 - 3 - 4 = 9 eggs at $2 each.", "18", 1.0),  # an answer line, not a heading
+        ("#### The final answer is 5", "5", 1.0),
     ],
 )
 def test_gsm8k(completion, answer, expected):
