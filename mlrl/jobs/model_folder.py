@@ -24,16 +24,21 @@ def model_tokenizer(hf_dir: Path, field: str = "model.hf_dir") -> Any:
                           f"files with tokenizer_config.json): {type(e).__name__}: {first}") from None
 
 
-def check_model_weights(hf_dir: Path, field: str = "model.hf_dir") -> None:
-    """The folder holds the weights the trainer's bridge reads (and vLLM loads): model.safetensors,
-    or a model.safetensors.index.json of shards. Before, a folder without them passed every check
-    and failed in the trainer ranks or the engines, after they had started."""
-    if (hf_dir / "model.safetensors").is_file() or (hf_dir / "model.safetensors.index.json").is_file():
+def check_model_weights(hf_dir: Path, field: str = "model.hf_dir", *, bin_ok: bool = False) -> None:
+    """The folder holds weights its readers load: safetensors (model.safetensors, an index of
+    shards, or unindexed *.safetensors: the trainer's bridge, mlrl.bridge.HFCheckpoint, and vLLM
+    read them), or with `bin_ok` (a reward model, which only vLLM loads) PyTorch *.bin files too.
+    Before, a folder without weights passed every check and failed in the trainer ranks or the
+    engines, after they had started."""
+    if (hf_dir / "model.safetensors.index.json").is_file() or any(hf_dir.glob("*.safetensors")):
         return
-    others = sorted(p.name for p in hf_dir.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".gguf"))
-    raise ConfigError(f"{field}: {hf_dir} has no weights: expected model.safetensors or model.safetensors.index.json"
-                      + (f" (found {', '.join(others[:4])}: save the model with save_pretrained, which writes "
-                         "safetensors)" if others else ""))
+    if bin_ok and any(hf_dir.glob("*.bin")):
+        return
+    others = sorted(p.name for p in hf_dir.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf"))
+    raise ConfigError(f"{field}: {hf_dir} has no weights: expected *.safetensors (model.safetensors or shards with "
+                      "model.safetensors.index.json)"
+                      + (f"; found {', '.join(others[:4])}, which the trainer does not read: convert them to "
+                         "safetensors (transformers' save_pretrained writes them)" if others else ""))
 
 
 def chat_template_error(e: ValueError, hf_dir: Path, which: str, name: Any) -> ConfigError | None:

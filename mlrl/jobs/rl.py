@@ -173,7 +173,7 @@ def _checks(cfg: Config, hf_dir: Path, run_dir: Path) -> _Checked:
         except ModelSpecError as e:
             raise ConfigError(str(e)) from None
         out.judge_tokenizer = model_tokenizer(out.judge_dir, field="reward_model.hf_dir")
-        check_model_weights(out.judge_dir, field="reward_model.hf_dir")
+        check_model_weights(out.judge_dir, field="reward_model.hf_dir", bin_ok=True)  # (vLLM alone loads it)
     return out
 
 
@@ -251,12 +251,14 @@ async def _run(cfg: Config, layout: Layout, early: EarlyStart) -> int:
                 spawn=placement.spawn_trainer,
             ))
         except BaseException:  # SIGTERM or a failed trainer start: the engines' start is not waited for
-            for t in starting:  # (their processes are stopped by the pools' shutdown below)
-                t.cancel()
-            await asyncio.gather(*starting, return_exceptions=True)
+            await _cancel_all(starting)  # (their processes are stopped by the pools' shutdown below)
             raise
-        for t in starting:
-            await t
+        try:
+            for t in starting:
+                await t
+        except BaseException:  # one pool failed to start: the other's start is not waited for either
+            await _cancel_all(starting)
+            raise
         if judge_pool is not None and cfg.reward_model is not None:
             rm = cfg.reward_model
             set_active_judge(
@@ -355,6 +357,12 @@ async def _run(cfg: Config, layout: Layout, early: EarlyStart) -> int:
         if group is not None:
             await asyncio.to_thread(group.close)
         await asyncio.to_thread(placement.close)
+
+
+async def _cancel_all(tasks: list[asyncio.Task[Any]]) -> None:
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def freeze_startup_heap() -> None:

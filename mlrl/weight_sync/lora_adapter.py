@@ -38,7 +38,7 @@ from mlrl.ckpt_files.peft_adapter import write_peft_adapter
 from mlrl.config.schema import LoRAConfig, WeightSyncConfig
 from mlrl.interfaces import EngineControl, EngineHandle, RolloutPool
 from mlrl.weight_sync.source import PushRequest, WeightSource
-from mlrl.weight_sync.sync import SyncSetup, engine_client
+from mlrl.weight_sync.sync import SyncSetup, engine_client, gather_all
 from mlrl.weight_sync.transports import DiskWeightSync, _check_senders, receive_disk
 
 ADAPTER_PREFIX = "mlrl-lora"
@@ -100,7 +100,7 @@ class AdapterWeightSync(DiskWeightSync):
                 await _lora_client(e).unload_lora_adapter(held.pop(0))
             return [{"version": version, "worker": "driver", "streams": streams}]
 
-        reports = list(await asyncio.gather(*(load(e) for e in engines)))
+        reports = list(await gather_all(load(e) for e in engines))  # every load ends before a failure is raised
         for old in self.root.glob("v*"):
             if old != out and old.is_dir() and old.name < f"v{version - 1:08d}":
                 shutil.rmtree(old, ignore_errors=True)  # the previous version's folder stays while it is loaded

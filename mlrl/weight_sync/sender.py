@@ -68,12 +68,14 @@ def push_from_rank(request: "PushRequest | dict[str, Any]", buckets: BucketFn, s
 
     try:
         parts.send(req, sender, tracked, digest, rep)
-    except BaseException:
+    except Exception:
         # the sender's TP / EP peers are still gathering their share of every tensor: walk the rest of
         # this rank's iterator too (its collectives only, nothing sent), so that they finish and every
         # rank answers the driver, which retries; else they waited out the process group's timeout
-        rest = made[-1] if made else iter(buckets(req.bucket_bytes))
-        for _ in rest:
+        try:
+            for _ in made[-1] if made else iter(buckets(req.bucket_bytes)):
+                pass
+        except Exception:  # the transport's error is the one to report
             pass
         raise
     rep.tensors, rep.bytes, rep.digest = digest.tensors, digest.bytes, digest.hexdigest()

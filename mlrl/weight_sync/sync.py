@@ -38,7 +38,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Awaitable, Iterable, Iterator, Sequence
 
 from mlrl.config.schema import WeightSyncConfig
 from mlrl.interfaces import EngineControl, EngineHandle, RolloutPool, SyncHooks
@@ -112,6 +112,17 @@ class SyncSetup:
     host: str = "127.0.0.1"        # address trainer ranks and engine workers reach this driver at (broadcast store)
     run_dir: str | Path | None = None  # disk: shards go to <run_dir>/weight_sync unless weight_sync.disk_dir is set
     backend: str | None = None     # broadcast: "gloo" / "nccl" (None: NCCL if this machine has CUDA, else gloo)
+
+
+async def gather_all(aws: Iterable[Awaitable[Any]]) -> list[Any]:
+    """`asyncio.gather`, but every call ends before the first failure is raised: a plain gather
+    raises at once and leaves the other engines' calls running, into the retry's start (or past
+    cuda_ipc's release of the handles they read)."""
+    results = await asyncio.gather(*aws, return_exceptions=True)
+    failed = next((r for r in results if isinstance(r, BaseException)), None)
+    if failed is not None:
+        raise failed
+    return results
 
 
 def engine_client(e: EngineHandle) -> EngineControl:

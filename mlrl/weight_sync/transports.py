@@ -38,13 +38,13 @@ import shutil
 import socket
 import uuid
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Iterable, Protocol, Sequence, cast
+from typing import Any, Callable, Protocol, Sequence, cast
 
 import torch
 
 from mlrl.interfaces import EngineHandle
 from mlrl.weight_sync.source import BucketFn, PushRequest, SendReport
-from mlrl.weight_sync.sync import SyncSetup, WeightSync, _Mismatch, engine_client
+from mlrl.weight_sync.sync import SyncSetup, WeightSync, _Mismatch, engine_client, gather_all
 from mlrl.weight_sync.wire import (
     Channel,
     Digest,
@@ -81,20 +81,9 @@ def _check_senders(reports: list[SendReport], k: int) -> list[SendReport]:
     return sorted(reports, key=lambda r: r.sender)
 
 
-async def _every(aws: Iterable[Awaitable[Any]]) -> list[Any]:
-    """`asyncio.gather`, but every call ends before the first failure is raised: a plain gather
-    raises at once and leaves the other engines' calls running, into the retry's start (or past
-    cuda_ipc's release of the handles they read)."""
-    results = await asyncio.gather(*aws, return_exceptions=True)
-    failed = next((r for r in results if isinstance(r, BaseException)), None)
-    if failed is not None:
-        raise failed
-    return results
-
-
 async def _finish_all(engines: Sequence[EngineHandle], version: int) -> list[list[dict[str, Any]]]:
-    await _every(engine_client(e).finish_weight_update(version, timeout=_RPC_TIMEOUT_S) for e in engines)
-    reports = await _every(engine_client(e).collective_rpc("mlrl_weight_report") for e in engines)
+    await gather_all(engine_client(e).finish_weight_update(version, timeout=_RPC_TIMEOUT_S) for e in engines)
+    reports = await gather_all(engine_client(e).collective_rpc("mlrl_weight_report") for e in engines)
     return [cast(list[dict[str, Any]], r) for r in reports]  # one report per worker of each engine
 
 
@@ -269,7 +258,7 @@ class DiskWeightSync(WeightSync):
             await engine_client(e).start_weight_update()
             await engine_client(e).update_weights(info, timeout=_RPC_TIMEOUT_S)
 
-        await _every(drive(e) for e in engines)
+        await gather_all(drive(e) for e in engines)
         reports = await _finish_all(engines, version)
         for old in self.root.glob("v*"):
             if old != out and old.is_dir():
@@ -367,7 +356,7 @@ class CudaIpcWeightSync(WeightSync):  # pragma: no cover - GPU only (tests/gpu)
                 await engine_client(e).start_weight_update()
                 await engine_client(e).update_weights(info, timeout=_RPC_TIMEOUT_S)
 
-            await _every(drive(e) for e in engines)
+            await gather_all(drive(e) for e in engines)
             reports = await _finish_all(engines, version)
         finally:
             await asyncio.to_thread(self.source.push, PushRequest(self.transport, version, phase="release"))

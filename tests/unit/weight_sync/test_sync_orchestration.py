@@ -431,7 +431,7 @@ async def test_a_failed_engine_call_raises_only_once_every_engine_call_ended():
     cuda_ipc's release of the handles they were reading)."""
     import asyncio
 
-    from mlrl.weight_sync.transports import _every
+    from mlrl.weight_sync.sync import gather_all
 
     ended = []
 
@@ -444,6 +444,6 @@ async def test_a_failed_engine_call_raises_only_once_every_engine_call_ended():
         raise ConnectionError("engine-1 died")
 
     with pytest.raises(ConnectionError, match="engine-1 died"):
-        await _every([slow_ok(), fails()])
+        await gather_all([slow_ok(), fails()])
     assert ended == ["slow"]
-    assert await _every([slow_ok(), slow_ok()]) == [1, 1]
+    assert await gather_all([slow_ok(), slow_ok()]) == [1, 1]
