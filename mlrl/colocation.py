@@ -107,14 +107,18 @@ class Colocation:
         self.trainer_out = True
         self.params_out = self.params_out or "params" in kinds
 
-    async def reload(self) -> None:
+    async def reload(self, kinds: list[str] | None = None) -> None:
+        """Bring back what left the devices (`kinds`: only those)."""
         if not self.trainer_out:
             return
         t0 = time.perf_counter()
-        rep = await asyncio.to_thread(self.trainer.reload)
+        rep = await asyncio.to_thread(self.trainer.reload, kinds)
         self._time("reload", time.perf_counter() - t0)
         self._bytes("reload", rep)
-        self.trainer_out = self.params_out = False
+        if kinds is None:
+            self.trainer_out = self.params_out = False
+        elif "params" in kinds:
+            self.params_out = False
 
     # ---- the step's transitions --------------------------------------------------------------------
     async def start(self) -> None:
@@ -144,9 +148,8 @@ class Colocation:
         return out
 
     async def before_transfer(self) -> None:
-        if self.params_out:  # a retried attempt after the parameters left: bring them back
-            await self.reload()
-            await self.offload(TRAIN_STATE)
+        if self.params_out:  # a retried attempt after the parameters left: bring them back, only them (the
+            await self.reload(["params"])  # engines' KV cache is awake by then: the train state stays out)
         await self.wake_engines("weights")
 
     async def before_verify(self) -> None:

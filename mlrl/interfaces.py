@@ -124,8 +124,8 @@ class Offloadable(Protocol):
         bytes measured as freed ("measured": the CUDA allocator's count, 0 on CPU), seconds."""
         ...
 
-    def reload(self) -> dict[str, float]:
-        """Everything offloaded back on the device, unchanged (gradients zeroed)."""
+    def reload(self, kinds: list[str] | None = None) -> dict[str, float]:
+        """What was offloaded (`kinds`: only those) back on the device, unchanged (gradients zeroed)."""
         ...
 
 

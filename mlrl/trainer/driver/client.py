@@ -90,9 +90,10 @@ class TrainerClient:
         allocators measured as freed ("measured", 0 on CPU), summed over ranks; seconds (slowest rank)."""
         return _offload_totals(self.group.call(TrainerService.offload, kinds=list(kinds)))
 
-    def reload(self) -> dict[str, float]:
-        """Everything `offload` released, back on the device (bytes unchanged; gradients zeroed)."""
-        return _offload_totals(self.group.call(TrainerService.reload))
+    def reload(self, kinds: list[str] | None = None) -> dict[str, float]:
+        """What `offload` released (`kinds`: only those), back on the device (bytes unchanged;
+        gradients zeroed)."""
+        return _offload_totals(self.group.call(TrainerService.reload, kinds))
 
     def close(self) -> None:
         self.group.close()

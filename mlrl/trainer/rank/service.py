@@ -145,9 +145,10 @@ class TrainerService:
         (mlrl.trainer.rank.offload). Kinds already offloaded are skipped."""
         return self._offloader().offload(kinds).to_json()
 
-    def reload(self) -> dict[str, Any]:
-        """Bring everything `offload` moved back to the device, bytes unchanged (gradients zeroed)."""
-        return self._offloader().reload().to_json()
+    def reload(self, kinds: list[str] | None = None) -> dict[str, Any]:
+        """Bring what `offload` moved (`kinds`: only those) back to the device, bytes unchanged
+        (gradients zeroed)."""
+        return self._offloader().reload(kinds).to_json()
 
     def _offloader(self):
         if getattr(self, "_offload", None) is None:
