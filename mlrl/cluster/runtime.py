@@ -139,17 +139,31 @@ class RayRanks:
             ]
         )
 
+    # Each agent is asked on its own: a dead node (its agent gone, RayActorError) must not replace the
+    # error being reported (a lost rank's TrainerError carries these log tails) or stop the teardown
+    # (TrainerGroup.close -> wait / kill, then the placement's release); its ranks died with it.
+    def _ask(self, call: Any, timeout_s: float, dead: Any) -> Any:
+        try:
+            return self._ray.get(call, timeout=timeout_s)
+        except Exception as e:  # the agent (node) is gone or unreachable
+            return dead(e) if callable(dead) else dead
+
     def wait(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
-        return all(
-            self._ray.get(a.ranks_wait.remote(max(0.0, deadline - time.monotonic()))) for a in self._agents.values()
-        )
+        done = True
+        for a in self._agents.values():
+            left = max(0.0, deadline - time.monotonic())
+            done = self._ask(a.ranks_wait.remote(left), left + 30, True) and done
+        return done
 
     def kill(self) -> None:
-        self._ray.get([a.ranks_kill.remote() for a in self._agents.values()])
+        for a in self._agents.values():
+            self._ask(a.ranks_kill.remote(), 60, None)
 
     def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self._ray.get([a.ranks_log_tail.remote(lines) for a in self._agents.values()]))
+        return "\n".join(self._ask(a.ranks_log_tail.remote(lines), 30,
+                                   lambda e, node=node: f"(node {node}: log unavailable, {type(e).__name__}: {e})")
+                         for node, a in self._agents.items())
 
 
 class RemoteEngineServer(EngineServer):
