@@ -79,6 +79,8 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=0.9)
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"--repeats {args.repeats}: expected >= 1 (the timed calls after the warm-up)")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: torch.cuda.is_available() is False on this machine")
     g = torch.Generator().manual_seed(0)

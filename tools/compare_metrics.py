@@ -6,8 +6,8 @@ For refactors whose rule is "identical losses, rewards and checkpoints": run the
 seeds before and after, then compare. Timing keys (timing/*, *_s, */seconds, */bytes_per_s,
 episodes/time_*) are left out; everything else (losses, rewards, advantages, KL, grad norms,
 packing, weight-sync canaries) must match exactly (NaN equals NaN). Prints the differing keys
-and exits 1 when any differ or the steps do not line up; the last line is
-`ratio equal_values: <equal / compared>`.
+and exits 1 when any differ or the steps do not line up (2 when a file is not a metrics.jsonl);
+the last line is `ratio equal_values: <equal / compared>`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,10 @@ from pathlib import Path
 TIMING = re.compile(r"^timing/|_s$|/seconds$|/bytes_per_s$|^episodes/time_")
 
 
+class BadInput(ValueError):
+    """A file that is not a run's metrics.jsonl: exit 2 (1 means the runs differ)."""
+
+
 def read(path: Path) -> dict[int, dict[str, float]]:
     rows = {}
     for n, line in enumerate(path.read_text().splitlines(), 1):
@@ -29,8 +33,11 @@ def read(path: Path) -> dict[int, dict[str, float]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise SystemExit(f"compare_metrics: {path}:{n}: not JSON ({e})") from e
-            rows[int(row["step"])] = row
+                raise BadInput(f"{path}:{n}: not JSON ({e})") from None
+            step = row.get("step") if isinstance(row, dict) else None
+            if not isinstance(step, int) or isinstance(step, bool):
+                raise BadInput(f"{path}:{n}: not a metrics line (expected an object with an integer 'step')")
+            rows[step] = row
     return rows
 
 
@@ -68,10 +75,15 @@ def main(argv: list[str] | None = None) -> int:
         if not p.is_file():
             print(f"compare_metrics: {p}: no such file (expected a run's metrics.jsonl)", file=sys.stderr)
             return 2
-    compared, equal, problems = compare(read(args.a), read(args.b))
+    try:
+        a, b = read(args.a), read(args.b)
+    except BadInput as e:
+        print(f"compare_metrics: {e}", file=sys.stderr)
+        return 2
+    compared, equal, problems = compare(a, b)
     for p in problems:
         print(p)
-    print(f"{len(read(args.a))} steps, {compared} values compared (timings left out), {equal} equal")
+    print(f"{len(a)} steps, {compared} values compared (timings left out), {equal} equal")
     print(f"ratio equal_values: {equal / compared if compared else 0.0:.6f}")
     return 0 if not problems and compared else 1
 

@@ -33,3 +33,16 @@ def test_a_differing_value_key_or_step_fails(tmp_path, capsys):
     d = _write(tmp_path / "d.jsonl", [{"step": 1, "train/loss": 0.5}])
     assert cm.main([str(a), str(d)]) == 1
     assert cm.main([str(a), str(tmp_path / "missing.jsonl")]) == 2
+
+
+def test_a_file_that_is_not_a_metrics_jsonl_exits_2_not_1(tmp_path, capsys):
+    """1 means "the runs differ": bad input said so too (a SystemExit with a message, a KeyError
+    traceback for a line without 'step')."""
+    good = tmp_path / "a.jsonl"
+    good.write_text(json.dumps({"step": 1, "x": 1.0}) + "\n")
+    for i, text in enumerate(['{"x": 1.0}\n', "not json\n", '[1, 2]\n']):
+        bad = tmp_path / f"b{i}.jsonl"
+        bad.write_text(text)
+        assert cm.main([str(good), str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert f"b{i}.jsonl:1: not" in err and "Traceback" not in err
