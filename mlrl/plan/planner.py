@@ -98,9 +98,13 @@ def make_plan(cfg: Config, layout: Layout) -> Plan:
     lora = cfg.model.lora  # the policy's adapters; the critic trains its full weights
     params = [mem.stage_params(shape, ls, first=k == 0, last=k == layout.pp - 1, pp=layout.pp, tp=layout.tp,
                                ep=layout.ep, etp=layout.etp, lora=lora) for k, ls in enumerate(layers)]
-    critic = None if not cfg.uses_critic else [
-        mem.stage_params(shape, ls, first=k == 0, last=k == layout.pp - 1, pp=layout.pp, tp=layout.tp, ep=layout.ep,
-                         etp=layout.etp, value_head=True) for k, ls in enumerate(layers)]
+    critic = None
+    if cfg.uses_critic:  # the critic's own model when critic.hf_dir names one (validation: same vocabulary)
+        chf = cfg.critic.hf_dir if cfg.critic is not None else None
+        cshape = model_shape(hf_config_dict(chf, None, field="critic.hf_dir"), chf) if chf else shape
+        clayers = layers if chf is None else mem.stage_layers(cshape.layers, layout.pp, layout.vpp, p.pp_layer_split)
+        critic = [mem.stage_params(cshape, ls, first=k == 0, last=k == layout.pp - 1, pp=layout.pp, tp=layout.tp,
+                                   ep=layout.ep, etp=layout.etp, value_head=True) for k, ls in enumerate(clayers)]
     precision = cfg.model.precision  # the trainer's, derived from model.dtype
     act_bytes = 4 if precision == "fp32" else 2
     tokens = t.token_budget / layout.cp

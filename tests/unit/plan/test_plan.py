@@ -91,6 +91,23 @@ def test_distributed_optimizer_divides_adam_state_by_dp():
 CRITIC = ("algorithm.advantage=gae", "critic.lr=1e-6")
 
 
+def test_the_critic_is_sized_as_its_own_model(tmp_path):
+    """critic.hf_dir may name another model than the policy (same vocabulary): the critic's memory
+    was the policy's shape whatever that model was."""
+    import json
+
+    bigger = dict(PRESETS["Qwen/Qwen3-8B"], num_hidden_layers=72)  # a deeper critic, same vocabulary and width
+    (tmp_path / "config.json").write_text(json.dumps(bigger))
+    same = plan_for(QWEN8B, *CRITIC)
+    deeper = plan_for(QWEN8B, *CRITIC, f"critic.hf_dir={tmp_path}")
+    # 36 more layers, each split over tp=2 (its norms replicated)
+    assert deeper.critic_params[0].total - same.critic_params[0].total == 36 * (ATTN_8B + MLP_8B) // 2 + 36 * NORMS_8B
+    assert deeper.trainer_memory[0].critic.params == 2 * deeper.critic_params[0].total  # bf16
+    # the policy's own terms are unchanged
+    policy_parts = [{k: v for k, v in pl.trainer_memory[0].parts().items() if k != "critic"} for pl in (same, deeper)]
+    assert policy_parts[0] == policy_parts[1]
+
+
 def test_critic_adds_its_params_grads_and_optimizer_per_gpu():
     base = plan_for(QWEN8B)                                                  # tp=2, dp=32, bf16, Adam, dist. opt.
     with_critic = plan_for(QWEN8B, *CRITIC)
