@@ -28,11 +28,17 @@ class BadInput(ValueError):
 
 def read(path: Path) -> dict[int, dict[str, float]]:
     rows = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise BadInput(f"{path}: not UTF-8 text (byte at offset {e.start})") from None
+    for n, line in enumerate(lines, 1):
         if line.strip():
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
+                if n == len(lines):  # a torn last line (a run that crashed mid-write): as mlrl's reader, left out
+                    continue
                 raise BadInput(f"{path}:{n}: not JSON ({e})") from None
             step = row.get("step") if isinstance(row, dict) else None
             if not isinstance(step, int) or isinstance(step, bool):

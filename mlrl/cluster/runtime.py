@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -31,6 +32,8 @@ from typing import Any
 from mlrl.cluster.assignment import ClusterAssignment, ClusterError, TrainerWorker
 from mlrl.procs import kill_tree
 from mlrl.rollout.server import EngineServer, ServerSpec
+
+logger = logging.getLogger(__name__)
 
 AGENT_CONCURRENCY = 16  # threaded actor: a slow stop() must not block alive() probes
 
@@ -145,7 +148,8 @@ class RayRanks:
     def _ask(self, call: Any, timeout_s: float, dead: Any) -> Any:
         try:
             return self._ray.get(call, timeout=timeout_s)
-        except Exception as e:  # the agent (node) is gone or unreachable
+        except Exception as e:  # the agent (node) is gone or unreachable: said, and its ranks went with it
+            logger.warning("trainer ranks: a node agent did not answer (%s: %s)", type(e).__name__, e)
             return dead(e) if callable(dead) else dead
 
     def wait(self, timeout_s: float) -> bool:
@@ -161,9 +165,10 @@ class RayRanks:
             self._ask(a.ranks_kill.remote(), 60, None)
 
     def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self._ask(a.ranks_log_tail.remote(lines), 30,
-                                   lambda e, node=node: f"(node {node}: log unavailable, {type(e).__name__}: {e})")
-                         for node, a in self._agents.items())
+        calls = {node: a.ranks_log_tail.remote(lines) for node, a in self._agents.items()}  # all asked at once
+        return "\n".join(self._ask(call, 30, lambda e, node=node: f"(node {node}: log unavailable, "
+                                                                f"{type(e).__name__}: {e})")
+                         for node, call in calls.items())
 
 
 class RemoteEngineServer(EngineServer):

@@ -32,7 +32,8 @@ input, B replicated); MoE layers carry attention adapters only. The reference mo
 is the base with the adapters off) and the FP8 cache covers the base linears only (the adapters
 run in the params dtype).
 
-Critic (`critic:` section, PPO + GAE): a value model with the policy's architecture on the same
+Critic (`critic:` section, PPO + GAE): a value model with the policy's architecture (or the model
+`critic.hf_dir` names: its own shape) on the same
 trainer ranks and the same parallel layout, trained by its own optimizer of the policy's kind,
 precision and sharding. Per rank it holds the policy's parameters minus the output layer (no
 vocabulary projection: the last stage has a replicated h x 1 value head instead, h elements),
@@ -40,8 +41,9 @@ and it keeps its own gradients and optimizer state: its params + grads + optimiz
 weight cache under FP8) are computed with the table above and added to the rank's total as a
 separate term. Its activations are not added: the critic's forward / backward passes run at
 other times than the policy's (values before the policy update, the value loss after it), so the
-peak is the larger of the two, and the critic's is the smaller one (the same layers without the
-vocabulary-sized logits, under the same micro-batch token budget).
+peak is the larger of the two, and with the policy's architecture the critic's is the smaller one
+(the same layers without the vocabulary-sized logits, under the same micro-batch token budget);
+a critic of its own model is sized as well and the larger pass counts (mlrl.plan.planner).
 
 Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models", arXiv:2205.05198, Sec. 4): per layer and token the paper stores

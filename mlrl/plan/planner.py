@@ -9,6 +9,7 @@ placement groups, so both agree on which GPU does what. Memory formulas and thei
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -98,7 +99,7 @@ def make_plan(cfg: Config, layout: Layout) -> Plan:
     lora = cfg.model.lora  # the policy's adapters; the critic trains its full weights
     params = [mem.stage_params(shape, ls, first=k == 0, last=k == layout.pp - 1, pp=layout.pp, tp=layout.tp,
                                ep=layout.ep, etp=layout.etp, lora=lora) for k, ls in enumerate(layers)]
-    critic = None
+    critic, chf, cshape, clayers = None, None, shape, layers
     if cfg.uses_critic:  # the critic's own model when critic.hf_dir names one (validation: same vocabulary)
         chf = cfg.critic.hf_dir if cfg.critic is not None else None
         cshape = model_shape(hf_config_dict(chf, None, field="critic.hf_dir"), chf) if chf else shape
@@ -110,11 +111,14 @@ def make_plan(cfg: Config, layout: Layout) -> Plan:
     tokens = t.token_budget / layout.cp
     tmem = []
     for k, ls in enumerate(layers):
-        acts = mem.stage_activation_bytes(
-            shape, ls, last=k == layout.pp - 1, tokens=tokens,
-            inflight=mem.inflight_microbatches(k, layout.pp, layout.vpp, micro), act_bytes=act_bytes, tp=layout.tp,
-            etp=layout.etp, sp=p.sequence_parallel, flash=not cpu, recompute=t.recompute,
-            seq_len=min(seq_len, t.token_budget), lora=lora)
+        stage_acts = functools.partial(
+            mem.stage_activation_bytes, tokens=tokens,
+            inflight=mem.inflight_microbatches(k, layout.pp, layout.vpp, micro), act_bytes=act_bytes,
+            tp=layout.tp, etp=layout.etp, sp=p.sequence_parallel, flash=not cpu, recompute=t.recompute,
+            seq_len=min(seq_len, t.token_budget))
+        acts = stage_acts(shape, ls, last=k == layout.pp - 1, lora=lora)
+        if chf:  # a critic of its own model may be the larger pass (no vocabulary logits: last=False)
+            acts = max(acts, stage_acts(cshape, clayers[k], last=False, lora=None))
         tmem.append(mem.trainer_memory(
             params[k], precision=precision, optimizer=t.optimizer, distributed_optimizer=t.use_distributed_optimizer,
             dp_cp=layout.dp * layout.cp, edp=expert_dp(layout), fp8=t.fp8_recipe != "none",

@@ -64,7 +64,9 @@ def _header(plan: Plan) -> list[str]:
                      f"{_count(n)} adapter parameters ({100 * n / s.total_params():.2f}% of the model) are trained, "
                      "the base is frozen (no gradients or optimizer state; the KL reference is the base)")
     if plan.critic_params is not None:
-        lines.append("         critic: a value model of the same architecture (value head instead of the output layer) "
+        chf = plan.cfg.critic.hf_dir if plan.cfg.critic is not None else None
+        model = f"of {chf}'s architecture" if chf else "of the same architecture"
+        lines.append(f"         critic: a value model {model} (value head instead of the output layer) "
                      "on the same ranks and layout, with its own gradients and optimizer state")
     for k, ls in enumerate(plan.stage_layers):
         extra = (" + embedding" if k == 0 else "") + (" + output layer" if k == L.pp - 1 else "")

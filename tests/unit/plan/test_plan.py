@@ -103,9 +103,11 @@ def test_the_critic_is_sized_as_its_own_model(tmp_path):
     # 36 more layers, each split over tp=2 (its norms replicated)
     assert deeper.critic_params[0].total - same.critic_params[0].total == 36 * (ATTN_8B + MLP_8B) // 2 + 36 * NORMS_8B
     assert deeper.trainer_memory[0].critic.params == 2 * deeper.critic_params[0].total  # bf16
-    # the policy's own terms are unchanged
-    policy_parts = [{k: v for k, v in pl.trainer_memory[0].parts().items() if k != "critic"} for pl in (same, deeper)]
+    # the policy's own terms are unchanged; the activation peak is the deeper critic's pass now
+    policy_parts = [{k: v for k, v in pl.trainer_memory[0].parts().items() if k not in ("critic", "activations")}
+                    for pl in (same, deeper)]
     assert policy_parts[0] == policy_parts[1]
+    assert deeper.trainer_memory[0].activations > same.trainer_memory[0].activations
 
 
 def test_critic_adds_its_params_grads_and_optimizer_per_gpu():
@@ -478,3 +480,16 @@ def test_offline_runs_plan_no_engines_and_dpo_counts_its_reference():
     assert "engines  none: a DPO run" in text and "64 preference pairs = 128 sequences" in text
     cpu = format_plan(plan_for(ROOT / "launch" / "dpo_cpu.yaml"))
     assert "engine   0" not in cpu and "reference 0.50" in cpu
+
+
+def test_a_deeper_critic_of_its_own_model_can_set_the_activation_peak(tmp_path):
+    """The critic's activations were left out on the grounds that they are the policy's minus the
+    logits: not so for a critic of another, bigger model."""
+    import json
+
+    wider = dict(PRESETS["Qwen/Qwen3-8B"], hidden_size=8192, num_attention_heads=64, intermediate_size=24576)
+    (tmp_path / "config.json").write_text(json.dumps(wider))
+    same = plan_for(QWEN8B, *CRITIC)
+    big = plan_for(QWEN8B, *CRITIC, f"critic.hf_dir={tmp_path}")
+    assert big.trainer_memory[0].activations > same.trainer_memory[0].activations
+    assert f"critic: a value model of {tmp_path}'s architecture" in format_plan(big)
