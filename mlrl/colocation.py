@@ -1,5 +1,12 @@
 """Colocated placement (cluster.placement=colocated): trainer ranks and vLLM engines time-share devices.
 
+Start-up (mlrl.jobs.rl): the engines start first, alone on the devices (vLLM refuses to start
+when less than rollout.gpu_memory_utilization of a GPU is free, and a trainer building beside its
+profiling run would go out of memory), then sleep; only then do the trainer ranks build their
+models (they were started and imported megatron meanwhile, held back by TrainerGroup's gate), so
+the devices hold what the train phase below holds. `first_sync` then brings the engines to the
+trainer's weights the way a step's sync does. Every state of the start is a phase of the step.
+
 One synchronous step, as mlrl/loop.py drives it:
 
     rollout                       engines awake; the trainer holds only its parameters (or nothing:
@@ -30,20 +37,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import Any, Awaitable, Callable, TypeVar
 
 from mlrl.config.schema import ColocateConfig
-from mlrl.interfaces import Offloadable, RolloutPool, WeightSync
+from mlrl.interfaces import Offloadable, RolloutPool, SyncHooks, WeightSync
 from mlrl.metrics import StepTimer
 
 log = logging.getLogger(__name__)
 TRAIN_STATE = ["optimizer", "grads"]  # always offloaded while the engines run
+R = TypeVar("R")
 
 
 class Colocation:
-    """The colocated state machine between a trainer (`Offloadable`) and the engine pool."""
+    """The colocated state machine between a trainer (`Offloadable`) and the engine pool. `trainer`
+    may come later (`attach`): at start-up the engines sleep before the trainer exists."""
 
-    def __init__(self, cfg: ColocateConfig, trainer: Offloadable, pool: RolloutPool, *,
+    def __init__(self, cfg: ColocateConfig, trainer: Offloadable | None, pool: RolloutPool, *,
                  engine_memory_released: bool) -> None:
         self.cfg = cfg
         self.trainer = trainer
@@ -99,9 +108,17 @@ class Colocation:
             self.kv_asleep = False
 
     # ---- trainer -----------------------------------------------------------------------------------
+    def attach(self, trainer: Offloadable) -> None:
+        self.trainer = trainer
+
+    def _trainer(self) -> Offloadable:
+        if self.trainer is None:
+            raise RuntimeError("colocation: no trainer attached yet")
+        return self.trainer
+
     async def offload(self, kinds: list[str]) -> None:
         t0 = time.perf_counter()
-        rep = await asyncio.to_thread(self.trainer.offload, kinds)
+        rep = await asyncio.to_thread(self._trainer().offload, kinds)
         self._time("offload", time.perf_counter() - t0)
         self._bytes("offload", rep)
         self.trainer_out = True
@@ -112,7 +129,7 @@ class Colocation:
         if not self.trainer_out:
             return
         t0 = time.perf_counter()
-        rep = await asyncio.to_thread(self.trainer.reload, kinds)
+        rep = await asyncio.to_thread(self._trainer().reload, kinds)
         self._time("reload", time.perf_counter() - t0)
         self._bytes("reload", rep)
         if kinds is None:
@@ -121,10 +138,22 @@ class Colocation:
             self.params_out = False
 
     # ---- the step's transitions --------------------------------------------------------------------
-    async def start(self) -> None:
-        """After the initial weight sync: the trainer leaves the devices to the engines."""
-        await self.offload(TRAIN_STATE + (["params"] if self.cfg.offload_params else []))
+    async def first_sync(self, check: Callable[[SyncHooks], Awaitable[R | None]] | None,
+                         push: Callable[[SyncHooks], Awaitable[R]]) -> R:
+        """The run's first sync, the engines asleep since their start and the trainer built beside
+        them (the train phase): its optimizer state and gradients leave; then either `check`
+        (WeightSync.check_loaded: the canary alone) confirms the weights the engines loaded
+        themselves, or `push` (WeightSync.sync) moves the trainer's weights. Both call these hooks
+        as a step's sync does (wake weights, [transfer,] offload params, wake the KV cache, canary),
+        so the devices go through the sync phase into the rollout phase. `check` needs the engines'
+        own weights back from their sleep: level 1 (kept in host memory), or no release (CPU). A
+        check that disagrees is followed by the push (the check logs it)."""
+        await self.offload(TRAIN_STATE)
+        report = await check(self) if check is not None else None
+        if report is None:
+            report = await push(self)
         self.metrics.clear()
+        return report
 
     async def to_trainer(self, timer: StepTimer | None) -> None:
         """Rollout done: engines sleep, the trainer's state comes back."""

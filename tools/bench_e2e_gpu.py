@@ -14,7 +14,7 @@ safetensors in a temp dir; no download), `--prompts` prompts x `--group-size` sa
 - cuda: `cluster.gpus_per_node=1`, `model.dtype=bfloat16`, `weight_sync.transport=cuda_ipc`,
   vLLM with CUDA graphs (`rollout.enforce_eager=false`, as launch/qwen3_8b_grpo.yaml),
   `rollout.gpu_memory_utilization=0.6` (mlrl's planner: a KV cache for ~690 sequences of 576
-  tokens, so all 512 at once, and room for the trainer starting beside the engine; planned peak
+  tokens, so all 512 at once, and room for the trainer's parameters beside it; planned peak
   55.5 GiB of 80, in the train phase; tests/unit/loop/test_bench_e2e_gpu.py checks that the plan
   fits), `trainer.micro_batch_tokens=8192`.
 - cpu: `cluster.gpus_per_node=0`, `model.dtype=float32`, the broadcast transport (gloo); vLLM's

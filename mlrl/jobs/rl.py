@@ -3,7 +3,9 @@
 Order kept: everything that can fail cheaply (model folder, tokenizer, dataset, workflow,
 checkpoint to resume) is checked before any process does work (on one machine the engine
 processes are already importing vLLM meanwhile, gated: `EnginePool.prestart`; a failed check
-stops them); then the engines and the trainer ranks start concurrently; before the first step
+stops them); then the engines and the trainer ranks start concurrently (colocated: the ranks
+import meanwhile but build their models only once the engines have started and gone to sleep,
+mlrl.colocation); before the first step
 an initial weight sync brings the engines to the trainer's weights (a resumed checkpoint,
 model.init_from, LoRA), or, on a fresh run whose engines loaded model.hf_dir themselves, the
 canary checks that they agree (`weight_sync.first_sync`).
@@ -17,6 +19,7 @@ import gc
 import logging
 import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -238,26 +241,33 @@ async def _run(cfg: Config, layout: Layout, early: EarlyStart) -> int:
                                     run_dir=run_dir / "reward_model",
                                     cuda_devices=devices[n:] if devices is not None else None,
                                     runner="pooling" if rm.kind == "classifier" else None)
+        colocation = None
+        if cfg.cluster.placement == "colocated":  # the engines take the devices first, then sleep (mlrl.colocation)
+            colocation = Colocation(cfg.cluster.colocate, None, pool,
+                                    engine_memory_released=cfg.cluster.gpus_per_node > 0 and _cuda_available())
+        gate = threading.Event() if colocation is not None else None  # the ranks build once the engines sleep
+        trainer_started = asyncio.create_task(clock.span("trainer", start_group(
+            dump_yaml(cfg),
+            layout.trainer_devices,
+            run_dir=run_dir,
+            host=placement.host,
+            env=rank_env(cfg, placement.trainer_env),
+            spawn=placement.spawn_trainer,
+            gate=gate,
+        )))
         pool_started = asyncio.create_task(clock.span("engines", pool.start(), since=engines_since))
         judge_started = asyncio.create_task(judge_pool.start()) if judge_pool is not None else None
-        starting = [t for t in (pool_started, judge_started) if t is not None]
+        starting = [t for t in (trainer_started, pool_started, judge_started) if t is not None]
         try:
-            group = await clock.span("trainer", start_group(
-                dump_yaml(cfg),
-                layout.trainer_devices,
-                run_dir=run_dir,
-                host=placement.host,
-                env=rank_env(cfg, placement.trainer_env),
-                spawn=placement.spawn_trainer,
-            ))
-        except BaseException:  # SIGTERM or a failed trainer start: the engines' start is not waited for
-            await _cancel_all(starting)  # (their processes are stopped by the pools' shutdown below)
-            raise
-        try:
+            if colocation is not None and gate is not None:
+                await pool_started
+                await colocation.sleep_engines()
+                gate.set()
+            group = await trainer_started
             for t in starting:
                 await t
-        except BaseException:  # one pool failed to start: the other's start is not waited for either
-            await _cancel_all(starting)
+        except BaseException:  # SIGTERM or a failed start: the other starts are not waited for (the ranks
+            await _cancel_all(starting)  # are closed by start_group, the engines by the pools' shutdown below)
             raise
         if judge_pool is not None and cfg.reward_model is not None:
             rm = cfg.reward_model
@@ -289,16 +299,20 @@ async def _run(cfg: Config, layout: Layout, early: EarlyStart) -> int:
         pool.refresher = guarded_refresh(trainer_busy, weight_sync.refresh)
         # 3. the engines hold the trainer's weights before the first step: checked by the canary when they
         #    loaded them themselves, else pushed (resumed / init_from / LoRA weights, or first_sync=push)
-        first = await weight_sync.check_loaded(version) if _engines_hold_start(cfg, resume) else None
-        if first is None:
-            first = await weight_sync.sync(version)
+        hold = _engines_hold_start(cfg, resume)
+        if colocation is not None:  # the engines sleep; the trainer's state leaves before they wake
+            colocation.attach(policy)
+            # sleep level 2 discarded the weights they loaded: pushed
+            hold = hold and not (colocation.engine_memory_released and cfg.cluster.colocate.sleep_level == 2)
+            first = await colocation.first_sync(
+                (lambda hooks: weight_sync.check_loaded(version, hooks=hooks)) if hold else None,
+                lambda hooks: weight_sync.sync(version, hooks=hooks))
+        else:
+            first = await weight_sync.check_loaded(version) if hold else None
+            if first is None:
+                first = await weight_sync.sync(version)
         clock.note("first_sync_bytes", first.bytes)  # 0: the engines' own load, checked by the canary
         clock.mark("first_sync")
-        colocation = None
-        if cfg.cluster.placement == "colocated":  # the trainer leaves the devices to the engines until it trains
-            colocation = Colocation(cfg.cluster.colocate, policy, pool,
-                                    engine_memory_released=cfg.cluster.gpus_per_node > 0 and _cuda_available())
-            await colocation.start()
         runner = EpisodeRunner.from_config(cfg.workflow, workflow, pool, seed=cfg.rollout.sampling.seed)
         start_step = int(state["step"]) if state else 0
         logger = MetricsLogger(run_dir, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard,

@@ -291,12 +291,14 @@ class WeightSync(abc.ABC):
             self.history.append(rep)
             return rep
 
-    async def check_loaded(self, version: int) -> SyncReport | None:
+    async def check_loaded(self, version: int, hooks: SyncHooks | None = None) -> SyncReport | None:
         """The first sync of a run whose engines loaded the trainer's own starting weights (a fresh
         run from model.hf_dir, `weight_sync.first_sync=auto`): the canary alone, the trainer's
         logprobs of the canary sequence against each engine's; nothing is transferred. On success
         the engines hold `version` (report transport "loaded", 0 bytes). None when the canary is
-        off (canary_tolerance <= 0) or disagrees (logged): the caller then runs `sync`."""
+        off (canary_tolerance <= 0) or disagrees (logged): the caller then runs `sync`. `hooks`
+        (colocated) are called as a sync calls them: before_transfer, then the trainer's canary
+        logprobs, then before_verify (its parameters may leave), then the engines' canary."""
         if self.tolerance <= 0:
             return None
         async with self._lock:
@@ -305,7 +307,11 @@ class WeightSync(abc.ABC):
             chosen = {e.index: e.incarnation for e in engines}
             if not engines:
                 raise WeightSyncError("weight sync: no live engine to check")
+            if hooks is not None:
+                await hooks.before_transfer()
             want = await self._canary_reference()
+            if hooks is not None:
+                await hooks.before_verify()
             diff, got = await self._canary(engines, want)
             if diff > self.tolerance:
                 log.warning("first sync: the engines' canary logprobs differ from the trainer's by %.3g > %g; "

@@ -107,10 +107,14 @@ class TrainerGroup:
 
     def __init__(self, config_yaml: str, world_size: int, *, run_dir: str | Path, host: str = "127.0.0.1",
                  start_timeout_s: float = 300.0, env: dict[str, str] | None = None, spawn: SpawnRanks | None = None,
-                 cancel: threading.Event | None = None):
+                 cancel: threading.Event | None = None, gate: threading.Event | None = None):
         """Starts the ranks and waits until every one said hello. `cancel` (set from another thread:
         `start_group`, on SIGTERM) stops the wait, kills the ranks and raises TrainerError; so does
-        anything raised while waiting (an SFT run's SIGTERM handler): the ranks are not left behind."""
+        anything raised while waiting (an SFT run's SIGTERM handler): the ranks are not left behind.
+        `gate` (set from another thread): the ranks start, connect and import megatron, but get the
+        config, and so build their models on the devices, only once it is set (a colocated run's
+        engines first take and then release the devices); the wait for it is not counted in
+        `start_timeout_s`."""
         self.world_size = world_size
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -134,14 +138,15 @@ class TrainerGroup:
                 self._procs = LocalTorchrun(world_size, service_args, full_env, self.run_dir / "trainer.log")
             else:
                 self._procs = spawn(service_args, full_env)
-            self._accept_all(start_timeout_s, cancel or threading.Event())
+            self._accept_all(start_timeout_s, cancel or threading.Event(), gate)
         except BaseException:
             self.close(timeout_s=0)  # ranks still starting have nothing to finish: killed at once
             raise
 
-    def _accept_all(self, timeout_s: float, cancel: threading.Event) -> None:
+    def _accept_all(self, timeout_s: float, cancel: threading.Event, gate: threading.Event | None) -> None:
         conns: dict[int, Connection] = {}
         err: list[BaseException] = []
+        opened: list[float] = []  # when the gate was found open (the start's clock runs from then)
 
         def accept() -> None:
             try:
@@ -150,9 +155,13 @@ class TrainerGroup:
                 # which needs all ranks past their handshake
                 accepted = []
                 while len(accepted) < self.world_size:
-                    c = no_delay(self._listener.accept())
+                    accepted.append(no_delay(self._listener.accept()))
+                while gate is not None and not gate.wait(0.2):
+                    if cancel.is_set():
+                        return
+                opened.append(time.monotonic())
+                for c in accepted:
                     send(c, self._config_yaml)
-                    accepted.append(c)
                 for c in accepted:
                     hello = recv(c)
                     if "error" in hello:
@@ -164,9 +173,14 @@ class TrainerGroup:
 
         t = threading.Thread(target=accept, daemon=True)
         t.start()
-        deadline = time.monotonic() + timeout_s
-        while t.is_alive() and not cancel.is_set() and time.monotonic() < deadline:
-            t.join(min(0.2, max(0.0, deadline - time.monotonic())))
+        t0 = time.monotonic()
+
+        def left() -> float:  # the gate's wait is not the ranks' start: not counted
+            waited = (opened[0] if opened else time.monotonic()) - t0 if gate is not None else 0.0
+            return t0 + waited + timeout_s - time.monotonic()
+
+        while t.is_alive() and not cancel.is_set() and left() > 0:
+            t.join(min(0.2, max(0.0, left())))
         if cancel.is_set() and t.is_alive():
             raise TrainerError(f"trainer start cancelled with {len(conns)}/{self.world_size} ranks up")
         if len(conns) < self.world_size or err:

@@ -80,9 +80,17 @@ class Sync:
 
 def _machine(offload_params=False, level=1, attempts=1):
     calls = []
-    colo = Colocation(ColocateConfig(sleep_level=level, offload_params=offload_params), Trainer(calls), Pool(calls),
+    colo = Colocation(ColocateConfig(sleep_level=level, offload_params=offload_params), None, Pool(calls),
                       engine_memory_released=False)
     return colo, calls, Sync(calls, attempts)
+
+
+async def _start(colo, calls, sync, check=None):
+    """mlrl.jobs.rl's colocated start-up: the engines started alone and sleep, then the trainer is
+    built (attached) and the first sync runs."""
+    await colo.sleep_engines()
+    colo.attach(Trainer(calls))
+    return await colo.first_sync(check, lambda hooks: sync.sync(0, hooks=hooks))
 
 
 async def _step(colo, sync, version=1):
@@ -94,8 +102,14 @@ async def _step(colo, sync, version=1):
 @pytest.mark.parametrize("offload_params", [False, True])
 async def test_one_step_in_order(offload_params):
     colo, calls, sync = _machine(offload_params=offload_params)
-    await colo.start()
-    assert calls == [("offload", ("optimizer", "grads", "params") if offload_params else ("optimizer", "grads"))]
+    await _start(colo, calls, sync)
+    # start-up: the engines sleep before the trainer exists; the first sync is a step's sync
+    start = [("e0", "sleep", 1), ("e1", "sleep", 1), ("offload", ("optimizer", "grads")),
+             ("e0", "wake", ("weights",)), ("e1", "wake", ("weights",)), ("transfer", 0)]
+    start += [("offload", ("params",))] if offload_params else []
+    start += [("e0", "wake", ("kv_cache",)), ("e1", "wake", ("kv_cache",)), ("canary", 0)]
+    assert calls == start
+    assert colo.trainer.out == ({"optimizer", "grads", "params"} if offload_params else {"optimizer", "grads"})
     calls.clear()
     timer, metrics = await _step(colo, sync)
     want = [("e0", "sleep", 1), ("e1", "sleep", 1), ("reload",),        # rollout done: engines sleep, trainer back
@@ -119,14 +133,16 @@ async def test_one_step_in_order(offload_params):
 
 async def test_sleep_level_reaches_the_engines():
     colo, calls, sync = _machine(level=2)
-    await colo.start()
+    await _start(colo, calls, sync)
+    calls.clear()
     await _step(colo, sync)
     assert [c for c in calls if "sleep" in c] == [("e0", "sleep", 2), ("e1", "sleep", 2)]
 
 
 async def test_a_retried_transfer_gets_the_parameters_back_first():
-    colo, calls, sync = _machine(offload_params=True, attempts=2)
-    await colo.start()
+    colo, calls, sync = _machine(offload_params=True)
+    await _start(colo, calls, sync)
+    sync.attempts = 2  # this step's sync fails once
     calls.clear()
     await _step(colo, sync)
     second = calls[calls.index(("transfer", 1)) + 1:]
@@ -141,7 +157,53 @@ async def test_a_retried_transfer_gets_the_parameters_back_first():
 async def test_sync_time_excludes_the_hooks():
     """The wakes run inside the weight sync; they are timing/wake, not timing/sync (the phases add up)."""
     colo, calls, sync = _machine()
-    await colo.start()
+    await _start(colo, calls, sync)
     timer, _ = await _step(colo, sync)
     assert timer.totals["wake"] >= 2 * WAKE_S  # weights, then KV cache
     assert timer.totals["sync"] < WAKE_S
+
+
+def _check(calls, agrees=True):
+    """WeightSync.check_loaded's calls: hooks around the trainer's canary logprobs, then the engines'."""
+
+    async def check(hooks):
+        await hooks.before_transfer()
+        calls.append(("trainer canary",))
+        await hooks.before_verify()
+        calls.append(("engine canary",))
+        return {"weight_sync/transport": "loaded"} if agrees else None
+
+    return check
+
+
+@pytest.mark.parametrize("offload_params", [False, True])
+async def test_start_up_checks_the_weights_the_engines_loaded(offload_params):
+    """A fresh run (weight_sync.first_sync=auto): the canary checks the engines' own load, nothing is
+    transferred, and the devices go through a sync's phases: weights awake beside the trainer's
+    parameters (no KV cache), then the parameters leave (offload_params) before the KV cache wakes."""
+    colo, calls, sync = _machine(offload_params=offload_params)
+    report = await _start(colo, calls, sync, _check(calls))
+    want = [("e0", "sleep", 1), ("e1", "sleep", 1), ("offload", ("optimizer", "grads")),
+            ("e0", "wake", ("weights",)), ("e1", "wake", ("weights",)), ("trainer canary",)]
+    want += [("offload", ("params",))] if offload_params else []
+    want += [("e0", "wake", ("kv_cache",)), ("e1", "wake", ("kv_cache",)), ("engine canary",)]
+    assert calls == want
+    assert report == {"weight_sync/transport": "loaded"}
+    assert not colo.engines_asleep and not colo.kv_asleep and colo.params_out == offload_params
+    assert colo.metrics == {}  # the start's bytes and seconds are not step 1's
+
+
+async def test_start_up_pushes_when_the_check_disagrees():
+    colo, calls, sync = _machine(offload_params=True)
+    await _start(colo, calls, sync, _check(calls, agrees=False))
+    after = calls[calls.index(("engine canary",)) + 1:]
+    # the push gets the parameters back (only them: the KV cache is awake), transfers, and they leave again
+    assert after == [("reload", ("params",)), ("transfer", 0), ("offload", ("params",)), ("canary", 0)]
+    assert colo.trainer.out == {"optimizer", "grads", "params"}
+
+
+async def test_the_trainer_is_needed_only_once_it_offloads():
+    colo, calls, _ = _machine()
+    await colo.sleep_engines()  # at start-up, before the trainer exists
+    with pytest.raises(RuntimeError, match="no trainer attached"):
+        await colo.offload(["optimizer"])

@@ -124,3 +124,82 @@ def test_start_group_closes_a_group_built_while_it_was_cancelled(tmp_path: Path,
 
     asyncio.run(main())
     assert closed.is_set()
+
+
+class ThreadRank:
+    """A rank that connects at once and says hello when it gets the config (records when)."""
+
+    def __init__(self, args: list[str], env: dict[str, str], events: list[tuple[str, float]]) -> None:
+        from multiprocessing.connection import Client
+
+        from mlrl.trainer.rpc import TOKEN_ENV, recv, send
+
+        host, port = args[args.index("--connect") + 1].rsplit(":", 1)
+        token = bytes.fromhex(env[TOKEN_ENV])
+
+        def run() -> None:
+            conn = Client((host, int(port)), authkey=token)
+            events.append(("connected", time.monotonic()))
+            recv(conn)  # the config
+            events.append(("config", time.monotonic()))
+            send(conn, {"rank": 0})
+            while True:
+                try:
+                    if recv(conn)[0] == "shutdown":
+                        return
+                except (EOFError, OSError):
+                    return
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def wait(self, timeout_s: float) -> bool:
+        self.thread.join(timeout_s)
+        return not self.thread.is_alive()
+
+    def kill(self) -> None:
+        pass
+
+    def log_tail(self, lines: int = 40) -> str:
+        return ""
+
+
+def test_a_gated_start_sends_the_config_only_once_the_gate_opens(tmp_path: Path) -> None:
+    """A colocated run's ranks connect (and import megatron) while its engines start; they build on
+    the devices only after the engines sleep. The wait for the gate is not the ranks' start timeout."""
+    events: list[tuple[str, float]] = []
+    gate = threading.Event()
+    opened: list[float] = []
+
+    def open_gate() -> None:
+        opened.append(time.monotonic())
+        gate.set()
+
+    threading.Timer(1.5, open_gate).start()  # longer than start_timeout_s
+    group = TrainerGroup("x: 1\n", 1, run_dir=tmp_path, start_timeout_s=1.0, gate=gate,
+                         spawn=lambda args, env: ThreadRank(args, env, events))
+    try:
+        (what0, t_connect), (what1, t_config) = events
+        assert (what0, what1) == ("connected", "config")
+        assert t_connect < opened[0] <= t_config  # connected before, configured after the gate
+    finally:
+        group.close(timeout_s=5)
+
+
+def test_an_ungated_start_sends_the_config_at_once(tmp_path: Path) -> None:
+    events: list[tuple[str, float]] = []
+    t0 = time.monotonic()
+    group = TrainerGroup("x: 1\n", 1, run_dir=tmp_path, start_timeout_s=5,
+                         spawn=lambda args, env: ThreadRank(args, env, events))
+    group.close(timeout_s=5)
+    assert [w for w, _ in events] == ["connected", "config"] and events[-1][1] - t0 < 1.0
+
+
+def test_a_cancel_while_gated_kills_the_ranks(tmp_path: Path) -> None:
+    made: list[NeverConnect] = []
+    cancel, gate = threading.Event(), threading.Event()
+    threading.Timer(0.3, cancel.set).start()
+    with pytest.raises(TrainerError, match="cancelled"):
+        TrainerGroup("x: 1\n", 1, run_dir=tmp_path, start_timeout_s=60, spawn=_spawner(made), cancel=cancel,
+                     gate=gate)
+    assert made[0].killed.is_set()

@@ -343,6 +343,42 @@ async def test_check_loaded_moves_nothing_when_the_engines_agree_and_declines_ot
     assert await ws3.check_loaded(0) is None and pool3.events == []
 
 
+async def test_check_loaded_calls_the_colocated_hooks_around_the_trainers_reference(tmp_path):
+    """A colocated start (mlrl.colocation.first_sync): the engines' weights wake before the trainer's
+    canary logprobs, and the trainer's parameters may leave (before_verify) before the engines are
+    asked, as in a sync; no hook is called when the canary is off."""
+    import threading
+
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": VOCAB}))
+    src = HFWeightSource(TinyLM())
+    want = src.canary_logprobs(*canary_tokens(VOCAB))
+    order = []
+
+    class Client(FakeClient):
+        async def prompt_logprobs(self, ids):
+            order.append("engine canary")
+            return await super().prompt_logprobs(ids)
+
+    class Hooks:
+        async def before_transfer(self):
+            order.append("before_transfer")
+
+        async def before_verify(self):
+            order.append("before_verify")
+
+    cfg = WeightSyncConfig(transport="disk", canary_tolerance=1e-5)
+    recording = _RecordingSource(src, order, threading.Event())
+    ws = make_weight_sync(cfg, OneEnginePool(Client([[0.0] * 8 + want])), recording, model_dir=tmp_path,
+                          run_dir=tmp_path)
+    rep = await ws.check_loaded(0, hooks=Hooks())
+    assert rep is not None and rep.transport == "loaded"
+    assert order == ["before_transfer", "reference", "before_verify", "engine canary"]
+    off = make_weight_sync(dataclasses.replace(cfg, canary_tolerance=0.0), OneEnginePool(Client([])), src,
+                           model_dir=tmp_path, run_dir=tmp_path)
+    order.clear()
+    assert await off.check_loaded(0, hooks=Hooks()) is None and order == []
+
+
 def test_transport_names_are_resolved_in_one_place(tmp_path):
     # every name the config accepts has its three parts, and nothing else is registered
     hints = typing.get_type_hints(WeightSyncConfig)
