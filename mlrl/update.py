@@ -28,6 +28,7 @@ from typing import Any, Sequence
 import torch
 
 from mlrl.algorithms.advantages import RETURNS_KEY, compute_advantages
+from mlrl.algorithms.kl import kl_estimate
 from mlrl.algorithms.value import explained_variance
 from mlrl.config import Config
 from mlrl.experience.minibatch import split_groups
@@ -124,11 +125,30 @@ def train_on(cfg: Config, policy: Policy, critic: Critic | None, samples: list[S
         ev = explained_variance(v_all, r_all, torch.ones_like(v_all, dtype=torch.bool))
         if ev == ev:  # undefined (nan) when every return is equal, e.g. no reward at all: left out
             metrics["critic/explained_variance"] = ev
+    if ref is not None:
+        metrics.update(reference_kl(samples, ref, old))
     adv = [v for s in samples for v, m in zip(token_advantages(s), s.loss_mask) if m]
     if adv:
         metrics["advantages/mean"] = sum(adv) / len(adv)
         metrics["advantages/abs_mean"] = sum(abs(x) for x in adv) / len(adv)
     return metrics
+
+
+def reference_kl(samples: Sequence[Sample], ref: Sequence[torch.Tensor],
+                 old: Sequence[torch.Tensor] | None) -> dict[str, float]:
+    """`reference/kl`: the policy's KL to the reference model per policy token, k1's unbiased estimate
+    E_pi[log pi - log pi_ref] over the step's sampled tokens, whatever kl_estimator the loss or
+    reward uses (with a teacher, algorithm.reference_hf_dir, what on-policy distillation lowers).
+    The policy side: the behaviour logprobs when the step computed them, else the engines'
+    (they agree with the trainer's to the logged mismatch); none when a workflow returned no logprobs."""
+    if old is None:
+        if any(s.metadata.get("missing_logprobs") for s in samples):
+            return {}
+        old = [torch.tensor(s.rollout_logprobs, dtype=torch.float32) for s in samples]
+    kl = [kl_estimate(p.float(), r.float(), "k1")[torch.tensor(s.loss_mask, dtype=torch.bool)]
+          for p, r, s in zip(old, ref, samples)]
+    flat = torch.cat(kl) if kl else torch.zeros(0)
+    return {"reference/kl": float(flat.mean())} if flat.numel() else {}
 
 
 def check_rollout_logprobs(cfg: Config, samples: Sequence[Sample]) -> None:

@@ -345,6 +345,13 @@ class AlgorithmConfig:
     """KL estimator."""
     kl_in_reward: bool = False
     """Put the KL into the reward instead of the loss."""
+    reference_hf_dir: Optional[str] = None
+    """The model the KL (kl_coef > 0) is measured against, a Hugging Face folder or builtin:<name>
+    with the policy's vocabulary: a teacher (None = the policy's starting weights: model.hf_dir or
+    model.init_from; with LoRA the base). Built on the trainer ranks in the policy's parallel layout,
+    never trained or checkpointed. With kl_in_reward=true, kl_estimator=k1, advantage=reinforce_pp
+    and gamma=0, each token's reward is minus kl_coef times the reverse KL to the teacher at that
+    token: on-policy distillation (README: algorithms)."""
     entropy_coef: float = 0.0
     """Entropy bonus (0 = off)."""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (

@@ -409,7 +409,8 @@ def _check_unused(cfg: Config) -> None:
     if a.policy_loss != "dual_clip":
         _unused("algorithm", a, ("dual_clip_c",), f"with algorithm.policy_loss={a.policy_loss} (dual_clip's bound)")
     if a.kl_coef == 0:
-        _unused("algorithm", a, ("kl_estimator", "kl_in_reward"), "with algorithm.kl_coef=0 (no KL term)")
+        _unused("algorithm", a, ("kl_estimator", "kl_in_reward", "reference_hf_dir"),
+                "with algorithm.kl_coef=0 (no KL term)")
     if a.rollout_is not in ("tis", "mis_token", "mis_seq"):
         _unused("algorithm", a, ("rollout_is_cap",), f"with algorithm.rollout_is={a.rollout_is} (the cap of "
                 "tis / mis_token / mis_seq)")
@@ -679,19 +680,32 @@ def validate(cfg: Config, *, has_cuda: bool | None = None, has_te: bool | None =
         except ModelSpecError as e:
             raise ConfigError(str(e)) from None
     if cfg.uses_critic and cfg.critic is not None and cfg.critic.hf_dir:
-        try:
-            chf = hf_config_dict(cfg.critic.hf_dir, None, field="critic.hf_dir")
-        except ModelSpecError as e:
-            raise ConfigError(str(e)) from None
-        if chf.get("vocab_size") != hf.get("vocab_size"):
-            raise ConfigError(f"critic.hf_dir: vocab_size {chf.get('vocab_size')} differs from the policy's "
-                              f"{hf.get('vocab_size')} (model.hf_dir): the critic must read the policy's tokens")
-        try:
-            check_model(cfg, chf, layout)
-            check_arch(chf, layout, cfg.parallel.pp_layer_split)
-        except ConfigError as e:
-            raise ConfigError(f"critic.hf_dir: {e}") from None
+        _check_second_model(cfg, hf, layout, cfg.critic.hf_dir, "critic.hf_dir", "the critic must read the policy's "
+                            "tokens")
+    if cfg.algorithm.reference_hf_dir and cfg.algorithm.kl_coef > 0:  # (kl_coef=0: refused as unread)
+        if cfg.algorithm.router_replay:
+            raise ConfigError("algorithm.reference_hf_dir with algorithm.router_replay=true: the engines' routes are "
+                              "the policy's experts, not the reference model's; use one or the other")
+        _check_second_model(cfg, hf, layout, cfg.algorithm.reference_hf_dir, "algorithm.reference_hf_dir",
+                            "the KL compares the two models' probabilities of the same tokens")
     return layout
+
+
+def _check_second_model(cfg: Config, hf: dict[str, Any], layout: Layout, spec: str, field: str, why: str) -> None:
+    """A model the trainer ranks build beside the policy from another folder (the critic's body, a
+    KL reference / teacher): readable, the policy's vocabulary, and the policy's parallel layout."""
+    try:
+        other = hf_config_dict(spec, None, field=field)
+    except ModelSpecError as e:
+        raise ConfigError(str(e)) from None
+    if other.get("vocab_size") != hf.get("vocab_size"):
+        raise ConfigError(f"{field}: vocab_size {other.get('vocab_size')} differs from the policy's "
+                          f"{hf.get('vocab_size')} (model.hf_dir): {why}")
+    try:
+        check_model(cfg, other, layout)
+        check_arch(other, layout, cfg.parallel.pp_layer_split)
+    except ConfigError as e:
+        raise ConfigError(f"{field}: {e}") from None
 
 
 def check_driver(cfg: Config) -> None:

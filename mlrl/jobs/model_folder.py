@@ -51,3 +51,19 @@ def chat_template_error(e: ValueError, hf_dir: Path, which: str, name: Any) -> C
                            f"conversations of data.{which} ({name}); add one (chat_template in "
                            "tokenizer_config.json or chat_template.jinja)")
     return None
+
+
+def check_same_tokens(policy_tokenizer: Any, hf_dir: Path, field: str) -> None:
+    """A model that scores the policy's token ids (a KL reference / teacher) must read them as the
+    policy's tokenizer writes them: equal vocabulary sizes (validation) are not enough. Its folder's
+    tokenizer, when it has one, must map every token to the same id; without one it is trusted."""
+    if not any((hf_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return
+    other = model_tokenizer(hf_dir, field=field).get_vocab()
+    mine = policy_tokenizer.get_vocab()
+    if other != mine:
+        diff = sorted((t for t in set(mine) | set(other) if mine.get(t) != other.get(t)),
+                      key=lambda t: (mine.get(t, other.get(t, -1)), t))[:3]
+        raise ConfigError(f"{field}: {hf_dir}'s tokenizer maps tokens to other ids than the policy's (model.hf_dir), "
+                          f"e.g. {', '.join(f'{t!r}: {other.get(t)} (policy: {mine.get(t)})' for t in diff)}: the KL "
+                          "would compare the probabilities of different tokens")

@@ -30,7 +30,7 @@ from mlrl.colocation import Colocation
 from mlrl.config import Config, ConfigError, Layout, dump_yaml
 from mlrl.data import dataset_from_config
 from mlrl.data.sampler import PromptSampler
-from mlrl.jobs.model_folder import chat_template_error, check_model_weights, model_tokenizer
+from mlrl.jobs.model_folder import chat_template_error, check_model_weights, check_same_tokens, model_tokenizer
 from mlrl.jobs.placement import cluster_placement
 from mlrl.jobs.rl_start import EarlyStart, begin, policy_pool
 from mlrl.loop import LoopState, RunContext, guarded_refresh, train_sync
@@ -170,6 +170,14 @@ def _checks(cfg: Config, hf_dir: Path, run_dir: Path) -> _Checked:
         except ValueError as e:
             raise ConfigError(f"checkpoint.resume: {resume}: {e}") from None
     out = _Checked(ckpts, resume, state, sampler, eval_rows, workflow)
+    teacher = cfg.algorithm.reference_hf_dir
+    if teacher and cfg.algorithm.kl_coef > 0:  # the KL reference's weights, before any rank loads them
+        try:
+            teacher_dir = resolve_model_dir(teacher, field="algorithm.reference_hf_dir")
+        except ModelSpecError as e:
+            raise ConfigError(str(e)) from None
+        check_model_weights(teacher_dir, field="algorithm.reference_hf_dir")
+        check_same_tokens(tokenizer, teacher_dir, "algorithm.reference_hf_dir")
     if cfg.reward_model is not None:  # the judge's folder and tokenizer, before any process starts
         try:
             out.judge_dir = resolve_model_dir(cfg.reward_model.hf_dir, field="reward_model.hf_dir")

@@ -19,7 +19,8 @@ TP (vocab-parallel) on the first / last pipeline stage, norms and the MoE router
 experts divided by EP (experts per rank) and ETP (inside an expert).
 FP8 (trainer.fp8_recipe): Transformer Engine keeps the bf16 parameters and caches an FP8 copy of
 each linear weight: +1 byte per linear parameter (FP8 activations are not credited: conservative).
-A reference model (algorithm.kl_coef > 0) adds one more copy of the parameters (none with LoRA).
+A reference model (algorithm.kl_coef > 0) adds one more copy of the parameters (none with LoRA), or
+a teacher's parameters (algorithm.reference_hf_dir, sized as its own model).
 
 LoRA (model.lora, mlrl.trainer.rank.lora): the base is frozen (requires_grad=False before
 Megatron's DDP and optimizer are built), so a base parameter keeps only the params column: no
@@ -100,6 +101,8 @@ One RL step goes through three phases, and the GPU must hold the largest (`coloc
     sync     optimizer state and gradients are offloaded again, the engine wakes its weights only
              (no KV cache, no activations), both copies of the weights are resident, plus the
              transport's buffers (`sync_buffers`).
+Start-up needs no phase of its own: the engines start alone and sleep before the trainer ranks
+build (mlrl.colocation), so the GPU holds at most the rollout phase, then at most the train phase.
 TE's FP8 weight cache is not a parameter (the offloader moves parameter, gradient and optimizer
 storages only): it stays resident in every phase. vLLM's sleep level changes host memory, not GPU
 memory: level 1 copies the engine's weights (and LoRA slots) to host memory for the train phase,
@@ -363,10 +366,12 @@ def model_state_memory(p: StageParams, *, precision: str, optimizer: str, distri
 
 def trainer_memory(p: StageParams, *, precision: str, optimizer: str, distributed_optimizer: bool, dp_cp: int,
                    edp: int, fp8: bool, reference: bool, activations: float,
-                   critic: StageParams | None = None) -> TrainerMemory:
+                   critic: StageParams | None = None, teacher: StageParams | None = None) -> TrainerMemory:
     """One trainer GPU of a pipeline stage; `critic`: the critic's parameters on that rank (its
     weights, gradients and optimizer state are added; its activations are not, see above).
-    `reference`: KL against a reference model, a copy of the parameters unless LoRA (the base)."""
+    `reference`: KL against a reference model, a copy of the parameters unless LoRA (the base);
+    `teacher`: that reference is a model of its own (algorithm.reference_hf_dir), its parameters
+    on that rank (LoRA or not: the base is not it)."""
     def state(params: StageParams) -> ModelStateMemory:
         return model_state_memory(params, precision=precision, optimizer=optimizer,
                                   distributed_optimizer=distributed_optimizer, dp_cp=dp_cp, edp=edp, fp8=fp8)
@@ -377,7 +382,8 @@ def trainer_memory(p: StageParams, *, precision: str, optimizer: str, distribute
         grads=w.grads,
         optimizer=w.optimizer,
         fp8_weights=w.fp8_weights,
-        reference=w.params if reference and not p.adapter else 0.0,
+        reference=(state(teacher).params if teacher is not None else w.params if not p.adapter else 0.0)
+        if reference else 0.0,
         activations=activations,
         runtime=CUDA_RUNTIME_GIB * GIB,
         critic=state(critic) if critic is not None else None,

@@ -106,6 +106,13 @@ def make_plan(cfg: Config, layout: Layout) -> Plan:
         clayers = layers if chf is None else mem.stage_layers(cshape.layers, layout.pp, layout.vpp, p.pp_layer_split)
         critic = [mem.stage_params(cshape, ls, first=k == 0, last=k == layout.pp - 1, pp=layout.pp, tp=layout.tp,
                                    ep=layout.ep, etp=layout.etp, value_head=True) for k, ls in enumerate(clayers)]
+    teacher = None
+    if cfg.algorithm.reference_hf_dir and cfg.algorithm.kl_coef > 0:  # a KL reference of its own (same vocabulary)
+        rhf = cfg.algorithm.reference_hf_dir
+        rshape = model_shape(hf_config_dict(rhf, None, field="algorithm.reference_hf_dir"), rhf)
+        teacher = [mem.stage_params(rshape, ls, first=k == 0, last=k == layout.pp - 1, pp=layout.pp, tp=layout.tp,
+                                    ep=layout.ep, etp=layout.etp)
+                   for k, ls in enumerate(mem.stage_layers(rshape.layers, layout.pp, layout.vpp, p.pp_layer_split))]
     precision = cfg.model.precision  # the trainer's, derived from model.dtype
     act_bytes = 4 if precision == "fp32" else 2
     tokens = t.token_budget / layout.cp
@@ -123,7 +130,7 @@ def make_plan(cfg: Config, layout: Layout) -> Plan:
             params[k], precision=precision, optimizer=t.optimizer, distributed_optimizer=t.use_distributed_optimizer,
             dp_cp=layout.dp * layout.cp, edp=expert_dp(layout), fp8=t.fp8_recipe != "none",
             reference=(cfg.algorithm.kl_coef > 0 or cfg.dpo is not None), activations=acts,
-            critic=critic[k] if critic else None))
+            critic=critic[k] if critic else None, teacher=teacher[k] if teacher else None))
     plan = Plan(cfg, layout, shape, cpu, [], layers, params, tmem, None, [], micro, seq_len, c.gpu_memory_gb * mem.GIB,
                 critic_params=critic, samples=samples, num_engines=0 if offline is not None else r.num_engines,
                 judge_engines=cfg.reward_model.num_engines if cfg.reward_model is not None and offline is None else 0)

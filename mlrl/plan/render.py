@@ -62,7 +62,11 @@ def _header(plan: Plan) -> list[str]:
         n = s.lora_params(lora.rank, lora.targets)
         lines.append(f"         LoRA on: rank {lora.rank}, alpha {lora.alpha:g}, targets {', '.join(lora.targets)}; "
                      f"{_count(n)} adapter parameters ({100 * n / s.total_params():.2f}% of the model) are trained, "
-                     "the base is frozen (no gradients or optimizer state; the KL reference is the base)")
+                     "the base is frozen (no gradients or optimizer state; the KL reference is the base"
+                     f"{' unless algorithm.reference_hf_dir names one' if cfg.algorithm.reference_hf_dir else ''})")
+    if cfg.algorithm.reference_hf_dir and cfg.algorithm.kl_coef > 0:
+        lines.append(f"         KL reference: {cfg.algorithm.reference_hf_dir} (algorithm.reference_hf_dir), a frozen "
+                     "model of its own on the same ranks and layout (its parameters: the 'reference' term below)")
     if plan.critic_params is not None:
         chf = plan.cfg.critic.hf_dir if plan.cfg.critic is not None else None
         model = f"of {chf}'s architecture" if chf else "of the same architecture"

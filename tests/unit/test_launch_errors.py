@@ -151,3 +151,26 @@ def test_a_dataset_scored_by_another_reward_than_its_own_is_said(tmp_path, caplo
         _check(tmp_path, "data.train=synthetic:copy_digit", "workflow.reward=gsm8k")
     assert "data.train=synthetic:copy_digit is made for the 'exact_match' reward, and workflow.reward='gsm8k' " \
            "scores it" in caplog.text
+
+
+def test_a_kl_reference_must_hold_weights_and_read_the_policys_tokens(tmp_path):
+    """algorithm.reference_hf_dir (a teacher): equal vocabulary sizes pass validation, but its folder
+    must hold weights and its tokenizer must map every token to the policy's id."""
+    from mlrl.modelzoo import SPECIALS, WORDS, build_word_tokenizer
+
+    teacher = _model_copy(tmp_path, "model.safetensors")
+    with pytest.raises(ConfigError, match=r"^algorithm.reference_hf_dir: .*/model has no weights"):
+        _check(tmp_path, f"algorithm.reference_hf_dir={teacher}")
+    import shutil
+
+    shutil.copy(resolve_model_dir("builtin:tiny-llama") / "model.safetensors", teacher / "model.safetensors")
+    assert _check(tmp_path, f"algorithm.reference_hf_dir={teacher}").workflow
+    other = tmp_path / "other"
+    shutil.copytree(teacher, other)
+    swapped = SPECIALS + WORDS[1:2] + WORDS[:1] + WORDS[2:]  # two words trade ids: same size, other tokens
+    build_word_tokenizer(other, swapped)
+    with pytest.raises(ConfigError, match=r"^algorithm.reference_hf_dir: .*/other's tokenizer maps tokens to other ids "
+                                          r"than the policy's \(model.hf_dir\), e.g. "):
+        _check(tmp_path, f"algorithm.reference_hf_dir={other}")
+    # a builtin of another architecture with the policy's vocabulary is a valid teacher
+    assert _check(tmp_path, "algorithm.reference_hf_dir=builtin:tiny-qwen3").workflow

@@ -11,6 +11,7 @@ collective over all ranks, so the driver always sends it to every rank.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import traceback
@@ -52,13 +53,20 @@ class TrainerService:
         self.policy = MegatronPolicy(cfg.model, cfg.parallel, cfg.trainer, self.layout, hf_dir=hf_dir, trainable=True,
                                      total_updates=cfg.policy_updates)
         self.ref = None
-        # the frozen reference (KL, and DPO's reference policy); LoRA: the base, adapters off
-        if (cfg.algorithm.kl_coef > 0 or cfg.dpo is not None) and self.policy.lora is None:
+        # the frozen reference (KL, and DPO's reference policy); LoRA: the base, adapters off. A teacher
+        # (algorithm.reference_hf_dir) is a model of its own, without the policy's adapters or init_from
+        teacher = cfg.algorithm.reference_hf_dir if cfg.algorithm.kl_coef > 0 else None
+        if teacher:
+            teacher_dir = resolve_model_dir(teacher, field="algorithm.reference_hf_dir")
+            self.ref = MegatronPolicy(dataclasses.replace(cfg.model, lora=None), cfg.parallel, cfg.trainer,
+                                      self.layout, hf_dir=teacher_dir, trainable=False)
+        elif (cfg.algorithm.kl_coef > 0 or cfg.dpo is not None) and self.policy.lora is None:
             self.ref = MegatronPolicy(cfg.model, cfg.parallel, cfg.trainer, self.layout, hf_dir=hf_dir, trainable=False)
         if cfg.model.init_from:  # the run starts from another run's weights: the policy AND the KL reference
             from mlrl.trainer.rank.dist_ckpt import init_weights_from
 
-            for model in (self.policy, self.ref):  # (on resume the checkpoint then replaces the policy's)
+            # (on resume the checkpoint then replaces the policy's); a teacher keeps its own weights
+            for model in (self.policy, None if teacher else self.ref):
                 if model is not None:
                     init_weights_from(model, cfg.model.init_from)
         if cfg.algorithm.router_replay:  # MoE R3: every forward routes like the engines did
@@ -90,7 +98,7 @@ class TrainerService:
 
     def compute_logprobs(self, micro_batches: list[MicroBatch], temperature: float,
                          reference: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        if reference and self.policy.lora is not None:
+        if reference and self.policy.lora is not None and self.ref is None:
             with self.policy.lora.disabled():
                 return self.policy.compute_logprobs(micro_batches, temperature)
         model = self.ref if reference else self.policy
@@ -202,6 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     conn = no_delay(Client((host, int(port)), authkey=token))
     try:
+        # megatron's import (seconds) while the driver may still hold the config back (a colocated
+        # run's engines start first: TrainerGroup's gate); it touches no device
+        import mlrl.trainer.rank.policy  # noqa: F401
+
         cfg = config_from_yaml(recv(conn))
         service = TrainerService(cfg)
         send(conn, {"rank": rank, **service.info()})

@@ -163,6 +163,9 @@ def test_colocated_learns_exactly_like_disaggregated(runs):
             assert x[key] == y[key], (x["step"], key, x[key], y[key])
         assert x.get("eval/reward/mean") == y.get("eval/reward/mean")
     _check_steps(a, [1, 2, 3], {1, 2, 3})
+    # the policy starts as its KL reference: the step-1 KL is the trainer's old-logprob forward against
+    # the reference model's, both of model.hf_dir (algorithm.reference_hf_dir unset)
+    assert b[0]["reference/kl"] == 0.0 and b[1]["reference/kl"] != 0.0
 
 
 def test_colocated_per_phase_offload_and_sleep_timings(runs):
@@ -187,11 +190,22 @@ def test_colocated_per_phase_offload_and_sleep_timings(runs):
 def test_colocated_engines_went_through_vllm_sleep_and_wake(runs):
     colo, _ = runs["colocated"]
     log = (colo / "engines" / "engine-0.log").read_text()
-    # one sleep and a two-stage wake (weights, then KV cache) per step through vLLM's own endpoints,
-    # and a last sleep for the end-of-run checkpoint (the trainer reloads; the engines are not woken again)
-    assert log.count("seconds to fall asleep") == 4
-    assert log.count("wake up the engine with tags: ['weights']") == 3
-    assert log.count("wake up the engine with tags: ['kv_cache']") == 3
+    # a sleep at start-up (before the trainer ranks build) and the first sync's two-stage wake, then one
+    # sleep and a two-stage wake (weights, then KV cache) per step through vLLM's own endpoints, and a
+    # last sleep for the end-of-run checkpoint (the trainer reloads; the engines are not woken again)
+    assert log.count("seconds to fall asleep") == 1 + 4
+    assert log.count("wake up the engine with tags: ['weights']") == 1 + 3
+    assert log.count("wake up the engine with tags: ['kv_cache']") == 1 + 3
+
+
+def test_colocated_trainer_builds_after_the_engines_started_and_slept(runs):
+    """mlrl.colocation's start-up order: the engines alone on the devices, then asleep, then the
+    trainer ranks build (they started meanwhile, gated). Started at once, the trainer (about 5 s) was
+    up seconds before the engine (about 12 s)."""
+    _, (colo, _) = runs["a"], runs["colocated"]
+    up = json.loads((colo / "startup.json").read_text())
+    engines, trainer = up["prestart_s"] + up["span/engines_s"], up["checks_s"] + up["span/trainer_s"]
+    assert trainer > engines, up
 
 
 def test_colocated_deferred_checkpoint_is_the_step_it_names(runs):

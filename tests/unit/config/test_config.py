@@ -262,6 +262,13 @@ BAD = [
         ["algorithm.advantage=gae", "critic.hf_dir=builtin:smollm2-135m-instruct"],
         "critic.hf_dir: vocab_size 49152 differs",
     ),
+    (["algorithm.reference_hf_dir=builtin:smollm2-135m-instruct"], "algorithm.reference_hf_dir: vocab_size 49152 "
+     "differs from the policy's 72 (model.hf_dir): the KL compares the two models' probabilities of the same tokens"),
+    (["algorithm.reference_hf_dir=/nonexistent/teacher"], "algorithm.reference_hf_dir: folder '/nonexistent/teacher' "
+     "does not exist"),
+    (["model.hf_dir=builtin:tiny-qwen3-moe", "algorithm.router_replay=true",
+      "algorithm.reference_hf_dir=builtin:tiny-qwen3-moe"],
+     "algorithm.reference_hf_dir with algorithm.router_replay=true: the engines' routes are the policy's experts"),
     (
         ["trainer.prompts_per_step=6", "trainer.mini_batches_per_step=4"],
         "trainer.mini_batches_per_step=4 must divide the prompt groups of a step",
@@ -320,6 +327,9 @@ UNUSED = [
      ["algorithm.kl_coef=0.01"]),
     (["algorithm.kl_coef=0", "algorithm.kl_in_reward=true"],
      "algorithm.kl_in_reward=True has no effect with algorithm.kl_coef=0",
+     ["algorithm.kl_coef=0.01"]),
+    (["algorithm.kl_coef=0", "algorithm.reference_hf_dir=builtin:tiny-qwen3"],
+     "algorithm.reference_hf_dir='builtin:tiny-qwen3' has no effect with algorithm.kl_coef=0",
      ["algorithm.kl_coef=0.01"]),
     (["algorithm.rollout_is_cap=3"], "algorithm.rollout_is_cap=3.0 has no effect with algorithm.rollout_is=none",
      ["algorithm.rollout_is=tis"]),
@@ -524,6 +534,10 @@ def test_the_bridges_layout_rules_fail_at_validation(tmp_path, model, overrides,
         with pytest.raises(ConfigError, match=f"critic.hf_dir: {message}"):
             validate(load_config(DEFAULT, [*overrides, "algorithm.advantage=gae",
                                            f"critic.hf_dir={_model_dir(tmp_path / 'm', **model)}"]), has_cuda=True)
+        # and so is a KL reference of its own (a teacher)
+        with pytest.raises(ConfigError, match=f"algorithm.reference_hf_dir: {message}"):
+            teacher = _model_dir(tmp_path / "m", **model)
+            validate(load_config(DEFAULT, [*overrides, f"algorithm.reference_hf_dir={teacher}"]), has_cuda=True)
 
 
 def test_print_config_cli():

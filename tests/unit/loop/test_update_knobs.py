@@ -273,3 +273,30 @@ def test_one_step_packs_once_and_computes_advantages_once(overrides, monkeypatch
         assert torch.equal(a.advantages, b.advantages)
         nonzero += int(a.advantages.ne(0).sum())
     assert nonzero > 0  # the advantages exist: the comparison is not between zeros
+
+
+@pytest.mark.parametrize("overrides", [
+    ["algorithm.kl_coef=0.05"],                                                          # KL in the loss
+    ["algorithm.kl_coef=0.05", "algorithm.kl_in_reward=true", "algorithm.kl_estimator=k1",
+     "algorithm.advantage=reinforce_pp", "algorithm.gamma=0"],                           # on-policy distillation
+])
+def test_reference_kl_is_the_k1_mean_over_the_steps_policy_tokens(overrides):
+    """`reference/kl`: E[log pi - log pi_ref] over the sampled tokens, from the logprobs the step
+    trained against (what on-policy distillation lowers when the reference is a teacher)."""
+    cfg = load_config(None, [*BASE, *overrides])
+    validate(cfg, has_cuda=False)
+    policy = ToyPolicy(cfg, lr=2.0)
+    torch.manual_seed(3)
+    policy.ref_table = policy.ref_table + torch.randn_like(policy.ref_table)  # a teacher: another model
+    samples = make_step(policy=policy)
+    want = kl_to_ref_k1(policy, samples)
+    m = train_on(cfg, policy, None, samples, StepTimer(), 1)
+    assert m["reference/kl"] == pytest.approx(want, rel=1e-5) and want > 0.1
+    assert "reference/kl" not in run([]).m  # no KL term, no reference model
+
+
+def kl_to_ref_k1(policy, samples) -> float:
+    lp = policy.logprobs_of(samples)
+    ref = policy.logprobs_of(samples, table=policy.ref_table)
+    masks = [torch.tensor(s.loss_mask, dtype=torch.bool) for s in samples]
+    return float(torch.cat([kl_estimate(a, b, "k1")[m] for a, b, m in zip(lp, ref, masks)]).mean())

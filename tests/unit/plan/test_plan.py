@@ -493,3 +493,25 @@ def test_a_deeper_critic_of_its_own_model_can_set_the_activation_peak(tmp_path):
     big = plan_for(QWEN8B, *CRITIC, f"critic.hf_dir={tmp_path}")
     assert big.trainer_memory[0].activations > same.trainer_memory[0].activations
     assert f"critic: a value model of {tmp_path}'s architecture" in format_plan(big)
+
+
+def test_a_kl_reference_of_its_own_is_sized_as_that_model(tmp_path):
+    """algorithm.reference_hf_dir (a teacher, same vocabulary): the reference term is the teacher's
+    parameters on the rank, not a copy of the policy's; with LoRA it is still there (the base is not
+    the reference then)."""
+    import json
+
+    bigger = dict(PRESETS["Qwen/Qwen3-8B"], num_hidden_layers=72)
+    (tmp_path / "config.json").write_text(json.dumps(bigger))
+    kl = ("algorithm.kl_coef=0.01",)
+    own = plan_for(QWEN8B, *kl).trainer_memory[0]
+    teacher = plan_for(QWEN8B, *kl, f"algorithm.reference_hf_dir={tmp_path}").trainer_memory[0]
+    policy = 36 * (ATTN_8B + MLP_8B) // 2 + 36 * NORMS_8B + 2 * EMB_8B // 2 + 4096
+    assert own.reference == 2 * policy                                         # bf16 copy of the policy
+    assert teacher.reference == 2 * (policy + 36 * (ATTN_8B + MLP_8B) // 2 + 36 * NORMS_8B)  # 72 layers
+    assert {k: v for k, v in teacher.parts().items() if k != "reference"} == \
+        {k: v for k, v in own.parts().items() if k != "reference"}
+    lora = ("model.lora.rank=8",)
+    assert lora_plan(QWEN8B, *kl, *lora).trainer_memory[0].reference == 0.0    # the base, adapters off
+    assert lora_plan(QWEN8B, *kl, *lora, f"algorithm.reference_hf_dir={tmp_path}").trainer_memory[0].reference == \
+        teacher.reference
