@@ -10,6 +10,7 @@ theory says.
 """
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from helpers.launching import launch, metrics
@@ -22,14 +23,22 @@ COMMON = ["--config", "launch/dpo_cpu.yaml", "logging.progress_bar=false", "mode
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """Two launches at a time (most of a launch is the trainer rank starting): B's chain beside A, C, D."""
     root = tmp_path_factory.mktemp("dpo")
-    launch(root / "a", *COMMON, "trainer.total_steps=8")
-    launch(root / "b", *COMMON, "trainer.total_steps=4")
-    launch(root / "b", *COMMON, "trainer.total_steps=8")
-    launch(root / "c", *COMMON, "trainer.total_steps=4", "dpo.beta=1.0", "checkpoint.save_at_end=false",
-           "checkpoint.hf_export_at_end=false")
-    launch(root / "d", *COMMON, "trainer.total_steps=4", "dpo.loss_type=ipo", "checkpoint.save_at_end=false",
-           "checkpoint.hf_export_at_end=false")
+    short = ["trainer.total_steps=4", "checkpoint.save_at_end=false", "checkpoint.hf_export_at_end=false"]
+
+    def chain_b():
+        launch(root / "b", *COMMON, "trainer.total_steps=4")
+        launch(root / "b", *COMMON, "trainer.total_steps=8")
+
+    def the_others():
+        launch(root / "a", *COMMON, "trainer.total_steps=8")
+        launch(root / "c", *COMMON, *short, "dpo.beta=1.0")
+        launch(root / "d", *COMMON, *short, "dpo.loss_type=ipo")
+
+    with ThreadPoolExecutor(2) as pool:
+        for f in [pool.submit(chain_b), pool.submit(the_others)]:
+            f.result()
     return root
 
 

@@ -5,6 +5,8 @@ discards them (counted in async/stale_dropped; nothing older than eta is trained
 trains on them (the staleness of trained samples exceeds eta, nothing is dropped), with the
 importance-sampling correction weighing each token by the train/rollout probability ratio."""
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 from helpers.launching import launch, metrics
 
@@ -14,11 +16,20 @@ COMMON = ["--config", "launch/cpu_default.yaml", f"workflow.name={WORKFLOW}", "t
           "logging.progress_bar=false", "checkpoint.save_at_end=false", "checkpoint.hf_export_at_end=false"]
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Both policies launched at once (most of a launch is its engine and trainer ranks starting)."""
+    root = tmp_path_factory.mktemp("stale")
+    with ThreadPoolExecutor(2) as pool:
+        futs = [pool.submit(launch, root / p, *COMMON, f"rollout.stale_policy={p}") for p in ("drop", "reweight")]
+        for f in futs:
+            f.result()
+    return root
+
+
 @pytest.mark.parametrize("policy", ["drop", "reweight"])
-def test_stale_groups_are_dropped_or_trained_on(tmp_path, policy):
-    run = tmp_path / "run"
-    launch(run, *COMMON, f"rollout.stale_policy={policy}")
-    recs = metrics(run)
+def test_stale_groups_are_dropped_or_trained_on(runs, policy):
+    recs = metrics(runs / policy)
     assert [r["step"] for r in recs] == list(range(1, 11))
     dropped = sum(r["async/stale_dropped"] for r in recs)
     staleness = max(r["samples/staleness_max"] for r in recs)

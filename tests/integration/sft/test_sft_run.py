@@ -9,6 +9,7 @@ rows with a warning naming the row.
 """
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -24,10 +25,16 @@ def _launch(run_dir: Path, *overrides: str):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """A beside B's chain (two launches at a time: most of a launch is the trainer ranks starting)."""
     root = tmp_path_factory.mktemp("sft")
-    _launch(root / "a", "trainer.total_steps=4")
-    _launch(root / "b", "trainer.total_steps=2")
-    _launch(root / "b", "trainer.total_steps=4")
+
+    def chain_b():
+        _launch(root / "b", "trainer.total_steps=2")
+        _launch(root / "b", "trainer.total_steps=4")
+
+    with ThreadPoolExecutor(2) as pool:
+        for f in [pool.submit(_launch, root / "a", "trainer.total_steps=4"), pool.submit(chain_b)]:
+            f.result()
     return root
 
 
