@@ -8,6 +8,8 @@ metrics are missing; its time is reported in the next step's line as timing/chec
 (`take_seconds`). Colocated (the trainer's state is off its devices while the engines hold them),
 a save due at step k is deferred to step k+1's training phase (`run_deferred`, engines asleep, the
 weights still step k's), or, after the last step, made at once after putting the engines to sleep.
+A run that stops before step k+1's training phase makes it at exit (mlrl.jobs.rl, once the engines
+are shut down).
 """
 
 from __future__ import annotations

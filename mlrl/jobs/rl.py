@@ -35,7 +35,7 @@ from mlrl.jobs.placement import cluster_placement
 from mlrl.jobs.rl_start import EarlyStart, begin, policy_pool
 from mlrl.loop import LoopState, RunContext, guarded_refresh, train_sync
 from mlrl.loop_async import train_async
-from mlrl.metrics import MetricsLogger
+from mlrl.metrics import MetricsLogger, StepTimer
 from mlrl.metrics.console import configure_logging, progress_bar
 from mlrl.metrics.timer import timing_table
 from mlrl.modelzoo import ModelSpecError, resolve_model_dir
@@ -238,7 +238,7 @@ async def _run(cfg: Config, layout: Layout, early: EarlyStart) -> int:
         placement = await asyncio.to_thread(cluster_placement, cfg, layout, run_dir)
         reclaim_sigterm()  # ray.init in that thread took it: SIGTERM would abort, not tear down
         clock.mark("placement")  # joining the cluster, reserving the plan's GPUs, one agent per node
-    pool = judge_pool = group = policy = weight_sync = runner = logger = checkpointer = saves = None
+    pool = judge_pool = group = policy = weight_sync = runner = logger = checkpointer = saves = colocation = None
     try:
         devices = placement.engine_devices  # local GPUs: the policy's engines, then the judge's
         n = cfg.rollout.num_engines
@@ -249,7 +249,6 @@ async def _run(cfg: Config, layout: Layout, early: EarlyStart) -> int:
                                     run_dir=run_dir / "reward_model",
                                     cuda_devices=devices[n:] if devices is not None else None,
                                     runner="pooling" if rm.kind == "classifier" else None)
-        colocation = None
         if cfg.cluster.placement == "colocated":  # the engines take the devices first, then sleep (mlrl.colocation)
             colocation = Colocation(cfg.cluster.colocate, None, pool,
                                     engine_memory_released=cfg.cluster.gpus_per_node > 0 and _cuda_available())
@@ -355,16 +354,6 @@ async def _run(cfg: Config, layout: Layout, early: EarlyStart) -> int:
         _summary(ctx, run_dir)
         return 0
     finally:
-        if checkpointer is not None and checkpointer.pending is not None:  # SIGTERM or a failed step
-            if group is not None and group.in_call():  # a train phase's thread: its call would hold the commit
-                log.warning("checkpoint step %d was still being written and a trainer call is still running: not "
-                            "committed (resume takes the one before)", checkpointer.pending.step)
-            else:  # an async save whose shards are written is kept
-                await asyncio.to_thread(checkpointer.finish_pending)
-        if saves is not None and saves.deferred is not None:  # colocated: due at step k, made in step k+1's phase
-            log.warning("the checkpoint / export due at step %d was not written: a colocated run makes it in the next "
-                        "step's training phase, which the run did not reach; resume takes the checkpoint before",
-                        saves.deferred[0])
         if logger is not None:
             logger.close(plot=cfg.logging.plot)
         if runner is not None:
@@ -376,9 +365,37 @@ async def _run(cfg: Config, layout: Layout, early: EarlyStart) -> int:
         set_active_judge(None)
         if judge_pool is not None:
             await judge_pool.shutdown()
+        if saves is not None and saves.deferred is not None and colocation is not None:
+            await _save_deferred_at_exit(saves, colocation, group)
+        if checkpointer is not None and checkpointer.pending is not None:  # SIGTERM or a failed step
+            if group is not None and group.in_call():  # a train phase's thread: its call would hold the commit
+                log.warning("checkpoint step %d was still being written and a trainer call is still running: not "
+                            "committed (resume takes the one before)", checkpointer.pending.step)
+            else:  # an async save whose shards are written is kept
+                await asyncio.to_thread(checkpointer.finish_pending)
         if group is not None:
             await asyncio.to_thread(group.close)
         await asyncio.to_thread(placement.close)
+
+
+async def _save_deferred_at_exit(saves: SaveSchedule, colocation: Colocation, group: Any) -> None:
+    """Colocated, the run stopped (SIGTERM, a failed step) between step k and step k+1's training
+    phase, where the checkpoint / export due at step k is made: the trainer still holds step k's
+    weights and the engines are gone, so it is made now. Not when a trainer call is still running
+    (its thread would hold the ranks) or the ranks fail (logged: resume takes the checkpoint before)."""
+    step = saves.deferred[0] if saves.deferred is not None else 0
+    if group is None or group.in_call():
+        log.warning("the checkpoint / export due at step %d was not written: a trainer call is still running; resume "
+                    "takes the checkpoint before", step)
+        return
+    try:
+        await colocation.reload()  # the engines' memory is free: the trainer's whole state comes back
+        await saves.run_deferred(StepTimer())
+        log.warning("the checkpoint / export due at step %d (a colocated run makes it in the next step's training "
+                    "phase, which the run did not reach) was written at exit", step)
+    except Exception as e:  # the run is stopping anyway: what failed is said, the teardown goes on
+        log.warning("the checkpoint / export due at step %d was not written at exit (%s: %s); resume takes the "
+                    "checkpoint before", step, type(e).__name__, e)
 
 
 async def _cancel_all(tasks: list[asyncio.Task[Any]]) -> None:

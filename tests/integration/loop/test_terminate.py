@@ -142,3 +142,42 @@ def _trainer_processes() -> set[int]:
             if b"torch.distributed.run" in cmd or b"mlrl.trainer.rank.service" in cmd:
                 out.add(int(d.name))
     return out
+
+
+def test_sigterm_in_a_colocated_rollout_writes_the_checkpoint_it_deferred(tmp_path):
+    """Colocated, the checkpoint due at step k is made in step k+1's training phase (the engines
+    asleep). A SIGTERM inside step k+1's rollout stopped the run before it: the checkpoint was lost
+    (resume went back save_every more steps). The trainer still holds step k's weights and the engines
+    are gone at teardown: it is written then."""
+    run_dir, markers = tmp_path / "run", tmp_path / "markers"
+    markers.mkdir()
+    cmd = [sys.executable, "-m", "mlrl.launch", "--config", "launch/cpu_default.yaml", "cluster.placement=colocated",
+           "workflow.name=tests.integration.loop.workflows.slow_rollout_workflow.SlowRolloutRLVR",
+           "trainer.prompts_per_step=2", "trainer.samples_per_prompt=2", "trainer.total_steps=500",
+           "checkpoint.save_every=1", "checkpoint.save_at_end=false", "checkpoint.hf_export_at_end=false",
+           "logging.progress_bar=false", "rollout.startup_timeout_s=600", f"logging.run_dir={run_dir}"]
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, MLRL_TEST_MARKERS=str(markers)))
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 600
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert p.poll() is None, f"the run ended early ({p.returncode}): {p.stderr.read()[-3000:]}"
+            assert time.monotonic() < deadline, "no two training steps within 600 s"
+            time.sleep(0.1)
+        seen = time.time()  # step 2's line is written: its checkpoint is deferred; wait for step 3's rollout
+        while not any(float(m.name) > seen for m in markers.iterdir()):
+            assert p.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        p.send_signal(signal.SIGTERM)  # the groups sleep SLOW_S seconds now: inside the rollout
+        _, err = p.communicate(timeout=180)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 143, f"exit status {p.returncode}:\n{err[-3000:]}"
+    steps = len(metrics.read_text().splitlines())
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert latest == f"step_{steps:06d}", (latest, steps, err[-3000:])
+    state = json.loads((run_dir / "checkpoints" / latest / "trainer_state.json").read_text())
+    assert state["step"] == steps and f"due at step {steps}" in err and "written at exit" in err
