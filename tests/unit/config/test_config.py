@@ -621,3 +621,17 @@ def test_wandb_project_without_wandb_installed_fails_in_the_launcher(monkeypatch
     assert launch.main(["logging.wandb_project=demo"]) == 2
     assert "config error: logging.wandb_project='demo': Weights & Biases is not installed" in capsys.readouterr().err
     assert launch.main(["logging.wandb_project=demo", "--print-config"]) == 0  # a plan / print made elsewhere
+
+
+def test_the_distillation_recipe_validates_and_names_its_missing_teacher():
+    """launch/distill_cpu.yaml distils from `make demo`'s export: without it, one line naming the field
+    and the folder; with a teacher there, the recipe is a valid on-policy distillation run."""
+    recipe = ROOT / "launch" / "distill_cpu.yaml"
+    cfg = load_config(recipe, ["algorithm.reference_hf_dir=/nonexistent/hf/step_000035"])
+    with pytest.raises(ConfigError, match="^algorithm.reference_hf_dir: folder '/nonexistent/hf/step_000035' does not "
+                                          "exist"):
+        validate(cfg, has_cuda=False)
+    cfg = load_config(recipe, ["algorithm.reference_hf_dir=builtin:tiny-qwen3"])
+    validate(cfg, has_cuda=False)
+    a = cfg.algorithm
+    assert (a.advantage, a.gamma, a.kl_in_reward, a.kl_estimator, a.kl_coef) == ("reinforce_pp", 0.0, True, "k1", 1.0)
