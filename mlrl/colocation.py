@@ -147,10 +147,13 @@ class Colocation:
         as a step's sync does (wake weights, [transfer,] offload params, wake the KV cache, canary),
         so the devices go through the sync phase into the rollout phase. `check` needs the engines'
         own weights back from their sleep: level 1 (kept in host memory), or no release (CPU). A
-        check that disagrees is followed by the push (the check logs it)."""
+        check that disagrees (the check logs it) puts the engines back to sleep before the push, so
+        the push too goes through the sync phase, not the rollout phase plus the transfer."""
         await self.offload(TRAIN_STATE)
         report = await check(self) if check is not None else None
         if report is None:
+            if check is not None:
+                await self.sleep_engines()
             report = await push(self)
         self.metrics.clear()
         return report

@@ -680,32 +680,38 @@ def validate(cfg: Config, *, has_cuda: bool | None = None, has_te: bool | None =
         except ModelSpecError as e:
             raise ConfigError(str(e)) from None
     if cfg.uses_critic and cfg.critic is not None and cfg.critic.hf_dir:
-        _check_second_model(cfg, hf, layout, cfg.critic.hf_dir, "critic.hf_dir", "the critic must read the policy's "
-                            "tokens")
+        crit = _second_model(cfg, layout, cfg.critic.hf_dir, "critic.hf_dir")
+        if crit.get("vocab_size") != hf.get("vocab_size"):
+            raise ConfigError(f"critic.hf_dir: vocab_size {crit.get('vocab_size')} differs from the policy's "
+                              f"{hf.get('vocab_size')} (model.hf_dir): the critic must read the policy's tokens")
     if cfg.algorithm.reference_hf_dir and cfg.algorithm.kl_coef > 0:  # (kl_coef=0: refused as unread)
         if cfg.algorithm.router_replay:
             raise ConfigError("algorithm.reference_hf_dir with algorithm.router_replay=true: the engines' routes are "
                               "the policy's experts, not the reference model's; use one or the other")
-        _check_second_model(cfg, hf, layout, cfg.algorithm.reference_hf_dir, "algorithm.reference_hf_dir",
-                            "the KL compares the two models' probabilities of the same tokens")
+        ref = _second_model(cfg, layout, cfg.algorithm.reference_hf_dir, "algorithm.reference_hf_dir")
+        # a padded embedding may be larger (Qwen2.5-7B's 152064 rows, 1.5B's 151936, one tokenizer: the
+        # launcher compares the tokenizers); smaller, a token the policy samples may have no row
+        if (ref.get("vocab_size") or 0) < (hf.get("vocab_size") or 0):
+            raise ConfigError(f"algorithm.reference_hf_dir: vocab_size {ref.get('vocab_size')} is smaller than the "
+                              f"policy's {hf.get('vocab_size')} (model.hf_dir): the reference must score every token "
+                              "the policy can sample")
     return layout
 
 
-def _check_second_model(cfg: Config, hf: dict[str, Any], layout: Layout, spec: str, field: str, why: str) -> None:
+def _second_model(cfg: Config, layout: Layout, spec: str, field: str) -> dict[str, Any]:
     """A model the trainer ranks build beside the policy from another folder (the critic's body, a
-    KL reference / teacher): readable, the policy's vocabulary, and the policy's parallel layout."""
+    KL reference / teacher), not served by the engines: readable, in the policy's parallel layout.
+    Its config.json."""
     try:
         other = hf_config_dict(spec, None, field=field)
     except ModelSpecError as e:
         raise ConfigError(str(e)) from None
-    if other.get("vocab_size") != hf.get("vocab_size"):
-        raise ConfigError(f"{field}: vocab_size {other.get('vocab_size')} differs from the policy's "
-                          f"{hf.get('vocab_size')} (model.hf_dir): {why}")
     try:
-        check_model(cfg, other, layout)
+        check_model(cfg, other, layout, engines=False)
         check_arch(other, layout, cfg.parallel.pp_layer_split)
     except ConfigError as e:
         raise ConfigError(f"{field}: {e}") from None
+    return other
 
 
 def check_driver(cfg: Config) -> None:

@@ -19,7 +19,9 @@ if TYPE_CHECKING:
     from mlrl.config.validate import Layout
 
 
-def check_model(cfg: Config, hf: dict[str, Any], layout: Layout) -> None:
+def check_model(cfg: Config, hf: dict[str, Any], layout: Layout, *, engines: bool = True) -> None:
+    """The model's shape against the parallel layout and the run's lengths; `engines`: the rollout
+    engines serve it too (not a critic's body or a KL reference, which only the trainer builds)."""
     from mlrl.bridge.arch import with_hf_defaults  # (torch-free) what transformers fills in
 
     p, hf = cfg.parallel, with_hf_defaults(hf)
@@ -68,7 +70,7 @@ def check_model(cfg: Config, hf: dict[str, Any], layout: Layout) -> None:
             f"parallel.ep*etp = {p.ep * layout.etp} exceeds the trainer ranks per pipeline stage "
             f"({layout.trainer_devices // p.pp})"
         )
-    if cfg.rollout.engine_tp > 1 and heads % cfg.rollout.engine_tp:
+    if engines and cfg.rollout.engine_tp > 1 and heads % cfg.rollout.engine_tp:
         raise ConfigError(f"rollout.engine_tp={cfg.rollout.engine_tp} must divide num_attention_heads={heads}")
     max_len = hf.get("max_position_embeddings")
     offline = cfg.sft if cfg.sft is not None else cfg.dpo

@@ -275,6 +275,8 @@ async def _run(cfg: Config, layout: Layout, early: EarlyStart) -> int:
                 await t
         except BaseException:  # SIGTERM or a failed start: the other starts are not waited for (the ranks
             await _cancel_all(starting)  # are closed by start_group, the engines by the pools' shutdown below)
+            if trainer_started.done() and not trainer_started.cancelled() and trainer_started.exception() is None:
+                group = trainer_started.result()  # built just before: closed below like any other
             raise
         if judge_pool is not None and cfg.reward_model is not None:
             rm = cfg.reward_model
@@ -309,8 +311,7 @@ async def _run(cfg: Config, layout: Layout, early: EarlyStart) -> int:
         hold = _engines_hold_start(cfg, resume)
         if colocation is not None:  # the engines sleep; the trainer's state leaves before they wake
             colocation.attach(policy)
-            # sleep level 2 discarded the weights they loaded: pushed
-            hold = hold and not (colocation.engine_memory_released and cfg.cluster.colocate.sleep_level == 2)
+            hold = hold and cfg.cluster.colocate.sleep_level != 2  # level 2 discarded what they loaded: pushed
             first = await colocation.first_sync(
                 (lambda hooks: weight_sync.check_loaded(version, hooks=hooks)) if hold else None,
                 lambda hooks: weight_sync.sync(version, hooks=hooks))

@@ -34,6 +34,7 @@ import abc
 import asyncio
 import json
 import logging
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -395,9 +396,12 @@ class WeightSync(abc.ABC):
         return want
 
     async def _canary(self, engines: Sequence[EngineHandle], want: list[float]) -> tuple[float, list[float]]:
-        """Max |engine - trainer| over the canary's completion tokens and engines; the first
-        engine's logprobs of them."""
+        """Max |engine - trainer| over the canary's completion tokens and engines (inf when any is
+        not finite: max() would pass over a NaN, and a NaN is never within a tolerance); the
+        first engine's logprobs of them."""
         prompt, completion = self.canary
         got = await asyncio.gather(*(engine_client(e).prompt_logprobs(prompt + completion) for e in engines))
-        return max(abs(a - b) for g in got for a, b in zip(g[-len(completion):], want)), got[0][-len(completion):]
+        diffs = [abs(a - b) for g in got for a, b in zip(g[-len(completion):], want)]
+        worst = math.inf if not all(math.isfinite(d) for d in diffs) else max(diffs)
+        return worst, got[0][-len(completion):]
 

@@ -145,21 +145,19 @@ class TrainerGroup:
 
     def _accept_all(self, timeout_s: float, cancel: threading.Event, gate: threading.Event | None) -> None:
         conns: dict[int, Connection] = {}
+        accepted: list[Any] = []  # Connection (PipeConnection on Windows, to the type checker)
         err: list[BaseException] = []
-        opened: list[float] = []  # when the gate was found open (the start's clock runs from then)
 
         def accept() -> None:
             try:
                 # every rank connects (authkey handshake inside accept) and gets the config before
                 # any hello is awaited: a rank says hello only after the collective start-up,
                 # which needs all ranks past their handshake
-                accepted = []
                 while len(accepted) < self.world_size:
                     accepted.append(no_delay(self._listener.accept()))
                 while gate is not None and not gate.wait(0.2):
                     if cancel.is_set():
                         return
-                opened.append(time.monotonic())
                 for c in accepted:
                     send(c, self._config_yaml)
                 for c in accepted:
@@ -173,23 +171,32 @@ class TrainerGroup:
 
         t = threading.Thread(target=accept, daemon=True)
         t.start()
-        t0 = time.monotonic()
-
-        def left() -> float:  # the gate's wait is not the ranks' start: not counted
-            waited = (opened[0] if opened else time.monotonic()) - t0 if gate is not None else 0.0
-            return t0 + waited + timeout_s - time.monotonic()
-
-        while t.is_alive() and not cancel.is_set() and left() > 0:
-            t.join(min(0.2, max(0.0, left())))
-        if cancel.is_set() and t.is_alive():
+        # the start's clock runs from when the gate is open (its wait is the engines' start, not the ranks')
+        deadline = None if gate is not None else time.monotonic() + timeout_s
+        exited, polls = False, 0
+        while t.is_alive() and not cancel.is_set():
+            if deadline is None and gate is not None and gate.is_set():
+                deadline = time.monotonic() + timeout_s
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            polls += 1  # every 2 s (with Ray, a question to each node's agent): every rank process gone?
+            if polls % 10 == 0 and self._procs is not None and self._procs.wait(0):
+                exited = True  # no hello can come: said now, not after the timeout
+                break
+            t.join(0.2)
+        if cancel.is_set() and (t.is_alive() or len(conns) < self.world_size):
             raise TrainerError(f"trainer start cancelled with {len(conns)}/{self.world_size} ranks up")
         if len(conns) < self.world_size or err:
             tail = self.log_tail()
-            why = (
-                f"{type(err[0]).__name__}: {err[0]}"
-                if err
-                else f"only {len(conns)}/{self.world_size} ranks connected within {timeout_s:.0f} s"
-            )
+            if err:
+                why = f"{type(err[0]).__name__}: {err[0]}"
+            elif exited:
+                why = f"the rank processes exited with {len(accepted)}/{self.world_size} ranks connected"
+            elif len(accepted) < self.world_size:
+                why = f"only {len(accepted)}/{self.world_size} ranks connected within {timeout_s:.0f} s"
+            else:
+                why = (f"{len(conns)}/{self.world_size} ranks built their models (said hello) within "
+                       f"{timeout_s:.0f} s of getting the config")
             raise TrainerError(f"trainer ranks failed to start ({why}); log tail:\n{tail}")
         self._conns = [conns[r] for r in range(self.world_size)]
         self.rank_info.sort(key=lambda h: h["rank"])

@@ -197,8 +197,11 @@ async def test_start_up_pushes_when_the_check_disagrees():
     colo, calls, sync = _machine(offload_params=True)
     await _start(colo, calls, sync, _check(calls, agrees=False))
     after = calls[calls.index(("engine canary",)) + 1:]
-    # the push gets the parameters back (only them: the KV cache is awake), transfers, and they leave again
-    assert after == [("reload", ("params",)), ("transfer", 0), ("offload", ("params",)), ("canary", 0)]
+    # the engines sleep again and the push runs as a step's sync: the parameters come back (only them),
+    # the weights wake, the transfer, the parameters leave, the KV cache wakes
+    assert after == [("e0", "sleep", 1), ("e1", "sleep", 1), ("reload", ("params",)), ("e0", "wake", ("weights",)),
+                     ("e1", "wake", ("weights",)), ("transfer", 0), ("offload", ("params",)),
+                     ("e0", "wake", ("kv_cache",)), ("e1", "wake", ("kv_cache",)), ("canary", 0)]
     assert colo.trainer.out == {"optimizer", "grads", "params"}
 
 

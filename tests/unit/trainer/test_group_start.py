@@ -140,7 +140,10 @@ class ThreadRank:
         def run() -> None:
             conn = Client((host, int(port)), authkey=token)
             events.append(("connected", time.monotonic()))
-            recv(conn)  # the config
+            try:
+                recv(conn)  # the config
+            except (EOFError, OSError):  # the driver gave up (cancelled) before sending it
+                return
             events.append(("config", time.monotonic()))
             send(conn, {"rank": 0})
             while True:
@@ -196,10 +199,38 @@ def test_an_ungated_start_sends_the_config_at_once(tmp_path: Path) -> None:
 
 
 def test_a_cancel_while_gated_kills_the_ranks(tmp_path: Path) -> None:
-    made: list[NeverConnect] = []
+    """The ranks are connected and wait for the config at the gate, which never opens (the engines'
+    start was cancelled): the start stops at once and no rank gets the config."""
+    events: list[tuple[str, float]] = []
     cancel, gate = threading.Event(), threading.Event()
-    threading.Timer(0.3, cancel.set).start()
+    threading.Timer(0.5, cancel.set).start()
+    t0 = time.monotonic()
     with pytest.raises(TrainerError, match="cancelled"):
-        TrainerGroup("x: 1\n", 1, run_dir=tmp_path, start_timeout_s=60, spawn=_spawner(made), cancel=cancel,
-                     gate=gate)
-    assert made[0].killed.is_set()
+        TrainerGroup("x: 1\n", 1, run_dir=tmp_path, start_timeout_s=60, cancel=cancel, gate=gate,
+                     spawn=lambda args, env: ThreadRank(args, env, events))
+    assert time.monotonic() - t0 < 5
+    assert [w for w, _ in events] == ["connected"]
+
+
+def test_the_start_timeout_runs_from_the_gates_opening_even_when_no_rank_connects(tmp_path: Path) -> None:
+    """A rank that died before connecting: the start still times out once the gate is open (the
+    clock used to start only when every rank had connected, so it waited forever)."""
+    made: list[NeverConnect] = []
+    gate = threading.Event()
+    threading.Timer(0.5, gate.set).start()
+    t0 = time.monotonic()
+    with pytest.raises(TrainerError, match="only 0/1 ranks connected within 1 s"):
+        TrainerGroup("x: 1\n", 1, run_dir=tmp_path, start_timeout_s=1, spawn=_spawner(made), gate=gate)
+    assert 1.4 < time.monotonic() - t0 < 5  # the gate's 0.5 s, then the 1 s timeout
+
+
+class Exited(NeverConnect):
+    def wait(self, timeout_s: float) -> bool:
+        return True
+
+
+def test_rank_processes_that_exited_fail_the_start_without_waiting_for_the_timeout(tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(TrainerError, match="the rank processes exited with 0/2 ranks connected"):
+        TrainerGroup("x: 1\n", 2, run_dir=tmp_path, start_timeout_s=60, spawn=lambda args, env: Exited())
+    assert time.monotonic() - t0 < 10

@@ -337,6 +337,12 @@ async def test_check_loaded_moves_nothing_when_the_engines_agree_and_declines_ot
     ws2 = make_weight_sync(cfg, pool2, src, model_dir=tmp_path, run_dir=tmp_path)
     assert await ws2.check_loaded(0) is None and pool2.events == [] and ws2.history == []
 
+    # an engine's NaN is no agreement (max() passed over it: nan > tolerance is false)
+    nan_first = [float("nan")] + want[1:]
+    pool_nan = OneEnginePool(FakeClient([[0.0] * 8 + nan_first]))
+    ws_nan = make_weight_sync(cfg, pool_nan, src, model_dir=tmp_path, run_dir=tmp_path)
+    assert await ws_nan.check_loaded(0) is None and pool_nan.events == []
+
     pool3 = OneEnginePool(FakeClient([]))  # canary off: nothing can be checked, no engine call is made
     ws3 = make_weight_sync(WeightSyncConfig(transport="disk", canary_tolerance=0.0), pool3, src,
                            model_dir=tmp_path, run_dir=tmp_path)
