@@ -191,6 +191,10 @@ class TrainerConfig(OptimizerConfig):
     """RL steps to run."""
     seed: int = 1234
     """Seed of every RNG (model init, sampling order, dropout)."""
+    startup_timeout_s: float = 300.0
+    """Seconds for the trainer ranks to start: every rank connects to the driver, then (once it has
+    the config; a colocated run's engines start and sleep first, not counted) builds its models
+    (policy, KL reference, critic) and says hello. A big model read from a slow filesystem needs more."""
     deterministic: Union[bool, Literal["auto"]] = "auto"
     """Deterministic kernels and reductions (bit-exact reruns and resume). auto = on CPU (where
     it costs nothing), off on GPU; true on GPU costs speed and memory (TE's deterministic

@@ -105,6 +105,8 @@ def _check_ranges(cfg: Config) -> None:
         raise ConfigError(f"rollout.gpu_memory_utilization: got {r.gpu_memory_utilization}, expected in (0, 1]")
     if r.startup_timeout_s <= 0 or r.request_timeout_s <= 0:
         raise ConfigError("rollout.startup_timeout_s / request_timeout_s: expected > 0 seconds")
+    if not cfg.trainer.startup_timeout_s > 0:
+        raise ConfigError(f"trainer.startup_timeout_s={cfg.trainer.startup_timeout_s}: expected > 0 seconds")
     if cfg.weight_sync.bucket_mb <= 0:
         raise ConfigError(f"weight_sync.bucket_mb: got {cfg.weight_sync.bucket_mb}, expected > 0")
     if a.eps_clip <= 0 or (a.eps_clip_high is not None and a.eps_clip_high <= 0):

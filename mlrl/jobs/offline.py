@@ -149,7 +149,8 @@ def _run_offline(cfg: Config, layout: Layout, make_job: Callable[[Path], Offline
     group = logger = bar = checkpointer = None
     try:
         group = TrainerGroup(dump_yaml(cfg), layout.trainer_devices, run_dir=run_dir, host=placement.host,
-                             env=rank_env(cfg, placement.trainer_env), spawn=placement.spawn_trainer)
+                             env=rank_env(cfg, placement.trainer_env), spawn=placement.spawn_trainer,
+                             start_timeout_s=cfg.trainer.startup_timeout_s)
         policy = TrainerClient(group)
         checkpointer = Checkpointer(ckpts, run_dir, policy, async_save=cfg.checkpoint.async_save)
         start = 0

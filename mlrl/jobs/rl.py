@@ -261,6 +261,7 @@ async def _run(cfg: Config, layout: Layout, early: EarlyStart) -> int:
             env=rank_env(cfg, placement.trainer_env),
             spawn=placement.spawn_trainer,
             gate=gate,
+            start_timeout_s=cfg.trainer.startup_timeout_s,
         )))
         pool_started = asyncio.create_task(clock.span("engines", pool.start(), since=engines_since))
         judge_started = asyncio.create_task(judge_pool.start()) if judge_pool is not None else None

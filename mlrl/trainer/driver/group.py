@@ -193,10 +193,11 @@ class TrainerGroup:
             elif exited:
                 why = f"the rank processes exited with {len(accepted)}/{self.world_size} ranks connected"
             elif len(accepted) < self.world_size:
-                why = f"only {len(accepted)}/{self.world_size} ranks connected within {timeout_s:.0f} s"
+                why = (f"only {len(accepted)}/{self.world_size} ranks connected within {timeout_s:g} s "
+                       "(trainer.startup_timeout_s)")
             else:
                 why = (f"{len(conns)}/{self.world_size} ranks built their models (said hello) within "
-                       f"{timeout_s:.0f} s of getting the config")
+                       f"{timeout_s:g} s of getting the config (trainer.startup_timeout_s)")
             raise TrainerError(f"trainer ranks failed to start ({why}); log tail:\n{tail}")
         self._conns = [conns[r] for r in range(self.world_size)]
         self.rank_info.sort(key=lambda h: h["rank"])

@@ -80,3 +80,19 @@ def test_tp2_and_rows_without_assistant_turn(tmp_path):
     recs = metrics(tmp_path / "run")
     assert [r["step"] for r in recs] == [1, 2] and recs[1]["sft/loss"] < recs[0]["sft/loss"]
     assert {r["sft/loss_tokens"] for r in recs} == {8.0}  # sft.batch_size=4 conversations of 2 trained tokens
+
+
+def test_trainer_startup_timeout_s_bounds_the_ranks_start(tmp_path):
+    """trainer.startup_timeout_s reaches the trainer's start (the SFT and RL jobs alike): at 0.5 s a
+    rank cannot import megatron and build its model, and the run fails naming the field; every other
+    launch of the suite starts within the default 300 s."""
+    import subprocess
+    import sys
+
+    from helpers.launching import ROOT
+
+    cmd = [sys.executable, "-m", "mlrl.launch", *COMMON, "trainer.total_steps=2", "trainer.startup_timeout_s=0.5",
+           f"logging.run_dir={tmp_path / 'run'}"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert "within 0.5 s" in out.stderr and "(trainer.startup_timeout_s)" in out.stderr, out.stderr[-3000:]

@@ -272,6 +272,7 @@ BAD = [
         "trainer.mini_batches_per_step=4 must divide the prompt groups of a step",
     ),
     (["trainer.epochs_per_step=0"], "trainer.epochs_per_step: got 0, expected >= 1"),
+    (["trainer.startup_timeout_s=0"], "trainer.startup_timeout_s=0.0: expected > 0 seconds"),
     (
         ["algorithm.rollout_is=icepop", "algorithm.icepop_low=2", "algorithm.icepop_high=0.5"],
         "algorithm.icepop_low / icepop_high: got [2.0, 0.5]",
