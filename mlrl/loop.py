@@ -220,7 +220,7 @@ class Selection:
 
     def metrics(self, rounds: float) -> dict[str, float]:
         m = {"samples/trainable": float(len(self.samples)), "samples/total": float(self.total)}
-        versions = [x.oldest_version for x in self.samples]
+        versions = [v for x in self.samples if (v := x.oldest_version) >= 0]  # (unknown: not "version + 1")
         if versions:
             m["samples/staleness_max"] = float(self.ctx.state.version - min(versions))
         if self.ctx.cfg.algorithm.overlong_buffer:

@@ -13,6 +13,7 @@ interrupted and resumed, per rollout.interrupt_on_sync). Each step reuses mlrl/l
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
 
 from mlrl.loop import (
@@ -30,6 +31,8 @@ from mlrl.metrics import StepTimer
 from mlrl.types import Row, Sample
 from mlrl.workflow.runner import summarize
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class AsyncState:
@@ -40,6 +43,7 @@ class AsyncState:
     # i.e. the engines are idle until the next weight sync
     producer_idle: asyncio.Event = field(default_factory=asyncio.Event)
     extra_prompts: int = 0  # groups dropped by dynamic sampling: the producer starts as many more
+    warned_unknown_versions: bool = False  # a sample without weight versions was dropped (said once)
 
 
 async def train_async(ctx: RunContext) -> None:
@@ -112,7 +116,12 @@ async def produce(ctx: RunContext, st: AsyncState, out: asyncio.Queue, eta: int)
     idle = st.producer_idle
 
     async def one(key: int, row: Row) -> None:
-        out.put_nowait((key, await ctx.runner.run_group(row, ctx.cfg.trainer.samples_per_prompt)))
+        try:
+            group = await ctx.runner.run_group(row, ctx.cfg.trainer.samples_per_prompt)
+        except Exception as e:  # not the workflow's failure (those are episodes): collect stops the run with it,
+            out.put_nowait((key, e))  # where the task would have died unseen and the step waited for it forever
+            return
+        out.put_nowait((key, group))
 
     def finished(t: asyncio.Task) -> None:
         tasks.discard(t)
@@ -160,12 +169,22 @@ async def collect(ctx: RunContext, st: AsyncState, groups: asyncio.Queue, eta: i
     sel, taken, stale, granted = Selection(ctx), [], 0, 0
     while len(taken) < want or (ds.enabled and sel.groups_kept < want and len(taken) < limit):
         key, group = await groups.get()
+        if isinstance(group, Exception):
+            raise group
         state.in_flight.pop(key)
         taken.append(group)
         fresh = []
         for s in group.samples:
-            if state.version - s.oldest_version > eta and s.oldest_version >= 0 and cfg.rollout.stale_policy == "drop":
+            # a sample whose versions are all unknown (a workflow result without them) cannot be shown
+            # within the bound: dropped with the stale ones (said once), as it was trained however old
+            unknown = s.oldest_version < 0
+            if cfg.rollout.stale_policy == "drop" and (unknown or state.version - s.oldest_version > eta):
                 stale += 1
+                if unknown and not st.warned_unknown_versions:
+                    st.warned_unknown_versions = True
+                    log.warning("rollout.stale_policy=drop: a sample without weight versions on its policy tokens "
+                                "(the workflow's result gave none, e.g. an AReaL dict without 'versions') is "
+                                "dropped as stale: its staleness cannot be bounded (counted in async/stale_dropped)")
             else:
                 fresh.append(s)
         sel.routing_missing += await attach_routing(ctx, fresh)

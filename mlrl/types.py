@@ -258,8 +258,10 @@ class Sample:
 
     @property
     def oldest_version(self) -> int:
-        """Smallest weight version among policy tokens (-1 if none): used by the staleness filter."""
-        vs = [v for v, m in zip(self.versions, self.loss_mask) if m]
+        """Smallest known weight version among policy tokens (-1 if none is known): used by the
+        staleness filter. An unknown version (-1: a workflow result without versions) is left out,
+        not taken as the minimum, which hid the known versions beside it."""
+        vs = [v for v, m in zip(self.versions, self.loss_mask) if m and v >= 0]
         return min(vs) if vs else -1
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from mlrl.checkpoint.manager import CheckpointManager
 from mlrl.checkpoint.schedule import saves_due
-from mlrl.ckpt_files.layout import CRITIC_DIR, TRAINER_DIR
+from mlrl.ckpt_files.layout import ADAPTER_DIR, CRITIC_DIR, TRAINER_DIR
 from mlrl.config import ConfigError
 from mlrl.config.schema import CheckpointConfig
 from mlrl.interfaces import PendingSave, Policy, ResumeInfo
@@ -131,12 +131,19 @@ class Checkpointer:
     def export_path(self, step: int) -> Path:
         return self.run_dir / "hf" / f"step_{step:06d}"
 
-    def export_left_undone(self, cfg: CheckpointConfig, start_step: int, total_steps: int) -> bool:
-        """The HF export due at the resumed step is missing: the previous run stopped during it (a
-        step's checkpoint is committed before its export), e.g. preempted in the final export; the
-        resumed run would otherwise finish without it."""
-        due = start_step > 0 and saves_due(cfg, start_step, total_steps)[1]
-        return due and not self.export_path(start_step).is_dir()
+    def export_left_undone(self, cfg: CheckpointConfig, start_step: int, total_steps: int, *,
+                           lora: bool = False) -> bool:
+        """The HF export due at the resumed step is missing or incomplete: the previous run stopped
+        during it (a step's checkpoint is committed before its export), e.g. preempted in the final
+        export; the resumed run would otherwise finish without it. Complete: the model (config.json,
+        renamed in last) unless a LoRA run exports its adapters only, and with LoRA the PEFT folder
+        (written after the merged model, into it: the folder exists before it is whole)."""
+        if not (start_step > 0 and saves_due(cfg, start_step, total_steps)[1]):
+            return False
+        out = self.export_path(start_step)
+        model = (out / "config.json").is_file() or (lora and not cfg.export_merged)
+        adapter = not lora or (out / ADAPTER_DIR / "adapter_config.json").is_file()
+        return not (model and adapter)
 
     def export_hf(self, step: int) -> Path:
         out = self.export_path(step)

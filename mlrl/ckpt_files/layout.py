@@ -20,6 +20,7 @@ STATE_FILE = "trainer_state.json"
 STEP_RE = re.compile(r"^step_(\d{6,})$")
 
 CRITIC_DIR = "critic"          # step_N/critic/: the value model's training state (PPO with GAE)
+ADAPTER_DIR = "adapter"        # <run>/hf/step_N/adapter/: a LoRA run's PEFT folder inside its HF export
 TRAINER_DIR = "model_optim"    # step_N/model_optim/: the policy's training state
 
 META_FILE = "mlrl_checkpoint.json"

@@ -105,7 +105,10 @@ def sft_example(tokenizer: Any, row: dict[str, Any], where: str) -> tuple[list[i
         c = list(tokenizer(completion, add_special_tokens=False)["input_ids"])
         if tokenizer.eos_token_id is not None:
             c.append(tokenizer.eos_token_id)
-        return p + c, [0] * len(p) + [1] * len(c)
+        mask = [0] * len(p) + [1] * len(c)
+        if mask:  # an empty prompt without BOS: the first token has no logprob (nothing predicts it)
+            mask[0] = 0
+        return p + c, mask
     raise DatasetError(
         f"{where}: an SFT row needs 'messages', or 'prompt' and 'completion' strings; keys: {sorted(row)}"
     )

@@ -50,7 +50,10 @@ def _standard(tokenizer: Any, prompt: str, completion: str) -> Side:
     c = list(tokenizer(completion, add_special_tokens=False)["input_ids"])
     if tokenizer.eos_token_id is not None:
         c.append(tokenizer.eos_token_id)
-    return p + c, [0] * len(p) + [1] * len(c)
+    mask = [0] * len(p) + [1] * len(c)
+    if mask:  # an empty prompt without BOS: the first token has no logprob (nothing predicts it)
+        mask[0] = 0
+    return p + c, mask
 
 
 def preference_example(tokenizer: Any, row: Any, where: str) -> tuple[Side, Side]:

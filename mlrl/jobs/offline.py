@@ -158,7 +158,8 @@ def _run_offline(cfg: Config, layout: Layout, make_job: Callable[[Path], Offline
             checkpointer.load(resume)
             start = int(state["step"])
             log.info("resumed from %s (step %d)", resume, start)
-            if ckpts.owns(resume) and checkpointer.export_left_undone(cfg.checkpoint, start, cfg.trainer.total_steps):
+            if ckpts.owns(resume) and checkpointer.export_left_undone(cfg.checkpoint, start, cfg.trainer.total_steps,
+                                                                      lora=cfg.model.lora is not None):
                 log.warning("the HF export due at step %d is missing (the last run stopped during it): written now",
                             start)
                 checkpointer.export_hf(start)

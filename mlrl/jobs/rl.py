@@ -295,7 +295,8 @@ async def _run(cfg: Config, layout: Layout, early: EarlyStart) -> int:
             version = int(state["weight_version"])
             log.info("resumed from %s (step %d, weight version %d)", resume, state["step"], version)
             if ckpts.owns(resume) and checkpointer.export_left_undone(cfg.checkpoint, int(state["step"]),
-                                                                      cfg.trainer.total_steps):
+                                                                      cfg.trainer.total_steps,
+                                                                      lora=cfg.model.lora is not None):
                 log.warning("the HF export due at step %d is missing (the last run stopped during it): written now",
                             state["step"])
                 await asyncio.to_thread(checkpointer.export_hf, int(state["step"]))

@@ -305,7 +305,11 @@ class EpisodeRunner:
                         group_call and isinstance(result, list) and all(isinstance(r, EpisodeOutput) for r in result)
                     )
                     outputs = result if grouped else [result]
-                    results = [self._convert(o, engine.responses) for o in outputs]
+                    try:  # a malformed result (a dict without rewards, logprobs of another length) is the
+                        results = [self._convert(o, engine.responses) for o in outputs]  # workflow's failure
+                    except Exception as e:
+                        results = [self._error_result(type(e).__name__, str(e), traceback.format_exc())
+                                   for _ in range(n)]
             dt = time.monotonic() - t0
             for r in results:
                 r.duration_s = dt

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from mlrl.ckpt_files.hf_folder import ShardMap, ShardWriter, finalize_hf_folder, temp_dir_for
 from mlrl.ckpt_files.peft_adapter import write_peft_adapter
-from mlrl.trainer.rank.dist_ckpt import model_role, via_mbridge
+from mlrl.trainer.rank.dist_ckpt import _base_hf_dir, model_role, via_mbridge
 
 
 def _export_dtype(policy, dtype: Optional[str]) -> Optional[torch.dtype]:
@@ -66,7 +66,11 @@ def export_peft(policy, out_dir: str | Path, *, dtype: Optional[str] = "auto") -
     adapters = policy.gather_adapters()
     result = None
     if policy.ranks.rank == 0:
-        result = write_peft_adapter(out_dir, adapters, policy.lora.cfg, base_model=str(policy.hf_dir),
+        # the frozen base: model.init_from's HF folder when the run started from one (model.hf_dir
+        # only shaped it); a base from an mlrl checkpoint has no HF folder: its path is named
+        source = getattr(policy, "init_from", None)
+        base = _base_hf_dir(policy) or (str(source.path) if source is not None else str(policy.hf_dir))
+        result = write_peft_adapter(out_dir, adapters, policy.lora.cfg, base_model=base,
                                     dtype=_export_dtype(policy, dtype))
     dist.barrier()
     return result

@@ -29,8 +29,6 @@ from mlrl.experience.batch import MicroBatch
 from mlrl.interfaces import ResumeInfo
 from mlrl.trainer.rpc import TOKEN_ENV, RankRouterDiagnostics, no_delay, recv, send
 
-ADAPTER_DIR = "adapter"  # the PEFT folder inside a LoRA run's HF export
-
 
 def critic_body_dir(critic_cfg: Any, policy_dir: Path) -> Path:
     """The folder the critic's body is initialised from: critic.hf_dir, or the policy's model."""
@@ -193,12 +191,16 @@ class TrainerService:
         """Stream the HF tensors of every pipeline stage into one Hugging Face folder. With LoRA:
         the PEFT adapter folder at `out_dir/adapter`, and the merged model (W + s B A) at `out_dir`
         when checkpoint.export_merged."""
+        from mlrl.ckpt_files.layout import ADAPTER_DIR
         from mlrl.trainer.rank.hf_export import export_hf, export_peft
 
+        # in the trained parameters' dtype (model.dtype), as transformers' save_pretrained keeps a
+        # model's: config.json's (a bf16 model trained in fp32) rounded most of a small-LR update away
+        # (tools/convert_checkpoint.py --dtype converts)
         if self.policy.lora is None or self.cfg.checkpoint.export_merged:
-            export_hf(self.policy, out_dir)
+            export_hf(self.policy, out_dir, dtype=None)
         if self.policy.lora is not None:
-            export_peft(self.policy, os.path.join(out_dir, ADAPTER_DIR))
+            export_peft(self.policy, os.path.join(out_dir, ADAPTER_DIR), dtype=None)
 
 
 def main(argv: list[str] | None = None) -> int:

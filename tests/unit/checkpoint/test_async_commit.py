@@ -4,6 +4,7 @@ has finalized it, and always before the next save. The trainer is a test double 
 checkpoint calls that behaves like megatron-core's async queue: a save returns at once, and only
 a finalize call after the background write has ended writes the shard folder's metadata."""
 
+import shutil
 from pathlib import Path
 
 from mlrl.checkpoint import Checkpointer, CheckpointManager, read_state
@@ -213,8 +214,33 @@ def test_an_export_the_last_run_did_not_finish_is_written_on_resume(tmp_path, mo
     ckpt.export_hf(10)
     assert exported == [tmp_path / "hf" / "step_000010"]
     exported[0].mkdir(parents=True)
+    assert ckpt.export_left_undone(c, 10, 10)  # a folder without its config.json: the rename had not happened
+    (exported[0] / "config.json").write_text("{}")
     assert not ckpt.export_left_undone(c, 10, 10)  # there: nothing to redo
     assert not ckpt.export_left_undone(c, 0, 10)
+
+
+def test_a_lora_export_without_its_adapter_is_not_complete(tmp_path):
+    """A LoRA run's adapter folder is written after the merged model, into it (export_merged) or into
+    a step folder that exists from the adapter's own temporary on: the folder alone was taken as done,
+    and a run preempted in its final export finished without the adapter."""
+    from types import SimpleNamespace
+
+    from mlrl.config import load_config
+
+    ckpt = Checkpointer(CheckpointManager(tmp_path / "ck"), tmp_path, SimpleNamespace())
+    out = ckpt.export_path(10)
+    for merged in (True, False):
+        c = load_config(None, ["checkpoint.hf_export_every=0", f"checkpoint.export_merged={str(merged).lower()}"])
+        shutil.rmtree(out, ignore_errors=True)
+        (out / "adapter.tmp").mkdir(parents=True)  # the adapter's writer had started
+        if merged:
+            (out / "config.json").write_text("{}")
+        assert ckpt.export_left_undone(c.checkpoint, 10, 10, lora=True)
+        (out / "adapter").mkdir()
+        (out / "adapter" / "adapter_config.json").write_text("{}")
+        assert not ckpt.export_left_undone(c.checkpoint, 10, 10, lora=True)
+        assert ckpt.export_left_undone(c.checkpoint, 10, 10, lora=False) != merged  # a full export needs the model
 
 
 def test_the_offline_job_writes_the_missing_final_export_on_resume(tmp_path, monkeypatch, caplog):

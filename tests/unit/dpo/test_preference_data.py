@@ -117,3 +117,16 @@ def test_synthetic_pairs_reject_a_wrong_answer(tok):
 def test_dpo_needs_a_tokenizer():
     with pytest.raises(ValueError, match="kind='dpo' needs the model's tokenizer"):
         get_dataset("synthetic:add_digits", "train", "dpo")
+
+
+def test_an_empty_prompt_leaves_the_first_token_untrained(tok):
+    """With nothing before it (an empty prompt, a tokenizer adding no BOS), the first completion token
+    has no logprob: its loss-mask 1 diluted the SFT token mean and IPO's per-token mean."""
+    from mlrl.data.chat_tokens import sft_example
+    from mlrl.data.preference import preference_example
+
+    ids, mask = sft_example(tok, {"prompt": "", "completion": "4 5"}, "row 1")
+    assert len(ids) == len(mask) and mask[0] == 0 and sum(mask) == len(ids) - 1 - (ids[0] == tok.bos_token_id)
+    chosen, rejected = preference_example(tok, {"prompt": "", "chosen": "4", "rejected": "5"}, "row 1")
+    for side_ids, side_mask in (chosen, rejected):
+        assert len(side_ids) == len(side_mask) and side_mask[0] == 0 and sum(side_mask) >= 1

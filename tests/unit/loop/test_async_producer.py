@@ -255,3 +255,62 @@ async def test_a_restarted_engines_refresh_waits_for_the_async_loops_train_phase
     monkeypatch.setattr(loop_async, "collect", collect)
     monkeypatch.setattr(loop_async, "produce", produce)
     await _refresh_during_train(_lock_ctx(order, 1), order, release, loop_async.train_async)
+
+
+async def test_a_group_whose_run_raises_stops_the_step_instead_of_vanishing(monkeypatch):
+    """An exception out of run_group (a bug outside the workflow: the workflow's own failures are
+    episodes) killed the producer's task unseen; its prompt stayed in flight and its slot was gone, so
+    once eta * prompts_per_step such groups were lost, collect waited forever. collect raises it now."""
+    import pytest
+
+    orig = runner_mod.EpisodeRunner.run_group
+
+    async def broken_for_row_1(self, data, n, **kw):
+        if data["row"] == 1:
+            raise RuntimeError("runner bug on row 1")
+        return await orig(self, data, n, **kw)
+
+    monkeypatch.setattr(runner_mod.EpisodeRunner, "run_group", broken_for_row_1)
+    rows = [{"messages": [{"role": "user", "content": f"copy {i}"}], "answer": str(i), "row": i} for i in range(8)]
+    ctx = _ctx(PromptSampler(rows, seed=0, shuffle=False))
+    q: asyncio.PriorityQueue = asyncio.PriorityQueue()
+    st = AsyncState()
+    prod = asyncio.create_task(produce(ctx, st, q, ETA))
+    try:
+        with pytest.raises(RuntimeError, match="runner bug on row 1"):
+            await asyncio.wait_for(collect(ctx, st, q, ETA), timeout=10)
+    finally:
+        prod.cancel()
+        await asyncio.gather(prod, return_exceptions=True)
+
+
+async def test_samples_without_weight_versions_are_dropped_as_stale_not_trained_however_old(monkeypatch):
+    """A workflow result without versions (-1 on every token) made oldest_version -1, which the
+    staleness filter exempted: such samples were trained however many versions old. Under `drop`
+    they are dropped with the stale ones; one unknown token no longer hides the known ones."""
+    from mlrl.types import Sample
+
+    s = Sample(tokens=[1, 2, 3, 4], loss_mask=[0, 1, 1, 1], rollout_logprobs=[0.0] * 4, versions=[-1, -1, 3, 5],
+               reward=0.0)
+    assert s.oldest_version == 3  # the unknown token is left out, not taken as the minimum
+    orig = runner_mod.EpisodeRunner.run_group
+
+    async def no_versions(self, data, n, **kw):
+        g = await orig(self, data, n, **kw)
+        for x in g.samples:
+            x.versions = [-1] * len(x.versions)
+        return g
+
+    monkeypatch.setattr(runner_mod.EpisodeRunner, "run_group", no_versions)
+    rows = [{"messages": [{"role": "user", "content": f"copy {i}"}], "answer": str(i), "row": i} for i in range(8)]
+    ctx = _ctx(PromptSampler(rows, seed=0, shuffle=False))
+    q: asyncio.PriorityQueue = asyncio.PriorityQueue()
+    st = AsyncState()
+    prod = asyncio.create_task(produce(ctx, st, q, ETA))
+    try:
+        samples, metrics, stale = await asyncio.wait_for(collect(ctx, st, q, ETA), timeout=10)
+    finally:
+        prod.cancel()
+        await asyncio.gather(prod, return_exceptions=True)
+    assert samples == [] and stale == P * N and st.warned_unknown_versions
+    assert "samples/staleness_max" not in metrics  # no known version: no "version + 1"

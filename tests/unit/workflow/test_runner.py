@@ -39,6 +39,9 @@ class Scripted(RolloutWorkflow):
         if kind == "nan":  # a reward the workflow computed itself, not through mlrl's reward wrapper
             return {"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1], "logprobs": [0.0, -0.1, -0.1],
                     "versions": [-1, 0, 0], "rewards": float("nan")}
+        if kind == "short_logprobs":  # a malformed AReaL dict: 3 tokens, 2 logprobs
+            return {"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1], "logprobs": [0.0, -0.1],
+                    "versions": [-1, 0, 0], "rewards": 1.0}
         if kind == "mutate":
             data["messages"].append({"role": "assistant", "content": "mutated"})
             assert len(data["messages"]) == 2, "the runner must give every episode a fresh copy of the row"
@@ -95,6 +98,15 @@ async def test_a_non_finite_reward_fails_its_episode():
     (g,) = await runner.run_batch([row("nan")], n=2)
     assert g.count(EpisodeStatus.ERROR) == 2 and g.samples == []
     assert g.episodes[0].info["error"]["error_message"] == "the workflow returned a non-finite reward (nan)"
+
+
+async def test_a_malformed_result_fails_its_episodes_and_the_batch_goes_on():
+    """The conversion of the workflow's result raised out of run_group: the sync loop crashed, and
+    the async producer's task died unseen with its prompt in flight (the step waited for it)."""
+    runner = EpisodeRunner(Scripted(), ScriptedEngine(), max_concurrency=2, episode_timeout_s=10)
+    g_bad, g_ok = await runner.run_batch([row("short_logprobs"), row("ok", 1, reward=1.0)], n=2)
+    assert g_bad.count(EpisodeStatus.ERROR) == 2 and g_bad.samples == [] and g_ok.count(EpisodeStatus.COMPLETED) == 2
+    assert "logprobs" in g_bad.episodes[0].info["error"]["error_message"]
 
 
 async def test_engine_failure_and_truncation_are_seen_through_the_engine():
