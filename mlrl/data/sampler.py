@@ -19,6 +19,7 @@ class SamplerState:
     epoch: int = 0
     index: int = 0      # position inside the epoch's permutation
     consumed: int = 0   # rows handed out in total
+    rows: int = 0       # the dataset's length the position refers to (0: a checkpoint from before it was saved)
 
 
 class PromptSampler:
@@ -29,6 +30,12 @@ class PromptSampler:
         self.seed = seed
         self.shuffle = shuffle
         self._state = SamplerState(**vars(state)) if state else SamplerState()
+        if self._state.rows and self._state.rows != len(rows):
+            raise ValueError(f"the saved prompt position is one in {self._state.rows} rows, and the training data has "
+                             f"{len(rows)} now: the shuffled order would change, repeating some prompts and skipping "
+                             "others; resume with the same data.train and data.max_prompt_tokens, or start a new run "
+                             "from the checkpoint's weights (model.init_from)")
+        self._state.rows = len(rows)
         self._perm = self._permutation(self._state.epoch)
         self._index_of: dict[int, int] | None = None  # id(row) -> its position (portable), built on first use
 

@@ -142,8 +142,11 @@ def _run_offline(cfg: Config, layout: Layout, make_job: Callable[[Path], Offline
     check_model_init_from(cfg.model, hf_dir, resume=resume)
     sampler = PromptSampler(job.train, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
     if state:
-        sampler = PromptSampler.from_state(job.train, state["sampler"], seed=cfg.trainer.seed,
-                                           shuffle=cfg.data.shuffle)
+        try:
+            sampler = PromptSampler.from_state(job.train, state["sampler"], seed=cfg.trainer.seed,
+                                               shuffle=cfg.data.shuffle)
+        except ValueError as e:
+            raise ConfigError(f"checkpoint.resume: {resume}: {e}") from None
     # 2. the trainer ranks (no engines)
     placement = Placement()  # this machine; on GPU the trainer ranks take every visible device (no engines)
     group = logger = bar = checkpointer = None
@@ -167,6 +170,7 @@ def _run_offline(cfg: Config, layout: Layout, make_job: Callable[[Path], Offline
                                wandb_project=cfg.logging.wandb_project, resume_step=start)
         total, c, kind = cfg.trainer.total_steps, cfg.checkpoint, job.kind
         bar = progress_bar(cfg.logging.progress_bar, total=total, initial=start, desc=f"{kind.upper()} steps")
+        save_s = 0.0  # the last save / export's seconds, reported in the next step's line
         for step in range(start + 1, total + 1):
             t0 = time.perf_counter()
             metrics = job.step(policy, sampler.next_batch(job.batch_size))
@@ -179,14 +183,10 @@ def _run_offline(cfg: Config, layout: Layout, make_job: Callable[[Path], Offline
                 if held_out is not None:
                     metrics.update(held_out)
                     metrics["timing/eval"] = time.perf_counter() - t
-            t = time.perf_counter()
-            checkpointer.finalize(blocking=False)  # an async save whose shards are written is committed
-            save, export = saves_due(c, step, total)
-            if save:
-                checkpointer.save(step, {"kind": kind, "step": step, "sampler": sampler.state()})
-            if export:
-                checkpointer.export_hf(step)
-            metrics["timing/checkpoint"] = time.perf_counter() - t
+            # the step's line first, then its checkpoint (as the RL loop: a checkpoint never exists for a
+            # step whose line is missing; a stop during the save or export used to lose the line for
+            # good, the resumed run starting after it); the save's time goes in the next step's line
+            metrics["timing/checkpoint"], save_s = save_s, 0.0
             metrics["timing/step"] = time.perf_counter() - t0
             logger.log(step, metrics)
             evals = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith("eval/"))
@@ -195,8 +195,18 @@ def _run_offline(cfg: Config, layout: Layout, make_job: Callable[[Path], Offline
                 bar.set_postfix(loss=f"{metrics[f'{kind}/loss']:.4f}")
             log.info("%s step %d/%d: loss %.4f%s", job.title, step, total, metrics[f"{kind}/loss"],
                      f", {evals}" if evals else "")
+            t = time.perf_counter()
+            checkpointer.finalize(blocking=False)  # an async save whose shards are written is committed
+            save, export = saves_due(c, step, total)
+            if save:
+                checkpointer.save(step, {"kind": kind, "step": step, "sampler": sampler.state()})
+            if export:
+                checkpointer.export_hf(step)
+            save_s = time.perf_counter() - t
         checkpointer.finalize()
         print(f"{job.title} finished: {total - start} steps, metrics in {run_dir / 'metrics.jsonl'}")
+        if save_s:
+            print(f"final checkpoint / export: {save_s:.2f} s")
         if checkpointer.last_saved:
             print(f"checkpoint: {checkpointer.last_saved}  (start RL from it: model.init_from=<this folder>)")
         if checkpointer.last_export:

@@ -162,10 +162,10 @@ def _checks(cfg: Config, hf_dir: Path, run_dir: Path) -> _Checked:
     eval_rows = list(eval_set) if eval_set is not None else None
     sampler = PromptSampler(train_rows, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
     if state:
-        sampler = PromptSampler.from_state(
-            train_rows, state["sampler"], seed=cfg.trainer.seed, shuffle=cfg.data.shuffle
-        )
         try:  # (async) the rows in flight at the save, recorded by their position in data.train
+            sampler = PromptSampler.from_state(
+                train_rows, state["sampler"], seed=cfg.trainer.seed, shuffle=cfg.data.shuffle
+            )
             sampler.restore(state.get("in_flight_rows", []))
         except ValueError as e:
             raise ConfigError(f"checkpoint.resume: {resume}: {e}") from None

@@ -259,3 +259,24 @@ def test_the_offline_job_writes_the_missing_final_export_on_resume(tmp_path, mon
         assert _offline(tmp_path, monkeypatch, trainer, _Job(), "checkpoint.hf_export_at_end=true") == 0
     assert exported == ["step_000004"]
     assert "the random state was not restored" in caplog.text  # what the resume did not bring back is said
+
+
+def test_a_stop_during_a_save_keeps_the_steps_metrics_line(tmp_path, monkeypatch):
+    """SFT / DPO wrote the step's metrics line after its checkpoint and export: a SIGTERM during the
+    step-4 export lost step 4's line for good (the checkpoint was committed, the resumed run started
+    at step 5). The line is written first now, as the RL loop does."""
+    import json
+    import os
+    import signal
+
+    trainer = _Flaky(after=0)
+
+    def export_then_killed(out):
+        os.kill(os.getpid(), signal.SIGTERM)  # the job's handler raises here, inside the export
+
+    trainer.export_hf = export_then_killed
+    assert _offline(tmp_path, monkeypatch, trainer, _Job(), "checkpoint.hf_export_every=4",
+                    "checkpoint.async_save=false") == 143
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4]
+    assert CheckpointManager(tmp_path / "run" / "checkpoints").resolve_resume("auto").name == "step_000004"
