@@ -8,12 +8,50 @@ which the trainer ranks run again (the same verdict) to know which loader to use
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from mlrl.ckpt_files.init_source import InitSource, check_init_from, read_json
-from mlrl.config import ModelConfig
+from mlrl.ckpt_files.layout import META_FILE, TRAINER_DIR
+from mlrl.config import ConfigError, ModelConfig
 
 log = logging.getLogger(__name__)
+
+
+def check_resume_same_start(resume: Path, hf_dir: Path, source: InitSource | None, *, reference: bool) -> None:
+    """Resuming rebuilds what a checkpoint does not hold from the config: a LoRA run's frozen base
+    (model.hf_dir, or model.init_from's weights) and the KL reference (`reference`: model.init_from's
+    weights, else model.hf_dir's). A config naming another start than the checkpoint's (model.init_from
+    left out on the relaunch, or another folder) trained its adapters on another model, or moved the
+    KL's reference, silently: refused before any process starts. Checkpoints that predate these
+    records are not checked."""
+    meta_path = resume / TRAINER_DIR / META_FILE
+    if not meta_path.is_file():
+        return
+    meta = read_json(meta_path)
+
+    def same(a: object, b: object) -> bool:
+        return os.path.realpath(str(a)) == os.path.realpath(str(b))
+
+    lora = bool(meta.get("lora"))
+    if lora and meta.get("base_hf_dir"):  # (None: a base from an mlrl checkpoint: init_from below says which)
+        if source is None:
+            base, shown = hf_dir, str(hf_dir)
+        elif source.kind == "hf":
+            base, shown = source.weights, str(source.weights)
+        else:
+            base, shown = None, f"the mlrl checkpoint {source.path}"
+        if base is None or not same(meta["base_hf_dir"], base):
+            raise ConfigError(f"checkpoint.resume: {resume} holds LoRA adapters trained on the base "
+                              f"{meta['base_hf_dir']}; this run's base is {shown} (model.hf_dir / model.init_from): "
+                              "resume with the same base (the adapters mean nothing on another)")
+    if (lora or reference) and "init_from" in meta:
+        saved, now = meta.get("init_from"), str(source.path) if source is not None else None
+        if (saved is None) != (now is None) or (saved is not None and not same(saved, now)):
+            what = "its LoRA base" if lora else "its KL reference"
+            raise ConfigError(f"checkpoint.resume: {resume} was trained with model.init_from={saved}, this run has "
+                              f"model.init_from={now}: {what} would be another model; resume with the same "
+                              "model.init_from")
 
 
 def check_model_init_from(model: ModelConfig, hf_dir: Path, *, resume: Path | None) -> InitSource | None:

@@ -120,6 +120,13 @@ class CheckpointManager:
                 raise CheckpointError(f"checkpoint.resume: {spec!r} holds no complete checkpoint")
             return found
         if not is_complete(path):
+            if not STEP_RE.match(path.name) and (path / "checkpoints").is_dir():  # a run folder, not its checkpoints
+                raise CheckpointError(f"checkpoint.resume: {spec!r} is a run folder; name its checkpoints: "
+                                      f"checkpoint.resume={path / 'checkpoints'} (or one step_N folder in it)")
+            if not STEP_RE.match(path.name):
+                raise CheckpointError(f"checkpoint.resume: {spec!r} is neither a checkpoint (step_N) nor a folder of "
+                                      "checkpoints (expected auto, none, <run>/checkpoints or <run>/checkpoints/"
+                                      "step_N)")
             raise CheckpointError(f"checkpoint.resume: {spec!r} is incomplete (no {COMPLETE} marker or {STATE_FILE}): "
                                   "a save was interrupted; pick an earlier checkpoint")
         return path

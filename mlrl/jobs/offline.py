@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal, Protocol, Sequence
 
 from mlrl.checkpoint import Checkpointer, CheckpointManager, read_state
-from mlrl.checkpoint.init_from import check_model_init_from
+from mlrl.checkpoint.init_from import check_model_init_from, check_resume_same_start
 from mlrl.checkpoint.schedule import saves_due
 from mlrl.config import Config, ConfigError, Layout, dump_yaml
 from mlrl.data import get_dataset
@@ -139,7 +139,9 @@ def _run_offline(cfg: Config, layout: Layout, make_job: Callable[[Path], Offline
         raise ConfigError(f"checkpoint.resume: {resume} is {named.get(str(state.get('kind')), 'an RL')} checkpoint; "
                           f"{named[job.kind]} run resumes {job.title} checkpoints (to fine-tune from its weights: "
                           f"model.init_from={resume} in a new run directory)")
-    check_model_init_from(cfg.model, hf_dir, resume=resume)
+    source = check_model_init_from(cfg.model, hf_dir, resume=resume)
+    if resume:
+        check_resume_same_start(resume, hf_dir, source, reference=cfg.dpo is not None)
     sampler = PromptSampler(job.train, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
     if state:
         try:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from mlrl.checkpoint import Checkpointer, CheckpointManager, check_resume_has_critic, read_state
-from mlrl.checkpoint.init_from import check_model_init_from
+from mlrl.checkpoint.init_from import check_model_init_from, check_resume_same_start
 from mlrl.checkpoint.schedule import SaveSchedule
 from mlrl.colocation import Colocation
 from mlrl.config import Config, ConfigError, Layout, dump_yaml
@@ -126,7 +126,10 @@ def _checks(cfg: Config, hf_dir: Path, run_dir: Path) -> _Checked:
                           f"model.hf_dir=<{state.get('kind')} run>/hf/step_N)")
     if resume:
         check_resume_has_critic(resume, cfg.uses_critic)
-    check_model_init_from(cfg.model, hf_dir, resume=resume)
+    source = check_model_init_from(cfg.model, hf_dir, resume=resume)
+    if resume:
+        check_resume_same_start(resume, hf_dir, source, reference=cfg.algorithm.kl_coef > 0
+                                and not cfg.algorithm.reference_hf_dir)
     try:  # the registry's lookup / construction errors name workflow.name, .reward or .kwargs
         workflow = build_workflow_from_config(
             cfg.workflow, tokenizer=tokenizer, gconfig=gconfig_from_sampling(cfg.rollout.sampling)

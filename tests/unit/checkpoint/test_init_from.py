@@ -224,3 +224,42 @@ def test_lora_model_keys_point_at_the_fused_norm_names_of_a_full_checkpoint():
         "decoder.layers.0.mlp.linear_fc1.weight": "decoder.layers.mlp.linear_fc1.weight",
         "decoder.final_layernorm.weight": "decoder.final_layernorm.weight",  # absent, no alias: the load names it
     }
+
+
+def test_a_resume_must_rebuild_the_start_the_checkpoint_was_trained_from(tmp_path):
+    """What a checkpoint does not hold is rebuilt from the config on resume: a LoRA run's frozen base
+    and the KL reference. A relaunch without the first run's model.init_from (or with another folder)
+    trained the adapters on another model, or moved the reference, silently."""
+    import json as _json
+
+    from mlrl.checkpoint.init_from import check_resume_same_start
+    from mlrl.ckpt_files.init_source import InitSource
+    from mlrl.config import ConfigError
+
+    base, other, sft = (tmp_path / n for n in ("base", "other", "sft_export"))
+    for d in (base, other, sft):
+        d.mkdir()
+
+    def ckpt(name, **meta):
+        path = tmp_path / name
+        (path / "model_optim").mkdir(parents=True)
+        (path / "model_optim" / "mlrl_checkpoint.json").write_text(_json.dumps(meta))
+        return path
+
+    lora = {"rank": 8, "alpha": 16, "targets": ["q_proj"]}
+    a = ckpt("a", lora=lora, base_hf_dir=str(base), init_from=None)
+    check_resume_same_start(a, base, None, reference=False)
+    with pytest.raises(ConfigError, match=rf"adapters trained on the base {base}; this run's base is {other}"):
+        check_resume_same_start(a, other, None, reference=False)
+    b = ckpt("b", lora=lora, base_hf_dir=str(sft), init_from=str(sft))  # LoRA on an SFT export (init_from)
+    hf = InitSource("hf", sft, sft, "HF folder")
+    check_resume_same_start(b, base, hf, reference=False)
+    with pytest.raises(ConfigError, match=rf"trained on the base {sft}; this run's base is {base}"):
+        check_resume_same_start(b, base, None, reference=False)  # init_from left out on the relaunch
+    c = ckpt("c", lora=None, base_hf_dir=None, init_from=str(sft))  # full weights, KL reference from init_from
+    check_resume_same_start(c, base, hf, reference=True)
+    check_resume_same_start(c, base, None, reference=False)  # no reference: the checkpoint holds every weight
+    with pytest.raises(ConfigError, match=rf"trained with model.init_from={sft}, this run has model.init_from=None: "
+                                          "its KL reference would be another model"):
+        check_resume_same_start(c, base, None, reference=True)
+    check_resume_same_start(ckpt("d"), other, None, reference=True)  # a checkpoint from before the records

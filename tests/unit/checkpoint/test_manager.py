@@ -70,6 +70,19 @@ def test_resolve_resume(tmp_path):
     assert m.resolve_resume(str(tmp_path / "ck")).name == "step_000005"
 
 
+def test_a_run_folder_or_another_folder_is_named_as_such(tmp_path):
+    """checkpoint.resume=runs/foo (the run, not its checkpoints/) was reported as an interrupted save."""
+    run = tmp_path / "run"
+    m = CheckpointManager(run / "checkpoints")
+    _save(m, 2)
+    with pytest.raises(CheckpointError, match=r"is a run folder; name its checkpoints: checkpoint.resume=.*/run/"
+                                              r"checkpoints \(or one step_N folder in it\)"):
+        m.resolve_resume(str(run))
+    (tmp_path / "elsewhere").mkdir()
+    with pytest.raises(CheckpointError, match="is neither a checkpoint"):
+        m.resolve_resume(str(tmp_path / "elsewhere"))
+
+
 def test_resume_auto_never_picks_an_unmarked_folder(tmp_path):
     m = CheckpointManager(tmp_path, keep_last=0)
     _save(m, 2)

@@ -41,7 +41,8 @@ def test_the_adapter_names_the_base_it_was_trained_on(tmp_path):
     out = export_peft(_lora_policy(tmp_path, SimpleNamespace(kind="hf", weights=sft, path=sft)), tmp_path / "a")
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(sft)
     ckpt = tmp_path / "run" / "checkpoints" / "step_000040"  # a base from an mlrl checkpoint: named as such
-    out = export_peft(_lora_policy(tmp_path, SimpleNamespace(kind="mlrl", weights=ckpt, path=ckpt)), tmp_path / "b")
+    source = SimpleNamespace(kind="checkpoint", weights=ckpt / "model_optim", path=ckpt)
+    out = export_peft(_lora_policy(tmp_path, source), tmp_path / "b")
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(ckpt)
     out = export_peft(_lora_policy(tmp_path), tmp_path / "c")  # no init_from: model.hf_dir
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(tmp_path / "hf_dir")
