@@ -196,7 +196,7 @@ class TrainerService:
 
         # in the trained parameters' dtype (model.dtype), as transformers' save_pretrained keeps a
         # model's: config.json's (a bf16 model trained in fp32) rounded most of a small-LR update away
-        # (tools/convert_checkpoint.py --dtype converts)
+        # (tools/convert_checkpoint.py mcore-to-hf --dtype writes another from the checkpoint)
         if self.policy.lora is None or self.cfg.checkpoint.export_merged:
             export_hf(self.policy, out_dir, dtype=None)
         if self.policy.lora is not None:
