@@ -29,10 +29,6 @@ def check_resume_same_start(resume: Path, hf_dir: Path, source: InitSource | Non
     if not meta_path.is_file():
         return
     meta = read_json(meta_path)
-
-    def same(a: object, b: object) -> bool:
-        return os.path.realpath(str(a)) == os.path.realpath(str(b))
-
     lora = bool(meta.get("lora"))
     if lora and meta.get("base_hf_dir"):  # (None: a base from an mlrl checkpoint: init_from below says which)
         if source is None:
@@ -41,17 +37,47 @@ def check_resume_same_start(resume: Path, hf_dir: Path, source: InitSource | Non
             base, shown = source.weights, str(source.weights)
         else:
             base, shown = None, f"the mlrl checkpoint {source.path}"
-        if base is None or not same(meta["base_hf_dir"], base):
+        verdict = _same_model(meta["base_hf_dir"], base) if base is not None else False
+        if verdict is False:
             raise ConfigError(f"checkpoint.resume: {resume} holds LoRA adapters trained on the base "
                               f"{meta['base_hf_dir']}; this run's base is {shown} (model.hf_dir / model.init_from): "
                               "resume with the same base (the adapters mean nothing on another)")
+        if verdict is None:
+            log.warning("checkpoint.resume: the base %s the LoRA adapters were trained on is not on this machine "
+                        "(moved?): not checked against this run's %s", meta["base_hf_dir"], shown)
     if (lora or reference) and "init_from" in meta:
         saved, now = meta.get("init_from"), str(source.path) if source is not None else None
-        if (saved is None) != (now is None) or (saved is not None and not same(saved, now)):
-            what = "its LoRA base" if lora else "its KL reference"
+        verdict = (saved is None) == (now is None) if saved is None or now is None else _same_model(saved, now)
+        what = "its LoRA base" if lora else "its KL reference"
+        if verdict is False:
             raise ConfigError(f"checkpoint.resume: {resume} was trained with model.init_from={saved}, this run has "
                               f"model.init_from={now}: {what} would be another model; resume with the same "
                               "model.init_from")
+        if verdict is None:
+            log.warning("checkpoint.resume: model.init_from=%s of the checkpoint is not on this machine (moved?): "
+                        "not checked against this run's %s (%s)", saved, now, what)
+
+
+def _same_model(saved: object, now: object) -> bool | None:
+    """True: the same folder, or a copy of it (the same config.json and weight / shard files, by name
+    and size); False: another model; None: the saved folder is not here (moved, another machine)."""
+    a, b = Path(os.path.realpath(str(saved))), Path(os.path.realpath(str(now)))
+    if a == b:
+        return True
+    if not a.exists():
+        return None
+    return _fingerprint(a) == _fingerprint(b)
+
+
+def _fingerprint(folder: Path) -> list[tuple[str, int | str]]:
+    if not folder.is_dir():
+        return []
+    out: list[tuple[str, int | str]] = []
+    for p in sorted(folder.rglob("*")):
+        if p.is_file():
+            rel = str(p.relative_to(folder))
+            out.append((rel, p.read_text(errors="replace") if p.name == "config.json" else p.stat().st_size))
+    return out
 
 
 def check_model_init_from(model: ModelConfig, hf_dir: Path, *, resume: Path | None) -> InitSource | None:

@@ -231,14 +231,16 @@ def test_a_resume_must_rebuild_the_start_the_checkpoint_was_trained_from(tmp_pat
     and the KL reference. A relaunch without the first run's model.init_from (or with another folder)
     trained the adapters on another model, or moved the reference, silently."""
     import json as _json
+    import shutil
 
     from mlrl.checkpoint.init_from import check_resume_same_start
     from mlrl.ckpt_files.init_source import InitSource
     from mlrl.config import ConfigError
 
     base, other, sft = (tmp_path / n for n in ("base", "other", "sft_export"))
-    for d in (base, other, sft):
+    for d in (base, other, sft):  # three different models
         d.mkdir()
+        (d / "config.json").write_text(_json.dumps({"name": d.name}))
 
     def ckpt(name, **meta):
         path = tmp_path / name
@@ -263,3 +265,15 @@ def test_a_resume_must_rebuild_the_start_the_checkpoint_was_trained_from(tmp_pat
                                           "its KL reference would be another model"):
         check_resume_same_start(c, base, None, reference=True)
     check_resume_same_start(ckpt("d"), other, None, reference=True)  # a checkpoint from before the records
+    # a copy of the base (same config.json and weight files) is the same base; a base that is not on this
+    # machine any more (moved) cannot be checked: said, not refused
+    (base / "config.json").write_text('{"hidden_size": 64}')
+    (base / "model.safetensors").write_bytes(b"x" * 10)
+    copy = tmp_path / "copy_of_base"
+    shutil.copytree(base, copy)
+    check_resume_same_start(a, copy, None, reference=False)
+    (copy / "model.safetensors").write_bytes(b"x" * 11)
+    with pytest.raises(ConfigError, match="adapters trained on the base"):
+        check_resume_same_start(a, copy, None, reference=False)
+    gone = ckpt("e", lora=lora, base_hf_dir=str(tmp_path / "moved_away"), init_from=None)
+    check_resume_same_start(gone, base, None, reference=False)
