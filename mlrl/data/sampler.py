@@ -7,10 +7,12 @@ prompt twice and skips none (within an epoch and across epoch boundaries).
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+log = logging.getLogger(__name__)
 ROW_INDEX_KEY = "__mlrl_dataset_index__"  # a row recorded by its position in the training data (`portable`)
 
 
@@ -30,11 +32,11 @@ class PromptSampler:
         self.seed = seed
         self.shuffle = shuffle
         self._state = SamplerState(**vars(state)) if state else SamplerState()
-        if self._state.rows and self._state.rows != len(rows):
-            raise ValueError(f"the saved prompt position is one in {self._state.rows} rows, and the training data has "
-                             f"{len(rows)} now: the shuffled order would change, repeating some prompts and skipping "
-                             "others; resume with the same data.train and data.max_prompt_tokens, or start a new run "
-                             "from the checkpoint's weights (model.init_from)")
+        if self._state.rows and self._state.rows != len(rows):  # (a deliberate change of data is allowed: said)
+            log.warning("resume: the saved prompt position is one in %d rows, and the training data has %d now "
+                        "(data.train, data.num_synthetic or data.max_prompt_tokens changed): the shuffled order "
+                        "changes from here, so this epoch repeats some prompts and skips others", self._state.rows,
+                        len(rows))
         self._state.rows = len(rows)
         self._perm = self._permutation(self._state.epoch)
         self._index_of: dict[int, int] | None = None  # id(row) -> its position (portable), built on first use

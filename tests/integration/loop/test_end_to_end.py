@@ -225,7 +225,8 @@ def test_resume_async(run_a):
     run_dir, _ = run_a
     state = json.loads((run_dir / "checkpoints" / "step_000003" / "trainer_state.json").read_text())
     assert state["weight_version"] == 3 and state["sampler"]["consumed"] == 3 * PROMPTS
-    _launch(run_dir, "trainer.total_steps=6", "rollout.staleness=1", "algorithm.rollout_is=tis", *GAE)
+    _launch(run_dir, "trainer.total_steps=6", "rollout.staleness=1", "algorithm.rollout_is=tis",
+            "data.num_synthetic=32", *GAE)  # (the same 32 rows: the saved prompt position is one in them)
     # a resumed run's engines loaded model.hf_dir, not the checkpoint: its first sync pushes (first_sync=auto)
     assert json.loads((run_dir / "startup.json").read_text())["first_sync_bytes"] > 100_000
     recs = _metrics(run_dir)
