@@ -140,7 +140,7 @@ pack
 if ((te_rc == 0)); then
   if want trainer_tests; then
     # the offload test reads the whole device's free memory: alone, after the others (3 at a time)
-    pytest_stage trainer_tests 150 -n 3 --timeout 120 --junitxml="$W/trainer_tests.xml" \
+    pytest_stage trainer_tests 180 -n 3 --timeout 120 --junitxml="$W/trainer_tests.xml" \
       --ignore=tests/gpu/trainer/test_offload_gpu.py tests/gpu/trainer tests/gpu/test_cuda_visible.py
     pytest_stage trainer_offload 60 --timeout 50 --junitxml="$W/trainer_offload.xml" tests/gpu/trainer/test_offload_gpu.py
   fi

@@ -8,6 +8,7 @@ Rank side (every function is a collective over all trainer ranks, like the polic
     load_model_weights(policy, path)                      the weights only (model.init_from), any saved layout
     init_weights_from(policy, spec) -> InitSource         model.init_from: a checkpoint or an HF folder
     finalize_async_saves(blocking=True) -> int            completes pending async saves (GPU)
+    close_async_saves()                                   completes them and stops the background writer
 
 Format: Megatron-Core `dist_checkpointing` (torch_dist) in `path/`, plus two things of ours
 written by rank 0 after every rank has finished writing: `hf_files/` (config.json,
@@ -45,6 +46,7 @@ Invariants:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
@@ -458,13 +460,19 @@ def save_checkpoint(policy, path: str | Path, *, async_save: bool = False,
     if request is None:
         finalize()
         return
+    request.add_finalize_fn(finalize)
+    _async_queue().schedule_async_request(request)
+
+
+def _async_queue() -> Any:
+    """megatron-core's queue of async saves, one per rank, with a persistent writer process."""
     global _ASYNC_QUEUE
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
     if _ASYNC_QUEUE is None:
         _ASYNC_QUEUE = AsyncCallsQueue(persistent=True)
-    request.add_finalize_fn(finalize)
-    _ASYNC_QUEUE.schedule_async_request(request)
+        atexit.register(_stop_async_writer_at_exit)
+    return _ASYNC_QUEUE
 
 
 def finalize_async_saves(blocking: bool = True) -> int:
@@ -474,6 +482,33 @@ def finalize_async_saves(blocking: bool = True) -> int:
         return 0
     _ASYNC_QUEUE.maybe_finalize_async_calls(blocking=blocking)
     return _ASYNC_QUEUE.get_num_unfinalized_calls()
+
+
+def close_async_saves() -> None:
+    """Finalize every pending async save (collective: every rank calls it, before the process
+    group goes) and stop megatron-core's persistent writer process. That process is a non-daemon
+    child waiting on its queue: a rank that exits without this waits for it forever in
+    multiprocessing's exit handler (seen on an H200: the async-save GPU test's rank never
+    exited; a run's rank was killed after TrainerGroup.close's 30 s)."""
+    global _ASYNC_QUEUE
+    if _ASYNC_QUEUE is not None:
+        _ASYNC_QUEUE.close()  # raising, it stays set: the exit handler below then stops the writer
+        _ASYNC_QUEUE = None
+
+
+def _stop_async_writer_at_exit() -> None:
+    """atexit: a rank leaving without close_async_saves (the driver vanished, an error) kills the
+    writer, with no collective, so that the exit does not hang; a save still unfinalized stays
+    incomplete (no mlrl_checkpoint.json), which resume skips. Registered after multiprocessing's
+    own exit handler, so it runs before that handler joins the writer."""
+    global _ASYNC_QUEUE
+    queue, _ASYNC_QUEUE = _ASYNC_QUEUE, None
+    if queue is None:
+        return
+    pending = queue.get_num_unfinalized_calls()
+    log.warning("exit without close_async_saves: stopping the async checkpoint writer (%d save(s) left "
+                "unfinalized, hence incomplete)", pending)
+    queue.close(abort=True)
 
 
 def _write_hf_files(src: Path, dst: Path) -> None:

@@ -236,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
             send(conn, ("ok", fn(**kwargs)))
         except BaseException:  # sent to the driver, which stops the run
             send(conn, ("err", traceback.format_exc()))
+    from mlrl.trainer.rank.dist_ckpt import close_async_saves
+
+    close_async_saves()  # every rank got `shutdown`: pending async saves finalize, the writer stops
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0

@@ -317,6 +317,9 @@ def main() -> None:
         Path(args.out, f"rank{rank}.json").write_text(json.dumps(results, default=str))
         raise
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(results, default=str))
+    from mlrl.trainer.rank.dist_ckpt import close_async_saves
+
+    close_async_saves()  # async_save: stops megatron-core's writer process, which a rank's exit would wait for
     dist.barrier()
     dist.destroy_process_group()
 
