@@ -61,8 +61,9 @@ async def env(vllm_tiny_llama, tmp_path_factory):
     e.tok = transformers.AutoTokenizer.from_pretrained(str(vllm_tiny_llama))
     e.src = HFWeightSource.from_pretrained(vllm_tiny_llama)
     e.snapshots = {0: copy.deepcopy(e.src.model)}
+    # engine_log_stats: vLLM's Prometheus counters, which test_interrupted_requests_resume_with_versions reads
     cfg = RolloutConfig(num_engines=2, max_model_len=256, max_concurrent_requests=32, startup_timeout_s=400,
-                        request_timeout_s=400)
+                        request_timeout_s=400, engine_log_stats=True)
     e.pool = EnginePool(cfg, vllm_tiny_llama, run_dir=e.tmp)
     # the reference "freshly started engine" on the weights the syncs will produce (versions 1 then 2),
     # started together with the pool to overlap the start-up costs
@@ -377,18 +378,31 @@ async def test_weight_sync_makes_the_engines_the_new_model(env):
         await asyncio.to_thread(fresh.stop)
 
 
+async def _generated(engine) -> float:
+    """vLLM's `generation_tokens_total` counter of one engine (Prometheus text at /metrics)."""
+    async with engine.api._session().get(engine.api.url + "/metrics") as r:
+        text = await r.text()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:generation_tokens_total"))
+
+
 async def test_interrupted_requests_resume_with_versions(env):
     pool, src = env.pool, env.src
     prompts = [_prompt(env.tok, f"copy {i}") for i in range(12)]
     g = GenerationHyperparameters(max_new_tokens=180, min_new_tokens=180)  # EOS suppressed: long, fixed length
     pool.cfg.interrupt_on_sync = True
+    base = {e.name: await _generated(e) for e in pool.engines}
     try:
         tasks = [asyncio.create_task(pool.agenerate(ModelRequest(input_ids=p, gconfig=g))) for p in prompts]
-        # sync once every engine is generating (a fixed sleep lets a fast machine finish them all first)
+        # sync as soon as an engine has decoded its requests' first tokens, read from vLLM's own
+        # counter (a fixed sleep lets a fast machine finish them all first, and a loaded one
+        # interrupt them all before their first token: nothing then mixes versions); each batched
+        # decode step adds a token to every request of that engine, 180 steps to go
         t0 = time.monotonic()
         while not all(e.in_flight for e in pool.engines) and time.monotonic() - t0 < 30:
             await asyncio.sleep(0.01)
-        await asyncio.sleep(0.1)  # a few tokens in
+        while max([await _generated(e) - base[e.name] for e in pool.engines]) < 2 and time.monotonic() - t0 < 60:
+            await asyncio.sleep(0.005)
         assert not all(t.done() for t in tasks)
         _perturb(src.model, seed=3)
         rep = await env.ws.sync(3)
