@@ -202,7 +202,7 @@ def _fake_bin(tmp_path):
 
 def _session(tmp_path, stages, *, warm=True, env=None):
     kit_dir, site, out = tmp_path / "k", tmp_path / "site", tmp_path / "out"
-    kit_dir.mkdir()
+    kit_dir.mkdir(exist_ok=True)
     (kit_dir / "manifest.json").write_text('{"sha256": "abc"}')
     (kit_dir / "kit.part00").write_text("")
     if warm:  # a machine that installed this kit and built TE's extension a minute ago
@@ -266,6 +266,50 @@ def test_session_on_a_fresh_machine_installs_then_builds(tmp_path):
     assert "no transformer_engine_torch sdist" in r.stdout
     assert "trainer_tests: skipped (no Transformer Engine)" in r.stdout
     assert "tests/gpu/trainer" not in calls
+
+
+prebuilt = load_tool("gpu_kit/te_prebuilt")
+IDENT = {"te_torch_sdist": "transformer-engine-torch==2.20.2", "torch": "2.11.0+cu130", "python": "3.12",
+         "cuda_archs": "90"}
+
+
+def test_a_built_te_extension_is_saved_and_reused_only_where_it_was_built_for(tmp_path):
+    """te_prebuilt.py: the session that builds TE's torch extension returns it with what it was built
+    against; the next one installs it instead of building (about 2 of a lent machine's 15 minutes)
+    only when TE's sdist, torch's build, Python and the CUDA archs are the same, and the file whole."""
+    site, out, kit_dir, fresh = tmp_path / "site", tmp_path / "out", tmp_path / "kit", tmp_path / "fresh"
+    lib = site / "transformer_engine" / "wheel_lib"
+    lib.mkdir(parents=True)
+    name = "transformer_engine_torch.cpython-312-x86_64-linux-gnu.so"
+    (lib / name).write_bytes(b"\x7fELF extension")
+    prebuilt.save(site, kit_dir, out, IDENT)
+    meta = json.loads((out / "te_torch.json").read_text())
+    assert meta == {**IDENT, "file": name, "sha256": hashlib.sha256(b"\x7fELF extension").hexdigest()}
+    assert "no te_torch.so" in prebuilt.use(kit_dir, fresh, IDENT)
+    kit_dir.mkdir()
+    for f in ("te_torch.so", "te_torch.json"):
+        (kit_dir / f).write_bytes((out / f).read_bytes())
+    why = prebuilt.use(kit_dir, fresh, {**IDENT, "torch": "2.12.0+cu130"})
+    assert why == "torch: built for '2.11.0+cu130', this machine has '2.12.0+cu130'" and not fresh.exists()
+    (kit_dir / "te_torch.so").write_bytes(b"\x7fELF ext")  # a truncated copy
+    assert "sha256 differs" in prebuilt.use(kit_dir, fresh, IDENT) and not fresh.exists()
+    (kit_dir / "te_torch.so").write_bytes((out / "te_torch.so").read_bytes())
+    assert prebuilt.use(kit_dir, fresh, IDENT) == ""
+    assert [p.name for p in (fresh / "transformer_engine" / "wheel_lib").iterdir()] == [name]
+    assert (fresh / "transformer_engine" / "wheel_lib" / name).read_bytes() == b"\x7fELF extension"
+
+
+def test_session_tries_a_carried_te_extension_before_building(tmp_path):
+    cold, warm = tmp_path / "cold", tmp_path / "warm"
+    for d in (cold, warm):
+        (d / "k").mkdir(parents=True)
+        (d / "k" / "te_torch.so").write_text("")
+        (d / "k" / "te_torch.json").write_text("{}")
+    r, calls = _session(cold, "trainer_tests", warm=False)
+    # the stand-in python3 installs nothing, so the build follows (and fails on the fake kit)
+    assert "te_prebuilt.py use" in calls and "no transformer_engine_torch sdist" in r.stdout, r.stdout
+    r, calls = _session(warm, "trainer_tests")
+    assert "te_prebuilt.py" not in calls and "built before" in r.stdout  # a built extension is kept
 
 
 @pytest.mark.parametrize("script", ["gpu_kit/gpu_session.sh", "gpu_kit/device_install.sh", "../scripts/gpu_check.sh"])

@@ -88,7 +88,9 @@ pytest_stage() { # name cap_s tests...
 
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 
-cp .gpu/kit/kit.part* .gpu/kit/manifest.json "$K"/ 2>/dev/null  # parts carried into the checkout win
+# parts carried into the checkout win; te_torch.*: a Transformer Engine extension an earlier session
+# built and returned (te_prebuilt.py), used instead of building when it matches this machine
+cp .gpu/kit/kit.part* .gpu/kit/manifest.json .gpu/kit/te_torch.so .gpu/kit/te_torch.json "$K"/ 2>/dev/null
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$O/session.log"
 stamp="$S/.mlrl_kit_manifest.json"
 if cmp -s "$K/manifest.json" "$stamp" 2>/dev/null; then
@@ -102,15 +104,23 @@ needs_te=
 for s in trainer_tests train_bench auto_bench e2e_bench colocated_run; do
   want $s && needs_te=1
 done
+te_so_glob="$S/transformer_engine/wheel_lib/transformer_engine_torch*.so"
+if [[ -n $needs_te && -f $K/te_torch.so ]] && ! compgen -G "$te_so_glob" >/dev/null; then
+  python3 "$here/te_prebuilt.py" use "$K" "$S" >"$W/te_prebuilt.log" 2>&1
+  say "$(tail -1 "$W/te_prebuilt.log")"
+fi
+built_now=
 jobs=16
 want rollout_tests && jobs=12  # leave cores to the stage that runs beside the build
 if [[ -z $needs_te ]]; then
   echo "not needed by STAGES" >"$W/te_build.log"
   true &
-elif compgen -G "$S/transformer_engine/wheel_lib/transformer_engine_torch*.so" >/dev/null; then
+elif compgen -G "$te_so_glob" >/dev/null; then
   echo "built before" >"$W/te_build.log"
   true &
-else  # its own session (setsid -w: waited for, whether it forks or not), its group id written down:
+else
+  built_now=1
+  # its own session (setsid -w: waited for, whether it forks or not), its group id written down:
   # stopped whole (ninja, nvcc) if it outlives the deadline
   # shellcheck disable=SC2016  # $$ and $@ are the inner shell's
   MAX_JOBS=${MAX_JOBS:-$jobs} setsid -w bash -c 'echo $$ >"$0"; exec bash "$@"' "$W/te.pgid" \
@@ -136,6 +146,10 @@ else
   te_rc=$?
 fi
 say "te build: rc=$te_rc; $(tail -1 "$W/te_build.log")"
+if ((te_rc == 0)) && [[ -n $built_now ]]; then  # returned in $OUT: keep both in .gpu/kit/ for the next session
+  python3 "$here/te_prebuilt.py" save "$S" "$K" "$O" >>"$W/te_build.log" 2>&1
+  say "$(tail -1 "$W/te_build.log")"
+fi
 pack
 if ((te_rc == 0)); then
   if want trainer_tests; then
