@@ -75,7 +75,9 @@ with model.lora.dropout > 0: then each adapted linear keeps a dropped copy of it
 
 vLLM engines reserve gpu_memory_utilization * GPU memory and split it into weights (params /
 engine_tp in model.dtype), a profiled activation peak (estimated here from a forward pass of
-max_num_batched_tokens = 8192 tokens plus fp32 logits of 256 sequences), CUDA context/NCCL
+max_num_batched_tokens tokens plus the fp32 logits of max_num_seqs sequences, at the API server's
+defaults for the GPU's memory, `vllm_batch_defaults`: 2048 / 256 below 70 GiB, 8192 / 1024 from 70,
+16384 / 1024 from 160; mlrl sets neither), CUDA context/NCCL
 (1 GiB), CUDA graphs (0.5 GiB unless enforce_eager) and the KV cache, which gets the rest:
 2 (K and V) * layers * kv_heads/engine_tp * head_dim * B bytes per token. vLLM refuses to start
 when the KV cache cannot hold one sequence of max_model_len tokens.
@@ -137,8 +139,6 @@ PRECISION_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 4, 12), "fp16": (2, 2, 16)}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 CUDA_RUNTIME_GIB = 1.0        # CUDA context, cuBLAS workspace, NCCL buffers: typically 0.5-1.5 GiB
 CUDA_GRAPHS_GIB = 0.5         # vLLM CUDA-graph pool when enforce_eager is off
-VLLM_BATCHED_TOKENS = 8192    # vLLM's default max_num_batched_tokens (chunked prefill)
-VLLM_MAX_SEQS = 256           # sequences whose logits are materialised at once in the profile run
 ENGINE_LORA_SLOTS = 2         # --max-loras of mlrl.rollout.server (the newest adapter and the one before)
 
 
@@ -403,6 +403,18 @@ def engine_lora_params(shape: ModelShape, *, rank: int, engine_tp: int) -> int:
     return ENGINE_LORA_SLOTS * per_slot
 
 
+def vllm_batch_defaults(gpu_bytes: float) -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) of vLLM's OpenAI API server on a GPU of this much
+    memory (vllm/engine/arg_utils.py `get_batch_defaults`): the profile run's forward pass and the
+    sequences whose logits it materialises. vLLM gives an 80 GB A100 the small defaults; the
+    planner, which knows only the memory, then estimates the larger activation peak (the safe side)."""
+    if gpu_bytes >= 160 * GIB:
+        return 16384, 1024
+    if gpu_bytes >= 70 * GIB:
+        return 8192, 1024
+    return 2048, 256
+
+
 def engine_memory(shape: ModelShape, *, engine_tp: int, dtype_bytes: int, gpu_bytes: float, utilization: float,
                   max_model_len: int, enforce_eager: bool, lora_rank: int = 0) -> EngineMemory:
     """One engine TP rank; `lora_rank`: vLLM's --max-lora-rank (0 = --enable-lora off)."""
@@ -412,12 +424,13 @@ def engine_memory(shape: ModelShape, *, engine_tp: int, dtype_bytes: int, gpu_by
         ffn_tokens = shape.top_k * shape.expert_ffn + shape.shared_expert_ffn
     else:
         ffn_tokens = shape.ffn
+    batched_tokens, max_seqs = vllm_batch_defaults(gpu_bytes)
     act = (
-        VLLM_BATCHED_TOKENS
+        batched_tokens
         * dtype_bytes
         * (2 * shape.hidden + (shape.q_width + 2 * shape.kv_width) / t + 3 * ffn_tokens / t)
     )
-    act += VLLM_MAX_SEQS * shape.vocab * 4 / t
+    act += max_seqs * shape.vocab * 4 / t
     runtime = (CUDA_RUNTIME_GIB + (0.0 if enforce_eager else CUDA_GRAPHS_GIB)) * GIB
     budget = utilization * gpu_bytes
     kv_heads = max(1, math.ceil(shape.kv_heads / t))  # KV heads are replicated when tp > kv_heads

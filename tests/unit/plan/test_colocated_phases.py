@@ -112,7 +112,7 @@ def test_overall_peak_is_the_largest_phase_and_decides_the_fit():
 def test_format_plan_lists_the_phases_for_colocated_only():
     text = format_plan(colocated())
     rollout = next(ln for ln in text.splitlines() if ln.startswith("    phase rollout: "))
-    assert "(engine weights 7.63 + engine activations" in rollout and "KV 58.35 + trainer params 7.63" in rollout
+    assert "(engine weights 7.63 + engine activations" in rollout and "KV 58.13 + trainer params 7.63" in rollout
     train = next(ln for ln in text.splitlines() if ln.startswith("    phase train: "))
     assert "KV" not in train and "activations 41.83" in train
     assert "    phase sync: " in text and "host memory, node 0" in text

@@ -299,6 +299,23 @@ def test_engine_kv_cache_per_token():
     assert e.kv_cache == pytest.approx(e.budget - e.weights - e.activations - e.runtime)
 
 
+def test_engine_activations_follow_vllms_batch_defaults_for_the_gpus_memory():
+    """vLLM's API server profiles max_num_batched_tokens tokens and the logits of max_num_seqs
+    sequences, both larger on big GPUs (2048 / 256 below 70 GiB, 8192 / 1024 up to 160, 16384 /
+    1024 above): the activation estimate, and the KV cache left, follow the GPU's memory."""
+    assert [mem.vllm_batch_defaults(g * GIB) for g in (24, 48, 79.1, 139.8, 178)] == [
+        (2048, 256), (2048, 256), (8192, 1024), (8192, 1024), (16384, 1024)]
+    shape = plan_for(QWEN8B).engine_memory
+    acts = {}
+    for gib in (48, 80, 180):
+        e = plan_for(QWEN8B, f"cluster.gpu_memory_gb={gib}").engine_memory
+        acts[gib] = e.activations
+        assert e.kv_cache == pytest.approx(e.budget - e.weights - e.activations - e.runtime)
+    assert acts[48] < acts[80] < acts[180] and acts[80] == shape.activations
+    vocab_logits = 151936 * 4 / 2  # one sequence's fp32 logits on an engine TP rank (tp 2)
+    assert acts[80] - acts[48] > (1024 - 256) * vocab_logits  # 4x the sequences, and 4x the tokens
+
+
 # --- the CLI --------------------------------------------------------------------------------
 
 def test_cli_qwen3_8b_16_nodes():
