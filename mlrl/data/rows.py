@@ -60,8 +60,9 @@ def normalise_rl_row(row: Any, where: str, require_answer: bool = True) -> dict[
         out["messages"] = [{"role": "user", "content": text}]
     else:
         raise DatasetError(f"{where}: the row has no 'messages' (or 'prompt' / 'question'); keys: {sorted(row)}")
-    if require_answer and out.get("answer") is None:
-        raise DatasetError(f"{where}: the row has no 'answer' (the reference the reward compares with)")
+    if require_answer and out.get("answer") is None and out.get("tests") is None:
+        raise DatasetError(f"{where}: the row has no 'answer' (the reference the reward compares with; "
+                           "or 'tests', for the code_tests reward)")
     return out
 
 

@@ -1,6 +1,7 @@
 """Rewards: the registry (`register_reward`, `get_reward_fn`), `AsyncRewardWrapper` (process pool,
 timeout -> 0.0), and the built-ins `exact_match`, `boxed`, `gsm8k`, `math_verify` (the last three check
-answers with math-verify; `math_equal` is that check for custom rewards).
+answers with math-verify; `math_equal` is that check for custom rewards) and `code_tests` (runs the
+completion's program against the row's tests, mlrl.reward.code).
 
 Signature of every reward function (AReaL's):
     fn(prompt, completions, prompt_ids, completion_ids, **data) -> float
@@ -9,6 +10,7 @@ Signature of every reward function (AReaL's):
 from typing import TYPE_CHECKING
 
 from mlrl.reward import builtin as _builtin  # noqa: F401  (registers the built-ins)
+from mlrl.reward import code as _code  # noqa: F401  (registers code_tests)
 from mlrl.reward import model as _model  # noqa: F401  (registers reward_model, the served judge)
 from mlrl.reward.builtin import extract_boxed, extract_final_number, final_answer_text, math_equal, parse_number
 from mlrl.reward.registry import get_reward_fn, import_from_string, list_rewards, register_reward, reward_data
