@@ -211,7 +211,8 @@ def _session(tmp_path, stages, *, warm=True, env=None):
         (site / ".mlrl_kit_manifest.json").write_text('{"sha256": "abc"}')
     bin_, calls = _fake_bin(tmp_path)
     env = {"PATH": f"{bin_}:/usr/bin:/bin", "KIT_DIR": str(kit_dir), "SITE": str(site), "OUT": str(out),
-           "STAGES": stages, "HOME": str(tmp_path), "KIT_WORK": str(tmp_path / "work"), **(env or {})}
+           "STAGES": stages, "HOME": str(tmp_path), "KIT_WORK": str(tmp_path / "work"), "CLEANUP_WAIT_S": "0",
+           **(env or {})}
     work = tmp_path / "repo"  # no .gpu/kit here: nothing is copied
     work.mkdir()
     r = subprocess.run(["bash", str(TOOLS / "gpu_kit" / "gpu_session.sh")], cwd=work, env=env,

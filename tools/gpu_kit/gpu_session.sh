@@ -55,7 +55,7 @@ left() { echo $((DEADLINE_S - ($(date +%s) - T0))); }
 cleanup() {
   pkill -f 'mlrl.rollout.vllm_main|vllm.entrypoints|mlrl.launch|torchrun|torch.distributed.run|bench_train_step|mlrl.trainer.rank' \
     2>/dev/null
-  sleep 2
+  sleep "${CLEANUP_WAIT_S:-2}"  # (the unit tests, whose stages are stand-ins, set 0)
 }
 stage() { # name cap_s command...: run with min(cap, time left), record the outcome
   local name=$1 cap=$2 t
@@ -134,7 +134,7 @@ if want rollout_tests; then
     "tests/gpu/test_router_replay_gpu.py::test_vllm_returns_the_routes_hf_would_take"
 fi
 while kill -0 "$te" 2>/dev/null && (($(left) > 30)); do
-  sleep 2
+  sleep 1
 done
 if kill -0 "$te" 2>/dev/null; then
   kill -- -"$(cat "$W/te.pgid" 2>/dev/null || echo "$te")" 2>/dev/null || kill "$te"
