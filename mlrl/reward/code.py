@@ -2,23 +2,30 @@
 rows), run locally: 1.0 iff the completion's program passes every test of the row, else 0.0 (all
 or nothing, as DeepCoder / rLLM's and verl's code rewards score by default).
 
-The program is the completion's last fenced code block (```python, ```py or a bare ```), or the
-whole completion when it has none. The row's `tests` (else its `answer`) holds the tests, as a
-list or as its JSON text, in one of two forms:
-- assert statements (strings): the program, then every statement, run as one script; it passes
-  when the script exits 0 (HumanEval / MBPP: `assert add(1, 2) == 3`);
-- input / output cases (`{"input": "...", "output": "..."}` objects): the program runs once per
-  case with the input on stdin and passes when its stdout equals the output, line by line, with
-  trailing whitespace and trailing blank lines ignored (APPS / CodeContests / LiveCodeBench's
-  stdin problems). Cases run in order and stop at the first failure.
+The program is the completion's last code block tagged ```python / ```python3 / ```py, else its
+last bare ``` block, else the whole completion. The row's `tests` (else its `answer`) holds the
+tests, as a list or as its JSON text, in one of two forms:
+- assert statements (strings): the program is run as a module (not `__main__`), then every
+  statement in its namespace; it passes when a random token the harness prints after the last
+  assert arrives and the exit code is 0 (a program that leaves early, `sys.exit(0)` /
+  `os._exit(0)`, fails) (HumanEval / MBPP: `assert add(1, 2) == 3`);
+- input / output cases (`{"input": "...", "output": "..."}` objects, or APPS' `{"inputs": [...],
+  "outputs": [...]}` for stdin problems; its call-based `fn_name` problems are refused): the
+  program runs as `__main__` once per case with the input on stdin and passes when its stdout
+  equals the output, line by line, with trailing whitespace and trailing blank lines ignored
+  (APPS / CodeContests / LiveCodeBench's stdin problems). Cases run in order and stop at the
+  first failure.
 
 How it runs: a fresh `python -I` process (the interpreter running mlrl, in isolated mode: no
 user site, no PYTHON* variables, the script's folder not on the path) in a temporary folder, with
 an empty environment but PATH / HOME / LANG, its own process group (killed whole on timeout), and
-limits it sets on itself before the program starts: address space (`MEMORY_MB`), CPU seconds,
-written file size (stdout goes to a file, so an endless print ends at `OUTPUT_MB`), no core
-files. Each run gets `RUN_TIMEOUT_S` of wall time (a row's `time_limit_s` overrides it) and a
-whole call at most `CALL_TIMEOUT_S` (under `workflow.reward_timeout_s`'s default 30 s).
+what it sets on itself before the program starts: address space (`MEMORY_MB`), CPU seconds, a
+wall-clock alarm (for a program that sleeps), written file size (stdout goes to a file, so an
+endless print ends at `OUTPUT_MB`), no core files, and death with the scoring process
+(PR_SET_PDEATHSIG: the reward pool replaces a worker after a timeout). Each run gets
+`RUN_TIMEOUT_S` of wall time (a row's `time_limit_s` overrides it) and a whole call at most
+`CALL_TIMEOUT_S`; `workflow.reward_timeout_s` (default 30 s) also counts the time a call waits
+for a free `workflow.reward_workers` process.
 
 This is not a security sandbox: the program can read the machine's files and reach its network.
 For untrusted models at scale, score in a container service (verl's SandboxFusion, NeMo-RL's
@@ -32,7 +39,9 @@ a container runtime (which these machines lack); `subprocess` + `resource` is th
 from __future__ import annotations
 
 import json
+import math
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -50,39 +59,63 @@ OUTPUT_MB = 16
 
 _PYTHON_FENCES = ("", "python", "python3", "py")
 
-# run by `python -I` before the program: the limits, then the program as __main__
+# run by `python -I`: the limits, then the program. Asserts: the program runs as a module (not
+# __main__: its demo / input() code stays out), the asserts in its namespace, then a random token
+# from the scorer, read from stdin into a local before the program starts, is printed: a program
+# that exits early (sys.exit(0), os._exit(0)) never prints it. Without asserts: as __main__.
 _BOOT = """\
-import resource, runpy, sys
-mem, cpu, out = (int(a) for a in sys.argv[1:4])
-resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-resource.setrlimit(resource.RLIMIT_FSIZE, (out, out))
-resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-sys.argv = [sys.argv[4]]
-runpy.run_path(sys.argv[0], run_name="__main__")
+import ctypes, resource, runpy, signal, sys
+def _main():
+    mem, cpu, out, wall = (int(a) for a in sys.argv[1:5])
+    prog, tests = sys.argv[5], sys.argv[6]
+    try:  # die with the scoring process (a reward pool worker replaced after a timeout)
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+    signal.alarm(wall)  # wall clock: RLIMIT_CPU does not end a program that sleeps or blocks
+    resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (out, out))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    sys.argv = [prog]
+    if not tests:
+        runpy.run_path(prog, run_name="__main__")
+        return
+    token = sys.stdin.readline().strip()
+    ns = runpy.run_path(prog, run_name="__solution__")
+    with open(tests) as f:
+        exec(compile(f.read(), "tests.py", "exec"), ns)
+    sys.stdout.write("\\n" + token + "\\n")
+    sys.stdout.flush()
+_main()
 """
 
 
 def extract_code(completion: str) -> str:
-    """The last fenced code block (```python / ```py / a bare ```; a block left open at the end,
-    cut by the token limit, counts), else the whole completion."""
-    blocks: list[str] = []
+    """The last code block tagged ```python / ```python3 / ```py, else the last untagged ``` block
+    (an example-output block after the code is untagged: it never wins over a tagged one), else the
+    whole completion. A block left open at the end (cut by the token limit) counts."""
+    tagged: list[str] = []
+    bare: list[str] = []
     lines: list[str] | None = None
     lang = ""
+
+    def close() -> None:
+        if lines is not None and lang in _PYTHON_FENCES:
+            (tagged if lang else bare).append("\n".join(lines))
+
     for line in completion.splitlines():
         fence = line.strip()
         if fence.startswith("```"):
             if lines is None:
                 lines, lang = [], fence[3:].strip().lower()
             else:
-                if lang in _PYTHON_FENCES:
-                    blocks.append("\n".join(lines))
+                close()
                 lines = None
         elif lines is not None:
             lines.append(line)
-    if lines is not None and lang in _PYTHON_FENCES:
-        blocks.append("\n".join(lines))
-    return blocks[-1] if blocks else completion
+    close()
+    return (tagged or bare or [completion])[-1]
 
 
 def parse_tests(tests: Any) -> tuple[str, list]:
@@ -93,6 +126,9 @@ def parse_tests(tests: Any) -> tuple[str, list]:
             tests = json.loads(tests)
         except json.JSONDecodeError:
             raise ValueError(f"code_tests reward: the tests are a string that is not JSON: {tests[:80]!r}") from None
+    if isinstance(tests, dict) and tests.get("fn_name"):
+        raise ValueError(f"code_tests reward: call-based tests (fn_name {tests['fn_name']!r}, APPS' LeetCode-style "
+                         "problems) are not run; give stdin / stdout cases or assert statements")
     if isinstance(tests, dict) and isinstance(tests.get("inputs"), list) and isinstance(tests.get("outputs"), list):
         tests = [{"input": i, "output": o} for i, o in zip(tests["inputs"], tests["outputs"], strict=True)]
     if not isinstance(tests, list) or not tests:
@@ -111,30 +147,43 @@ def _same_output(got: str, want: str) -> bool:
     return lines(got) == lines(want)
 
 
-def run_program(source: str, stdin: str = "", timeout_s: float = RUN_TIMEOUT_S) -> tuple[int | None, str]:
-    """(exit code, stdout) of `source` run under the limits; exit code None on timeout."""
+def run_program(source: str, stdin: str = "", timeout_s: float = RUN_TIMEOUT_S,
+                tests: str | None = None) -> tuple[bool | None, str]:
+    """(passed, stdout) of `source` run under the limits; passed None on timeout. Without `tests`:
+    passed = exit code 0. With `tests` (assert statements; `stdin` unused): passed = exit code 0
+    and the harness's token printed after the last assert."""
     with tempfile.TemporaryDirectory(prefix="mlrl-code-") as tmp:
-        prog, out = Path(tmp, "main.py"), Path(tmp, "stdout")
+        prog, out, test_file = Path(tmp, "main.py"), Path(tmp, "stdout"), Path(tmp, "tests.py")
         prog.write_text(source)
+        token = ""
+        if tests is not None:
+            test_file.write_text(tests)
+            token = secrets.token_hex(16)
+            stdin = token + "\n"
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": tmp, "LANG": "C.UTF-8",
                "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
-        limits = [str(MEMORY_MB << 20), str(max(1, int(timeout_s + 0.999))), str(OUTPUT_MB << 20), str(prog)]
+        wall = max(1, math.ceil(timeout_s))
+        args = [str(MEMORY_MB << 20), str(wall), str(OUTPUT_MB << 20), str(wall + 1), str(prog),
+                str(test_file) if tests is not None else ""]
         with open(out, "wb") as stdout:
-            proc = subprocess.Popen([sys.executable, "-I", "-c", _BOOT, *limits], cwd=tmp, env=env,
+            proc = subprocess.Popen([sys.executable, "-I", "-c", _BOOT, *args], cwd=tmp, env=env,
                                     stdin=subprocess.PIPE, stdout=stdout, stderr=subprocess.DEVNULL,
                                     start_new_session=True)
             try:
                 proc.communicate(stdin.encode(), timeout=timeout_s)
-                code: int | None = proc.returncode
+                passed: bool | None = proc.returncode == 0
             except subprocess.TimeoutExpired:
-                code = None
+                passed = None
             finally:
                 try:
                     os.killpg(proc.pid, signal.SIGKILL)  # its children too
                 except ProcessLookupError:
                     pass
                 proc.wait()
-        return code, out.read_text(errors="replace")
+        text = out.read_text(errors="replace")
+        if passed and tests is not None:
+            passed = text.rstrip().endswith(token)
+        return passed, text
 
 
 @register_reward("code_tests")
@@ -151,13 +200,13 @@ def code_tests_reward(prompt, completions, prompt_ids, completion_ids, tests=Non
         return 0.0
     deadline = time.monotonic() + CALL_TIMEOUT_S
     if kind == "asserts":
-        code, _ = run_program(source + "\n\n" + "\n".join(cases) + "\n", timeout_s=min(per_run, CALL_TIMEOUT_S))
-        return float(code == 0)
+        passed, _ = run_program(source, timeout_s=min(per_run, CALL_TIMEOUT_S), tests="\n".join(cases) + "\n")
+        return float(bool(passed))
     for stdin, want in cases:
         left = deadline - time.monotonic()
         if left <= 0:
             return 0.0
-        code, got = run_program(source, stdin, timeout_s=min(per_run, left))
-        if code != 0 or not _same_output(got, want):
+        passed, got = run_program(source, stdin, timeout_s=min(per_run, left))
+        if not passed or not _same_output(got, want):
             return 0.0
     return 1.0

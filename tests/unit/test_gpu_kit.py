@@ -270,8 +270,8 @@ def test_session_on_a_fresh_machine_installs_then_builds(tmp_path):
 
 
 prebuilt = load_tool("gpu_kit/te_prebuilt")
-IDENT = {"te_torch_sdist": "transformer-engine-torch==2.20.2", "torch": "2.11.0+cu130", "python": "3.12",
-         "cuda_archs": "90"}
+IDENT = {"te_torch_sdist": "transformer-engine-torch==2.20.2", "te_core": "2.20.2", "cudnn_frontend": "1.32.0",
+         "torch": "2.11.0+cu130", "python": "3.12", "cuda_archs": "90", "gpu_capability": "9.0"}
 
 
 def test_a_built_te_extension_is_saved_and_reused_only_where_it_was_built_for(tmp_path):
@@ -294,6 +294,8 @@ def test_a_built_te_extension_is_saved_and_reused_only_where_it_was_built_for(tm
     assert why == "torch: built for '2.11.0+cu130', this machine has '2.12.0+cu130'" and not fresh.exists()
     (kit_dir / "te_torch.so").write_bytes(b"\x7fELF ext")  # a truncated copy
     assert "sha256 differs" in prebuilt.use(kit_dir, fresh, IDENT) and not fresh.exists()
+    why = prebuilt.use(kit_dir, fresh, {**IDENT, "gpu_capability": "10.0", "te_core": "2.21.0"})
+    assert "te_core: built for '2.20.2'" in why and "gpu_capability: built for '9.0'" in why
     (kit_dir / "te_torch.so").write_bytes((out / "te_torch.so").read_bytes())
     assert prebuilt.use(kit_dir, fresh, IDENT) == ""
     assert [p.name for p in (fresh / "transformer_engine" / "wheel_lib").iterdir()] == [name]

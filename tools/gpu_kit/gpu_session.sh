@@ -108,6 +108,11 @@ te_so_glob="$S/transformer_engine/wheel_lib/transformer_engine_torch*.so"
 if [[ -n $needs_te && -f $K/te_torch.so ]] && ! compgen -G "$te_so_glob" >/dev/null; then
   python3 "$here/te_prebuilt.py" use "$K" "$S" >"$W/te_prebuilt.log" 2>&1
   say "$(tail -1 "$W/te_prebuilt.log")"
+  if compgen -G "$te_so_glob" >/dev/null \
+    && ! PYTHONPATH=$S python3 -c "import transformer_engine.pytorch" >>"$W/te_prebuilt.log" 2>&1; then
+    rm -f "$S"/transformer_engine/wheel_lib/transformer_engine_torch*.so
+    say "te prebuilt: import transformer_engine.pytorch failed: removed, building ($W/te_prebuilt.log)"
+  fi
 fi
 built_now=
 jobs=16

@@ -3,9 +3,11 @@
 Building it takes about 2 minutes of a lent machine's 15 (gpu_session.sh's `te build`: 112-130 s
 on an H200), and the result is a 5.6 MB file that depends only on what it was compiled against:
 Transformer Engine's version (the kit's sdist), torch's exact build, Python's minor version and
-the CUDA architectures (NVTE_CUDA_ARCHS), all of which the lent machines' image fixes. So a
-session that builds it returns it in $OUT with that identity, and the next session carries both
-into the kit folder and installs it instead of building, when every field matches this machine.
+the CUDA architectures (NVTE_CUDA_ARCHS), all of which the lent machines' image fixes, plus the
+TE core wheel and cuDNN frontend it links against and the GPU's compute capability. So a session
+that builds it returns it in $OUT with that identity, and the next session carries both into the
+kit folder and installs it instead of building when every field matches this machine; the session
+then imports transformer_engine.pytorch and removes it again (the build follows) if that fails.
 
     python3 te_prebuilt.py save SITE KIT_DIR OUT   # after a build: OUT/te_torch.so + OUT/te_torch.json
     python3 te_prebuilt.py use KIT_DIR SITE        # before one: exit 0 once installed; 1, saying why, if
@@ -22,17 +24,22 @@ import sys
 from pathlib import Path
 
 SO, META = "te_torch.so", "te_torch.json"
-KEYS = ("te_torch_sdist", "torch", "python", "cuda_archs")
+KEYS = ("te_torch_sdist", "te_core", "cudnn_frontend", "torch", "python", "cuda_archs", "gpu_capability")
 
 
 def identity(kit_dir: Path) -> dict[str, str]:
-    """What an extension built here would be built against."""
+    """What an extension built here would be built against, and the GPU it would run on."""
     import torch
 
     manifest = json.loads((kit_dir / "manifest.json").read_text())
-    return {"te_torch_sdist": manifest["te_torch_sdist"], "torch": torch.__version__,
+    packages = manifest.get("packages", {})
+    cap = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    return {"te_torch_sdist": manifest["te_torch_sdist"],
+            "te_core": packages.get("transformer-engine-cu13", packages.get("transformer-engine-cu12", "")),
+            "cudnn_frontend": packages.get("nvidia-cudnn-frontend", ""), "torch": torch.__version__,
             "python": f"{sys.version_info.major}.{sys.version_info.minor}",
-            "cuda_archs": os.environ.get("NVTE_CUDA_ARCHS", "90")}  # device_install.sh's default
+            "cuda_archs": os.environ.get("NVTE_CUDA_ARCHS", "90"),  # device_install.sh's default
+            "gpu_capability": f"{cap[0]}.{cap[1]}" if cap else "none"}
 
 
 def _sha256(path: Path) -> str:

@@ -8,7 +8,7 @@ Rank side (every function is a collective over all trainer ranks, like the polic
     load_model_weights(policy, path)                      the weights only (model.init_from), any saved layout
     init_weights_from(policy, spec) -> InitSource         model.init_from: a checkpoint or an HF folder
     finalize_async_saves(blocking=True) -> int            completes pending async saves (GPU)
-    close_async_saves()                                   completes them and stops the background writer
+    close_async_saves()                                   stops the background writer (at shutdown)
 
 Format: Megatron-Core `dist_checkpointing` (torch_dist) in `path/`, plus two things of ours
 written by rank 0 after every rank has finished writing: `hf_files/` (config.json,
@@ -485,15 +485,40 @@ def finalize_async_saves(blocking: bool = True) -> int:
 
 
 def close_async_saves() -> None:
-    """Finalize every pending async save (collective: every rank calls it, before the process
-    group goes) and stop megatron-core's persistent writer process. That process is a non-daemon
-    child waiting on its queue: a rank that exits without this waits for it forever in
-    multiprocessing's exit handler (seen on an H200: the async-save GPU test's rank never
-    exited; a run's rank was killed after TrainerGroup.close's 30 s)."""
+    """At the trainer's shutdown (every rank, before the process group goes): stop megatron-core's
+    persistent writer process. It is a non-daemon child waiting on its queue: a rank that exits
+    without this waits for it forever in multiprocessing's exit handler (seen on an H200: the
+    async-save GPU test's rank never exited; a run's rank was killed after TrainerGroup.close's
+    30 s). With nothing pending (a run's driver finalizes every save before it shuts the trainer
+    down) the writer is told to stop and joined. A save still pending is one the driver gave up
+    on: it stays incomplete (no mlrl_checkpoint.json; resume skips it) and the writer is killed,
+    as is a writer that died, rather than finalizing with a collective a stuck rank would hang."""
     global _ASYNC_QUEUE
-    if _ASYNC_QUEUE is not None:
-        _ASYNC_QUEUE.close()  # raising, it stays set: the exit handler below then stops the writer
-        _ASYNC_QUEUE = None
+    queue = _ASYNC_QUEUE
+    if queue is None:
+        return
+    pending = queue.get_num_unfinalized_calls()
+    if pending or not _writer_alive(queue):
+        log.warning("trainer shutdown: stopping the async checkpoint writer (%s; %d save(s) left unfinalized, "
+                    "hence incomplete)", "alive" if _writer_alive(queue) else "dead", pending)
+        _abort_writer(queue)
+    else:
+        queue.close()  # raising, it stays set: the exit handler below then stops the writer
+    _ASYNC_QUEUE = None
+
+
+def _writer_alive(queue: Any) -> bool:
+    process = getattr(getattr(queue, "persistent_caller", None), "process", None)
+    return process is None or process.is_alive()
+
+
+def _abort_writer(queue: Any) -> None:
+    try:
+        queue.close(abort=True)  # kills the writer, no collective
+    except Exception:  # megatron's close logs the process group's rank first: without a group it raises
+        process = getattr(getattr(queue, "persistent_caller", None), "process", None)
+        if process is not None:
+            process.kill()
 
 
 def _stop_async_writer_at_exit() -> None:
@@ -508,7 +533,7 @@ def _stop_async_writer_at_exit() -> None:
     pending = queue.get_num_unfinalized_calls()
     log.warning("exit without close_async_saves: stopping the async checkpoint writer (%d save(s) left "
                 "unfinalized, hence incomplete)", pending)
-    queue.close(abort=True)
+    _abort_writer(queue)
 
 
 def _write_hf_files(src: Path, dst: Path) -> None:

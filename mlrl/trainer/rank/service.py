@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             send(conn, ("err", traceback.format_exc()))
     from mlrl.trainer.rank.dist_ckpt import close_async_saves
 
-    close_async_saves()  # every rank got `shutdown`: pending async saves finalize, the writer stops
+    close_async_saves()  # every rank got `shutdown`: the async checkpoint writer stops
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0

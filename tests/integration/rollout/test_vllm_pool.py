@@ -381,6 +381,7 @@ async def test_weight_sync_makes_the_engines_the_new_model(env):
 async def _generated(engine) -> float:
     """vLLM's `generation_tokens_total` counter of one engine (Prometheus text at /metrics)."""
     async with engine.api._session().get(engine.api.url + "/metrics") as r:
+        assert r.status == 200, f"{engine.name} /metrics: HTTP {r.status}"
         text = await r.text()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("vllm:generation_tokens_total"))
@@ -402,7 +403,7 @@ async def test_interrupted_requests_resume_with_versions(env):
         while not all(e.in_flight for e in pool.engines) and time.monotonic() - t0 < 30:
             await asyncio.sleep(0.01)
         while max([await _generated(e) - base[e.name] for e in pool.engines]) < 2 and time.monotonic() - t0 < 60:
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(0.02)
         assert not all(t.done() for t in tasks)
         _perturb(src.model, seed=3)
         rep = await env.ws.sync(3)

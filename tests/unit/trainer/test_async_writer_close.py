@@ -22,15 +22,34 @@ ROOT = Path(__file__).resolve().parents[3]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
+class Process:
+    def __init__(self, alive=True):
+        self.alive, self.killed = alive, False
+
+    def is_alive(self):
+        return self.alive
+
+    def kill(self):
+        self.killed = True
+
+
+class Writer:
+    def __init__(self, alive=True):
+        self.process = Process(alive)
+
+
 class Queue:
-    def __init__(self, fail: bool = False, pending: int = 0):
+    """megatron-core's AsyncCallsQueue(persistent=True), as close_async_saves uses it."""
+
+    def __init__(self, fail: bool = False, pending: int = 0, alive: bool = True, abort_fails: bool = False):
         self.calls: list[bool] = []
-        self.fail, self.pending = fail, pending
+        self.fail, self.pending, self.abort_fails = fail, pending, abort_fails
+        self.persistent_caller = Writer(alive)
 
     def close(self, abort: bool = False) -> None:
         self.calls.append(abort)
-        if self.fail and not abort:
-            raise RuntimeError("finalize failed")
+        if (self.fail and not abort) or (self.abort_fails and abort):
+            raise RuntimeError("close failed")
 
     def get_num_unfinalized_calls(self) -> int:
         return self.pending
@@ -41,18 +60,29 @@ def _no_queue(monkeypatch):
     monkeypatch.setattr(dist_ckpt, "_ASYNC_QUEUE", None)
 
 
-def test_close_finalizes_then_stops_the_writer_once():
+def test_with_nothing_pending_the_writer_is_told_to_stop_once():
     q = Queue()
     dist_ckpt._ASYNC_QUEUE = q
     dist_ckpt.close_async_saves()
-    assert q.calls == [False] and dist_ckpt._ASYNC_QUEUE is None  # close(): blocking finalize, then 'DONE' + join
+    assert q.calls == [False] and dist_ckpt._ASYNC_QUEUE is None  # close(): 'DONE' + join, no collective
     dist_ckpt.close_async_saves()                                   # nothing left: no second close
     dist_ckpt._stop_async_writer_at_exit()
     assert q.calls == [False]
 
 
+@pytest.mark.parametrize("queue", [Queue(pending=1), Queue(alive=False)], ids=["a save pending", "the writer died"])
+def test_a_pending_save_or_a_dead_writer_is_aborted_without_a_collective(queue, caplog):
+    """A save the driver gave up on is not finalized at shutdown (a collective a stuck rank would
+    hang), and close() would wait forever on a dead writer's queue: both kill it."""
+    dist_ckpt._ASYNC_QUEUE = queue
+    with caplog.at_level(logging.WARNING, logger=dist_ckpt.__name__):
+        dist_ckpt.close_async_saves()
+    assert queue.calls == [True] and dist_ckpt._ASYNC_QUEUE is None
+    assert "stopping the async checkpoint writer" in caplog.text
+
+
 def test_a_failed_close_leaves_the_writer_to_the_exit_handler(caplog):
-    q = Queue(fail=True, pending=1)
+    q = Queue(fail=True)
     dist_ckpt._ASYNC_QUEUE = q
     with pytest.raises(RuntimeError):
         dist_ckpt.close_async_saves()
@@ -60,7 +90,15 @@ def test_a_failed_close_leaves_the_writer_to_the_exit_handler(caplog):
     with caplog.at_level(logging.WARNING, logger=dist_ckpt.__name__):
         dist_ckpt._stop_async_writer_at_exit()
     assert q.calls == [False, True] and dist_ckpt._ASYNC_QUEUE is None  # abort: kill, no collective
-    assert "1 save(s) left unfinalized" in caplog.text
+    assert "0 save(s) left unfinalized" in caplog.text
+
+
+def test_an_abort_that_raises_still_kills_the_writer():
+    """megatron's close() reads the process group's rank before it kills: without a group it raises."""
+    q = Queue(abort_fails=True, pending=2)
+    dist_ckpt._ASYNC_QUEUE = q
+    dist_ckpt._stop_async_writer_at_exit()
+    assert q.calls == [True] and q.persistent_caller.process.killed
 
 
 SCRIPT = textwrap.dedent("""
