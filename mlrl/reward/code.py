@@ -29,11 +29,11 @@ for a free `workflow.reward_workers` process.
 
 This is not a security sandbox: the program can read the machine's files and reach its network.
 For untrusted models at scale, score in a container service (verl's SandboxFusion, NeMo-RL's
-sandboxed code environment) through a custom reward; the local runner is what TRL- and verl-style
-recipes use for their code rewards on a trusted machine.
+sandboxed code environment) through a custom reward; this runner is for a trusted machine.
 
-Why by hand: no library on PyPI runs generated code under resource limits without a service or
-a container runtime (which these machines lack); `subprocess` + `resource` is the standard way.
+Why by hand: the local code runners of verl and rLLM live inside those frameworks, not in a
+library mlrl could call, and the sandbox services need a container runtime these machines lack;
+`subprocess` + `resource` do the work.
 """
 
 from __future__ import annotations

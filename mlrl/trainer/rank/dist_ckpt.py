@@ -497,10 +497,10 @@ def close_async_saves() -> None:
     queue = _ASYNC_QUEUE
     if queue is None:
         return
-    pending = queue.get_num_unfinalized_calls()
-    if pending or not _writer_alive(queue):
+    pending, alive = queue.get_num_unfinalized_calls(), _writer_alive(queue)
+    if pending or not alive:
         log.warning("trainer shutdown: stopping the async checkpoint writer (%s; %d save(s) left unfinalized, "
-                    "hence incomplete)", "alive" if _writer_alive(queue) else "dead", pending)
+                    "hence incomplete)", "alive" if alive else "dead", pending)
         _abort_writer(queue)
     else:
         queue.close()  # raising, it stays set: the exit handler below then stops the writer

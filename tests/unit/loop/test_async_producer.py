@@ -35,6 +35,20 @@ def _ctx(sampler, version=0, resume_rows=()):
     )
 
 
+async def _one_step():
+    """(AsyncState, collect's result) of one step on 8 copy rows, in order, the producer running beside."""
+    rows = [{"messages": [{"role": "user", "content": f"copy {i}"}], "answer": str(i), "row": i} for i in range(8)]
+    ctx = _ctx(PromptSampler(rows, seed=0, shuffle=False))
+    q: asyncio.PriorityQueue = asyncio.PriorityQueue()
+    st = AsyncState()
+    prod = asyncio.create_task(produce(ctx, st, q, ETA))
+    try:
+        return st, await asyncio.wait_for(collect(ctx, st, q, ETA), timeout=10)
+    finally:
+        prod.cancel()
+        await asyncio.gather(prod, return_exceptions=True)
+
+
 async def _steps(ctx, n, started):
     q: asyncio.PriorityQueue = asyncio.PriorityQueue()
     st = AsyncState()
@@ -271,17 +285,8 @@ async def test_a_group_whose_run_raises_stops_the_step_instead_of_vanishing(monk
         return await orig(self, data, n, **kw)
 
     monkeypatch.setattr(runner_mod.EpisodeRunner, "run_group", broken_for_row_1)
-    rows = [{"messages": [{"role": "user", "content": f"copy {i}"}], "answer": str(i), "row": i} for i in range(8)]
-    ctx = _ctx(PromptSampler(rows, seed=0, shuffle=False))
-    q: asyncio.PriorityQueue = asyncio.PriorityQueue()
-    st = AsyncState()
-    prod = asyncio.create_task(produce(ctx, st, q, ETA))
-    try:
-        with pytest.raises(RuntimeError, match="runner bug on row 1"):
-            await asyncio.wait_for(collect(ctx, st, q, ETA), timeout=10)
-    finally:
-        prod.cancel()
-        await asyncio.gather(prod, return_exceptions=True)
+    with pytest.raises(RuntimeError, match="runner bug on row 1"):
+        await _one_step()
 
 
 async def test_samples_without_weight_versions_are_dropped_as_stale_not_trained_however_old(monkeypatch):
@@ -302,15 +307,6 @@ async def test_samples_without_weight_versions_are_dropped_as_stale_not_trained_
         return g
 
     monkeypatch.setattr(runner_mod.EpisodeRunner, "run_group", no_versions)
-    rows = [{"messages": [{"role": "user", "content": f"copy {i}"}], "answer": str(i), "row": i} for i in range(8)]
-    ctx = _ctx(PromptSampler(rows, seed=0, shuffle=False))
-    q: asyncio.PriorityQueue = asyncio.PriorityQueue()
-    st = AsyncState()
-    prod = asyncio.create_task(produce(ctx, st, q, ETA))
-    try:
-        samples, metrics, stale = await asyncio.wait_for(collect(ctx, st, q, ETA), timeout=10)
-    finally:
-        prod.cancel()
-        await asyncio.gather(prod, return_exceptions=True)
+    st, (samples, metrics, stale) = await _one_step()
     assert samples == [] and stale == P * N and st.warned_unknown_versions
     assert "samples/staleness_max" not in metrics  # no known version: no "version + 1"

@@ -305,13 +305,13 @@ def test_engine_activations_follow_vllms_batch_defaults_for_the_gpus_memory():
     1024 above): the activation estimate, and the KV cache left, follow the GPU's memory."""
     assert [mem.vllm_batch_defaults(g * GIB) for g in (24, 48, 79.1, 139.8, 178)] == [
         (2048, 256), (2048, 256), (8192, 1024), (8192, 1024), (16384, 1024)]
-    shape = plan_for(QWEN8B).engine_memory
+    default = plan_for(QWEN8B).engine_memory  # cluster.gpu_memory_gb 80
     acts = {}
     for gib in (48, 80, 180):
         e = plan_for(QWEN8B, f"cluster.gpu_memory_gb={gib}").engine_memory
         acts[gib] = e.activations
         assert e.kv_cache == pytest.approx(e.budget - e.weights - e.activations - e.runtime)
-    assert acts[48] < acts[80] < acts[180] and acts[80] == shape.activations
+    assert acts[48] < acts[80] < acts[180] and acts[80] == default.activations
     vocab_logits = 151936 * 4 / 2  # one sequence's fp32 logits on an engine TP rank (tp 2)
     assert acts[80] - acts[48] > (1024 - 256) * vocab_logits  # 4x the sequences, and 4x the tokens
 
