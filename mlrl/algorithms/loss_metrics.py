@@ -46,6 +46,11 @@ DENOMINATORS: dict[str, str] = {
     "reward_accuracy": "n_pairs",          # share of pairs whose chosen reward is the higher
     "chosen_logprob": "n_pairs",           # policy log-probability of the chosen completion (IPO: per token)
     "rejected_logprob": "n_pairs",         # the same for the rejected one
+    # reward-model training (mlrl.algorithms.rm_loss): means over the step's preference pairs
+    "chosen_score": "n_pairs",             # the reward model's score of the chosen sequence
+    "rejected_score": "n_pairs",           # the same for the rejected one
+    "score_margin": "n_pairs",             # chosen minus rejected score
+    "pair_accuracy": "n_pairs",            # share of pairs whose chosen score is the higher
 }
 
 

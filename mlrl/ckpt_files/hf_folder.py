@@ -24,7 +24,7 @@ import os
 import shutil
 import struct
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from safetensors.torch import save_file
@@ -101,11 +101,14 @@ def temp_dir_for(out_dir: str | Path) -> Path:
 
 
 def finalize_hf_folder(tmp: str | Path, out_dir: str | Path, shard_maps: Iterable[ShardMap], files_from: str | Path, *,
-                       expected_names: Optional[Iterable[str]] = None, dtype: Optional[str] = None) -> Path:
+                       expected_names: Optional[Iterable[str]] = None, dtype: Optional[str] = None,
+                       config_updates: Optional[Callable[[dict[str, Any]], dict[str, Any]]] = None) -> Path:
     """Merge the writers' shard maps (all files already in `tmp`), name the shards, write the
     index, copy the config and tokenizer files from `files_from`, and move `tmp` to `out_dir`.
     `dtype` (e.g. "bfloat16"; None: the one the shards hold), when it differs from config.json's, is
-    written into the copied config: transformers and vLLM load with config.json's dtype by default."""
+    written into the copied config: transformers and vLLM load with config.json's dtype by default.
+    `config_updates(config) -> config` rewrites the copied config.json before the move (a reward
+    model's: `sequence_classifier_config`)."""
     tmp, out, src = Path(tmp), Path(out_dir), Path(files_from)
     files: list[tuple[str, dict[str, int]]] = []
     owner: dict[str, str] = {}
@@ -154,7 +157,35 @@ def finalize_hf_folder(tmp: str | Path, out_dir: str | Path, shard_maps: Iterabl
             if "torch_dtype" in cfg:
                 cfg["torch_dtype"] = dtype
             (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    if config_updates is not None:
+        if not (tmp / "config.json").is_file():
+            raise FileNotFoundError(f"HF export: {src} has no config.json to derive the exported model's from")
+        cfg = config_updates(json.loads((tmp / "config.json").read_text()))
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     _move_into_place(tmp, out)
+    return out
+
+
+SCORE_WEIGHT = "score.weight"  # transformers' *ForSequenceClassification head: [num_labels, hidden]
+
+
+def sequence_classifier_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A causal LM's config.json -> its one-label `*ForSequenceClassification` (a reward model:
+    transformers' AutoModelForSequenceClassification and vLLM's pooling runner load it; both score
+    the last token). transformers finds the last token of a padded batch through pad_token_id: one
+    is set (the EOS id) when the model has none."""
+    out = dict(cfg)
+    archs = [a for a in cfg.get("architectures") or [] if a.endswith("ForCausalLM")]
+    if not archs:
+        raise ValueError(f"HF export of a reward model: config.json's architectures {cfg.get('architectures')} "
+                         "name no *ForCausalLM to derive the *ForSequenceClassification from")
+    out["architectures"] = [archs[0].removesuffix("ForCausalLM") + "ForSequenceClassification"]
+    out["num_labels"] = 1
+    out["id2label"], out["label2id"] = {"0": "LABEL_0"}, {"LABEL_0": 0}
+    out.pop("problem_type", None)
+    if out.get("pad_token_id") is None:
+        eos = out.get("eos_token_id")
+        out["pad_token_id"] = eos[0] if isinstance(eos, list) else eos
     return out
 
 

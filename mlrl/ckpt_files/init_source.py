@@ -100,7 +100,8 @@ def _checkpoint(path: Path, hf_config: dict[str, Any]) -> InitSource:
         raise ConfigError(f"{FIELD}: checkpoint {path} is incomplete (Megatron's {missing[0]} is missing from "
                           f"{TRAINER_DIR}/); name an earlier checkpoint")
     if meta.get("role", "policy") != "policy":
-        raise ConfigError(f"{FIELD}: checkpoint {path} holds a {meta['role']} (value model), not a policy")
+        what = "a reward model (scalar head)" if meta["role"] == "reward_model" else f"a {meta['role']} (value model)"
+        raise ConfigError(f"{FIELD}: checkpoint {path} holds {what}, not a policy")
     if meta.get("lora"):
         raise ConfigError(f"{FIELD}: checkpoint {path} was written by a LoRA run and holds only the adapters (its base "
                           f"is {meta.get('base_hf_dir') or 'not recorded'}); start from the run's merged HF export "
@@ -110,7 +111,7 @@ def _checkpoint(path: Path, hf_config: dict[str, Any]) -> InitSource:
         raise ConfigError(f"{FIELD}: the model of checkpoint {path} does not fit model.hf_dir's architecture: "
                           + "; ".join(diff))
     state = read_json(path / STATE_FILE)
-    kind = {"sft": "SFT", "dpo": "DPO"}.get(str(state.get("kind")), "RL")
+    kind = {"sft": "SFT", "dpo": "DPO", "rm": "RM"}.get(str(state.get("kind")), "RL")
     return InitSource("checkpoint", path, weights, f"{kind} checkpoint (step {state.get('step', '?')})")
 
 
@@ -120,7 +121,12 @@ def _hf_folder(path: Path, hf_config: dict[str, Any]) -> InitSource:
         raise ConfigError(f"{FIELD}: Hugging Face folder {path} has no *.safetensors weights"
                           + (" (only a PEFT adapter: export the LoRA run with checkpoint.export_merged=true)"
                              if adapter else ""))
-    diff = _arch_differences(read_json(path / "config.json"), hf_config)
+    folder_config = read_json(path / "config.json")
+    classifier = [a for a in folder_config.get("architectures") or [] if str(a).endswith("ForSequenceClassification")]
+    if classifier:
+        raise ConfigError(f"{FIELD}: {path} is a {classifier[0]} (a reward model: a score head, no LM head), not a "
+                          "policy; an RL run scores with it as reward_model: {kind: classifier, hf_dir: <it>}")
+    diff = _arch_differences(folder_config, hf_config)
     if diff:
         raise ConfigError(f"{FIELD}: {path}/config.json does not match model.hf_dir's architecture: " + "; ".join(diff))
     return InitSource("hf", path, path, "Hugging Face folder")

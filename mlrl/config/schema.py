@@ -452,6 +452,29 @@ class DPOConfig:
 
 
 @dataclass
+class RMConfig:
+    """Reward-model training instead of RL (`python -m mlrl.launch` with an `rm:` section): the
+    Bradley-Terry pairwise loss (Ouyang et al. 2022; TRL's RewardTrainer) on the same offline
+    preference pairs a DPO run reads (data.train, held out: data.eval). The model is the policy's
+    architecture with a new scalar head (drawn as transformers draws a classifier's) in place of the
+    LM head, on the trainer ranks; a sequence's score is the head's output at its last token.
+    Exports a Hugging Face `*ForSequenceClassification` folder (one label) that
+    `reward_model: {kind: classifier}` serves to an RL run. Uses the same sections as an SFT run
+    (see SFTConfig); the RL sections must keep their defaults."""
+
+    batch_size: int = 32
+    """Preference pairs per optimizer step (split over the data-parallel ranks; each pair's chosen
+    and rejected sequences are packed into the same micro-batch of trainer.micro_batch_tokens)."""
+    max_seq_tokens: int = 1024
+    """Chosen / rejected sequences (prompt + completion) longer than this are cut (counted in the
+    run's start-up log line, training and held-out data)."""
+    center_rewards_coefficient: float = 0.0
+    """Adds coef * mean over pairs of (r_chosen + r_rejected)^2 to the loss (Eisenstein et al. 2023,
+    TRL's `center_rewards_coefficient`): pulls the scores toward mean 0, which the pairwise loss
+    alone leaves free (0 = off)."""
+
+
+@dataclass
 class EvalConfig:
     samples_per_prompt: int = 1
     """Responses sampled per held-out prompt (k of pass@k)."""
@@ -642,6 +665,8 @@ class Config:
     """Supervised fine-tuning run (None = an RL run): see SFTConfig."""
     dpo: Optional[DPOConfig] = None
     """Preference optimisation run, DPO / IPO (None = an RL run): see DPOConfig."""
+    rm: Optional[RMConfig] = None
+    """Reward-model training run, Bradley-Terry on preference pairs (None = an RL run): see RMConfig."""
     reward_model: Optional[RewardModelConfig] = None
     """A judge served on its own engines (workflow.reward=reward_model): see RewardModelConfig."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -658,9 +683,20 @@ class Config:
 
     @property
     def offline(self) -> Optional[str]:
-        """"sft" or "dpo" for a run of the trainer alone on a fixed dataset (no engines, no rollout);
-        None for an RL run."""
-        return "sft" if self.sft is not None else "dpo" if self.dpo is not None else None
+        """"sft", "dpo" or "rm" for a run of the trainer alone on a fixed dataset (no engines, no
+        rollout); None for an RL run."""
+        return next((name for name in ("sft", "dpo", "rm") if getattr(self, name) is not None), None)
+
+    @property
+    def offline_section(self) -> "Optional[SFTConfig | DPOConfig | RMConfig]":
+        """The section of the offline run (`offline`), None for an RL run."""
+        return self.sft if self.sft is not None else self.dpo if self.dpo is not None else self.rm
+
+    @property
+    def trains_on_pairs(self) -> bool:
+        """A DPO or reward-model run: its samples are (chosen, rejected) pairs, each pair whole in one
+        micro-batch."""
+        return self.dpo is not None or self.rm is not None
 
     @property
     def uses_shared_prefix_packing(self) -> bool:

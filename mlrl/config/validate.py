@@ -10,6 +10,7 @@ device count (cluster.trainer_devices, or from the cluster) and dp = trainer dev
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -221,7 +222,7 @@ def _check_lora(cfg: Config, hf: dict[str, Any] | None = None) -> None:
                               "supported yet; adapt the attention only (q_proj, k_proj, v_proj, o_proj)")
 
 
-_RUN_NAMES = {"sft": "an SFT run", "dpo": "a DPO run"}
+_RUN_NAMES = {"sft": "an SFT run", "dpo": "a DPO run", "rm": "a reward-model run"}
 _OFFLINE_UNUSED = ("rollout", "weight_sync", "algorithm", "workflow", "eval")
 _OFFLINE_UNUSED_TRAINER = ("prompts_per_step", "samples_per_prompt", "mini_batches_per_step", "epochs_per_step")
 
@@ -235,9 +236,9 @@ def check_micro_batch_budget(cfg: Config) -> None:
     if cfg.sft is not None and cfg.sft.max_seq_tokens > budget:
         raise ConfigError(f"sft.max_seq_tokens={cfg.sft.max_seq_tokens} exceeds trainer.micro_batch_tokens="
                           f"{budget}: a conversation must fit one micro-batch")
-    if cfg.dpo is not None and 2 * cfg.dpo.max_seq_tokens > budget:
-        d = cfg.dpo
-        raise ConfigError(f"dpo.max_seq_tokens={d.max_seq_tokens}: a pair (chosen + rejected, up to "
+    d = cfg.offline_section
+    if cfg.trains_on_pairs and d is not None and 2 * d.max_seq_tokens > budget:
+        raise ConfigError(f"{cfg.offline}.max_seq_tokens={d.max_seq_tokens}: a pair (chosen + rejected, up to "
                           f"{2 * d.max_seq_tokens} tokens) must fit one micro-batch, but "
                           f"trainer.micro_batch_tokens={budget}; raise it to >= {2 * d.max_seq_tokens}")
 
@@ -248,11 +249,13 @@ def _check_offline(cfg: Config) -> None:
     import dataclasses
 
     kind = cfg.offline
-    s = cfg.sft if cfg.sft is not None else cfg.dpo
+    s = cfg.offline_section
     if kind is None or s is None:
         return
-    if cfg.sft is not None and cfg.dpo is not None:
-        raise ConfigError("sft and dpo: a run is supervised fine-tuning OR preference optimisation; keep one section")
+    both = [name for name in ("sft", "dpo", "rm") if getattr(cfg, name) is not None]
+    if len(both) > 1:
+        raise ConfigError(f"{' and '.join(both)}: a run is supervised fine-tuning (sft), preference optimisation "
+                          "(dpo) OR reward-model training (rm); keep one section")
     run = f"{_RUN_NAMES[kind]} ({kind}: section)"
     _positive(f"{kind}.batch_size", s.batch_size)
     _positive(f"{kind}.max_seq_tokens", s.max_seq_tokens)
@@ -263,6 +266,20 @@ def _check_offline(cfg: Config) -> None:
             raise ConfigError(f"dpo.beta={d.beta}: expected > 0")
         if d.loss_type not in ("sigmoid", "ipo"):
             raise ConfigError(f"dpo.loss_type={d.loss_type!r}: expected sigmoid (DPO) or ipo (IPO)")
+    if cfg.rm is not None:
+        r = cfg.rm
+        if not (r.center_rewards_coefficient >= 0 and math.isfinite(r.center_rewards_coefficient)):
+            raise ConfigError(f"rm.center_rewards_coefficient={r.center_rewards_coefficient}: expected a finite "
+                              "number >= 0 (0 = off)")
+        if cfg.model.lora is not None:
+            raise ConfigError(f"model.lora: {run} trains every weight of the reward model (its scalar head is new); "
+                              "remove model.lora")
+        if cfg.parallel.cp > 1:
+            raise ConfigError(f"parallel.cp={cfg.parallel.cp}: {run} reads each sequence's last position, which "
+                              "context parallelism splits across ranks; use parallel.cp=1")
+        if cfg.model.init_from:
+            raise ConfigError(f"model.init_from={cfg.model.init_from}: {run} starts from a Hugging Face folder "
+                              "(model.hf_dir; e.g. an SFT run's export <run>/hf/step_N), whose LM head it replaces")
     if cfg.critic is not None:
         raise ConfigError(f"critic: {run} trains no value model; remove the critic section")
     if cfg.cluster.nodes > 1:

@@ -32,6 +32,11 @@ def check_model(cfg: Config, hf: dict[str, Any], layout: Layout, *, engines: boo
             "model.hf_dir: config.json lacks num_attention_heads / num_hidden_layers "
             f"(model_type={hf.get('model_type')!r})"
         )
+    classifier = [a for a in hf.get("architectures") or [] if str(a).endswith("ForSequenceClassification")]
+    if classifier and engines:
+        raise ConfigError(f"model.hf_dir: a {classifier[0]} (a reward model: a score head, no LM head) cannot be "
+                          "the policy or the model a reward-model run starts from; an RL run scores with it as "
+                          "reward_model: {kind: classifier, hf_dir: <it>}")
     kv = hf.get("num_key_value_heads") or heads  # (absent or null: one KV head per attention head)
     if heads % p.tp:
         raise ConfigError(f"parallel.tp={p.tp} must divide the model's num_attention_heads={heads}")
@@ -73,7 +78,7 @@ def check_model(cfg: Config, hf: dict[str, Any], layout: Layout, *, engines: boo
     if engines and cfg.rollout.engine_tp > 1 and heads % cfg.rollout.engine_tp:
         raise ConfigError(f"rollout.engine_tp={cfg.rollout.engine_tp} must divide num_attention_heads={heads}")
     max_len = hf.get("max_position_embeddings")
-    offline = cfg.sft if cfg.sft is not None else cfg.dpo
+    offline = cfg.offline_section
     if offline is not None:
         if max_len and offline.max_seq_tokens > max_len:
             raise ConfigError(f"{cfg.offline}.max_seq_tokens={offline.max_seq_tokens} exceeds the model's "
@@ -123,7 +128,8 @@ def check_arch(hf: dict[str, Any], layout: Layout, pp_split: list[int] | None) -
 
 def check_bridge(cfg: Config, hf: dict[str, Any], *, cuda: Callable[[], bool], dry_run: bool) -> str:
     """model.bridge resolves for this model (mlrl.bridge.select); the megatron-bridge path is GPU
-    only and carries none of mlrl's own layouts (LoRA, the critic's value head, router replay)."""
+    only and carries none of mlrl's own layouts (LoRA, the critic's and a reward model's scalar head, router
+    replay)."""
     from mlrl.bridge import BridgeError
     from mlrl.bridge.select import resolve_bridge
 
@@ -137,7 +143,7 @@ def check_bridge(cfg: Config, hf: dict[str, Any], *, cuda: Callable[[], bool], d
             raise ConfigError(f"{why}, which needs CUDA and Transformer Engine (its model providers use the TE "
                               "layer spec); this machine has no GPU")
         for field, on in (("model.lora", cfg.model.lora is not None), ("critic", cfg.uses_critic),
-                          ("algorithm.router_replay", cfg.algorithm.router_replay)):
+                          ("rm", cfg.rm is not None), ("algorithm.router_replay", cfg.algorithm.router_replay)):
             if on:
                 raise ConfigError(f"{field} is not supported with megatron-bridge ({why}); it needs the built-in "
                                   "bridge (model.bridge=builtin, a supported model_type)")

@@ -4,6 +4,7 @@ from the shared components (config, placement, trainer group, checkpoints, metri
     rl       RL post-training (GRPO, PPO, ...): trainer ranks + vLLM engines + the loop (mlrl/loop.py)
     sft      supervised fine-tuning: the trainer alone on a fixed dataset (the `sft:` section)
     dpo      preference optimisation (DPO / IPO): the trainer alone (the `dpo:` section)
+    rm       reward-model training (Bradley-Terry on preference pairs): the trainer alone (the `rm:` section)
 
 `offline` is the loop the trainer-only jobs share, `placement` where any job's processes go.
 Each job module has `run(cfg, layout) -> exit code`; `job_for` picks the module from the config
@@ -18,11 +19,11 @@ from collections.abc import Callable
 
 from mlrl.config import Config, Layout
 
-JOBS = ("rl", "sft", "dpo")
+JOBS = ("rl", "sft", "dpo", "rm")
 
 
 def job_name(cfg: Config) -> str:
-    """The job a validated config describes: its offline kind ("sft", "dpo"), else "rl"."""
+    """The job a validated config describes: its offline kind ("sft", "dpo", "rm"), else "rl"."""
     return cfg.offline or "rl"
 
 

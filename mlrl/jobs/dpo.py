@@ -49,10 +49,14 @@ def _dpo_section(cfg: Config) -> DPOConfig:
 
 
 def load_preference_data(cfg: Config, hf_dir: Path) -> tuple[PreferenceDataset, PreferenceDataset | None]:
-    """The tokenised train (and eval) pairs; bad rows are a ConfigError naming the row (skipped with a
-    warning under data.skip_malformed)."""
+    """The tokenised train (and eval) pairs of a DPO or reward-model run, cut at its section's
+    max_seq_tokens; bad rows are a ConfigError naming the row (skipped with a warning under
+    data.skip_malformed)."""
+    section = cfg.offline_section
+    if section is None or not cfg.trains_on_pairs:
+        raise ConfigError("preference pairs are read by a run with a `dpo:` or `rm:` section")
     out: list[PreferenceDataset | None] = []
-    for which, ds in load_splits(cfg, hf_dir, "dpo", _dpo_section(cfg).max_seq_tokens):
+    for which, ds in load_splits(cfg, hf_dir, "dpo", section.max_seq_tokens):
         if ds is not None and ds.skipped:
             log.warning("data.%s: skipped %d malformed pair(s), e.g. %s", which, len(ds.skipped), ds.skipped[0])
         out.append(ds)

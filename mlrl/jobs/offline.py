@@ -1,13 +1,13 @@
-"""The loop of a run of the trainer alone on a fixed dataset: supervised fine-tuning (mlrl.jobs.sft) and
-preference optimisation (mlrl.jobs.dpo). What differs between them is an `OfflineJob` (its data, one
-step, its held-out evaluation); the rest is here, once:
+"""The loop of a run of the trainer alone on a fixed dataset: supervised fine-tuning (mlrl.jobs.sft),
+preference optimisation (mlrl.jobs.dpo) and reward-model training (mlrl.jobs.rm). What differs between
+them is an `OfflineJob` (its data, one step, its held-out evaluation); the rest is here, once:
 
     cheap checks (model folder, data, checkpoint to resume, model.init_from) before any process ->
     the trainer ranks (no engines) -> per step: job.step(batch) -> held-out eval every
     data.eval_every steps -> checkpoints (exact resume: weights, optimizer, data position) and HF
     exports on schedule -> metrics.
 
-A checkpoint records its kind ("sft" / "dpo"): a run resumes only checkpoints of its own kind.
+A checkpoint records its kind ("sft" / "dpo" / "rm"): a run resumes only checkpoints of its own kind.
 """
 
 from __future__ import annotations
@@ -66,12 +66,12 @@ def load_splits(cfg: Config, hf_dir: Path, kind: Literal["sft", "dpo"],
 class OfflineJob(Protocol):
     @property
     def kind(self) -> str:
-        """"sft" | "dpo": recorded in checkpoints, names the metrics."""
+        """"sft" | "dpo" | "rm": recorded in checkpoints, names the metrics."""
         ...
 
     @property
     def title(self) -> str:
-        """For messages: "SFT", "DPO"."""
+        """For messages: "SFT", "DPO", "RM"."""
         ...
 
     @property
@@ -135,7 +135,7 @@ def _run_offline(cfg: Config, layout: Layout, make_job: Callable[[Path], Offline
     state = read_state(resume) if resume else None
     ckpts.check_start(int(state["step"]) if state else 0)
     if state is not None and state.get("kind") != job.kind:
-        named = {"sft": "an SFT", "dpo": "a DPO"}
+        named = {"sft": "an SFT", "dpo": "a DPO", "rm": "a reward-model"}
         raise ConfigError(f"checkpoint.resume: {resume} is {named.get(str(state.get('kind')), 'an RL')} checkpoint; "
                           f"{named[job.kind]} run resumes {job.title} checkpoints (to fine-tune from its weights: "
                           f"model.init_from={resume} in a new run directory)")
@@ -209,10 +209,18 @@ def _run_offline(cfg: Config, layout: Layout, make_job: Callable[[Path], Offline
         print(f"{job.title} finished: {total - start} steps, metrics in {run_dir / 'metrics.jsonl'}")
         if save_s:
             print(f"final checkpoint / export: {save_s:.2f} s")
-        if checkpointer.last_saved:
-            print(f"checkpoint: {checkpointer.last_saved}  (start RL from it: model.init_from=<this folder>)")
-        if checkpointer.last_export:
-            print(f"Hugging Face export: {checkpointer.last_export}  (start RL from it: model.hf_dir=<this folder>)")
+        if kind == "rm":  # a reward model scores an RL run; it does not start one
+            if checkpointer.last_saved:
+                print(f"checkpoint: {checkpointer.last_saved}  (resume: checkpoint.resume=<this folder>)")
+            if checkpointer.last_export:
+                print(f"Hugging Face export: {checkpointer.last_export}  (score an RL run with it: "
+                      "workflow.reward=reward_model reward_model.kind=classifier reward_model.hf_dir=<this folder>)")
+        else:
+            if checkpointer.last_saved:
+                print(f"checkpoint: {checkpointer.last_saved}  (start RL from it: model.init_from=<this folder>)")
+            if checkpointer.last_export:
+                print(f"Hugging Face export: {checkpointer.last_export}  "
+                      "(start RL from it: model.hf_dir=<this folder>)")
         return 0
     finally:
         if checkpointer is not None:  # interrupted or failed: an async save already written is kept

@@ -119,6 +119,10 @@ def _checks(cfg: Config, hf_dir: Path, run_dir: Path) -> _Checked:
     resume = ckpts.resolve_resume(cfg.checkpoint.resume)
     state = read_state(resume) if resume else None
     ckpts.check_start(int(state["step"]) if state else 0)
+    if state is not None and state.get("kind") == "rm":
+        raise ConfigError(f"checkpoint.resume: {resume} is a reward-model checkpoint; an RL run scores with its HF "
+                          "export: reward_model: {kind: classifier, hf_dir: <rm run>/hf/step_N} and "
+                          "workflow.reward=reward_model")
     if state is not None and state.get("kind") in ("sft", "dpo"):
         what = "a supervised fine-tuning" if state.get("kind") == "sft" else "a preference optimisation (DPO)"
         raise ConfigError(f"checkpoint.resume: {resume} is {what} checkpoint; start RL from it "

@@ -92,13 +92,15 @@ def make_plan(cfg: Config, layout: Layout) -> Plan:
     shape = model_shape(hf, cfg.model.arch or cfg.model.hf_dir)
     c, t, r, p = cfg.cluster, cfg.trainer, cfg.rollout, cfg.parallel
     cpu = c.gpus_per_node == 0
-    offline = cfg.sft if cfg.sft is not None else cfg.dpo  # SFT / DPO: the trainer alone on a fixed dataset
+    offline = cfg.offline_section  # SFT / DPO / RM: the trainer alone on a fixed dataset
     seq_len, samples = _step_shape(cfg)
     micro = max(1, math.ceil(samples * seq_len / layout.dp / t.token_budget))
     layers = mem.stage_layers(shape.layers, layout.pp, layout.vpp, p.pp_layer_split)
     lora = cfg.model.lora  # the policy's adapters; the critic trains its full weights
+    scalar = cfg.rm is not None  # a reward model: a scalar head in place of the LM head (no vocabulary logits)
     params = [mem.stage_params(shape, ls, first=k == 0, last=k == layout.pp - 1, pp=layout.pp, tp=layout.tp,
-                               ep=layout.ep, etp=layout.etp, lora=lora) for k, ls in enumerate(layers)]
+                               ep=layout.ep, etp=layout.etp, lora=lora, value_head=scalar)
+              for k, ls in enumerate(layers)]
     critic, chf, cshape, clayers = None, None, shape, layers
     if cfg.uses_critic:  # the critic's own model when critic.hf_dir names one (validation: same vocabulary)
         chf = cfg.critic.hf_dir if cfg.critic is not None else None
@@ -123,7 +125,7 @@ def make_plan(cfg: Config, layout: Layout) -> Plan:
             inflight=mem.inflight_microbatches(k, layout.pp, layout.vpp, micro), act_bytes=act_bytes,
             tp=layout.tp, etp=layout.etp, sp=p.sequence_parallel, flash=not cpu, recompute=t.recompute,
             seq_len=min(seq_len, t.token_budget))
-        acts = stage_acts(shape, ls, last=k == layout.pp - 1, lora=lora)
+        acts = stage_acts(shape, ls, last=k == layout.pp - 1 and not scalar, lora=lora)
         if chf:  # a critic of its own model may be the larger pass (no vocabulary logits: last=False)
             acts = max(acts, stage_acts(cshape, clayers[k], last=False, lora=None))
         tmem.append(mem.trainer_memory(
@@ -171,9 +173,9 @@ AUTO_TOKEN_STEP = 256
 
 def _step_shape(cfg: Config) -> tuple[int, int]:
     """(longest sequence, sequences per optimizer step) of the run."""
-    offline = cfg.sft if cfg.sft is not None else cfg.dpo
-    if offline is not None:
-        return offline.max_seq_tokens, offline.batch_size * (2 if cfg.dpo is not None else 1)  # DPO: both of a pair
+    offline = cfg.offline_section
+    if offline is not None:  # DPO / RM: both sides of a pair
+        return offline.max_seq_tokens, offline.batch_size * (2 if cfg.trains_on_pairs else 1)
     t = cfg.trainer
     return (cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_new_tokens,
             t.prompts_per_step * t.samples_per_prompt // t.mini_batches_per_step)
@@ -206,7 +208,7 @@ def auto_micro_batch_tokens(cfg: Config, layout: Layout, device_gb: float | None
     longest = seq_len
     if cfg.offline is None and cfg.rollout.max_model_len:
         longest = max(longest, cfg.rollout.max_model_len)
-    whole = 2 * longest if cfg.dpo is not None else longest  # a DPO pair shares its micro-batch
+    whole = 2 * longest if cfg.trains_on_pairs else longest  # a DPO / RM pair shares its micro-batch
 
     def up(n: float) -> int:
         return max(AUTO_TOKEN_STEP, math.ceil(n / AUTO_TOKEN_STEP) * AUTO_TOKEN_STEP)

@@ -73,7 +73,8 @@ def _header(plan: Plan) -> list[str]:
         lines.append(f"         critic: a value model {model} (value head instead of the output layer) "
                      "on the same ranks and layout, with its own gradients and optimizer state")
     for k, ls in enumerate(plan.stage_layers):
-        extra = (" + embedding" if k == 0 else "") + (" + output layer" if k == L.pp - 1 else "")
+        head = " + scalar head" if cfg.rm is not None else " + output layer"  # a reward model's replaces the LM head
+        extra = (" + embedding" if k == 0 else "") + (head if k == L.pp - 1 else "")
         sp = plan.stage_params[k]
         adapters = f" ({_count(sp.adapter)} of them LoRA adapters)" if sp.adapter else ""
         critic = f" (+ critic {_count(plan.critic_params[k].total)})" if plan.critic_params is not None else ""
@@ -90,12 +91,17 @@ def _header(plan: Plan) -> list[str]:
         lines.append(f"batch    DPO ({d.loss_type}, beta {d.beta:g}): {d.batch_size} preference pairs "
                      f"= {plan.samples} sequences per optimizer step, <= {plan.seq_len} tokens each, each pair in one "
                      f"micro-batch; {micro}; a frozen reference copy on every rank")
+    elif cfg.rm is not None:
+        lines.append(f"batch    reward model (Bradley-Terry): {cfg.rm.batch_size} preference pairs = {plan.samples} "
+                     f"sequences per optimizer step, <= {plan.seq_len} tokens each, each pair in one micro-batch; "
+                     f"{micro}; a scalar head in place of the LM head")
     else:
         lines.append(f"batch    {t.prompts_per_step} prompts x {t.samples_per_prompt} samples / "
                      f"{t.mini_batches_per_step} mini-batch(es) = {plan.samples} samples per optimizer step, "
                      f"<= {plan.seq_len} tokens each; {micro}")
     if plan.num_engines == 0:
-        lines.append(f"engines  none: {'an SFT' if cfg.sft is not None else 'a DPO'} run trains on a fixed dataset")
+        named = {"sft": "an SFT", "dpo": "a DPO", "rm": "a reward-model"}[cfg.offline or "sft"]
+        lines.append(f"engines  none: {named} run trains on a fixed dataset")
     elif plan.cpu:
         lines.append(
             f"engines  {r.num_engines} vLLM CPU server(s), engine_tp={r.engine_tp}, KV cache {r.cpu_kv_cache_gb:g} "

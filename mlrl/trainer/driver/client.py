@@ -68,6 +68,10 @@ class TrainerClient:
     def update(self, per_dp: PerDP) -> dict[str, float]:
         return self.group.call_sharded(TrainerService.update, self.per_rank(per_dp))[0]
 
+    def compute_scores(self, per_dp: PerDP) -> list[list[torch.Tensor]]:
+        """A reward-model run: [dp][micro-batch] -> per-position scores [S] (mlrl.algorithms.rm_loss)."""
+        return self.first_per_dp(self.group.call_sharded(TrainerService.compute_scores, self.per_rank(per_dp)))
+
     def save_checkpoint(self, path: Path, critic_path: Path | None = None) -> None:
         """The policy's training state into `path`, and the critic's into `critic_path` (if any)."""
         self.group.call(TrainerService.save_checkpoint, path=str(path),

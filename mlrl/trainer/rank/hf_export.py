@@ -1,4 +1,7 @@
-"""The policy's streamed Hugging Face export, and its LoRA adapters as a PEFT folder (rank side).
+"""The policy's streamed Hugging Face export, and its LoRA adapters as a PEFT folder (rank side). A
+reward model (mlrl.trainer.rank.reward_model) exports the same way as a one-label
+`*ForSequenceClassification` folder: the body's tensors, its scalar head as `score.weight`, and the
+config rewritten by `sequence_classifier_config`.
 
 Every function is a collective over all trainer ranks, like the policy's methods:
 
@@ -23,9 +26,18 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from mlrl.ckpt_files.hf_folder import ShardMap, ShardWriter, finalize_hf_folder, temp_dir_for
+from mlrl.ckpt_files.hf_folder import (
+    SCORE_WEIGHT,
+    ShardMap,
+    ShardWriter,
+    finalize_hf_folder,
+    sequence_classifier_config,
+    temp_dir_for,
+)
 from mlrl.ckpt_files.peft_adapter import write_peft_adapter
 from mlrl.trainer.rank.dist_ckpt import _base_hf_dir, model_role, via_mbridge
+
+EXPORTABLE = ("policy", "reward_model")  # the roles whose weights are a Hugging Face model
 
 
 def _export_dtype(policy, dtype: Optional[str]) -> Optional[torch.dtype]:
@@ -47,8 +59,10 @@ def export_hf_shards(policy, folder: str | Path, *, max_shard_bytes: int = 2 << 
     """Collective. The sender of each pipeline stage writes its stage's HF tensors into
     `folder/stage<pp>-0000i.safetensors` and returns its shard map; other ranks return None.
     Peak memory per sender: one bucket being gathered plus one shard being filled."""
-    if model_role(policy) != "policy":
-        raise ValueError(f"HF export of a {model_role(policy)}: only the policy is a Hugging Face causal LM")
+    role = model_role(policy)
+    if role not in EXPORTABLE:
+        raise ValueError(f"HF export of a {role}: only the policy (a causal LM) and a reward model (a sequence "
+                         "classifier) are Hugging Face models")
     info = policy.rank_info()
     writer = None
     if info["is_stage_sender"]:
@@ -57,6 +71,10 @@ def export_hf_shards(policy, folder: str | Path, *, max_shard_bytes: int = 2 << 
     for bucket in policy.iter_hf_buckets(bucket_bytes):
         if writer is not None:
             writer.add(bucket)
+    if writer is not None and role == "reward_model":
+        head = policy.score_weight()
+        if head is not None:  # the last stage: the scalar head is the classifier's one-label score layer
+            writer.add([(SCORE_WEIGHT, head)])
     return writer.close() if writer is not None else None
 
 
@@ -107,10 +125,14 @@ def export_hf(policy, out_dir: str | Path, *, max_shard_bytes: int = 2 << 30, bu
     result = None
     if rank == 0:
         out_dtype = _export_dtype(policy, dtype)
+        # megatron-bridge's model: its own mapping decides the names
+        names = None if via_mbridge(policy) else set(policy.spec.hf_shapes(policy.arch).keys())
+        rm = model_role(policy) == "reward_model"
+        if rm and names is not None:  # the body's tensors and the score head; no LM head
+            names = {n for n in names if not n.startswith("lm_head.")} | {SCORE_WEIGHT}
         result = finalize_hf_folder(
-            tmp, out, [m for m, _ in gathered if m], files_from or policy.hf_dir,
-            # megatron-bridge's model: its own mapping decides the names
-            expected_names=None if via_mbridge(policy) else policy.spec.hf_shapes(policy.arch).keys(),
-            dtype=str(out_dtype).removeprefix("torch.") if out_dtype is not None else None)
+            tmp, out, [m for m, _ in gathered if m], files_from or policy.hf_dir, expected_names=names,
+            dtype=str(out_dtype).removeprefix("torch.") if out_dtype is not None else None,
+            config_updates=sequence_classifier_config if rm else None)
     dist.barrier()
     return result

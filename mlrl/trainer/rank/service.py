@@ -48,8 +48,16 @@ class TrainerService:
         self.layout = validate(cfg)
         init_parallel(cfg.parallel, self.layout, seed=cfg.trainer.seed)
         hf_dir = resolve_model_dir(cfg.model.hf_dir)
-        self.policy = MegatronPolicy(cfg.model, cfg.parallel, cfg.trainer, self.layout, hf_dir=hf_dir, trainable=True,
-                                     total_updates=cfg.policy_updates)
+        self.reward_model = None
+        self.policy: MegatronPolicy  # a reward model's run: the MegatronRewardModel (a subclass)
+        if cfg.rm is not None:  # reward-model training (mlrl.jobs.rm): the trained model has a scalar head
+            from mlrl.trainer.rank.reward_model import MegatronRewardModel
+
+            self.reward_model = MegatronRewardModel(cfg.model, cfg.parallel, cfg.trainer, self.layout, hf_dir=hf_dir)
+            self.policy = self.reward_model  # checkpoints, export, offload and rank info take it as the policy
+        else:
+            self.policy = MegatronPolicy(cfg.model, cfg.parallel, cfg.trainer, self.layout, hf_dir=hf_dir,
+                                         trainable=True, total_updates=cfg.policy_updates)
         self.ref = None
         # the frozen reference (KL, and DPO's reference policy); LoRA: the base, adapters off. A teacher
         # (algorithm.reference_hf_dir) is a model of its own, without the policy's adapters or init_from
@@ -80,6 +88,10 @@ class TrainerService:
             from mlrl.algorithms.dpo_loss import make_dpo_loss_fn
 
             self.loss_fn = make_dpo_loss_fn(cfg.dpo.beta, cfg.dpo.loss_type)
+        if cfg.rm is not None:  # reward-model training: Bradley-Terry on whole pairs
+            from mlrl.algorithms.rm_loss import make_rm_loss_fn
+
+            self.rm_loss_fn = make_rm_loss_fn(cfg.rm.center_rewards_coefficient)
         self.critic = None
         if cfg.uses_critic:  # the value model shares the trainer ranks and their parallel layout
             from mlrl.algorithms.value import make_value_loss_fn
@@ -116,9 +128,18 @@ class TrainerService:
                                      matches=matches, compared=compared)
 
     def update(self, micro_batches: list[MicroBatch]) -> dict[str, float]:
+        if self.reward_model is not None:
+            return finalize_loss_metrics(self.reward_model.update(micro_batches, self.rm_loss_fn))
         temperature = self.cfg.rollout.sampling.logprob_temperature
         sums = self.policy.update(micro_batches, self.loss_fn, temperature=temperature)
         return finalize_loss_metrics(sums)  # step sums -> means (token / sequence counts) per loss_metrics
+
+    def compute_scores(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
+        """A reward-model run: per-position scores [S] per micro-batch (mlrl.algorithms.rm_loss reads
+        each sequence's last)."""
+        if self.reward_model is None:
+            raise RuntimeError("compute_scores on a trainer that trains no reward model (config has no `rm:` section)")
+        return self.reward_model.compute_scores(micro_batches)
 
     def compute_values(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
         return self._critic().compute_values(micro_batches)

@@ -1,0 +1,147 @@
+"""What a reward-model run checks before any process starts: its config (ranges; RL settings it would
+ignore and settings it cannot honour are rejected; a pair must fit a micro-batch), the checkpoints it
+and an RL run resume (each its own kind), and that a reward model's HF export is never taken for a
+policy. Also the exported config: a causal LM's config.json turned into a one-label sequence
+classifier's."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlrl.ckpt_files.hf_folder import sequence_classifier_config
+from mlrl.config import ConfigError, load_config, validate
+from mlrl.modelzoo import resolve_model_dir
+
+ROOT = Path(__file__).resolve().parents[3]
+RECIPE = ROOT / "launch" / "rm_cpu.yaml"
+TINY = ["model.hf_dir=builtin:tiny-llama", "rm.max_seq_tokens=64", "data.train=synthetic:copy_digit",
+        "data.eval=synthetic:copy_digit"]
+
+
+def _validated(*overrides: str, recipe: Path = RECIPE):
+    cfg = load_config(recipe, list(overrides))
+    validate(cfg)
+    return cfg
+
+
+def test_recipe_is_a_reward_model_run_on_smollm2():
+    cfg = _validated()
+    assert cfg.rm is not None and cfg.dpo is None and cfg.sft is None and cfg.offline == "rm"
+    assert cfg.offline_section is cfg.rm and cfg.trains_on_pairs
+    assert cfg.model.hf_dir == "builtin:smollm2-135m-instruct" and cfg.rm.center_rewards_coefficient == 0.0
+    assert not cfg.uses_shared_prefix_packing
+
+
+@pytest.mark.parametrize("override, field", [
+    ("rollout.num_engines=2", "rollout.num_engines"),
+    ("algorithm.kl_coef=0.1", "algorithm.kl_coef"),
+    ("workflow.reward=gsm8k", "workflow.reward"),
+    ("trainer.prompts_per_step=3", "trainer.prompts_per_step"),
+    ("data.max_prompt_tokens=64", "data.max_prompt_tokens"),
+    ("critic.lr=1e-3", "critic"),
+    ("reward_model.hf_dir=builtin:tiny-llama", "reward_model"),
+])
+def test_rl_settings_are_rejected(override, field):
+    with pytest.raises(ConfigError, match=f"^{field.replace('.', '[.]')}.*reward-model run"):
+        _validated(override)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rm.batch_size=0", "rm.batch_size"),
+    ("rm.center_rewards_coefficient=-0.1", r"rm.center_rewards_coefficient=-0.1: expected a finite number >= 0"),
+    ("rm.max_seq_tokens=600", r"rm.max_seq_tokens=600: a pair .* must fit one micro-batch.*raise it to >= 1200"),
+    ("dpo.beta=0.1", "dpo and rm: a run is"),
+    ("model.lora.rank=4", r"model.lora: a reward-model run \(rm: section\) trains every weight"),
+    ("model.init_from=/somewhere", r"model.init_from=/somewhere: a reward-model run \(rm: section\) starts from a "
+                                   "Hugging Face folder"),
+    ("cluster.placement=colocated", "cluster.placement=colocated: a reward-model run starts no engines"),
+])
+def test_rm_ranges(override, message):
+    with pytest.raises(ConfigError, match=message):
+        _validated(override)
+
+
+def test_context_parallelism_is_refused_on_gpu():
+    """A sequence's score is read at its last position, which CP would put on another rank."""
+    with pytest.raises(ConfigError, match=r"parallel.cp=2: a reward-model run \(rm: section\) reads each sequence's "
+                                          "last position"):
+        _validated("parallel.cp=2", "cluster.gpus_per_node=2")
+
+
+def test_the_sequence_limit_is_checked_against_the_model():
+    with pytest.raises(ConfigError, match="rm.max_seq_tokens=512 exceeds the model's max_position_embeddings=256"):
+        _validated(*TINY[:1], "rm.max_seq_tokens=512")
+
+
+def test_dry_run_plans_a_scalar_head_without_engines():
+    out = subprocess.run([sys.executable, "-m", "mlrl.launch", "--config", str(RECIPE), *TINY, "--dry-run"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "reward model (Bradley-Terry): 8 preference pairs = 16 sequences per optimizer step" in out.stdout
+    assert "engines  none: a reward-model run trains on a fixed dataset" in out.stdout
+
+
+@pytest.fixture(scope="module")
+def classifier_folder(tmp_path_factory) -> Path:
+    """The tiny Llama's folder with the config a reward model's export has."""
+    src = resolve_model_dir("builtin:tiny-llama")
+    out = tmp_path_factory.mktemp("rm") / "tiny-rm"
+    shutil.copytree(src, out)
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(sequence_classifier_config(cfg)))
+    return out
+
+
+def test_a_reward_model_is_not_a_policy(classifier_folder):
+    with pytest.raises(ConfigError, match="model.hf_dir: a LlamaForSequenceClassification .a reward model"):
+        _validated(f"model.hf_dir={classifier_folder}", "rm.max_seq_tokens=64", recipe=RECIPE)
+    with pytest.raises(ConfigError, match="model.hf_dir: a LlamaForSequenceClassification"):
+        _validated(f"model.hf_dir={classifier_folder}", recipe=ROOT / "launch" / "cpu_default.yaml")
+    from mlrl.checkpoint.init_from import check_model_init_from
+
+    cfg = load_config(ROOT / "launch" / "cpu_default.yaml", [f"model.init_from={classifier_folder}"])
+    with pytest.raises(ConfigError, match=r"model.init_from: .*tiny-rm is a LlamaForSequenceClassification"):
+        check_model_init_from(cfg.model, resolve_model_dir(cfg.model.hf_dir), resume=None)
+
+
+def test_classifier_config_from_a_causal_lm():
+    out = sequence_classifier_config({"architectures": ["Qwen3ForCausalLM"], "eos_token_id": [7, 8],
+                                      "problem_type": "regression", "hidden_size": 8})
+    assert out["architectures"] == ["Qwen3ForSequenceClassification"] and out["num_labels"] == 1
+    assert out["id2label"] == {"0": "LABEL_0"} and out["pad_token_id"] == 7 and "problem_type" not in out
+    assert out["hidden_size"] == 8
+    assert sequence_classifier_config({"architectures": ["LlamaForCausalLM"], "pad_token_id": 3,
+                                       "eos_token_id": 2})["pad_token_id"] == 3
+    with pytest.raises(ValueError, match="name no .*ForCausalLM"):
+        sequence_classifier_config({"architectures": ["BertModel"]})
+
+
+def _checkpoint(root: Path, kind: str) -> Path:
+    step = root / "ckpts" / "step_000001"
+    step.mkdir(parents=True)
+    (step / "trainer_state.json").write_text(json.dumps({"kind": kind, "step": 1, "sampler": {}}))
+    (step / "COMPLETE").write_text("")
+    (root / "ckpts" / "latest").write_text("step_000001")
+    return root / "ckpts"
+
+
+def test_a_reward_model_run_resumes_only_its_own_checkpoints(tmp_path):
+    ckpts = _checkpoint(tmp_path, "dpo")
+    out = subprocess.run([sys.executable, "-m", "mlrl.launch", "--config", str(RECIPE), *TINY,
+                          f"checkpoint.dir={ckpts}", f"logging.run_dir={tmp_path / 'run'}",
+                          "logging.progress_bar=false"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "is a DPO checkpoint; a reward-model run resumes RM checkpoints" in out.stderr
+
+
+def test_an_rl_run_does_not_resume_a_reward_model_checkpoint(tmp_path):
+    ckpts = _checkpoint(tmp_path, "rm")
+    out = subprocess.run([sys.executable, "-m", "mlrl.launch", f"checkpoint.dir={ckpts}",
+                          f"logging.run_dir={tmp_path / 'run'}", "logging.progress_bar=false"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "is a reward-model checkpoint; an RL run scores with its HF export" in out.stderr
