@@ -10,7 +10,8 @@ hf-to-mcore writes a weights-only Megatron checkpoint (torch_dist, the format of
 checkpoint's model_optim/ folder; training runs themselves start from the HF folder);
 mcore-to-hf takes such a folder, a run's `step_N/` checkpoint or a run's checkpoint root (its
 latest complete checkpoint) and writes safetensors shards + config.json +
-generation_config.json + tokenizer files.
+generation_config.json + tokenizer files. A reward-model run's checkpoint (mlrl.jobs.rm) becomes a
+one-label `*ForSequenceClassification` folder (`--verify` then compares scores).
 
 A LoRA checkpoint (model.lora) holds only the adapters; its frozen base is the HF folder the
 checkpoint records (base_hf_dir), or --base. mcore-to-hf then writes a PEFT adapter folder
@@ -232,6 +233,9 @@ def prepare(args) -> dict[str, Any]:
                                   "named as model.dtype")
         hf = resolve_hf_dir(args.hf, "--hf")
         hf_config = read_hf_config(hf, "--hf")
+        if any(str(a).endswith("ForSequenceClassification") for a in hf_config.get("architectures") or []):
+            raise ConversionError(f"--hf {hf}: a {hf_config['architectures'][0]} (a reward model); hf-to-mcore "
+                                  "converts causal LMs (a reward model's Megatron form is its training checkpoint)")
         try:
             bridge = resolve_bridge(args.bridge, hf_config, field="--bridge")
             if bridge == "builtin":
@@ -254,9 +258,13 @@ def prepare(args) -> dict[str, Any]:
             meta = read_meta(path)
         except CheckpointError as e:
             raise ConversionError(str(e)) from None
+        if meta.get("role", "policy") == "critic":
+            raise ConversionError(f"--ckpt {path}: a PPO critic's checkpoint (a value head on the policy's body) has "
+                                  "no Hugging Face form; convert the policy's checkpoint (step_N/, not step_N/critic/)")
         if not (path / HF_FILES_DIR / "config.json").is_file():
             raise ConversionError(f"--ckpt {path}: {HF_FILES_DIR}/config.json is missing")
         hf_config = meta["hf_config"]
+        job["reward_model"] = meta.get("role") == "reward_model"
         bridge = meta.get("bridge", "builtin")  # written before bridges were recorded: the built-in one
         if bridge == "megatron-bridge":
             try:
@@ -453,21 +461,25 @@ def main(argv: Optional[list[str]] = None) -> int:
     summary = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in report.items())
     lora = job.get("base") is not None
     wrote = f"{job['out']} (PEFT adapter)" if lora else job["out"]
+    if job.get("reward_model"):
+        wrote += " (a one-label *ForSequenceClassification reward model)"
     if job.get("merged_out"):
         wrote += f" and {job['merged_out']} (merged model)"
     print(f"{args.command}: wrote {wrote} ({summary})")
     if not job["verify"]:
         return 0
-    checks = [("max_abs_logit_diff", " (PEFT adapter on the base)" if lora else "")]
+    checks = [("max_abs_logit_diff", " (PEFT adapter on the base)" if lora else "", "logit")]
     if "merged_max_abs_logit_diff" in report:
-        checks.append(("merged_max_abs_logit_diff", " (merged model)"))
+        checks.append(("merged_max_abs_logit_diff", " (merged model)", "logit"))
+    if job.get("reward_model"):  # a reward model has scores, not logits
+        checks = [("max_abs_score_diff", "", "score")]
     failed = False
-    for key, what in checks:
+    for key, what, unit in checks:
         gap, tol = report[key], job["verify_tol"]
         if gap <= tol:
-            print(f"verify ok{what}: max |logit difference| {gap:.3g} <= {tol:g}")
+            print(f"verify ok{what}: max |{unit} difference| {gap:.3g} <= {tol:g}")
         else:
-            print(f"verify FAILED{what}: max |logit difference| {gap:.3g} > --verify-tol {tol:g}", file=sys.stderr)
+            print(f"verify FAILED{what}: max |{unit} difference| {gap:.3g} > --verify-tol {tol:g}", file=sys.stderr)
             failed = True
     return 1 if failed else 0
 

@@ -99,14 +99,17 @@ def _without_hf_weights() -> Iterator[None]:
 
 
 def policy_from_checkpoint(path: str | Path, cfg, layout, *, trainable: bool = False):
-    """A policy built from the checkpoint's own config files, then loaded from it (weights only)."""
+    """A policy (or a reward model: the checkpoint's role) built from the checkpoint's own config
+    files, then loaded from it (weights only)."""
     from mlrl.trainer.rank.policy import MegatronPolicy
+    from mlrl.trainer.rank.reward_model import MegatronRewardModel
 
     path = Path(path)
-    ckpt.read_meta(path)
+    role = ckpt.read_meta(path).get("role", "policy")
+    model_class = MegatronRewardModel if role == "reward_model" else MegatronPolicy
     with _without_hf_weights():
-        policy = MegatronPolicy(cfg.model, cfg.parallel, cfg.trainer, layout, hf_dir=path / ckpt.HF_FILES_DIR,
-                                trainable=trainable)
+        policy = model_class(cfg.model, cfg.parallel, cfg.trainer, layout, hf_dir=path / ckpt.HF_FILES_DIR,
+                             trainable=trainable)
     ckpt.load_checkpoint(policy, path, load_optimizer=False)
     return policy
 
@@ -197,7 +200,10 @@ def mcore_to_hf(path: str | Path, out: str | Path, *, tp: int, pp: int, ep: int,
                   files_from=path / ckpt.HF_FILES_DIR)
     t2 = time.perf_counter()
     report: dict[str, Any] = {"load_s": t1 - t0, "export_s": t2 - t1, "world": layout.trainer_devices}
-    if verify:
+    if verify and ckpt.model_role(policy) == "reward_model":
+        progress("verifying scores against transformers")
+        report["max_abs_score_diff"] = scores_gap(policy, out)
+    elif verify:
         progress("verifying logits against transformers")
         # LoRA: peft's adapter on the transformers base; the merged folder in transformers alone
         report["max_abs_logit_diff"] = logits_gap(policy, hf_dir, adapter=out) if lora else logits_gap(policy, out)
@@ -241,6 +247,28 @@ def logits_gap(policy, hf_dir: str | Path, *, adapter: Optional[str | Path] = No
                 ref = model(mb.tokens[a:b][None]).logits[0].float()
                 gap = torch.maximum(gap, (logits[a:b] - ref).abs().max().double().reshape(1))
         del model
+    dist.broadcast(gap, src=0)
+    return float(gap)
+
+
+def scores_gap(model, hf_dir: str | Path, **probe: Any) -> float:
+    """A reward model's max |score(Megatron) - score(transformers' *ForSequenceClassification on
+    hf_dir)| over the probe batch's sequences (each scored at its last token). Collective, as
+    logits_gap."""
+    from mlrl.algorithms.rm_loss import sequence_scores
+
+    mb = probe_micro_batch(model.arch.vocab_size, **probe)
+    ours = sequence_scores(mb, model.compute_scores([mb])[0])
+    gap = torch.zeros(1, dtype=torch.float64)
+    if _rank() == 0:
+        import transformers
+
+        hf = transformers.AutoModelForSequenceClassification.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+        cu = mb.cu_seqlens.tolist()
+        with torch.no_grad():
+            ref = torch.stack([hf(mb.tokens[a:b][None]).logits[0, 0].float() for a, b in zip(cu[:-1], cu[1:])])
+        gap = (ours - ref).abs().max().double().reshape(1)
+        del hf
     dist.broadcast(gap, src=0)
     return float(gap)
 

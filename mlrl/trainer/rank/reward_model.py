@@ -10,7 +10,7 @@ transformers' `*ForSequenceClassification` and vLLM's pooling runner read. So `_
 returns the head output per position, unshifted; the loss (mlrl.algorithms.rm_loss) picks each
 sequence's last one.
 
-    MegatronRewardModel(model_cfg, parallel, trainer_cfg, layout, *, hf_dir)
+    MegatronRewardModel(model_cfg, parallel, trainer_cfg, layout, *, hf_dir, trainable=True)
       .compute_scores(micro_batches) -> [per-position scores [S] fp32 per micro-batch]
       .update(micro_batches, rm_loss_fn, *, step=True) -> metrics dict
       .score_weight() -> the head's weight [1, hidden] on the last pipeline stage, None elsewhere
@@ -40,11 +40,11 @@ class MegatronRewardModel(MegatronCritic):
     role = "reward_model"
 
     def __init__(self, model_cfg: ModelConfig, parallel: ParallelConfig, trainer_cfg: TrainerConfig, layout: Layout,
-                 *, hf_dir: Path | str):
+                 *, hf_dir: Path | str, trainable: bool = True):
         if layout.cp > 1:
             raise ValueError(f"a reward model reads each sequence's last position: parallel.cp={layout.cp} is not "
                              "supported")
-        MegatronPolicy.__init__(self, model_cfg, parallel, trainer_cfg, layout, hf_dir=hf_dir, trainable=True)
+        MegatronPolicy.__init__(self, model_cfg, parallel, trainer_cfg, layout, hf_dir=hf_dir, trainable=trainable)
 
     def _build_chunks(self) -> list[torch.nn.Module]:
         """The critic's chunks, with the head drawn as transformers initialises a new classifier's

@@ -11,6 +11,7 @@ RL run's `reward_model: {kind: classifier}` reads); centring pulls the scores to
 """
 
 import asyncio
+import json
 import math
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -164,3 +165,28 @@ def test_vllm_serves_the_export_with_the_same_scores(export):
     got = asyncio.run(served())
     want = [1 / (1 + math.exp(-s)) for k in range(6) for s in scores[k]]
     assert max(abs(a - b) for a, b in zip(got, want)) < 1e-5, (got, want)
+
+
+def test_the_checkpoint_converts_to_the_same_classifier_on_another_layout(runs, tmp_path):
+    """tools/convert_checkpoint.py mcore-to-hf on the reward model's TP1 training checkpoint, run at
+    TP2: the same tensors and config the run exported, and --verify compares scores with transformers."""
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    out = tmp_path / "converted"
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "convert_checkpoint.py"), "mcore-to-hf", "--ckpt",
+                        str(runs / "a" / "checkpoints"), "--out", str(out), "--tp", "2", "--verify", "--no-progress"],
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "one-label *ForSequenceClassification reward model" in r.stdout and "world=2" in r.stdout
+    gap = float(next(ln for ln in r.stdout.splitlines() if ln.startswith("verify ok: max |score difference|"))
+                .split("| ")[1].split(" ")[0])
+    assert gap < 1e-5
+    exported = runs / "a" / "hf" / f"step_{STEPS:06d}"
+    a, b = load_file(str(out / "model.safetensors")), load_file(str(exported / "model.safetensors"))
+    assert sorted(a) == sorted(b) and "score.weight" in a and "lm_head.weight" not in a
+    assert all(a[k].equal(b[k]) for k in a)
+    assert json.loads((out / "config.json").read_text()) == json.loads((exported / "config.json").read_text())

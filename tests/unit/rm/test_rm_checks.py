@@ -145,3 +145,26 @@ def test_an_rl_run_does_not_resume_a_reward_model_checkpoint(tmp_path):
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2, out.stderr[-2000:]
     assert "is a reward-model checkpoint; an RL run scores with its HF export" in out.stderr
+
+
+def _convert_error(capsys, *argv: str) -> str:
+    from helpers.tools import load_tool
+
+    rc = load_tool("convert_checkpoint").main(list(argv))
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.count("\n") == 0, err  # one line, before any rank starts
+    return err
+
+
+def test_the_converter_refuses_a_reward_model_folder_and_a_critic_checkpoint(classifier_folder, tmp_path, capsys):
+    from mlrl.ckpt_files.layout import FORMAT, MEGATRON_FILES, META_FILE
+
+    err = _convert_error(capsys, "hf-to-mcore", "--hf", str(classifier_folder), "--out", str(tmp_path / "out"))
+    assert "a LlamaForSequenceClassification (a reward model); hf-to-mcore converts causal LMs" in err
+    critic = tmp_path / "critic"
+    critic.mkdir()
+    (critic / META_FILE).write_text(json.dumps({"format": FORMAT, "role": "critic", "hf_config": {}}))
+    for f in MEGATRON_FILES:
+        (critic / f).write_text("{}")
+    err = _convert_error(capsys, "mcore-to-hf", "--ckpt", str(critic), "--out", str(tmp_path / "out"))
+    assert "a PPO critic's checkpoint (a value head on the policy's body) has no Hugging Face form" in err
