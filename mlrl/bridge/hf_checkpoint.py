@@ -21,6 +21,8 @@ from safetensors import safe_open
 from mlrl.bridge.arch import BridgeError, ModelArch
 from mlrl.bridge.specs import ArchSpec
 
+SCORE_WEIGHT = "score.weight"  # transformers' *ForSequenceClassification head: [num_labels, hidden]
+
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
                 "F8_E4M3": 1, "F8_E5M2": 1}
 
@@ -108,9 +110,14 @@ class HFCheckpoint:
                     f"{self.dir}: tensor {missing[0]!r} is listed in the index but absent from {weight_map[missing[0]]}"
                 )
 
-    def check(self, spec: ArchSpec, arch: ModelArch) -> None:
-        """Every tensor config.json implies is present with its shape, and nothing unknown is."""
+    def check(self, spec: ArchSpec, arch: ModelArch, *, score_head: bool = False) -> None:
+        """Every tensor config.json implies is present with its shape, and nothing unknown is.
+        `score_head`: a one-label `*ForSequenceClassification` folder (a reward model): `score.weight`
+        [1, hidden] instead of an LM head."""
         expected = spec.hf_shapes(arch)
+        if score_head:
+            expected = {k: v for k, v in expected.items() if not k.startswith("lm_head.")}
+            expected[SCORE_WEIGHT] = (1, arch.hidden_size)
         for name, shape in expected.items():
             info = self.tensors.get(name)
             if info is None:

@@ -166,8 +166,6 @@ def finalize_hf_folder(tmp: str | Path, out_dir: str | Path, shard_maps: Iterabl
     return out
 
 
-SCORE_WEIGHT = "score.weight"  # transformers' *ForSequenceClassification head: [num_labels, hidden]
-
 
 def sequence_classifier_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """A causal LM's config.json -> its one-label `*ForSequenceClassification` (a reward model:
@@ -183,10 +181,17 @@ def sequence_classifier_config(cfg: dict[str, Any]) -> dict[str, Any]:
     out["num_labels"] = 1
     out["id2label"], out["label2id"] = {"0": "LABEL_0"}, {"LABEL_0": 0}
     out.pop("problem_type", None)
-    if out.get("pad_token_id") is None:
-        eos = out.get("eos_token_id")
-        out["pad_token_id"] = eos[0] if isinstance(eos, list) else eos
+    out["pad_token_id"] = classifier_pad_id(cfg)
     return out
+
+
+def classifier_pad_id(cfg: dict[str, Any]) -> Optional[int]:
+    """The pad_token_id a reward model's export names: the model's own, else its (first) EOS id."""
+    pad = cfg.get("pad_token_id")
+    if pad is None:
+        eos = cfg.get("eos_token_id")
+        pad = eos[0] if isinstance(eos, list) else eos
+    return pad
 
 
 _SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}

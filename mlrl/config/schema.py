@@ -403,7 +403,8 @@ class CriticConfig(OptimizerConfig):
 
     hf_dir: Optional[str] = None
     """Initial weights of the critic's body (None = model.hf_dir, the policy's initial model); the
-    value head starts at zero."""
+    value head starts at zero, or, when this is a one-label *ForSequenceClassification (a reward
+    model, e.g. an rm run's export), at its score head: initial values are its scores."""
     value_clip: float = 0.2
     """PPO value clipping: V is kept within +-value_clip of the values before the update (0 = off)."""
     critic_only_steps: int = 0

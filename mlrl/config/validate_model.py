@@ -19,6 +19,16 @@ if TYPE_CHECKING:
     from mlrl.config.validate import Layout
 
 
+def is_classifier(hf: dict[str, Any]) -> bool:
+    """config.json describes a `*ForSequenceClassification` (a reward model: a score head, no LM head)."""
+    return any(str(a).endswith("ForSequenceClassification") for a in hf.get("architectures") or [])
+
+
+def classifier_labels(hf: dict[str, Any]) -> int:
+    """A classifier config's label count, as transformers reads it (id2label, else num_labels, else 2)."""
+    return len(hf["id2label"]) if hf.get("id2label") else int(hf.get("num_labels", 2))
+
+
 def check_model(cfg: Config, hf: dict[str, Any], layout: Layout, *, engines: bool = True) -> None:
     """The model's shape against the parallel layout and the run's lengths; `engines`: the rollout
     engines serve it too (not a critic's body or a KL reference, which only the trainer builds)."""
@@ -32,11 +42,11 @@ def check_model(cfg: Config, hf: dict[str, Any], layout: Layout, *, engines: boo
             "model.hf_dir: config.json lacks num_attention_heads / num_hidden_layers "
             f"(model_type={hf.get('model_type')!r})"
         )
-    classifier = [a for a in hf.get("architectures") or [] if str(a).endswith("ForSequenceClassification")]
-    if classifier and engines:
-        raise ConfigError(f"model.hf_dir: a {classifier[0]} (a reward model: a score head, no LM head) cannot be "
-                          "the policy or the model a reward-model run starts from; an RL run scores with it as "
-                          "reward_model: {kind: classifier, hf_dir: <it>}")
+    if is_classifier(hf) and engines:
+        raise ConfigError(f"model.hf_dir: a {hf['architectures'][0]} (a reward model: a score head, no LM head) "
+                          "cannot be the policy or the model a reward-model run starts from; an RL run scores with "
+                          "it as reward_model: {kind: classifier, hf_dir: <it>}, or starts its critic from it "
+                          "(critic.hf_dir)")
     kv = hf.get("num_key_value_heads") or heads  # (absent or null: one KV head per attention head)
     if heads % p.tp:
         raise ConfigError(f"parallel.tp={p.tp} must divide the model's num_attention_heads={heads}")

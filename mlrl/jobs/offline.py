@@ -136,9 +136,16 @@ def _run_offline(cfg: Config, layout: Layout, make_job: Callable[[Path], Offline
     ckpts.check_start(int(state["step"]) if state else 0)
     if state is not None and state.get("kind") != job.kind:
         named = {"sft": "an SFT", "dpo": "a DPO", "rm": "a reward-model"}
-        raise ConfigError(f"checkpoint.resume: {resume} is {named.get(str(state.get('kind')), 'an RL')} checkpoint; "
-                          f"{named[job.kind]} run resumes {job.title} checkpoints (to fine-tune from its weights: "
-                          f"model.init_from={resume} in a new run directory)")
+        saved = str(state.get("kind"))
+        if saved == "rm":  # a reward model starts nothing: it scores RL runs
+            hint = ("a reward model is no policy: an RL run scores with its HF export (reward_model.kind=classifier, "
+                    "reward_model.hf_dir=<its run>/hf/step_N)")
+        elif job.kind == "rm":  # a reward-model run starts from an HF folder (model.init_from is refused)
+            hint = "to train a reward model on its weights: model.hf_dir=<its run>/hf/step_N in a new run directory"
+        else:
+            hint = f"to fine-tune from its weights: model.init_from={resume} in a new run directory"
+        raise ConfigError(f"checkpoint.resume: {resume} is {named.get(saved, 'an RL')} checkpoint; "
+                          f"{named[job.kind]} run resumes {job.title} checkpoints ({hint})")
     source = check_model_init_from(cfg.model, hf_dir, resume=resume)
     if resume:
         check_resume_same_start(resume, hf_dir, source, reference=cfg.dpo is not None)

@@ -111,6 +111,16 @@ class _Checked:
     judge_tokenizer: Any = None
 
 
+def _pad_id(folder: Path | None) -> int | None:
+    """config.json's pad_token_id of a classifier reward model (what transformers skips at the end)."""
+    import json
+
+    if folder is None:
+        return None
+    pad = json.loads((Path(folder) / "config.json").read_text()).get("pad_token_id")
+    return pad if isinstance(pad, int) else None
+
+
 def _checks(cfg: Config, hf_dir: Path, run_dir: Path) -> _Checked:
     """Tokenizer, checkpoint to resume, data, workflow, judge folder: each fails with a clear error."""
     tokenizer = model_tokenizer(hf_dir)
@@ -289,7 +299,7 @@ async def _run(cfg: Config, layout: Layout, early: EarlyStart) -> int:
         if judge_pool is not None and cfg.reward_model is not None:
             rm = cfg.reward_model
             set_active_judge(
-                ClassifierJudge(judge_pool, judge_tokenizer) if rm.kind == "classifier" else
+                ClassifierJudge(judge_pool, judge_tokenizer, pad_id=_pad_id(judge_dir)) if rm.kind == "classifier" else
                 ModelJudge(judge_pool, judge_tokenizer, prompt_template=rm.prompt_template,
                            score_pattern=rm.score_pattern, max_score=rm.max_score, max_tokens=rm.max_tokens))
         clock.mark("processes")

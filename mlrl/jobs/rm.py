@@ -20,6 +20,8 @@ before any process starts (mlrl.jobs.offline).
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import time
 from pathlib import Path
@@ -27,8 +29,11 @@ from typing import Any
 
 from mlrl.algorithms.loss_metrics import combine_loss_metrics, finalize_loss_metrics
 from mlrl.algorithms.rm_loss import make_rm_loss_fn
+from mlrl.ckpt_files.hf_folder import classifier_pad_id as export_pad_id
 from mlrl.config import Config, ConfigError, Layout
 from mlrl.config.schema import RMConfig
+from mlrl.data.preference import Side
+from mlrl.data.registry import PreferenceDataset
 from mlrl.jobs.dpo import load_preference_data, pack_pairs
 from mlrl.jobs.offline import run_offline
 from mlrl.trainer.driver.client import TrainerClient
@@ -38,6 +43,29 @@ KIND = "rm"  # recorded in the checkpoint's loop state
 # loss-metric key -> the run's metric (rm/<name>, eval/rm_<name>)
 NAMES = {"chosen_score": "chosen_score", "rejected_score": "rejected_score", "score_margin": "margin",
          "pair_accuracy": "accuracy"}
+
+
+def classifier_pad_id(hf_dir: Path) -> int | None:
+    """The pad token id the export's config.json will name (mlrl.ckpt_files.hf_folder.sequence_classifier_config)."""
+    return export_pad_id(json.loads((Path(hf_dir) / "config.json").read_text()))
+
+
+def strip_pad_tail(side: Side, pad_id: int | None) -> Side:
+    """A sequence without its trailing pad-id tokens. transformers' `*ForSequenceClassification` scores
+    a sequence at its last token that is NOT the pad id, vLLM's pooling runner at its last token, and
+    the trainer at its last token: with every sequence ending in a non-pad token (here, and in what
+    mlrl.reward.model.ClassifierJudge sends) the three read the same position. A string row's
+    appended EOS is the pad id when the model pads with EOS (SmolLM2; the export's default)."""
+    ids, mask = side
+    n = len(ids)
+    while pad_id is not None and n > 1 and ids[n - 1] == pad_id:
+        n -= 1
+    return list(ids[:n]), list(mask[:n])
+
+
+def _stripped(ds: PreferenceDataset, pad_id: int | None) -> PreferenceDataset:
+    return dataclasses.replace(ds, examples=[{k: strip_pad_tail(v, pad_id) for k, v in ex.items()}
+                                             for ex in ds.examples])
 
 
 def _rm_section(cfg: Config) -> RMConfig:
@@ -53,7 +81,10 @@ class RewardModelJob:
 
     def __init__(self, cfg: Config, hf_dir: Path):
         self.cfg = _rm_section(cfg)
-        self.train, self.held_out = load_preference_data(cfg, hf_dir)
+        train, held_out = load_preference_data(cfg, hf_dir)
+        pad_id = classifier_pad_id(hf_dir)
+        self.train = _stripped(train, pad_id)
+        self.held_out = _stripped(held_out, pad_id) if held_out is not None else None
         self.batch_size, self.token_budget = self.cfg.batch_size, cfg.trainer.token_budget
         self.loss_fn = make_rm_loss_fn(self.cfg.center_rewards_coefficient)  # the ranks' loss, for held-out metrics
         log.info("reward model (Bradley-Terry%s): %d training pairs (%d cut at rm.max_seq_tokens=%d), %s held out%s",

@@ -116,14 +116,21 @@ class ClassifierJudge(ModelJudge):
 
     generates = False
 
-    def __init__(self, engine: Any, tokenizer: Any):
+    def __init__(self, engine: Any, tokenizer: Any, pad_id: int | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
+        self.pad_id = pad_id  # the classifier's config.json pad_token_id
         self.reset_metrics()
 
     def conversation_ids(self, question: str, response: str) -> list[int]:
-        return _chat_ids(self.tokenizer, [{"role": "user", "content": question},
-                                          {"role": "assistant", "content": response}])
+        """The rendered conversation without trailing pad-id tokens: transformers' classifiers score
+        the last token that is not the pad id, vLLM's pooling runner the last token; without a pad tail
+        both score the same one (as mlrl.jobs.rm trains)."""
+        ids = _chat_ids(self.tokenizer, [{"role": "user", "content": question},
+                                         {"role": "assistant", "content": response}])
+        while self.pad_id is not None and len(ids) > 1 and ids[-1] == self.pad_id:
+            ids.pop()
+        return ids
 
     async def score(self, question: str, response: str, answer: Any = None) -> float:
         self.calls += 1

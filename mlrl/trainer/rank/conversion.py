@@ -83,7 +83,7 @@ def _without_hf_weights() -> Iterator[None]:
         def __init__(self, hf_dir: str | Path):
             self.dir = Path(hf_dir)
 
-        def check(self, spec, arch) -> None:
+        def check(self, spec, arch, *, score_head: bool = False) -> None:
             pass
 
     from mlrl.trainer.rank.mbridge import MBridgeParams

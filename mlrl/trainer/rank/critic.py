@@ -106,6 +106,21 @@ class MegatronCritic(MegatronPolicy):
                                                dtype=params_dtype(self.model_cfg), device=self.device)
         return chunks
 
+    def _load_head(self, ckpt, chunks: list[torch.nn.Module]) -> None:
+        """Started from a reward model's export (critic.hf_dir = a one-label *ForSequenceClassification,
+        the usual RLHF start: OpenRLHF, DeepSpeed-Chat): its score head is the value head's start, so
+        the initial value of a state is the reward model's score of the sequence so far."""
+        if not self.score_head_folder:
+            return
+        from mlrl.bridge.hf_checkpoint import SCORE_WEIGHT
+
+        score = ckpt.read([SCORE_WEIGHT])[SCORE_WEIGHT]
+        for chunk in chunks:
+            for module in chunk.modules():
+                if isinstance(module, ValueHead):
+                    with torch.no_grad():
+                        module.weight.copy_(score.to(module.weight.dtype))
+
     def _optimizer_hparams(self) -> dict[str, Any]:
         c = self.critic_cfg
         return dict(lr=c.lr, min_lr=c.min_lr, lr_schedule=c.lr_schedule, lr_warmup_steps=c.lr_warmup_steps,

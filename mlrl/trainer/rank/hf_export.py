@@ -26,8 +26,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from mlrl.bridge.hf_checkpoint import SCORE_WEIGHT
 from mlrl.ckpt_files.hf_folder import (
-    SCORE_WEIGHT,
     ShardMap,
     ShardWriter,
     finalize_hf_folder,

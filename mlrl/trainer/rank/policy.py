@@ -114,7 +114,13 @@ class MegatronPolicy:
             raise ValueError(f"parallel.sequence_parallel must be true for an MoE model with parallel.tp={layout.tp} "
                              "(megatron-core's MoELayer refuses to train otherwise)")
         ckpt = HFCheckpoint(self.hf_dir)
-        ckpt.check(self.spec, self.arch)
+        # a reward model's export (a critic's start): score.weight in place of the LM head
+        self.score_head_folder = any(str(a).endswith("ForSequenceClassification")
+                                     for a in self.hf_config.get("architectures") or [])
+        if self.score_head_folder and self.LM_HEAD:
+            raise ValueError(f"{self.hf_dir} is a sequence classifier (a reward model): it has no LM head to build a "
+                             "policy from")
+        ckpt.check(self.spec, self.arch, score_head=self.score_head_folder)
 
         self.ranks: Ranks = ranks()
         self.device = device()
@@ -130,6 +136,7 @@ class MegatronPolicy:
         chunks = self._build_chunks()
         self.params = self._local_params(chunks)
         self.params.load_hf(ckpt)
+        self._load_head(ckpt, chunks)
         self.lora = None
         if self.LORA and model_cfg.lora is not None:
             from mlrl.trainer.rank.lora import LoRA
@@ -177,6 +184,10 @@ class MegatronPolicy:
         assert self.spec is not None  # None only on the megatron-bridge path, which builds its own chunks
         return build_model_chunks(self.spec, self.arch, self.config, self.layout,
                                   unfused_norms=self.LORA and self.model_cfg.lora is not None)
+
+    def _load_head(self, ckpt: HFCheckpoint, chunks: list[torch.nn.Module]) -> None:
+        """Hook: an output layer that is not the HF lm_head (the critic's value head) from the folder,
+        into `chunks` (before DDP wraps them)."""
 
     def _local_params(self, chunks: list[torch.nn.Module]) -> LocalParams:
         """The parameters that load from / export to the HF checkpoint (without the output layer

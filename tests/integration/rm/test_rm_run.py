@@ -190,3 +190,21 @@ def test_the_checkpoint_converts_to_the_same_classifier_on_another_layout(runs, 
     assert sorted(a) == sorted(b) and "score.weight" in a and "lm_head.weight" not in a
     assert all(a[k].equal(b[k]) for k in a)
     assert json.loads((out / "config.json").read_text()) == json.loads((exported / "config.json").read_text())
+
+
+def test_a_critic_starts_from_the_reward_model(runs):
+    """critic.hf_dir = the reward model's export (the usual RLHF start of PPO's critic): the critic's
+    body and value head are the reward model's, so a state's initial value is the reward model's score
+    of the tokens so far (transformers' classifier on every prefix, 1e-5), not 0 as from a causal LM."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests" / "integration" / "trainer"))
+    from trainer_harness import run_torchrun
+
+    export = runs / "a" / "hf" / f"step_{STEPS:06d}"
+    (r,), _ = run_torchrun(Path(__file__).with_name("critic_from_rm_worker.py"), ["--rm", str(export)], 1,
+                           timeout=300)
+    values, want = r["values"], r["prefix_scores"]
+    assert len(values) == len(want) == 20
+    assert max(abs(a - b) for a, b in zip(values, want)) < 1e-5, (values, want)
+    assert max(abs(v) for v in values) > 0.1  # the head was loaded: a fresh critic's values are exactly 0

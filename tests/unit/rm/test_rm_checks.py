@@ -135,7 +135,8 @@ def test_a_reward_model_run_resumes_only_its_own_checkpoints(tmp_path):
                           f"checkpoint.dir={ckpts}", f"logging.run_dir={tmp_path / 'run'}",
                           "logging.progress_bar=false"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2, out.stderr[-2000:]
-    assert "is a DPO checkpoint; a reward-model run resumes RM checkpoints" in out.stderr
+    assert ("is a DPO checkpoint; a reward-model run resumes RM checkpoints (to train a reward model on its weights: "
+            "model.hf_dir=") in out.stderr
 
 
 def test_an_rl_run_does_not_resume_a_reward_model_checkpoint(tmp_path):
@@ -168,3 +169,55 @@ def test_the_converter_refuses_a_reward_model_folder_and_a_critic_checkpoint(cla
         (critic / f).write_text("{}")
     err = _convert_error(capsys, "mcore-to-hf", "--ckpt", str(critic), "--out", str(tmp_path / "out"))
     assert "a PPO critic's checkpoint (a value head on the policy's body) has no Hugging Face form" in err
+
+
+def test_sequences_lose_their_pad_tail_so_transformers_scores_the_last_token(classifier_folder):
+    """transformers' classifier scores the last token that is not the pad id; the trainer and vLLM
+    score the last token. A string row's appended EOS is the pad id when the model pads with EOS: the
+    reward-model job and the classifier judge drop such a tail, after which transformers' score IS
+    the last position's (the trainer's)."""
+    import torch
+    import transformers
+
+    from mlrl.jobs.rm import classifier_pad_id, strip_pad_tail
+    from mlrl.reward.model import ClassifierJudge
+
+    cfg = json.loads((classifier_folder / "config.json").read_text())
+    eos = cfg["eos_token_id"]
+    cfg["pad_token_id"] = eos  # the EOS-padded case (SmolLM2; the export's default without a pad token)
+    folder = classifier_folder.parent / "eos-padded"
+    shutil.copytree(classifier_folder, folder)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    assert classifier_pad_id(folder) == eos
+    ids, mask = [1, 5, 7, 9, eos], [0, 0, 1, 1, 1]
+    assert strip_pad_tail((ids, mask), eos) == ([1, 5, 7, 9], [0, 0, 1, 1])
+    assert strip_pad_tail(([eos, eos], [0, 1]), eos) == ([eos], [0])  # never empty
+    assert strip_pad_tail((ids, mask), None) == (ids, mask)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        model.score.weight.normal_()
+        out = model(torch.tensor([ids[:4]]), output_hidden_states=True)
+        last_position = float(model.score(out.hidden_states[-1][0, -1]))  # the trainer's read
+        assert float(model(torch.tensor([ids])).logits[0, 0]) == float(out.logits[0, 0])  # the EOS is skipped
+    assert abs(float(out.logits[0, 0]) - last_position) < 1e-6
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    judge = ClassifierJudge(None, tok, pad_id=eos)
+    raw = ClassifierJudge(None, tok).conversation_ids("copy 3", "3")
+    assert judge.conversation_ids("copy 3", "3") == strip_pad_tail((raw, [0] * len(raw)), eos)[0]
+
+
+def test_a_reward_model_may_start_the_critic_but_not_be_a_teacher(classifier_folder, tmp_path):
+    default = ROOT / "launch" / "cpu_default.yaml"
+    cfg = _validated("algorithm.advantage=gae", f"critic.hf_dir={classifier_folder}", recipe=default)
+    assert cfg.uses_critic  # its score head starts the value head (tests/integration/rm: the values are its scores)
+    two = tmp_path / "two-labels"
+    shutil.copytree(classifier_folder, two)
+    c = json.loads((two / "config.json").read_text())
+    c["id2label"], c["num_labels"] = {"0": "bad", "1": "good"}, 2
+    (two / "config.json").write_text(json.dumps(c))
+    with pytest.raises(ConfigError, match="critic.hf_dir: a LlamaForSequenceClassification with 2 labels"):
+        _validated("algorithm.advantage=gae", f"critic.hf_dir={two}", recipe=default)
+    with pytest.raises(ConfigError, match=r"algorithm.reference_hf_dir: a LlamaForSequenceClassification .* gives no "
+                                          "token log-probabilities"):
+        _validated("algorithm.kl_coef=0.1", f"algorithm.reference_hf_dir={classifier_folder}", recipe=default)
