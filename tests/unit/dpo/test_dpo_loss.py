@@ -7,26 +7,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.preference_pairs import random_pairs
 
 from mlrl.algorithms.dpo_loss import make_dpo_loss_fn
 from mlrl.algorithms.loss_metrics import combine_loss_metrics, finalize_loss_metrics
 from mlrl.experience.packing import attach_per_sample, gather_per_sample, pack_step
 from mlrl.jobs.dpo import pack_pairs, samples_of
-
-
-def _pairs(n: int, seed: int = 0) -> list[dict]:
-    """n pairs with a shared prompt of 2-6 tokens and completions of 1-5 tokens."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        p = int(torch.randint(2, 7, (1,), generator=g))
-        prompt = torch.randint(3, 50, (p,), generator=g).tolist()
-        sides = []
-        for _ in range(2):
-            c = int(torch.randint(1, 6, (1,), generator=g))
-            sides.append((prompt + torch.randint(3, 50, (c,), generator=g).tolist(), [0] * p + [1] * c))
-        out.append({"chosen": sides[0], "rejected": sides[1]})
-    return out
 
 
 def _token_logprobs(pairs, seed: int) -> list[torch.Tensor]:
@@ -67,7 +53,7 @@ def _packed_loss(pairs, pol, ref, beta, loss_type, dp, budget):
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
 def test_loss_and_grads_are_the_formula_whatever_the_split(loss_type):
-    pairs = _pairs(7)
+    pairs = random_pairs(7)
     ref = _token_logprobs(pairs, 1)
     want_pol = [t.clone().requires_grad_() for t in _token_logprobs(pairs, 2)]
     want = _formula(pairs, want_pol, ref, 0.3, loss_type)
@@ -89,7 +75,7 @@ def test_a_padding_only_micro_batch_reports_every_key():
     """A DP rank with fewer pairs gets padding-only micro-batches: they report the same keys (at 0) as
     a real one, so the trainer reduces one key set over micro-batches and DP ranks (a missing key was
     a KeyError in its reduction)."""
-    pairs = _pairs(3)
+    pairs = random_pairs(3)
     per_dp, _ = pack_pairs(pairs, 2, 20)  # rank 0: one pair, then padding; rank 1: two micro-batches of a pair
     ref = _token_logprobs(pairs, 1)
     fn = make_dpo_loss_fn(0.1, "sigmoid")
@@ -104,7 +90,7 @@ def test_a_padding_only_micro_batch_reports_every_key():
 
 
 def test_pairs_are_packed_whole_and_in_order():
-    pairs = _pairs(9, seed=4)
+    pairs = random_pairs(9, seed=4)
     per_dp, _ = pack_pairs(pairs, 2, 20)
     seen = []
     for rank in per_dp:
@@ -118,7 +104,7 @@ def test_pairs_are_packed_whole_and_in_order():
 
 
 def test_packing_needs_group_ids_and_no_shared_prefix():
-    samples = samples_of(_pairs(2))
+    samples = samples_of(random_pairs(2))
     with pytest.raises(ValueError, match="cannot be combined"):
         pack_step(samples, dp_size=1, token_budget=64, loss_agg="seq-mean-token-sum", whole_groups=True,
                   shared_prefix=True)
@@ -160,7 +146,7 @@ def test_bad_settings_and_broken_micro_batches_are_refused():
         make_dpo_loss_fn(0.0, "sigmoid")
     with pytest.raises(ValueError, match="dpo.loss_type='hinge'"):
         make_dpo_loss_fn(0.1, "hinge")
-    pairs = _pairs(2)
+    pairs = random_pairs(2)
     per_dp, _ = pack_pairs(pairs, 1, 256)
     mb = per_dp[0][0]
     fn = make_dpo_loss_fn(0.1, "sigmoid")

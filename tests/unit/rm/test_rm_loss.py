@@ -8,26 +8,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.preference_pairs import random_pairs
 
 from mlrl.algorithms.loss_metrics import combine_loss_metrics, finalize_loss_metrics
 from mlrl.algorithms.rm_loss import make_rm_loss_fn, sequence_scores
 from mlrl.experience.packing import gather_per_sample, pack_step
 from mlrl.jobs.dpo import pack_pairs, samples_of
-
-
-def _pairs(n: int, seed: int = 0) -> list[dict]:
-    """n pairs with a shared prompt of 2-6 tokens and completions of 1-5 tokens."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        p = int(torch.randint(2, 7, (1,), generator=g))
-        prompt = torch.randint(3, 50, (p,), generator=g).tolist()
-        sides = []
-        for _ in range(2):
-            c = int(torch.randint(1, 6, (1,), generator=g))
-            sides.append((prompt + torch.randint(3, 50, (c,), generator=g).tolist(), [0] * p + [1] * c))
-        out.append({"chosen": sides[0], "rejected": sides[1]})
-    return out
 
 
 def _position_scores(pairs, seed: int) -> list[torch.Tensor]:
@@ -59,7 +45,7 @@ def _packed_loss(pairs, scores, center, dp, budget):
 
 @pytest.mark.parametrize("center", [0.0, 0.05])
 def test_loss_and_grads_are_the_formula_whatever_the_split(center):
-    pairs = _pairs(7)
+    pairs = random_pairs(7)
     want_s = [t.clone().requires_grad_() for t in _position_scores(pairs, 2)]
     want = _formula(want_s, center)
     want.backward()
@@ -81,7 +67,7 @@ def test_loss_and_grads_are_the_formula_whatever_the_split(center):
 
 
 def test_equal_scores_give_log_2_and_the_gradient_raises_chosen_and_lowers_rejected():
-    pairs = _pairs(2, seed=3)
+    pairs = random_pairs(2, seed=3)
     scores = [torch.zeros(len(p[s][0]), requires_grad=True) for p in pairs for s in ("chosen", "rejected")]
     loss, m, _ = _packed_loss(pairs, scores, 0.0, 1, 256)
     assert float(loss.detach()) == pytest.approx(math.log(2)) and m["score_margin"] == 0 and m["pair_accuracy"] == 0
@@ -93,7 +79,7 @@ def test_equal_scores_give_log_2_and_the_gradient_raises_chosen_and_lowers_rejec
 def test_centring_pulls_the_scores_toward_zero_and_leaves_the_margin():
     """Both sides scored high (same margin): the centring term adds (r_w + r_l)^2 and its gradient
     pushes both scores down; without it the pairwise loss is blind to a common shift."""
-    pairs = _pairs(1, seed=5)
+    pairs = random_pairs(1, seed=5)
     results = {}
     for center in (0.0, 0.1):
         scores = [torch.full((len(pairs[0][s][0]),), v, requires_grad=True)
@@ -108,7 +94,7 @@ def test_centring_pulls_the_scores_toward_zero_and_leaves_the_margin():
 
 
 def test_sequence_scores_read_each_segments_last_position():
-    pairs = _pairs(3, seed=1)
+    pairs = random_pairs(3, seed=1)
     per_dp, _ = pack_pairs(pairs, 1, 256)
     mb = per_dp[0][0]
     positions = torch.arange(mb.num_tokens, dtype=torch.float32)
@@ -117,7 +103,7 @@ def test_sequence_scores_read_each_segments_last_position():
 
 
 def test_a_padding_only_micro_batch_reports_every_key():
-    pairs = _pairs(3)
+    pairs = random_pairs(3)
     per_dp, _ = pack_pairs(pairs, 2, 20)
     fn = make_rm_loss_fn(0.0)
     keys = []
@@ -132,7 +118,7 @@ def test_a_padding_only_micro_batch_reports_every_key():
 def test_bad_settings_and_broken_micro_batches_are_refused():
     with pytest.raises(ValueError, match="rm.center_rewards_coefficient=-1"):
         make_rm_loss_fn(-1.0)
-    pairs = _pairs(2)
+    pairs = random_pairs(2)
     fn = make_rm_loss_fn(0.0)
     one_side, _ = pack_step(samples_of(pairs)[:3], dp_size=1, token_budget=256, loss_agg="seq-mean-token-sum")
     mb = one_side[0][0]
