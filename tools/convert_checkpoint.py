@@ -221,6 +221,7 @@ def check_layout(hf_config: dict, tp: int, pp: int, ep: int, what: str, bridge: 
 def prepare(args) -> dict[str, Any]:
     """Validate the inputs; returns the job description the ranks run."""
     from mlrl.bridge import BridgeError, HFCheckpoint, spec_for
+    from mlrl.bridge.arch import is_sequence_classifier
     from mlrl.bridge.select import resolve_bridge
     from mlrl.ckpt_files.errors import CheckpointError
     from mlrl.trainer.rank.conversion import check_output_dir
@@ -233,7 +234,7 @@ def prepare(args) -> dict[str, Any]:
                                   "named as model.dtype")
         hf = resolve_hf_dir(args.hf, "--hf")
         hf_config = read_hf_config(hf, "--hf")
-        if any(str(a).endswith("ForSequenceClassification") for a in hf_config.get("architectures") or []):
+        if is_sequence_classifier(hf_config):
             raise ConversionError(f"--hf {hf}: a {hf_config['architectures'][0]} (a reward model); hf-to-mcore "
                                   "converts causal LMs (a reward model's Megatron form is its training checkpoint)")
         try:

@@ -24,6 +24,12 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SCORE_WEIGHT = "score.weight"  # transformers' *ForSequenceClassification head: [num_labels, hidden]
+
+
+def is_sequence_classifier(hf: dict[str, Any]) -> bool:
+    """config.json describes a `*ForSequenceClassification` (a reward model: a score head, no LM head)."""
+    return any(str(a).endswith("ForSequenceClassification") for a in hf.get("architectures") or [])
 
 
 class BridgeError(ValueError):

@@ -18,10 +18,8 @@ from typing import Iterable
 import torch
 from safetensors import safe_open
 
-from mlrl.bridge.arch import BridgeError, ModelArch
+from mlrl.bridge.arch import SCORE_WEIGHT, BridgeError, ModelArch
 from mlrl.bridge.specs import ArchSpec
-
-SCORE_WEIGHT = "score.weight"  # transformers' *ForSequenceClassification head: [num_labels, hidden]
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
                 "F8_E4M3": 1, "F8_E5M2": 1}

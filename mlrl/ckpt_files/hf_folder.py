@@ -166,12 +166,11 @@ def finalize_hf_folder(tmp: str | Path, out_dir: str | Path, shard_maps: Iterabl
     return out
 
 
-
 def sequence_classifier_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """A causal LM's config.json -> its one-label `*ForSequenceClassification` (a reward model:
-    transformers' AutoModelForSequenceClassification and vLLM's pooling runner load it; both score
-    the last token). transformers finds the last token of a padded batch through pad_token_id: one
-    is set (the EOS id) when the model has none."""
+    """A causal LM's config.json -> its one-label `*ForSequenceClassification` (a reward model that
+    transformers' AutoModelForSequenceClassification and vLLM's pooling runner load). transformers
+    scores the last token that is not pad_token_id, vLLM the last token (mlrl.jobs.rm.strip_pad_tail
+    keeps them on one token); a pad id is set (the EOS id) when the model has none."""
     out = dict(cfg)
     archs = [a for a in cfg.get("architectures") or [] if a.endswith("ForCausalLM")]
     if not archs:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from mlrl.bridge.arch import is_sequence_classifier
 from mlrl.ckpt_files.layout import (
     COMPLETE,
     CRITIC_DIR,
@@ -122,10 +123,10 @@ def _hf_folder(path: Path, hf_config: dict[str, Any]) -> InitSource:
                           + (" (only a PEFT adapter: export the LoRA run with checkpoint.export_merged=true)"
                              if adapter else ""))
     folder_config = read_json(path / "config.json")
-    classifier = [a for a in folder_config.get("architectures") or [] if str(a).endswith("ForSequenceClassification")]
-    if classifier:
-        raise ConfigError(f"{FIELD}: {path} is a {classifier[0]} (a reward model: a score head, no LM head), not a "
-                          "policy; an RL run scores with it as reward_model: {kind: classifier, hf_dir: <it>}")
+    if is_sequence_classifier(folder_config):
+        raise ConfigError(f"{FIELD}: {path} is a {folder_config['architectures'][0]} (a reward model: a score "
+                          "head, no LM head), not a policy; an RL run scores with it as reward_model: "
+                          "{kind: classifier, hf_dir: <it>}")
     diff = _arch_differences(folder_config, hf_config)
     if diff:
         raise ConfigError(f"{FIELD}: {path}/config.json does not match model.hf_dir's architecture: " + "; ".join(diff))

@@ -475,6 +475,9 @@ class RMConfig:
     alone leaves free (0 = off)."""
 
 
+OFFLINE_KINDS = ("sft", "dpo", "rm")  # the sections of a run of the trainer alone (Config.offline)
+
+
 @dataclass
 class EvalConfig:
     samples_per_prompt: int = 1
@@ -686,12 +689,12 @@ class Config:
     def offline(self) -> Optional[str]:
         """"sft", "dpo" or "rm" for a run of the trainer alone on a fixed dataset (no engines, no
         rollout); None for an RL run."""
-        return next((name for name in ("sft", "dpo", "rm") if getattr(self, name) is not None), None)
+        return next((name for name in OFFLINE_KINDS if getattr(self, name) is not None), None)
 
     @property
     def offline_section(self) -> "Optional[SFTConfig | DPOConfig | RMConfig]":
         """The section of the offline run (`offline`), None for an RL run."""
-        return self.sft if self.sft is not None else self.dpo if self.dpo is not None else self.rm
+        return getattr(self, self.offline) if self.offline else None
 
     @property
     def trains_on_pairs(self) -> bool:

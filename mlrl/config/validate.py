@@ -15,15 +15,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from mlrl.bridge.arch import is_sequence_classifier
 from mlrl.config.loader import ConfigError
-from mlrl.config.schema import LORA_TARGETS, Config, OptimizerConfig
+from mlrl.config.schema import LORA_TARGETS, OFFLINE_KINDS, Config, OptimizerConfig
 from mlrl.config.validate_model import (
     check_arch,
     check_arch_preset,
     check_bridge,
     check_model,
     classifier_labels,
-    is_classifier,
     routing_capture_problem,
 )
 from mlrl.modelzoo import ModelSpecError, hf_config_dict
@@ -260,7 +260,7 @@ def _check_offline(cfg: Config) -> None:
     s = cfg.offline_section
     if kind is None or s is None:
         return
-    both = [name for name in ("sft", "dpo", "rm") if getattr(cfg, name) is not None]
+    both = [name for name in OFFLINE_KINDS if getattr(cfg, name) is not None]
     if len(both) > 1:
         raise ConfigError(f"{' and '.join(both)}: a run is supervised fine-tuning (sft), preference optimisation "
                           "(dpo) OR reward-model training (rm); keep one section")
@@ -709,7 +709,7 @@ def validate(cfg: Config, *, has_cuda: bool | None = None, has_te: bool | None =
     if cfg.uses_critic and cfg.critic is not None and cfg.critic.hf_dir:
         crit = _second_model(cfg, layout, cfg.critic.hf_dir, "critic.hf_dir")
         # a reward model's export: its body and its score head start the critic (the score head its value head)
-        if is_classifier(crit) and classifier_labels(crit) != 1:
+        if is_sequence_classifier(crit) and classifier_labels(crit) != 1:
             raise ConfigError(f"critic.hf_dir: a {crit['architectures'][0]} with {classifier_labels(crit)} labels; the "
                               "critic's value head is one scalar (a one-label reward model, e.g. an rm run's export)")
         if crit.get("vocab_size") != hf.get("vocab_size"):
@@ -720,7 +720,7 @@ def validate(cfg: Config, *, has_cuda: bool | None = None, has_te: bool | None =
             raise ConfigError("algorithm.reference_hf_dir with algorithm.router_replay=true: the engines' routes are "
                               "the policy's experts, not the reference model's; use one or the other")
         ref = _second_model(cfg, layout, cfg.algorithm.reference_hf_dir, "algorithm.reference_hf_dir")
-        if is_classifier(ref):
+        if is_sequence_classifier(ref):
             raise ConfigError(f"algorithm.reference_hf_dir: a {ref['architectures'][0]} (a reward model: a score head, "
                               "no LM head) gives no token log-probabilities; name a causal LM")
         # a padded embedding may be larger (Qwen2.5-7B's 152064 rows, 1.5B's 151936, one tokenizer: the

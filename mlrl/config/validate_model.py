@@ -19,11 +19,6 @@ if TYPE_CHECKING:
     from mlrl.config.validate import Layout
 
 
-def is_classifier(hf: dict[str, Any]) -> bool:
-    """config.json describes a `*ForSequenceClassification` (a reward model: a score head, no LM head)."""
-    return any(str(a).endswith("ForSequenceClassification") for a in hf.get("architectures") or [])
-
-
 def classifier_labels(hf: dict[str, Any]) -> int:
     """A classifier config's label count, as transformers reads it (id2label, else num_labels, else 2)."""
     return len(hf["id2label"]) if hf.get("id2label") else int(hf.get("num_labels", 2))
@@ -42,7 +37,9 @@ def check_model(cfg: Config, hf: dict[str, Any], layout: Layout, *, engines: boo
             "model.hf_dir: config.json lacks num_attention_heads / num_hidden_layers "
             f"(model_type={hf.get('model_type')!r})"
         )
-    if is_classifier(hf) and engines:
+    from mlrl.bridge.arch import is_sequence_classifier
+
+    if is_sequence_classifier(hf) and engines:
         raise ConfigError(f"model.hf_dir: a {hf['architectures'][0]} (a reward model: a score head, no LM head) "
                           "cannot be the policy or the model a reward-model run starts from; an RL run scores with "
                           "it as reward_model: {kind: classifier, hf_dir: <it>}, or starts its critic from it "

@@ -112,7 +112,7 @@ class MegatronCritic(MegatronPolicy):
         the initial value of a state is the reward model's score of the sequence so far."""
         if not self.score_head_folder:
             return
-        from mlrl.bridge.hf_checkpoint import SCORE_WEIGHT
+        from mlrl.bridge.arch import SCORE_WEIGHT
 
         score = ckpt.read([SCORE_WEIGHT])[SCORE_WEIGHT]
         for chunk in chunks:

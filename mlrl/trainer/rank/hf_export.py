@@ -26,7 +26,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from mlrl.bridge.hf_checkpoint import SCORE_WEIGHT
+from mlrl.bridge.arch import SCORE_WEIGHT
 from mlrl.ckpt_files.hf_folder import (
     ShardMap,
     ShardWriter,

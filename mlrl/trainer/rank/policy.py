@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from mlrl.algorithms.loss_metrics import combine_loss_metrics, metric_reduction
 from mlrl.bridge import HFCheckpoint, check_layout, spec_for
+from mlrl.bridge.arch import is_sequence_classifier
 from mlrl.bridge.select import resolve_bridge
 from mlrl.config.schema import ModelConfig, ParallelConfig, TrainerConfig
 from mlrl.config.validate import Layout
@@ -115,8 +116,7 @@ class MegatronPolicy:
                              "(megatron-core's MoELayer refuses to train otherwise)")
         ckpt = HFCheckpoint(self.hf_dir)
         # a reward model's export (a critic's start): score.weight in place of the LM head
-        self.score_head_folder = any(str(a).endswith("ForSequenceClassification")
-                                     for a in self.hf_config.get("architectures") or [])
+        self.score_head_folder = is_sequence_classifier(self.hf_config)
         if self.score_head_folder and self.LM_HEAD:
             raise ValueError(f"{self.hf_dir} is a sequence classifier (a reward model): it has no LM head to build a "
                              "policy from")

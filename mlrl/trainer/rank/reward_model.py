@@ -5,8 +5,9 @@ scalar head, replicated across TP, fp32; here drawn as transformers draws a new 
 with the policy's optimizer settings (trainer.lr, ...) and its own role ("reward_model": its
 checkpoints load into nothing else). What differs from the critic is where the score is read: the
 critic's value of a token is the head output one position earlier (the state it was generated in);
-a reward model's score of a sequence is the head output AT its last token, the position
-transformers' `*ForSequenceClassification` and vLLM's pooling runner read. So `_token_values`
+a reward model's score of a sequence is the head output AT its last token, the position vLLM's
+pooling runner reads (and transformers' `*ForSequenceClassification`, for a sequence without a
+pad-id tail: mlrl.jobs.rm.strip_pad_tail). So `_token_values`
 returns the head output per position, unshifted; the loss (mlrl.algorithms.rm_loss) picks each
 sequence's last one.
 
