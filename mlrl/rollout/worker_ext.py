@@ -78,7 +78,58 @@ def eager_token_ranks_on_cpu() -> bool:
     return True
 
 
+def rewind_seeded_generators_on_cpu() -> bool:
+    """On a CPU engine, rewind a seeded request's random generator by restoring its state, where
+    vLLM rewinds a Philox offset. A request whose prompt is split over engine steps (chunked
+    prefill: more prompt tokens waiting than max_num_batched_tokens) is sampled at every partial
+    step and the token discarded; vLLM 0.32 then rewinds its generator with
+    `gen.set_offset(gen.get_offset() - 4)` (GPUModelRunner._bookkeeping_sync), which a CPU
+    generator refuses ("RuntimeError: CPU Generator does not use offset"): the engine died at the
+    first such step of a run with rollout.sampling.seed (every request then carries a seed), e.g.
+    an evaluation of 64 SmolLM2 prompts x 8. Here the state of each generator the step will
+    discard a sample of is saved when sampling begins (`sample_tokens`) and put back before the
+    bookkeeping, whose own rewind then skips it: the request's draws are those of an unsplit
+    prompt, as on GPU. True when installed (a CPU engine)."""
+    from vllm.platforms import current_platform
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if not current_platform.is_cpu():
+        return False
+    if getattr(GPUModelRunner, "_mlrl_rewinds_generators", False):
+        return True
+    sample_tokens, bookkeeping = GPUModelRunner.sample_tokens, GPUModelRunner._bookkeeping_sync
+
+    def discarded(runner: Any) -> dict[int, Any]:
+        n = runner.input_batch.num_reqs
+        gens = runner.input_batch.generators
+        return {int(i): gens[int(i)] for i in runner.discard_request_mask.np[:n].nonzero()[0] if int(i) in gens}
+
+    def saving_sample_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
+        self._mlrl_saved_generators = {i: g.get_state() for i, g in discarded(self).items()}
+        try:
+            return sample_tokens(self, *args, **kwargs)
+        finally:
+            self._mlrl_saved_generators = {}
+
+    def restoring_bookkeeping(self: Any, *args: Any, **kwargs: Any) -> Any:
+        saved = getattr(self, "_mlrl_saved_generators", {})
+        gens = self.input_batch.generators
+        held = {i: gens.pop(i) for i in saved if i in gens}  # vLLM's offset rewind skips them
+        for i, g in held.items():
+            g.set_state(saved[i])
+        try:
+            return bookkeeping(self, *args, **kwargs)
+        finally:
+            gens.update(held)
+
+    GPUModelRunner.sample_tokens = saving_sample_tokens  # pyright: ignore[reportAttributeAccessIssue]
+    GPUModelRunner._bookkeeping_sync = restoring_bookkeeping  # pyright: ignore[reportAttributeAccessIssue]
+    GPUModelRunner._mlrl_rewinds_generators = True  # pyright: ignore[reportAttributeAccessIssue]
+    return True
+
+
 eager_token_ranks_on_cpu()  # this module is imported in every engine worker (--worker-extension-cls)
+rewind_seeded_generators_on_cpu()
 
 
 @dataclass
