@@ -77,6 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(dump_yaml(cfg), end="")
         return 0
+    if args.dry_run and cfg.evaluate is not None:
+        print("config error: evaluate: --dry-run plans a training run (the trainer's memory, the GPUs' split); an "
+              "evaluation starts only its engines, rollout.num_engines x rollout.engine_tp GPUs (and the judge's): "
+              "run it without --dry-run", file=sys.stderr)
+        return 2
     if args.dry_run:
         from mlrl.plan import format_plan, make_plan
 

@@ -33,11 +33,10 @@ from mlrl.config import Config, dump_yaml
 from mlrl.data.sampler import PromptSampler
 from mlrl.interfaces import Checkpointer, Critic, Policy, RolloutPool, SavedLoopState, WeightSync
 from mlrl.metrics import MetricsLogger, StepTimer
-from mlrl.metrics.pass_at_k import mean_pass_at_k
+from mlrl.metrics.pass_at_k import pass_metrics
 from mlrl.reward.model import active_judge
 from mlrl.types import Row, Sample, SampleStatus
 from mlrl.update import train_on
-from mlrl.workflow.api import EpisodeStatus
 from mlrl.workflow.failures import FailureGuard
 from mlrl.workflow.runner import EpisodeRunner, GroupResult, summarize
 
@@ -304,28 +303,6 @@ async def evaluate_if_due(ctx: RunContext, step: int, timer: StepTimer) -> dict[
         out = {f"eval/{name}": v for name, v in ev.metrics.items()}
         return {**out, **pass_metrics(ev, k, cfg.eval.correct_threshold)}
     return {}
-
-
-def pass_metrics(groups: Sequence[GroupResult], k: int, threshold: float) -> dict[str, float]:
-    """pass@1 / pass@k / mean reward of evaluation groups; an episode that did not complete
-    counts as incorrect (and as reward 0), and so does each of the k episodes a group is short of
-    (a workflow's `arun_group` may return fewer, e.g. Trinity's adapter when a run yields nothing)."""
-    per_prompt, rewards = [], []
-    for g in groups:
-        ok = [
-            e.status == EpisodeStatus.COMPLETED and e.reward is not None and e.reward >= threshold for e in g.episodes
-        ]
-        missing = max(0, k - len(ok))
-        per_prompt.append((len(ok) + missing, sum(ok)))
-        rewards += [
-            e.reward if e.status == EpisodeStatus.COMPLETED and e.reward is not None else 0.0 for e in g.episodes
-        ] + [0.0] * missing
-    if not per_prompt:
-        return {}
-    out = {"eval/pass@1": mean_pass_at_k(per_prompt, 1), "eval/pass@k": mean_pass_at_k(per_prompt, k),
-           "eval/mean_reward": sum(rewards) / len(rewards)}
-    out[f"eval/pass@{k}"] = out["eval/pass@k"]
-    return out
 
 
 async def save_if_due(ctx: RunContext, step: int) -> None:

@@ -487,6 +487,22 @@ class EvalConfig:
 
 
 @dataclass
+class EvaluateConfig:
+    """An evaluation run: the engines alone answer data.eval (no trainer, no training). Each
+    prompt is answered eval.samples_per_prompt times through the workflow and scored by its reward
+    (or the reward_model judge); pass@1, pass@k and the mean reward go to `<run_dir>/eval_metrics.json`
+    (and metrics.jsonl / TensorBoard / W&B), every answer to `output`. The model is model.hf_dir:
+    a Hugging Face folder, e.g. a run's export `<run>/hf/step_N` (tools/convert_checkpoint.py
+    converts a training checkpoint)."""
+
+    output: Optional[str] = None
+    """The answers, one JSON line each (prompt index, sample, prompt, response, reward, correct,
+    status, error): None = `<logging.run_dir>/eval_samples.jsonl`. Written as the groups finish."""
+    max_prompts: int = 0
+    """Evaluate the first N prompts of data.eval (0 = all)."""
+
+
+@dataclass
 class DataConfig:
     train: str = "synthetic:copy_digit"
     """Training dataset: a registered name, `synthetic:<task>`, a .jsonl / .json / .parquet file, a
@@ -671,6 +687,8 @@ class Config:
     """Preference optimisation run, DPO / IPO (None = an RL run): see DPOConfig."""
     rm: Optional[RMConfig] = None
     """Reward-model training run, Bradley-Terry on preference pairs (None = an RL run): see RMConfig."""
+    evaluate: Optional[EvaluateConfig] = None
+    """Evaluation run, the engines alone on data.eval (None = a training run): see EvaluateConfig."""
     reward_model: Optional[RewardModelConfig] = None
     """A judge served on its own engines (workflow.reward=reward_model): see RewardModelConfig."""
     data: DataConfig = field(default_factory=DataConfig)

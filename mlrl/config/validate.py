@@ -105,6 +105,15 @@ def _check_ranges(cfg: Config) -> None:
         raise ConfigError(f"rollout.staleness: got {r.staleness}, expected >= 0 (0 = synchronous)")
     if s.temperature < 0:
         raise ConfigError(f"rollout.sampling.temperature: got {s.temperature}, expected >= 0 (0 = greedy)")
+    if s.temperature == 0:  # greedy: vLLM refuses n > 1 (a group-native workflow's request), and the answers are one
+        ks = [("eval.samples_per_prompt", cfg.eval.samples_per_prompt)] if cfg.data.eval else []
+        if cfg.offline is None and cfg.evaluate is None:
+            ks.insert(0, ("trainer.samples_per_prompt", cfg.trainer.samples_per_prompt))
+        for name, k in ks:
+            if k > 1:
+                raise ConfigError(f"rollout.sampling.temperature=0 (greedy) with {name}={k}: the {k} answers to a "
+                                  f"prompt would be one answer {k} times (and vLLM refuses greedy requests for n > 1); "
+                                  f"sample with temperature > 0, or set {name}=1")
     if not 0 < s.top_p <= 1:
         raise ConfigError(f"rollout.sampling.top_p: got {s.top_p}, expected in (0, 1]")
     if s.top_k == 0 or s.top_k < -1:
@@ -414,6 +423,78 @@ def _check_colocate(cfg: Config) -> None:
                           "lora_mode=merged")
 
 
+# what an evaluation run (evaluate: section) reads: the engines (rollout), the workflow, data.eval and
+# eval.*, a judge; nothing of the trainer except trainer.seed (it seeds a synthetic data.eval)
+_EVALUATE_UNUSED = ("parallel", "weight_sync", "algorithm", "checkpoint")
+
+
+def _check_evaluate(cfg: Config) -> None:
+    """An evaluation run (the engines alone answer data.eval): its own ranges, and no training
+    setting that it would silently ignore."""
+    import dataclasses
+
+    e = cfg.evaluate
+    if e is None:
+        return
+    run = "an evaluation (evaluate: section)"
+    kinds = [name for name in OFFLINE_KINDS if getattr(cfg, name) is not None]
+    if kinds:
+        raise ConfigError(f"evaluate and {kinds[0]}: a run trains ({kinds[0]}) OR evaluates (evaluate); keep one "
+                          "section")
+    if cfg.critic is not None:
+        raise ConfigError(f"critic: {run} trains no value model; remove the critic section")
+    if cfg.data.eval is None:
+        raise ConfigError(f"data.eval: {run} answers the prompts of data.eval, which is not set (a file, a registered "
+                          "name or synthetic:<task>)")
+    if e.max_prompts < 0:
+        raise ConfigError(f"evaluate.max_prompts={e.max_prompts}: expected >= 0 (0 = every prompt of data.eval)")
+    if e.output is not None and not str(e.output).strip():
+        raise ConfigError("evaluate.output is empty: expected a file path, or null for <logging.run_dir>/"
+                          "eval_samples.jsonl")
+    m, c = cfg.model, cfg.cluster
+    if m.lora is not None:
+        raise ConfigError(f"model.lora: {run} serves a whole model; evaluate a LoRA run's merged export "
+                          "(<run>/hf/step_N) as model.hf_dir")
+    if m.init_from:
+        raise ConfigError(f"model.init_from={m.init_from}: {run} serves model.hf_dir, a Hugging Face folder; "
+                          "evaluate a run's export (<run>/hf/step_N), or convert a checkpoint with "
+                          "tools/convert_checkpoint.py mcore-to-hf")
+    if m.bridge != "auto":
+        raise ConfigError(f"model.bridge={m.bridge}: the trainer's HF <-> Megatron bridge; {run} starts no trainer "
+                          "(remove it)")
+    if c.nodes > 1:
+        raise ConfigError(f"cluster.nodes={c.nodes}: {run} runs on one machine for now (its engines: "
+                          "rollout.num_engines x rollout.engine_tp GPUs)")
+    if c.placement != "disaggregated":
+        raise ConfigError(f"cluster.placement={c.placement}: {run} starts no trainer to share the GPUs with; "
+                          "remove it")
+    for name in ("trainer_devices", "gpu_memory_gb"):
+        if getattr(c, name) != getattr(type(c)(), name):
+            raise ConfigError(f"cluster.{name}: a training setting (the trainer's devices / the planner's memory); "
+                              f"{run} does not use it")
+    default = Config()
+    for section in _EVALUATE_UNUSED:
+        got, want = getattr(cfg, section), getattr(default, section)
+        for f in dataclasses.fields(got):
+            if getattr(got, f.name) != getattr(want, f.name):
+                raise ConfigError(f"{section}.{f.name}: a training setting; {run} does not use it "
+                                  "(remove it, or remove the evaluate section for a training run)")
+    for f in dataclasses.fields(cfg.trainer):
+        if f.name != "seed" and getattr(cfg.trainer, f.name) != getattr(default.trainer, f.name):
+            raise ConfigError(f"trainer.{f.name}: a training setting; {run} does not use it (of the trainer "
+                              "section only trainer.seed, which seeds a synthetic data.eval, is read)")
+    for section, name, why in (("rollout", "staleness", "asynchronous training"),
+                               ("data", "train", "the training prompts; the evaluation answers data.eval"),
+                               ("data", "eval_every", "the training run's evaluation interval; this run evaluates "
+                                "once"),
+                               ("data", "shuffle", "the order of the training prompts"),
+                               ("workflow", "max_failure_steps", "the training steps in a row; one evaluation "
+                                "stops when more than workflow.max_failure_fraction of its episodes fail")):
+        got, want = getattr(getattr(cfg, section), name), getattr(getattr(default, section), name)
+        if got != want:
+            raise ConfigError(f"{section}.{name}={got!r}: {why}; {run} does not use it (default {want!r})")
+
+
 def _unused(section: str, obj: Any, names: tuple[str, ...], why: str) -> None:
     """Refuse any of `names` set away from its default where it has no effect (`why`): a value that
     would be read by nothing must not look like it was applied."""
@@ -489,7 +570,7 @@ def _check_unused(cfg: Config) -> None:
     if d.eval is None:
         _unused("eval", cfg.eval, ("samples_per_prompt", "correct_threshold"), "without data.eval (no held-out "
                 "evaluation)")
-    elif d.eval_every == 0:
+    elif d.eval_every == 0 and cfg.evaluate is None:  # (an evaluation run answers data.eval once)
         raise ConfigError(f"data.eval={d.eval} is never evaluated with data.eval_every=0: set data.eval_every to "
                           "evaluate every N steps (and at the end), or remove data.eval")
 
@@ -520,6 +601,13 @@ def resolve_layout(cfg: Config) -> Layout:
         rollout_devices += cfg.reward_model.num_engines * cfg.reward_model.engine_tp
     model_par = p.tp * p.pp * p.cp
     devices = c.trainer_devices
+    if cfg.evaluate is not None:  # the engines alone (validation refuses cluster.trainer_devices)
+        if total and rollout_devices > total:
+            raise ConfigError(f"cluster: {c.nodes} node(s) x {c.gpus_per_node} GPUs cannot host the evaluation's "
+                              f"engines: rollout.num_engines x rollout.engine_tp"
+                              f"{' + the judge' if cfg.reward_model is not None else ''} = {rollout_devices} GPUs")
+        return Layout(p.tp, p.pp, p.cp, p.ep, p.etp if p.etp is not None else p.tp, 0, p.vpp, 0, rollout_devices,
+                      total)
     if devices is not None:
         source = "cluster.trainer_devices"
     elif c.gpus_per_node == 0:
@@ -676,6 +764,7 @@ def validate(cfg: Config, *, has_cuda: bool | None = None, has_te: bool | None =
     else:
         cuda = functools.partial(bool, has_cuda)
     _check_ranges(cfg)
+    _check_evaluate(cfg)  # (first: evaluate together with an offline section is named as such)
     _check_offline(cfg)
     _check_unused(cfg)
     _check_reward_model(cfg)
@@ -686,7 +775,8 @@ def validate(cfg: Config, *, has_cuda: bool | None = None, has_te: bool | None =
     _check_devices(cfg, cuda=lambda: dry_run or cuda())
     if cfg.cluster.gpus_per_node > 0 and (dry_run or cuda()):  # (Ray tests simulate GPUs on CPU: gloo, no NCCL)
         _check_colocate_transport(cfg)
-    if cfg.cluster.gpus_per_node > 0 and cfg.cluster.nodes == 1 and not dry_run and cuda():
+    # (an evaluation starts no trainer: vLLM alone needs no Transformer Engine)
+    if cfg.cluster.gpus_per_node > 0 and cfg.cluster.nodes == 1 and not dry_run and cfg.evaluate is None and cuda():
         _check_transformer_engine(cfg, transformer_engine_installed() if has_te is None else has_te)
     layout = resolve_layout(cfg)
     try:
@@ -694,7 +784,8 @@ def validate(cfg: Config, *, has_cuda: bool | None = None, has_te: bool | None =
     except ModelSpecError as e:
         raise ConfigError(str(e)) from None
     check_arch_preset(cfg.model.arch, hf)
-    which = check_bridge(cfg, hf, cuda=cuda, dry_run=dry_run)
+    # (an evaluation starts no trainer: any model vLLM serves, whatever the bridge supports)
+    which = check_bridge(cfg, hf, cuda=cuda, dry_run=dry_run) if cfg.evaluate is None else None
     check_model(cfg, hf, layout)
     if which == "builtin":
         check_arch(hf, layout, cfg.parallel.pp_layer_split)

@@ -5,6 +5,7 @@ from the shared components (config, placement, trainer group, checkpoints, metri
     sft      supervised fine-tuning: the trainer alone on a fixed dataset (the `sft:` section)
     dpo      preference optimisation (DPO / IPO): the trainer alone (the `dpo:` section)
     rm       reward-model training (Bradley-Terry on preference pairs): the trainer alone (the `rm:` section)
+    evaluate the engines alone answer data.eval, scored by the workflow's reward (the `evaluate:` section)
 
 `offline` is the loop the trainer-only jobs share, `placement` where any job's processes go.
 Each job module has `run(cfg, layout) -> exit code`; `job_for` picks the module from the config
@@ -19,12 +20,12 @@ from collections.abc import Callable
 
 from mlrl.config import Config, Layout
 
-JOBS = ("rl", "sft", "dpo", "rm")
+JOBS = ("rl", "sft", "dpo", "rm", "evaluate")
 
 
 def job_name(cfg: Config) -> str:
-    """The job a validated config describes: its offline kind ("sft", "dpo", "rm"), else "rl"."""
-    return cfg.offline or "rl"
+    """The job a validated config describes: its offline kind ("sft", "dpo", "rm"), "evaluate", else "rl"."""
+    return cfg.offline or ("evaluate" if cfg.evaluate is not None else "rl")
 
 
 # the module whose `run` a job enters by: the RL job's engines start (mlrl.jobs.rl_start) before

@@ -1,6 +1,6 @@
 """Where a run's processes go: this machine (`local_placement`), or the nodes of a Ray cluster
-(`cluster_placement`, `--nodes N`). Shared by the RL job (trainer ranks + engines) and the
-trainer-only jobs (SFT, DPO: `Placement()`, this machine)."""
+(`cluster_placement`, `--nodes N`). Shared by the RL job (trainer ranks + engines), the
+evaluation (engines alone) and the trainer-only jobs (SFT, DPO, RM: `Placement()`, this machine)."""
 
 from __future__ import annotations
 
@@ -37,10 +37,25 @@ def local_placement(cfg: Config, layout: Layout) -> Placement:
     devices (colocated: the same ones), mapped through the caller's CUDA_VISIBLE_DEVICES."""
     if cfg.cluster.gpus_per_node == 0:
         return Placement()
+    ids = _local_gpus(cfg)
+    if cfg.evaluate is not None:  # the engines alone: the policy's, then the judge's, engine_tp GPUs each
+        tps = [cfg.rollout.engine_tp] * cfg.rollout.num_engines
+        if cfg.reward_model is not None:
+            tps += [cfg.reward_model.engine_tp] * cfg.reward_model.num_engines
+        starts = [sum(tps[:i]) for i in range(len(tps))]
+        return Placement(engine_devices=[list(ids[a:a + tp]) for a, tp in zip(starts, tps)])
     from mlrl.cluster import NodeInfo, assign, ports_needed
     from mlrl.plan import make_plan
 
     plan = make_plan(cfg, layout)
+    ports = (0,) * ports_needed(plan)[0]  # torchrun and the engines pick their own ports on one machine
+    a = assign(plan, [NodeInfo(0, "local", "127.0.0.1", ids, ports)])
+    return Placement(trainer_env={"CUDA_VISIBLE_DEVICES": a.trainers[0].env["CUDA_VISIBLE_DEVICES"]},
+                     engine_devices=[list(e.gpu_ids) for e in a.engines])
+
+
+def _local_gpus(cfg: Config) -> tuple[int, ...]:
+    """The indices of this machine's cluster.gpus_per_node GPUs, through the caller's CUDA_VISIBLE_DEVICES."""
     visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
     if visible and len(visible) < cfg.cluster.gpus_per_node:
         raise ConfigError(
@@ -50,11 +65,7 @@ def local_placement(cfg: Config, layout: Layout) -> Placement:
     if any(not d.isdigit() for d in visible[:cfg.cluster.gpus_per_node]):
         raise ConfigError(f"CUDA_VISIBLE_DEVICES={','.join(visible)}: mlrl places trainer ranks and engines by GPU "
                           "index; list the GPUs by index (nvidia-smi -L shows each UUID's index)")
-    ids = tuple(int(visible[g]) if visible else g for g in range(cfg.cluster.gpus_per_node))
-    ports = (0,) * ports_needed(plan)[0]  # torchrun and the engines pick their own ports on one machine
-    a = assign(plan, [NodeInfo(0, "local", "127.0.0.1", ids, ports)])
-    return Placement(trainer_env={"CUDA_VISIBLE_DEVICES": a.trainers[0].env["CUDA_VISIBLE_DEVICES"]},
-                     engine_devices=[list(e.gpu_ids) for e in a.engines])
+    return tuple(int(visible[g]) if visible else g for g in range(cfg.cluster.gpus_per_node))
 
 
 def cluster_placement(cfg: Config, layout: Layout, run_dir: Path) -> Placement:

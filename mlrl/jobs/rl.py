@@ -17,7 +17,6 @@ import asyncio
 import dataclasses
 import gc
 import logging
-import signal
 import sys
 import threading
 from pathlib import Path
@@ -28,24 +27,30 @@ from mlrl.checkpoint.init_from import check_model_init_from, check_resume_same_s
 from mlrl.checkpoint.schedule import SaveSchedule
 from mlrl.colocation import Colocation
 from mlrl.config import Config, ConfigError, Layout, dump_yaml
-from mlrl.data import dataset_from_config
 from mlrl.data.sampler import PromptSampler
-from mlrl.jobs.model_folder import chat_template_error, check_model_weights, check_same_tokens, model_tokenizer
+from mlrl.jobs.model_folder import check_model_weights, check_same_tokens, model_tokenizer
 from mlrl.jobs.placement import cluster_placement
 from mlrl.jobs.rl_start import EarlyStart, begin, policy_pool
+from mlrl.jobs.rollout_parts import (
+    TERMINATED_EXIT,
+    activate_judge,
+    build_workflow,
+    judge_folder,
+    prompt_rows,
+    until_sigterm,
+)
+from mlrl.jobs.rollout_parts import judge_pool as make_judge_pool
 from mlrl.loop import LoopState, RunContext, guarded_refresh, train_sync
 from mlrl.loop_async import train_async
 from mlrl.metrics import MetricsLogger, StepTimer
 from mlrl.metrics.console import configure_logging, progress_bar
 from mlrl.metrics.timer import timing_table
 from mlrl.modelzoo import ModelSpecError, resolve_model_dir
-from mlrl.registry import LookupFailed
-from mlrl.reward.model import ClassifierJudge, ModelJudge, set_active_judge
-from mlrl.rollout.pool import EnginePool
+from mlrl.reward.model import set_active_judge
 from mlrl.trainer.driver.client import CriticClient, MegatronWeightSource, TrainerClient
 from mlrl.trainer.driver.group import rank_env, start_group
 from mlrl.weight_sync import make_weight_sync
-from mlrl.workflow import EpisodeRunner, build_workflow_from_config, gconfig_from_sampling
+from mlrl.workflow import EpisodeRunner
 from mlrl.workflow.failures import EpisodeFailures
 
 log = logging.getLogger("mlrl")
@@ -59,7 +64,7 @@ def run(cfg: Config, layout: Layout, early: EarlyStart | None = None) -> int:
     configure_logging(cfg.logging.level)
     terminated: list[bool] = []
     try:
-        return asyncio.run(_run_until_terminated(cfg, layout, early, terminated))
+        return asyncio.run(until_sigterm(lambda: _run(cfg, layout, early), terminated))
     except EpisodeFailures as e:  # torn down in order by _run's finally; no checkpoint of the failing step
         print(f"run stopped: {e}\nmetrics up to the last finished step in {cfg.logging.run_dir}", file=sys.stderr)
         return 1
@@ -70,31 +75,6 @@ def run(cfg: Config, layout: Layout, early: EarlyStart | None = None) -> int:
         print(f"terminated (SIGTERM): engines, trainer ranks and reward workers stopped; metrics up to the last "
               f"finished step in {cfg.logging.run_dir}", file=sys.stderr)
         return TERMINATED_EXIT
-
-
-TERMINATED_EXIT = 128 + signal.SIGTERM  # the shell's code for a process ended by SIGTERM
-
-
-async def _run_until_terminated(cfg: Config, layout: Layout, early: EarlyStart, terminated: list[bool]) -> int:
-    """`_run`, with SIGTERM cancelling it: the run's `finally` tears everything down (reward process
-    pool, engines, trainer ranks, Ray nodes, metrics sinks) instead of the process dying at once and
-    leaving the reward pool's processes behind. A checkpoint being written is either committed
-    whole or not at all (mlrl.checkpoint.manager), like after any other failure. `terminated`
-    records that the cancellation came from SIGTERM."""
-    loop, task = asyncio.get_running_loop(), asyncio.current_task()
-    assert task is not None  # called from asyncio.run
-
-    def on_sigterm() -> None:
-        if terminated:  # a second SIGTERM (under Slurm the step and the batch script both pass one
-            return      # on) must not cancel the teardown that the first one started
-        terminated.append(True)
-        task.cancel()
-
-    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
-    try:
-        return await _run(cfg, layout, early)
-    finally:
-        loop.remove_signal_handler(signal.SIGTERM)
 
 
 @dataclasses.dataclass
@@ -109,16 +89,6 @@ class _Checked:
     workflow: Any
     judge_dir: Path | None = None
     judge_tokenizer: Any = None
-
-
-def _pad_id(folder: Path | None) -> int | None:
-    """config.json's pad_token_id of a classifier reward model (what transformers skips at the end)."""
-    import json
-
-    if folder is None:
-        return None
-    pad = json.loads((Path(folder) / "config.json").read_text()).get("pad_token_id")
-    return pad if isinstance(pad, int) else None
 
 
 def _checks(cfg: Config, hf_dir: Path, run_dir: Path) -> _Checked:
@@ -144,39 +114,15 @@ def _checks(cfg: Config, hf_dir: Path, run_dir: Path) -> _Checked:
     if resume:
         check_resume_same_start(resume, hf_dir, source, reference=cfg.algorithm.kl_coef > 0
                                 and not cfg.algorithm.reference_hf_dir)
-    try:  # the registry's lookup / construction errors name workflow.name, .reward or .kwargs
-        workflow = build_workflow_from_config(
-            cfg.workflow, tokenizer=tokenizer, gconfig=gconfig_from_sampling(cfg.rollout.sampling)
-        )
-    except LookupFailed as e:  # a name or argument of the config; an error inside the workflow keeps its traceback
-        raise ConfigError(str(e)) from None
-    # prompts measured as the workflow renders them (rlvr's enable_thinking changes Qwen3's template)
-    rendered = getattr(workflow, "prompt_ids", None)
-
-    def rows(which: str) -> Any:
-        try:
-            return dataset_from_config(cfg.data, which, tokenizer=tokenizer, seed=cfg.trainer.seed, prompt_ids=rendered)
-        except ValueError as e:  # (a DatasetError names its field itself)
-            if (err := chat_template_error(e, hf_dir, which, getattr(cfg.data, which))) is not None:
-                raise err from None
-            raise
-
-    train_rows = rows("train")
+    workflow = build_workflow(cfg, tokenizer)
+    train_rows = prompt_rows(cfg, "train", tokenizer, hf_dir, workflow)
     if train_rows.reward and cfg.workflow.reward != train_rows.reward:  # a deliberate choice is allowed: said
         log.warning("data.train=%s is made for the %r reward, and workflow.reward=%r scores it (set workflow.reward=%s "
                     "unless this is meant: a reward that cannot read the dataset's answers gives 0.0 everywhere, and "
                     "the run learns nothing)", cfg.data.train, train_rows.reward, cfg.workflow.reward,
                     train_rows.reward)
     _check_sample_fits(cfg, train_rows.longest_prompt)
-    eval_set = rows("eval") if cfg.data.eval else None
-    for which, ds in (("train", train_rows), ("eval", eval_set)):  # what loading left out is said, not hidden
-        if ds is not None and ds.too_long:
-            log.warning("data.%s: left out %d of %d prompt(s) longer than data.max_prompt_tokens=%d (chat template "
-                        "applied)", which, ds.too_long, ds.too_long + len(ds), cfg.data.max_prompt_tokens)
-        if ds is not None and ds.skipped:
-            log.warning("data.%s: skipped %d malformed row(s) (data.skip_malformed), e.g. %s", which,
-                        len(ds.skipped), ds.skipped[0])
-    eval_rows = list(eval_set) if eval_set is not None else None
+    eval_rows = list(prompt_rows(cfg, "eval", tokenizer, hf_dir, workflow)) if cfg.data.eval else None
     sampler = PromptSampler(train_rows, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
     if state:
         try:  # (async) the rows in flight at the save, recorded by their position in data.train
@@ -195,13 +141,7 @@ def _checks(cfg: Config, hf_dir: Path, run_dir: Path) -> _Checked:
             raise ConfigError(str(e)) from None
         check_model_weights(teacher_dir, field="algorithm.reference_hf_dir")
         check_same_tokens(tokenizer, teacher_dir, "algorithm.reference_hf_dir")
-    if cfg.reward_model is not None:  # the judge's folder and tokenizer, before any process starts
-        try:
-            out.judge_dir = resolve_model_dir(cfg.reward_model.hf_dir, field="reward_model.hf_dir")
-        except ModelSpecError as e:
-            raise ConfigError(str(e)) from None
-        out.judge_tokenizer = model_tokenizer(out.judge_dir, field="reward_model.hf_dir")
-        check_model_weights(out.judge_dir, field="reward_model.hf_dir", bin_ok=True)  # (vLLM alone loads it)
+    out.judge_dir, out.judge_tokenizer = judge_folder(cfg)  # before any process starts
     return out
 
 
@@ -260,12 +200,8 @@ async def _run(cfg: Config, layout: Layout, early: EarlyStart) -> int:
         devices = placement.engine_devices  # local GPUs: the policy's engines, then the judge's
         n = cfg.rollout.num_engines
         pool = prestarted or policy_pool(cfg, placement, hf_dir, run_dir)
-        if cfg.reward_model is not None and judge_dir is not None:
-            rm = cfg.reward_model
-            judge_pool = EnginePool(rm.engines(cfg.rollout), judge_dir, dtype=cfg.model.dtype,
-                                    run_dir=run_dir / "reward_model",
-                                    cuda_devices=devices[n:] if devices is not None else None,
-                                    runner="pooling" if rm.kind == "classifier" else None)
+        if judge_dir is not None:
+            judge_pool = make_judge_pool(cfg, judge_dir, devices[n:] if devices is not None else None, run_dir)
         if cfg.cluster.placement == "colocated":  # the engines take the devices first, then sleep (mlrl.colocation)
             colocation = Colocation(cfg.cluster.colocate, None, pool,
                                     engine_memory_released=cfg.cluster.gpus_per_node > 0 and _cuda_available())
@@ -296,12 +232,8 @@ async def _run(cfg: Config, layout: Layout, early: EarlyStart) -> int:
             if trainer_started.done() and not trainer_started.cancelled() and trainer_started.exception() is None:
                 group = trainer_started.result()  # built just before: closed below like any other
             raise
-        if judge_pool is not None and cfg.reward_model is not None:
-            rm = cfg.reward_model
-            set_active_judge(
-                ClassifierJudge(judge_pool, judge_tokenizer, pad_id=_pad_id(judge_dir)) if rm.kind == "classifier" else
-                ModelJudge(judge_pool, judge_tokenizer, prompt_template=rm.prompt_template,
-                           score_pattern=rm.score_pattern, max_score=rm.max_score, max_tokens=rm.max_tokens))
+        if judge_pool is not None and judge_dir is not None:
+            activate_judge(cfg, judge_pool, judge_dir, judge_tokenizer)
         clock.mark("processes")
         policy = TrainerClient(group)
         checkpointer = Checkpointer(ckpts, run_dir, policy, with_critic=cfg.uses_critic,

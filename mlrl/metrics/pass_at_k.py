@@ -10,7 +10,9 @@ averaged over prompts. pass@1 reduces to c / n.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
+
+from mlrl.types import EpisodeStatus
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -32,3 +34,30 @@ def mean_pass_at_k(per_prompt: Sequence[tuple[int, int]], k: int) -> float:
     if not per_prompt:
         raise ValueError("mean_pass_at_k: no prompts")
     return sum(pass_at_k(n, c, k) for n, c in per_prompt) / len(per_prompt)
+
+
+def episode_passes(episode: Any, threshold: float) -> bool:
+    """An evaluation episode counts as correct: it completed and its reward is >= threshold
+    (eval.correct_threshold)."""
+    return episode.status == EpisodeStatus.COMPLETED and episode.reward is not None and episode.reward >= threshold
+
+
+def pass_metrics(groups: Sequence[Any], k: int, threshold: float) -> dict[str, float]:
+    """pass@1 / pass@k / mean reward of evaluation groups (mlrl.workflow.runner.GroupResult); an
+    episode that did not complete counts as incorrect (and as reward 0), and so does each of the k
+    episodes a group is short of (a workflow's `arun_group` may return fewer, e.g. Trinity's
+    adapter when a run yields nothing)."""
+    per_prompt, rewards = [], []
+    for g in groups:
+        ok = [episode_passes(e, threshold) for e in g.episodes]
+        missing = max(0, k - len(ok))
+        per_prompt.append((len(ok) + missing, sum(ok)))
+        rewards += [
+            e.reward if e.status == EpisodeStatus.COMPLETED and e.reward is not None else 0.0 for e in g.episodes
+        ] + [0.0] * missing
+    if not per_prompt:
+        return {}
+    out = {"eval/pass@1": mean_pass_at_k(per_prompt, 1), "eval/pass@k": mean_pass_at_k(per_prompt, k),
+           "eval/mean_reward": sum(rewards) / len(rewards)}
+    out[f"eval/pass@{k}"] = out["eval/pass@k"]
+    return out

@@ -30,11 +30,13 @@ class EpisodeFailures(RuntimeError):
 
 
 class FailureGuard:
-    def __init__(self, max_fraction: float, max_steps: int):
+    def __init__(self, max_fraction: float, max_steps: int, *, outcome: str = "the run stops without training on them"):
         self.max_fraction, self.max_steps = max_fraction, max_steps
+        self.outcome = outcome  # what the message says happens
         self.streak = 0  # consecutive steps above max_fraction
 
-    def observe(self, step: int, groups: Sequence[GroupResult]) -> None:
+    def observe(self, step: int, groups: Sequence[GroupResult], *, label: str | None = None) -> None:
+        """`label`: how the message names the batch (default "step <step>")."""
         episodes = [e for g in groups for e in g.episodes]
         failed = [e for e in episodes if e.status in FAILED]
         if not episodes:
@@ -44,14 +46,15 @@ class FailureGuard:
         unscored = [e for e in episodes if _reward_failed(e)]
         if len(failed) + len(unscored) == len(episodes):
             failed += unscored
-            why = f"step {step}: all {len(episodes)} episodes failed"
+            why = f"{label or f'step {step}'}: all {len(episodes)} episodes failed"
         elif self.streak >= self.max_steps:
-            why = (f"step {step}: {len(failed)} of {len(episodes)} episodes failed, more than "
-                   f"workflow.max_failure_fraction={self.max_fraction} for {self.streak} steps in a row "
-                   f"(workflow.max_failure_steps={self.max_steps})")
+            why = (f"{label or f'step {step}'}: {len(failed)} of {len(episodes)} episodes failed, more than "
+                   f"workflow.max_failure_fraction={self.max_fraction}")
+            if label is None:  # (a one-off batch, e.g. an evaluation, has no streak)
+                why += f" for {self.streak} steps in a row (workflow.max_failure_steps={self.max_steps})"
         else:
             return
-        raise EpisodeFailures(f"{why}; the run stops without training on them.\n{describe(failed[0])}")
+        raise EpisodeFailures(f"{why}; {self.outcome}.\n{describe(failed[0])}")
 
 
 def _reward_failed(e: EpisodeResult) -> bool:

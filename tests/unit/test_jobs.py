@@ -1,5 +1,6 @@
-"""`python -m mlrl.launch` dispatches to the job the config describes (mlrl.jobs: rl, sft, dpo),
-siblings: a trainer-only job imports neither the RL job, its loop nor the engine pool."""
+"""`python -m mlrl.launch` dispatches to the job the config describes (mlrl.jobs: rl, sft, dpo,
+evaluate), siblings: a trainer-only job imports neither the RL job, its loop nor the engine pool;
+an evaluation imports the engine pool but not the RL job or its loop."""
 
 import json
 import subprocess
@@ -12,6 +13,7 @@ from mlrl.config import load_config
 from mlrl.jobs import ENTRY, JOBS, job_name
 
 ROOT = Path(__file__).resolve().parents[2]
+BODY = {"evaluate": "evaluate_run"}  # a job's body, when its entry module imports it late
 RL_TRUNK = ("mlrl.jobs.rl", "mlrl.loop", "mlrl.loop_async", "mlrl.rollout.pool", "mlrl.update")
 
 
@@ -21,7 +23,8 @@ def _modules_after(code: str) -> list[list[str]]:
     return [json.loads(line) for line in out.stdout.strip().splitlines() if line.startswith("[")]
 
 
-@pytest.mark.parametrize("recipe,job", [("cpu_default.yaml", "rl"), ("sft_cpu.yaml", "sft"), ("dpo_cpu.yaml", "dpo")])
+@pytest.mark.parametrize("recipe,job", [("cpu_default.yaml", "rl"), ("sft_cpu.yaml", "sft"), ("dpo_cpu.yaml", "dpo"),
+                                        ("eval_cpu.yaml", "evaluate")])
 def test_the_config_picks_the_job_and_only_its_modules_are_imported(recipe, job):
     assert job_name(load_config(ROOT / "launch" / recipe, [])) == job and job in JOBS
     code = (
@@ -30,7 +33,7 @@ def test_the_config_picks_the_job_and_only_its_modules_are_imported(recipe, job)
         "from mlrl.jobs import job_for\n"
         f"run = job_for(load_config({str(ROOT / 'launch' / recipe)!r}, []))\n"
         "print(json.dumps([run.__module__, sorted(m for m in sys.modules if m.startswith(('mlrl.', 'torch')))]))\n"
-        f"import mlrl.jobs.{job}\n"
+        f"import mlrl.jobs.{BODY.get(job, job)}\n"
         "print(json.dumps(['', sorted(m for m in sys.modules if m.startswith('mlrl.'))]))\n"
     )
     (module, loaded), (_, job_loaded) = _modules_after(code)
@@ -42,6 +45,13 @@ def test_the_config_picks_the_job_and_only_its_modules_are_imported(recipe, job)
         early = sorted((set(RL_TRUNK) - {"mlrl.rollout.pool"} | {"torch"}) & set(loaded))
         assert not early, f"the RL job's entry imported {early} before starting its engines"
         assert set(RL_TRUNK) <= set(job_loaded)  # the check above can fail: these are what the RL job imports
+    elif job == "evaluate":
+        # like the RL job's entry, it starts the engines before its body (mlrl.jobs.evaluate_run) and torch
+        early = sorted({"torch", "mlrl.jobs.evaluate_run", "mlrl.jobs.rollout_parts"} & set(loaded))
+        assert not early, f"the evaluation's entry imported {early} before starting its engines"
+        trunk = sorted((set(RL_TRUNK) - {"mlrl.rollout.pool"}) & set(job_loaded))
+        assert not trunk, f"{recipe}: the RL trunk was imported: {trunk}"
+        assert "mlrl.rollout.pool" in job_loaded  # (the check above can fail: the body imports the engines)
     else:
         trunk = sorted(set(RL_TRUNK) & set(job_loaded))
         assert not trunk, f"{recipe}: the RL trunk was imported: {trunk}"

@@ -123,7 +123,7 @@ async def test_eval_reports_pass_at_1_and_pass_at_k():
 def test_a_group_short_of_k_episodes_counts_the_missing_ones_as_incorrect():
     """A group-native workflow may return fewer episodes than asked (Trinity's adapter, a run that
     yields nothing): pass@k raised "k exceeds the n samples" and the step died before its metrics."""
-    from mlrl.loop import pass_metrics
+    from mlrl.metrics.pass_at_k import pass_metrics
     from mlrl.types import Sample
     from mlrl.workflow.runner import EpisodeResult, EpisodeStatus, GroupResult
 

@@ -1,5 +1,6 @@
 """SIGTERM cancels the run once: a second one (under Slurm, scancel signals the launcher step and
-the batch script passes its own on) must not cancel the teardown the first one started."""
+the batch script passes its own on) must not cancel the teardown the first one started (the RL
+and evaluation jobs run under mlrl.jobs.rollout_parts.until_sigterm)."""
 
 import asyncio
 import os
@@ -7,14 +8,14 @@ import signal
 
 import pytest
 
-from mlrl.jobs import rl as run_mod
+from mlrl.jobs.rollout_parts import until_sigterm
 
 
 @pytest.mark.parametrize("signals", [1, 2, 3])
-def test_repeated_sigterm_does_not_cut_the_teardown_short(monkeypatch, signals):
+def test_repeated_sigterm_does_not_cut_the_teardown_short(signals):
     events: list[str] = []
 
-    async def fake_run(cfg, layout, early):
+    async def fake_run():
         try:
             events.append("running")
             await asyncio.sleep(30)
@@ -25,11 +26,9 @@ def test_repeated_sigterm_does_not_cut_the_teardown_short(monkeypatch, signals):
                 await asyncio.sleep(0.05)
             events.append("teardown finished")
 
-    monkeypatch.setattr(run_mod, "_run", fake_run)
-
     async def main():
         terminated: list[bool] = []
-        task = asyncio.ensure_future(run_mod._run_until_terminated(None, None, None, terminated))
+        task = asyncio.ensure_future(until_sigterm(fake_run, terminated))
         await asyncio.sleep(0.1)
         os.kill(os.getpid(), signal.SIGTERM)
         with pytest.raises(asyncio.CancelledError):

@@ -1,0 +1,58 @@
+"""The evaluation job (`evaluate:` section): the engines alone answer the prompts of data.eval.
+
+What NeMo-RL's `run_eval.py` and verl's generation + evaluation scripts do, on mlrl's own parts:
+the policy's vLLM engines serve model.hf_dir (an HF folder, e.g. a run's export), the configured
+workflow runs each prompt eval.samples_per_prompt times (multi-turn and agent workflows too) and
+its reward (or the reward_model judge on its own engines) scores every answer. Written:
+- `evaluate.output` (default `<run_dir>/eval_samples.jsonl`): one JSON line per answer, in prompt
+  order, appended as the groups finish (a stopped evaluation keeps the prompts it finished);
+- `<run_dir>/eval_metrics.json`, written whole at the end (atomically): eval/pass@1, pass@k (the
+  unbiased estimator), mean reward and the rollout metrics; also step 0 of metrics.jsonl /
+  TensorBoard / W&B.
+Like a training run, an evaluation with more than workflow.max_failure_fraction of its episodes
+failed (or all of them) exits 1 with the first failure, after writing both files.
+
+The engines start first (gated, `mlrl.jobs.rl_start.begin`) and import vLLM while this job's own
+imports and checks run; a failed check stops them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+from mlrl.config import Config, Layout
+from mlrl.jobs.rl_start import EarlyStart, begin
+
+
+def run(cfg: Config, layout: Layout) -> int:
+    early = begin(cfg, layout)
+    from mlrl.jobs.rollout_parts import TERMINATED_EXIT, until_sigterm
+    from mlrl.metrics.console import configure_logging
+    from mlrl.workflow.failures import EpisodeFailures
+
+    configure_logging(cfg.logging.level)
+    terminated: list[bool] = []
+    try:
+        return asyncio.run(until_sigterm(lambda: _run(cfg, early), terminated))
+    except EpisodeFailures as e:
+        print(f"evaluation failed: {e}\nanswers and metrics in {cfg.logging.run_dir}", file=sys.stderr)
+        return 1
+    except asyncio.CancelledError:
+        if not terminated:
+            raise
+        print(f"terminated (SIGTERM): engines stopped; the answers of the prompts finished so far are in "
+              f"{output_path(cfg)}", file=sys.stderr)
+        return TERMINATED_EXIT
+
+
+def output_path(cfg: Config) -> Path:
+    assert cfg.evaluate is not None
+    return Path(cfg.evaluate.output) if cfg.evaluate.output else Path(cfg.logging.run_dir) / "eval_samples.jsonl"
+
+
+async def _run(cfg: Config, early: EarlyStart) -> int:
+    from mlrl.jobs.evaluate_run import evaluate
+
+    return await evaluate(cfg, early, output_path(cfg))

@@ -1,0 +1,163 @@
+"""The evaluation job's body (mlrl.jobs.evaluate, which prestarts the engines before importing
+this): checks, engines, the episodes, the answers file and the metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from mlrl.config import Config, ConfigError
+from mlrl.jobs.model_folder import check_model_weights, model_tokenizer
+from mlrl.jobs.rl_start import EarlyStart
+from mlrl.jobs.rollout_parts import activate_judge, build_workflow, judge_folder, judge_pool, prompt_rows
+from mlrl.metrics import MetricsLogger
+from mlrl.metrics.console import progress_bar
+from mlrl.metrics.pass_at_k import episode_passes, pass_metrics
+from mlrl.reward.model import set_active_judge
+from mlrl.types import EpisodeStatus, SampleStatus
+from mlrl.workflow import EpisodeRunner
+from mlrl.workflow.failures import FailureGuard
+from mlrl.workflow.runner import GroupResult, summarize
+
+log = logging.getLogger("mlrl")
+
+
+async def evaluate(cfg: Config, early: EarlyStart, output: Path) -> int:
+    assert cfg.evaluate is not None
+    hf_dir, run_dir, pool = early.hf_dir, Path(cfg.logging.run_dir), early.pool
+    k, threshold = cfg.eval.samples_per_prompt, cfg.eval.correct_threshold
+    judges = runner = logger = None
+    try:
+        # 1. cheap checks, while the engines import vLLM: model folder, tokenizer, workflow, data, judge
+        tokenizer = model_tokenizer(hf_dir)
+        check_model_weights(hf_dir)
+        workflow = build_workflow(cfg, tokenizer)
+        rows = list(prompt_rows(cfg, "eval", tokenizer, hf_dir, workflow))
+        if cfg.evaluate.max_prompts:
+            rows = rows[:cfg.evaluate.max_prompts]
+        if not rows:
+            raise ConfigError(f"data.eval={cfg.data.eval}: no prompt to evaluate (every row was left out; see the "
+                              "warnings above)")
+        judge_dir, judge_tokenizer = judge_folder(cfg)
+        output.parent.mkdir(parents=True, exist_ok=True)
+        # 2. the engines: the policy's, and the judge's on the GPUs after them
+        assert pool is not None and early.placement is not None  # (one machine: validation)
+        devices = early.placement.engine_devices
+        if judge_dir is not None:
+            judges = judge_pool(cfg, judge_dir, devices[cfg.rollout.num_engines:] if devices else None, run_dir)
+        await asyncio.gather(pool.start(), *([judges.start()] if judges is not None else []))
+        if judges is not None and judge_dir is not None:
+            activate_judge(cfg, judges, judge_dir, judge_tokenizer)
+        runner = EpisodeRunner.from_config(cfg.workflow, workflow, pool, seed=cfg.rollout.sampling.seed)
+        # 3. every prompt k times; the answers written in prompt order as the groups finish
+        logger = MetricsLogger(run_dir, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard,
+                               wandb_project=cfg.logging.wandb_project)
+        t0 = time.time()
+        with open(output, "w") as f:
+            groups = await answer(runner, rows, k, AnswerWriter(f, tokenizer, threshold),
+                                  progress_bar(cfg.logging.progress_bar, total=len(rows), initial=0,
+                                               desc="evaluation prompts"))
+        seconds = time.time() - t0
+        metrics = {**{f"eval/{name}": v for name, v in summarize(groups).items()}, **pass_metrics(groups, k, threshold),
+                   "eval/prompts": float(len(rows)), "eval/samples_per_prompt": float(k), "eval/seconds": seconds}
+        write_json_atomic(run_dir / "eval_metrics.json", {"model": str(hf_dir), "data": cfg.data.eval,
+                                                          "output": str(output), "metrics": metrics})
+        logger.log(0, metrics)
+        # like a training step: a run whose episodes fail is reported as failed (after its files are written)
+        FailureGuard(cfg.workflow.max_failure_fraction, 1, outcome="the evaluation is reported as failed").observe(
+            0, groups, label="the evaluation")
+        at_k = f", pass@{k} {metrics['eval/pass@k']:.4f}" if k > 1 else ""
+        print(f"evaluation of {hf_dir} on {cfg.data.eval}: {len(rows)} prompts x {k} in {seconds:.1f} s: "
+              f"pass@1 {metrics['eval/pass@1']:.4f}{at_k}, mean reward {metrics['eval/mean_reward']:.4f}\n"
+              f"answers: {output}\nmetrics: {run_dir / 'eval_metrics.json'}")
+        return 0
+    finally:
+        if logger is not None:
+            logger.close()
+        if runner is not None:
+            await runner.aclose()
+        if pool is not None:
+            await pool.shutdown()
+        set_active_judge(None)
+        if judges is not None:
+            await judges.shutdown()
+
+
+async def answer(runner: EpisodeRunner, rows: Sequence[dict[str, Any]], k: int, writer: "AnswerWriter",
+                 progress: Any = None) -> list[GroupResult]:
+    """k episodes of each row (evaluation mode), all in flight together (bounded by the runner's
+    workflow.max_concurrency); each group's answers are written as soon as it and every group
+    before it have finished."""
+    done: dict[int, GroupResult] = {}
+    written = 0
+
+    async def one(i: int, row: dict[str, Any]) -> None:
+        nonlocal written
+        done[i] = await runner.run_group(row, k, evaluation=True)
+        if progress is not None:
+            progress.update(1)
+        while written in done:
+            writer.write(written, done[written])
+            written += 1
+
+    try:
+        await asyncio.gather(*(one(i, row) for i, row in enumerate(rows)))
+    finally:
+        if progress is not None:
+            progress.close()
+    return [done[i] for i in range(len(rows))]
+
+
+class AnswerWriter:
+    """The answers file: one JSON object per episode, flushed per group."""
+
+    def __init__(self, f: TextIO, tokenizer: Any, threshold: float):
+        self.f, self.tokenizer, self.threshold = f, tokenizer, threshold
+
+    def write(self, index: int, group: GroupResult) -> None:
+        for j, e in enumerate(group.episodes):
+            self.f.write(json.dumps(answer_record(index, j, group.data, e, self.tokenizer, self.threshold),
+                                    default=str) + "\n")
+        self.f.flush()
+
+
+def answer_record(index: int, sample: int, row: dict[str, Any], episode: Any, tokenizer: Any,
+                  threshold: float) -> dict[str, Any]:
+    """One answer: the prompt (the row's messages) and its reference answer, the response as text
+    (the generated tokens of the episode's last sample, special tokens dropped; a multi-turn
+    episode's tool turns included), its reward and whether it counts as correct for pass@k."""
+    completed = episode.status == EpisodeStatus.COMPLETED
+    last = episode.samples[-1] if episode.samples else None
+    rec: dict[str, Any] = {
+        "prompt_index": index,
+        "sample": sample,
+        "messages": row.get("messages"),
+        "answer": row.get("answer"),
+        "response": tokenizer.decode(last.tokens[last.prompt_len:], skip_special_tokens=True) if last else None,
+        "response_tokens": sum(s.num_loss_tokens for s in episode.samples),
+        "reward": episode.reward if completed else None,
+        "correct": episode_passes(episode, threshold),
+        "status": episode.status.value,
+        "truncated": any(s.status == SampleStatus.TRUNCATED for s in episode.samples),
+    }
+    err = episode.info.get("error")
+    if isinstance(err, dict):
+        rec["error"] = f"{err.get('error_type', 'error')}: {err.get('error_message', '')}"
+    return rec
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """The whole file or the one before: written beside it, then renamed over it."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
