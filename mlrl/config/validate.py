@@ -786,7 +786,7 @@ def validate(cfg: Config, *, has_cuda: bool | None = None, has_te: bool | None =
     check_arch_preset(cfg.model.arch, hf)
     # (an evaluation starts no trainer: any model vLLM serves, whatever the bridge supports)
     which = check_bridge(cfg, hf, cuda=cuda, dry_run=dry_run) if cfg.evaluate is None else None
-    check_model(cfg, hf, layout)
+    check_model(cfg, hf, layout, trainer=cfg.evaluate is None)
     if which == "builtin":
         check_arch(hf, layout, cfg.parallel.pp_layer_split)
     _check_lora(cfg, hf)

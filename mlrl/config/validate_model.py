@@ -24,26 +24,27 @@ def classifier_labels(hf: dict[str, Any]) -> int:
     return len(hf["id2label"]) if hf.get("id2label") else int(hf.get("num_labels", 2))
 
 
-def check_model(cfg: Config, hf: dict[str, Any], layout: Layout, *, engines: bool = True) -> None:
+def check_model(cfg: Config, hf: dict[str, Any], layout: Layout, *, engines: bool = True, trainer: bool = True) -> None:
     """The model's shape against the parallel layout and the run's lengths; `engines`: the rollout
-    engines serve it too (not a critic's body or a KL reference, which only the trainer builds)."""
+    engines serve it too (not a critic's body or a KL reference, which only the trainer builds);
+    `trainer`: the trainer builds it (not in an evaluation, whose engines alone serve it: any model
+    vLLM serves, MoE included, with no trainer layout to fit)."""
     from mlrl.bridge.arch import with_hf_defaults  # (torch-free) what transformers fills in
 
     p, hf = cfg.parallel, with_hf_defaults(hf)
     heads = hf.get("num_attention_heads")
     layers = hf.get("num_hidden_layers")
+    if not trainer:
+        _refuse_classifier(hf)
+        _check_lengths(cfg, hf, heads, engines=True)
+        return
     if heads is None or layers is None:
         raise ConfigError(
             "model.hf_dir: config.json lacks num_attention_heads / num_hidden_layers "
             f"(model_type={hf.get('model_type')!r})"
         )
-    from mlrl.bridge.arch import is_sequence_classifier
-
-    if is_sequence_classifier(hf) and engines:
-        raise ConfigError(f"model.hf_dir: a {hf['architectures'][0]} (a reward model: a score head, no LM head) "
-                          "cannot be the policy or the model a reward-model run starts from; an RL run scores with "
-                          "it as reward_model: {kind: classifier, hf_dir: <it>}, or starts its critic from it "
-                          "(critic.hf_dir)")
+    if engines:
+        _refuse_classifier(hf)
     kv = hf.get("num_key_value_heads") or heads  # (absent or null: one KV head per attention head)
     if heads % p.tp:
         raise ConfigError(f"parallel.tp={p.tp} must divide the model's num_attention_heads={heads}")
@@ -82,15 +83,32 @@ def check_model(cfg: Config, hf: dict[str, Any], layout: Layout, *, engines: boo
             f"parallel.ep*etp = {p.ep * layout.etp} exceeds the trainer ranks per pipeline stage "
             f"({layout.trainer_devices // p.pp})"
         )
-    if engines and cfg.rollout.engine_tp > 1 and heads % cfg.rollout.engine_tp:
-        raise ConfigError(f"rollout.engine_tp={cfg.rollout.engine_tp} must divide num_attention_heads={heads}")
-    max_len = hf.get("max_position_embeddings")
     offline = cfg.offline_section
     if offline is not None:
+        max_len = hf.get("max_position_embeddings")
         if max_len and offline.max_seq_tokens > max_len:
             raise ConfigError(f"{cfg.offline}.max_seq_tokens={offline.max_seq_tokens} exceeds the model's "
                               f"max_position_embeddings={max_len}")
         return
+    _check_lengths(cfg, hf, heads, engines=engines)
+
+
+def _refuse_classifier(hf: dict[str, Any]) -> None:
+    from mlrl.bridge.arch import is_sequence_classifier
+
+    if is_sequence_classifier(hf):
+        raise ConfigError(f"model.hf_dir: a {hf['architectures'][0]} (a reward model: a score head, no LM head) "
+                          "cannot be the policy, the evaluated model or the model a reward-model run starts from; an "
+                          "RL run scores with it as reward_model: {kind: classifier, hf_dir: <it>}, or starts its "
+                          "critic from it (critic.hf_dir)")
+
+
+def _check_lengths(cfg: Config, hf: dict[str, Any], heads: int | None, *, engines: bool) -> None:
+    """A whole sample (longest prompt + new tokens) within the model's positions, and with `engines`
+    (the rollout engines serve it) rollout.engine_tp dividing its heads."""
+    if engines and heads and cfg.rollout.engine_tp > 1 and heads % cfg.rollout.engine_tp:
+        raise ConfigError(f"rollout.engine_tp={cfg.rollout.engine_tp} must divide num_attention_heads={heads}")
+    max_len = hf.get("max_position_embeddings")
     need = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_new_tokens
     if max_len and need > max_len:
         raise ConfigError(

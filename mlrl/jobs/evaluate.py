@@ -37,7 +37,8 @@ def run(cfg: Config, layout: Layout) -> int:
     try:
         return asyncio.run(until_sigterm(lambda: _run(cfg, early), terminated))
     except EpisodeFailures as e:
-        print(f"evaluation failed: {e}\nanswers and metrics in {cfg.logging.run_dir}", file=sys.stderr)
+        print(f"evaluation failed: {e}\nanswers in {output_path(cfg)}, metrics in {cfg.logging.run_dir}",
+              file=sys.stderr)
         return 1
     except asyncio.CancelledError:
         if not terminated:

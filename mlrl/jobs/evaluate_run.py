@@ -15,7 +15,7 @@ from typing import Any, TextIO
 from mlrl.config import Config, ConfigError
 from mlrl.jobs.model_folder import check_model_weights, model_tokenizer
 from mlrl.jobs.rl_start import EarlyStart
-from mlrl.jobs.rollout_parts import activate_judge, build_workflow, judge_folder, judge_pool, prompt_rows
+from mlrl.jobs.rollout_parts import activate_judge, build_workflow, cancel_all, judge_folder, judge_pool, prompt_rows
 from mlrl.metrics import MetricsLogger
 from mlrl.metrics.console import progress_bar
 from mlrl.metrics.pass_at_k import episode_passes, pass_metrics
@@ -36,7 +36,7 @@ async def evaluate(cfg: Config, early: EarlyStart, output: Path) -> int:
     try:
         # 1. cheap checks, while the engines import vLLM: model folder, tokenizer, workflow, data, judge
         tokenizer = model_tokenizer(hf_dir)
-        check_model_weights(hf_dir)
+        check_model_weights(hf_dir, bin_ok=True)  # (vLLM alone loads it)
         workflow = build_workflow(cfg, tokenizer)
         rows = list(prompt_rows(cfg, "eval", tokenizer, hf_dir, workflow))
         if cfg.evaluate.max_prompts:
@@ -46,12 +46,21 @@ async def evaluate(cfg: Config, early: EarlyStart, output: Path) -> int:
                               "warnings above)")
         judge_dir, judge_tokenizer = judge_folder(cfg)
         output.parent.mkdir(parents=True, exist_ok=True)
+        if cfg.logging.jsonl and (run_dir / "metrics.jsonl").is_file():
+            log.warning("%s holds a metrics.jsonl already (another run's?): the evaluation appends its step 0 to it; "
+                        "give the evaluation a logging.run_dir of its own to keep them apart", run_dir)
         # 2. the engines: the policy's, and the judge's on the GPUs after them
         assert pool is not None and early.placement is not None  # (one machine: validation)
         devices = early.placement.engine_devices
         if judge_dir is not None:
             judges = judge_pool(cfg, judge_dir, devices[cfg.rollout.num_engines:] if devices else None, run_dir)
-        await asyncio.gather(pool.start(), *([judges.start()] if judges is not None else []))
+        starts = [asyncio.create_task(pool.start())] + ([asyncio.create_task(judges.start())] if judges else [])
+        try:
+            for t in starts:
+                await t
+        except BaseException:  # a failed start or SIGTERM: the other start is not left running (engines stop below)
+            await cancel_all(starts)
+            raise
         if judges is not None and judge_dir is not None:
             activate_judge(cfg, judges, judge_dir, judge_tokenizer)
         runner = EpisodeRunner.from_config(cfg.workflow, workflow, pool, seed=cfg.rollout.sampling.seed)

@@ -35,6 +35,7 @@ from mlrl.jobs.rollout_parts import (
     TERMINATED_EXIT,
     activate_judge,
     build_workflow,
+    cancel_all,
     judge_folder,
     prompt_rows,
     until_sigterm,
@@ -116,11 +117,6 @@ def _checks(cfg: Config, hf_dir: Path, run_dir: Path) -> _Checked:
                                 and not cfg.algorithm.reference_hf_dir)
     workflow = build_workflow(cfg, tokenizer)
     train_rows = prompt_rows(cfg, "train", tokenizer, hf_dir, workflow)
-    if train_rows.reward and cfg.workflow.reward != train_rows.reward:  # a deliberate choice is allowed: said
-        log.warning("data.train=%s is made for the %r reward, and workflow.reward=%r scores it (set workflow.reward=%s "
-                    "unless this is meant: a reward that cannot read the dataset's answers gives 0.0 everywhere, and "
-                    "the run learns nothing)", cfg.data.train, train_rows.reward, cfg.workflow.reward,
-                    train_rows.reward)
     _check_sample_fits(cfg, train_rows.longest_prompt)
     eval_rows = list(prompt_rows(cfg, "eval", tokenizer, hf_dir, workflow)) if cfg.data.eval else None
     sampler = PromptSampler(train_rows, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
@@ -228,7 +224,7 @@ async def _run(cfg: Config, layout: Layout, early: EarlyStart) -> int:
             for t in starting:
                 await t
         except BaseException:  # SIGTERM or a failed start: the other starts are not waited for (the ranks
-            await _cancel_all(starting)  # are closed by start_group, the engines by the pools' shutdown below)
+            await cancel_all(starting)  # are closed by start_group, the engines by the pools' shutdown below)
             if trainer_started.done() and not trainer_started.cancelled() and trainer_started.exception() is None:
                 group = trainer_started.result()  # built just before: closed below like any other
             raise
@@ -348,12 +344,6 @@ async def _save_deferred_at_exit(saves: SaveSchedule, colocation: Colocation, gr
     except Exception as e:  # the run is stopping anyway: what failed is said, the teardown goes on
         log.warning("the checkpoint / export due at step %d was not written at exit (%s: %s); resume takes the "
                     "checkpoint before", step, type(e).__name__, e)
-
-
-async def _cancel_all(tasks: list[asyncio.Task[Any]]) -> None:
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def freeze_startup_heap() -> None:

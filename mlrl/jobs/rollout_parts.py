@@ -48,6 +48,13 @@ async def until_sigterm(run: Callable[[], Awaitable[int]], terminated: list[bool
         loop.remove_signal_handler(signal.SIGTERM)
 
 
+async def cancel_all(tasks: list[asyncio.Task[Any]]) -> None:
+    """Cancel `tasks` and wait for them (a failed start does not leave the other starts running)."""
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def build_workflow(cfg: Config, tokenizer: Any) -> Any:
     """The configured workflow; the registry's lookup / construction errors name workflow.name,
     .reward or .kwargs (an error inside the workflow keeps its traceback)."""
@@ -68,6 +75,11 @@ def prompt_rows(cfg: Config, which: str, tokenizer: Any, hf_dir: Path, workflow:
         if (err := chat_template_error(e, hf_dir, which, getattr(cfg.data, which))) is not None:
             raise err from None
         raise
+    name = getattr(cfg.data, which)
+    if ds.reward and cfg.workflow.reward != ds.reward:  # a deliberate choice is allowed: said
+        log.warning("data.%s=%s is made for the %r reward, and workflow.reward=%r scores it (set workflow.reward=%s "
+                    "unless this is meant: a reward that cannot read the dataset's answers gives 0.0 everywhere)",
+                    which, name, ds.reward, cfg.workflow.reward, ds.reward)
     if ds.too_long:
         log.warning("data.%s: left out %d of %d prompt(s) longer than data.max_prompt_tokens=%d (chat template "
                     "applied)", which, ds.too_long, ds.too_long + len(ds), cfg.data.max_prompt_tokens)

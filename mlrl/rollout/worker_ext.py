@@ -91,10 +91,11 @@ def rewind_seeded_generators_on_cpu() -> bool:
     bookkeeping, whose own rewind then skips it: the request's draws are those of an unsplit
     prompt, as on GPU. True when installed (a CPU engine)."""
     from vllm.platforms import current_platform
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     if not current_platform.is_cpu():
         return False
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
     if getattr(GPUModelRunner, "_mlrl_rewinds_generators", False):
         return True
     sample_tokens, bookkeeping = GPUModelRunner.sample_tokens, GPUModelRunner._bookkeeping_sync

@@ -12,7 +12,8 @@ launcher exits 1 with its message) when
   the metrics (`reward_fn/failures`): a judge's unparsed reply is such a failure, and scoring it
   0.0 is the signal the policy learns from.
 The message carries the first failed episode's error (and traceback) or reward failure.
-Evaluation episodes are not watched (they never train).
+A training run's held-out evaluation episodes are not watched (they never train); an evaluation run
+(mlrl.jobs.evaluate) observes its one batch, after writing its answers and metrics.
 """
 
 from __future__ import annotations

@@ -6,7 +6,6 @@ lacks: before mlrl.rollout.worker_ext.rewind_seeded_generators_on_cpu the engine
 rollout.sampling.seed, e.g. an evaluation of 64 SmolLM2 prompts x 8. Now the generator's state is
 restored instead, so the request draws exactly what an unsplit prompt draws."""
 
-import asyncio
 import dataclasses
 
 import pytest
@@ -17,14 +16,16 @@ from mlrl.config.schema import RolloutConfig
 from mlrl.rollout import EnginePool, EngineServer
 from mlrl.types import GenerationHyperparameters, ModelRequest
 
-CHUNK = 32  # --max-num-batched-tokens: a prompt of ~100 tokens takes 4 prefill steps
+CHUNK = 32  # --max-num-batched-tokens: a prompt of ~116 tokens takes 4 prefill steps, 3 of them discarding a sample
+BLOCK = 32  # --block-size (the CPU default, 128, would cache none of the prompt): 3 of its blocks are cached
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def pool(vllm_tiny_llama, tmp_path_factory):
     def small_steps(i, spec):
         return EngineServer(dataclasses.replace(spec, extra_args=[*spec.extra_args, "--max-num-batched-tokens",
-                                                                  str(CHUNK), "--max-num-seqs", str(CHUNK)]))
+                                                                  str(CHUNK), "--max-num-seqs", str(CHUNK),
+                                                                  "--block-size", str(BLOCK)]))
 
     cfg = RolloutConfig(num_engines=1, max_model_len=256, startup_timeout_s=400, request_timeout_s=400)
     p = EnginePool(cfg, vllm_tiny_llama, run_dir=tmp_path_factory.mktemp("chunked"), server_factory=small_steps)
@@ -50,7 +51,9 @@ async def test_a_seeded_chunked_prompt_samples_as_an_unsplit_one(pool, vllm_tiny
     seeds = (11, 12, 13)
     chunked = [await pool.agenerate(req(s)) for s in seeds]  # the first: every step of the prompt sampled, discarded
     assert all(r.error is None and r.output_len > 0 for r in chunked), [r.error for r in chunked]
-    # the prompt's blocks are cached now: the same requests prefill their last tokens in one step
-    cached = await asyncio.gather(*(pool.agenerate(req(s)) for s in seeds))
+    # the prompt's full blocks are cached now: each request prefills its last len % BLOCK tokens in one step and
+    # discards nothing, i.e. samples as an unsplit prompt; the chunked first requests must have drawn the same
+    assert 0 < len(prompt) % BLOCK < CHUNK
+    cached = [await pool.agenerate(req(s)) for s in seeds]
     assert [r.output_tokens for r in cached] == [r.output_tokens for r in chunked]
     assert len({tuple(r.output_tokens) for r in chunked}) > 1  # the seeds matter (the check above can fail)

@@ -36,6 +36,26 @@ def test_the_recipe_is_an_evaluation_with_no_trainer():
     validate(_cfg("trainer.seed=7"), has_cuda=False)
 
 
+def test_any_served_model_is_evaluated_without_the_trainers_layout_rules():
+    """A MoE model (whose expert layout the trainer would have to fit) and a model the built-in
+    bridge does not know are served by the engines alone; a classifier is still refused."""
+    validate(_cfg("model.hf_dir=builtin:tiny-qwen3-moe"), has_cuda=False)
+    with pytest.raises(ConfigError, match="exceeds the trainer ranks"):  # (the rule the evaluation skips)
+        validate(load_config(ROOT / "launch" / "cpu_default.yaml", ["model.hf_dir=builtin:tiny-qwen3-moe",
+                                                                     "parallel.ep=2"]), has_cuda=False)
+    from mlrl.config.validate_model import check_model
+
+    layout = validate(_cfg(), has_cuda=False)
+    nested = {"model_type": "llava", "architectures": ["LlavaForConditionalGeneration"], "text_config": {}}
+    check_model(_cfg(), nested, layout, trainer=False)  # (a trainer would refuse it: no top-level heads)
+    with pytest.raises(ConfigError, match="lacks num_attention_heads"):
+        check_model(_cfg(), nested, layout)
+    classifier = {"architectures": ["LlamaForSequenceClassification"], "num_attention_heads": 4,
+                  "num_hidden_layers": 2}
+    with pytest.raises(ConfigError, match="cannot be the policy, the evaluated model"):
+        check_model(_cfg(), classifier, layout, trainer=False)
+
+
 @pytest.mark.parametrize("override,needle", [
     ("data.eval=null", "data.eval: an evaluation"),
     ("evaluate.max_prompts=-1", "evaluate.max_prompts=-1: expected >= 0"),
