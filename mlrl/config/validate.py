@@ -260,10 +260,21 @@ def check_micro_batch_budget(cfg: Config) -> None:
                           f"trainer.micro_batch_tokens={budget}; raise it to >= {2 * d.max_seq_tokens}")
 
 
+def _refuse_set_fields(cfg: Config, sections: tuple[str, ...], why: str) -> None:
+    """Every field of `sections` set away from its default is refused as `<section>.<field>: <why>`."""
+    import dataclasses
+
+    default = Config()
+    for section in sections:
+        got, want = getattr(cfg, section), getattr(default, section)
+        for f in dataclasses.fields(got):
+            if getattr(got, f.name) != getattr(want, f.name):
+                raise ConfigError(f"{section}.{f.name}: {why}")
+
+
 def _check_offline(cfg: Config) -> None:
     """An SFT or DPO run (the trainer alone on a fixed dataset): its own ranges, and no RL setting
     that it would silently ignore."""
-    import dataclasses
 
     kind = cfg.offline
     s = cfg.offline_section
@@ -302,12 +313,8 @@ def _check_offline(cfg: Config) -> None:
     if cfg.cluster.nodes > 1:
         raise ConfigError(f"cluster.nodes={cfg.cluster.nodes}: {run} runs on one machine (its trainer ranks) for now")
     default = Config()
-    for section in _OFFLINE_UNUSED:
-        got, want = getattr(cfg, section), getattr(default, section)
-        for f in dataclasses.fields(got):
-            if getattr(got, f.name) != getattr(want, f.name):
-                raise ConfigError(f"{section}.{f.name}: an RL setting; {run} does not use it "
-                                  f"(remove it, or remove the {kind} section for an RL run)")
+    _refuse_set_fields(cfg, _OFFLINE_UNUSED, f"an RL setting; {run} does not use it (remove it, or remove the {kind} "
+                       "section for an RL run)")
     if cfg.trainer.shared_prefix_packing == "always":
         raise ConfigError(f"trainer.shared_prefix_packing=always: an RL setting (one prompt shared by a group of "
                           f"sampled responses); {run} packs no prompt groups")
@@ -473,12 +480,8 @@ def _check_evaluate(cfg: Config) -> None:
             raise ConfigError(f"cluster.{name}: a training setting (the trainer's devices / the planner's memory); "
                               f"{run} does not use it")
     default = Config()
-    for section in _EVALUATE_UNUSED:
-        got, want = getattr(cfg, section), getattr(default, section)
-        for f in dataclasses.fields(got):
-            if getattr(got, f.name) != getattr(want, f.name):
-                raise ConfigError(f"{section}.{f.name}: a training setting; {run} does not use it "
-                                  "(remove it, or remove the evaluate section for a training run)")
+    _refuse_set_fields(cfg, _EVALUATE_UNUSED, f"a training setting; {run} does not use it (remove it, or remove the "
+                       "evaluate section for a training run)")
     for f in dataclasses.fields(cfg.trainer):
         if f.name != "seed" and getattr(cfg.trainer, f.name) != getattr(default.trainer, f.name):
             raise ConfigError(f"trainer.{f.name}: a training setting; {run} does not use it (of the trainer "
