@@ -77,11 +77,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(dump_yaml(cfg), end="")
         return 0
-    if args.dry_run and cfg.evaluate is not None:
-        print("config error: evaluate: --dry-run plans a training run (the trainer's memory, the GPUs' split); an "
-              "evaluation starts only its engines, rollout.num_engines x rollout.engine_tp GPUs (and the judge's): "
-              "run it without --dry-run", file=sys.stderr)
-        return 2
+    if args.dry_run and cfg.evaluate is not None:  # engines only: their placement and memory (mlrl.plan.evaluation)
+        from mlrl.plan.evaluation import evaluation_plan
+
+        try:
+            ev = evaluation_plan(cfg)
+        except ConfigError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            return 2
+        print(ev.text())
+        return 0 if ev.fits else 3
     if args.dry_run:
         from mlrl.plan import format_plan, make_plan
 

@@ -475,10 +475,9 @@ def _check_evaluate(cfg: Config) -> None:
     if c.placement != "disaggregated":
         raise ConfigError(f"cluster.placement={c.placement}: {run} starts no trainer to share the GPUs with; "
                           "remove it")
-    for name in ("trainer_devices", "gpu_memory_gb"):
-        if getattr(c, name) != getattr(type(c)(), name):
-            raise ConfigError(f"cluster.{name}: a training setting (the trainer's devices / the planner's memory); "
-                              f"{run} does not use it")
+    if c.trainer_devices is not None:  # (cluster.gpu_memory_gb is read: --dry-run plans the engines' memory)
+        raise ConfigError(f"cluster.trainer_devices={c.trainer_devices}: the trainer's devices; {run} starts no "
+                          "trainer")
     default = Config()
     _refuse_set_fields(cfg, _EVALUATE_UNUSED, f"a training setting; {run} does not use it (remove it, or remove the "
                        "evaluate section for a training run)")

@@ -67,7 +67,7 @@ def test_any_served_model_is_evaluated_without_the_trainers_layout_rules():
     ("model.init_from=runs/x/checkpoints/step_000001", "tools/convert_checkpoint.py mcore-to-hf"),
     ("model.bridge=builtin", "model.bridge=builtin: the trainer's"),
     ("cluster.placement=colocated", "cluster.placement=colocated: an evaluation"),
-    ("cluster.trainer_devices=1", "cluster.trainer_devices: a training setting"),
+    ("cluster.trainer_devices=1", "cluster.trainer_devices=1: the trainer's devices"),
     ("trainer.lr=1e-3", "trainer.lr: a training setting"),
     ("trainer.samples_per_prompt=3", "trainer.samples_per_prompt: a training setting"),
     ("algorithm.kl_coef=0.1", "algorithm.kl_coef: a training setting"),
@@ -118,11 +118,36 @@ def test_a_judge_gets_the_gpus_after_the_policys_engines(monkeypatch):
     assert local_placement(cfg, validate(cfg, has_cuda=True, has_te=False)).engine_devices == [[0], [1], [2]]
 
 
-def test_dry_run_is_refused_with_the_reason(capsys):
+def _dry_run(capsys, *overrides):
     from mlrl.launch import main
 
-    assert main(["--config", str(ROOT / "launch" / "eval_cpu.yaml"), *BASE, "--dry-run"]) == 2
-    assert "evaluate: --dry-run plans a training run" in capsys.readouterr().err
+    rc = main(["--config", str(ROOT / "launch" / "eval_cpu.yaml"), *BASE, "--dry-run", *overrides])
+    return rc, capsys.readouterr().out
+
+
+def test_dry_run_plans_the_engines_alone(capsys):
+    """--dry-run of an evaluation: no trainer, the engines' placement and memory, and the verdict."""
+    rc, out = _dry_run(capsys)
+    assert rc == 0 and "no trainer (an evaluation)" in out and out.splitlines()[-1] == "fits"
+    assert "KV cache 1 GiB (cpu_kv_cache_gb) = " in out
+    qwen = ["model.hf_dir=Qwen/Qwen3-8B", "model.arch=Qwen/Qwen3-8B", "model.dtype=bfloat16", "cluster.gpus_per_node=8",
+            "rollout.num_engines=3", "rollout.engine_tp=2", "rollout.max_model_len=8192"]
+    rc, out = _dry_run(capsys, *qwen)
+    assert rc == 0 and "3 engine(s) x engine_tp 2: GPUs 0-1, 2-3, 4-5" in out and out.splitlines()[-1] == "fits"
+    assert "weights 7.63 + activations" in out  # 8.19 B bf16 parameters over 2 GPUs
+    # a judge's engines take the GPUs after the policy's
+    rc, out = _dry_run(capsys, *qwen, "workflow.reward=reward_model", "reward_model.hf_dir=builtin:tiny-llama",
+                       "reward_model.num_engines=1", "reward_model.engine_tp=2")
+    assert rc == 0 and "judge (generative) builtin:tiny-llama (llama, " in out and "engine_tp 2: GPUs 6-7" in out
+    assert "memory   judge (generative) engine GPU: weights 0.00" in out
+    # fp32 weights of 8 B parameters (30.5 GiB) on one 40 GiB GPU leave a KV cache smaller than one sequence
+    rc, out = _dry_run(capsys, *qwen[:2], "cluster.gpus_per_node=1", "cluster.gpu_memory_gb=40",
+                       "rollout.max_model_len=8192")
+    assert rc == 3 and out.splitlines()[-1].startswith("DOES NOT FIT: policy engine: its KV cache holds 7105 tokens, "
+                                                       "less than one sequence of max_model_len 8192")
+    rc, out = _dry_run(capsys, *qwen[:2], "cluster.gpus_per_node=2", "cluster.gpu_memory_gb=40",
+                       "rollout.max_model_len=8192", "rollout.engine_tp=2")  # (the remedy the message names)
+    assert rc == 0 and out.splitlines()[-1] == "fits"
 
 
 class _Tok:
