@@ -81,6 +81,8 @@ class RunContext:
     progress: Progress | None = None
     colocation: Colocation | None = None  # cluster.placement=colocated: engines sleep while the trainer steps
     failures: FailureGuard | None = None  # stops the run when a step's episodes fail (made on first use)
+    eval_answers: Callable[[int, Sequence[GroupResult]], None] | None = None  # eval.save_answers: writes a step's
+    #                                                                           held-out answers
     state: LoopState = field(default_factory=LoopState)
     # held through each train phase and its weight sync: a restarted engine's refresh waits (guarded_refresh)
     trainer_busy: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -294,12 +296,15 @@ def train_phase(ctx: RunContext, samples: list[Sample], timer: StepTimer, step: 
 
 async def evaluate_if_due(ctx: RunContext, step: int, timer: StepTimer) -> dict[str, float]:
     """Held-out evaluation every data.eval_every steps and at the end: eval/* rollout metrics,
-    eval/mean_reward, and eval/pass@1, eval/pass@k over eval.samples_per_prompt samples per prompt."""
+    eval/mean_reward, and eval/pass@1, eval/pass@k over eval.samples_per_prompt samples per prompt;
+    with eval.save_answers, its answers go to `ctx.eval_answers`."""
     cfg = ctx.cfg
     if ctx.eval_rows and cfg.data.eval_every and (step % cfg.data.eval_every == 0 or step == cfg.trainer.total_steps):
         k = cfg.eval.samples_per_prompt
         with timer("eval"):
             ev = await ctx.runner.run_batch(ctx.eval_rows, k, evaluation=True)
+        if ctx.eval_answers is not None:
+            ctx.eval_answers(step, ev)
         out = {f"eval/{name}": v for name, v in ev.metrics.items()}
         return {**out, **pass_metrics(ev, k, cfg.eval.correct_threshold)}
     return {}

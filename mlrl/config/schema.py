@@ -484,6 +484,10 @@ class EvalConfig:
     """Responses sampled per held-out prompt (k of pass@k)."""
     correct_threshold: float = 1.0
     """A response counts as correct for pass@k when its reward is >= this."""
+    save_answers: bool = False
+    """Write every answer of each held-out evaluation of a training run to
+    `<run_dir>/eval/step_N.jsonl` (the evaluation job's answer records: prompt, response, reward,
+    correct, ...). An evaluation run (evaluate:) always writes them, to evaluate.output."""
 
 
 @dataclass

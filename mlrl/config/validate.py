@@ -486,6 +486,8 @@ def _check_evaluate(cfg: Config) -> None:
             raise ConfigError(f"trainer.{f.name}: a training setting; {run} does not use it (of the trainer "
                               "section only trainer.seed, which seeds a synthetic data.eval, is read)")
     for section, name, why in (("rollout", "staleness", "asynchronous training"),
+                               ("eval", "save_answers", "a training run's held-out answers; the evaluation writes "
+                                "every answer to evaluate.output"),
                                ("data", "train", "the training prompts; the evaluation answers data.eval"),
                                ("data", "eval_every", "the training run's evaluation interval; this run evaluates "
                                 "once"),
@@ -570,8 +572,8 @@ def _check_unused(cfg: Config) -> None:
     # data.eval_every and data.num_synthetic describe a recipe's own datasets and stay when a command
     # line swaps them (data.train=my.jsonl data.eval=null), as a recipe's critic section stays for gae
     if d.eval is None:
-        _unused("eval", cfg.eval, ("samples_per_prompt", "correct_threshold"), "without data.eval (no held-out "
-                "evaluation)")
+        _unused("eval", cfg.eval, ("samples_per_prompt", "correct_threshold", "save_answers"), "without data.eval (no "
+                "held-out evaluation)")
     elif d.eval_every == 0 and cfg.evaluate is None:  # (an evaluation run answers data.eval once)
         raise ConfigError(f"data.eval={d.eval} is never evaluated with data.eval_every=0: set data.eval_every to "
                           "evaluate every N steps (and at the end), or remove data.eval")

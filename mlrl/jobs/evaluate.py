@@ -5,7 +5,8 @@ the policy's vLLM engines serve model.hf_dir (an HF folder, e.g. a run's export)
 workflow runs each prompt eval.samples_per_prompt times (multi-turn and agent workflows too) and
 its reward (or the reward_model judge on its own engines) scores every answer. Written:
 - `evaluate.output` (default `<run_dir>/eval_samples.jsonl`): one JSON line per answer, in prompt
-  order, appended as the groups finish (a stopped evaluation keeps the prompts it finished);
+  order, appended to `<output>.partial` as the groups finish and renamed to `output` at the end (a
+  stopped evaluation keeps the prompts it finished there; an earlier evaluation's file stays whole);
 - `<run_dir>/eval_metrics.json`, written whole at the end (atomically): eval/pass@1, pass@k (the
   unbiased estimator), mean reward and the rollout metrics; also step 0 of metrics.jsonl /
   TensorBoard / W&B.
@@ -43,8 +44,9 @@ def run(cfg: Config, layout: Layout) -> int:
     except asyncio.CancelledError:
         if not terminated:
             raise
+        out = output_path(cfg)
         print(f"terminated (SIGTERM): engines stopped; the answers of the prompts finished so far are in "
-              f"{output_path(cfg)}", file=sys.stderr)
+              f"{out.with_name(out.name + '.partial')} ({out} is left as it was)", file=sys.stderr)
         return TERMINATED_EXIT
 
 

@@ -10,7 +10,7 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from mlrl.config import Config, ConfigError
 from mlrl.jobs.model_folder import check_model_weights, model_tokenizer
@@ -18,10 +18,10 @@ from mlrl.jobs.rl_start import EarlyStart
 from mlrl.jobs.rollout_parts import activate_judge, build_workflow, cancel_all, judge_folder, judge_pool, prompt_rows
 from mlrl.metrics import MetricsLogger
 from mlrl.metrics.console import progress_bar
-from mlrl.metrics.pass_at_k import episode_passes, pass_metrics
+from mlrl.metrics.pass_at_k import pass_metrics
 from mlrl.reward.model import set_active_judge
-from mlrl.types import EpisodeStatus, SampleStatus
 from mlrl.workflow import EpisodeRunner
+from mlrl.workflow.answers import AnswerWriter
 from mlrl.workflow.failures import FailureGuard
 from mlrl.workflow.runner import GroupResult, summarize
 
@@ -68,10 +68,13 @@ async def evaluate(cfg: Config, early: EarlyStart, output: Path) -> int:
         logger = MetricsLogger(run_dir, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard,
                                wandb_project=cfg.logging.wandb_project)
         t0 = time.time()
-        with open(output, "w") as f:
+        partial = partial_path(output)  # renamed to `output` when complete: an earlier evaluation's file stays whole
+        with open(partial, "w") as f:
             groups = await answer(runner, rows, k, AnswerWriter(f, tokenizer, threshold),
                                   progress_bar(cfg.logging.progress_bar, total=len(rows), initial=0,
                                                desc="evaluation prompts"))
+            os.fsync(f.fileno())
+        os.replace(partial, output)
         seconds = time.time() - t0
         metrics = {**{f"eval/{name}": v for name, v in summarize(groups).items()}, **pass_metrics(groups, k, threshold),
                    "eval/prompts": float(len(rows)), "eval/samples_per_prompt": float(k), "eval/seconds": seconds}
@@ -123,42 +126,9 @@ async def answer(runner: EpisodeRunner, rows: Sequence[dict[str, Any]], k: int, 
     return [done[i] for i in range(len(rows))]
 
 
-class AnswerWriter:
-    """The answers file: one JSON object per episode, flushed per group."""
-
-    def __init__(self, f: TextIO, tokenizer: Any, threshold: float):
-        self.f, self.tokenizer, self.threshold = f, tokenizer, threshold
-
-    def write(self, index: int, group: GroupResult) -> None:
-        for j, e in enumerate(group.episodes):
-            self.f.write(json.dumps(answer_record(index, j, group.data, e, self.tokenizer, self.threshold),
-                                    default=str) + "\n")
-        self.f.flush()
-
-
-def answer_record(index: int, sample: int, row: dict[str, Any], episode: Any, tokenizer: Any,
-                  threshold: float) -> dict[str, Any]:
-    """One answer: the prompt (the row's messages) and its reference answer, the response as text
-    (the generated tokens of the episode's last sample, special tokens dropped; a multi-turn
-    episode's tool turns included), its reward and whether it counts as correct for pass@k."""
-    completed = episode.status == EpisodeStatus.COMPLETED
-    last = episode.samples[-1] if episode.samples else None
-    rec: dict[str, Any] = {
-        "prompt_index": index,
-        "sample": sample,
-        "messages": row.get("messages"),
-        "answer": row.get("answer"),
-        "response": tokenizer.decode(last.tokens[last.prompt_len:], skip_special_tokens=True) if last else None,
-        "response_tokens": sum(s.num_loss_tokens for s in episode.samples),
-        "reward": episode.reward if completed else None,
-        "correct": episode_passes(episode, threshold),
-        "status": episode.status.value,
-        "truncated": any(s.status == SampleStatus.TRUNCATED for s in episode.samples),
-    }
-    err = episode.info.get("error")
-    if isinstance(err, dict):
-        rec["error"] = f"{err.get('error_type', 'error')}: {err.get('error_message', '')}"
-    return rec
+def partial_path(output: Path) -> Path:
+    """Where the answers are written while the evaluation runs (a stopped one leaves its finished prompts there)."""
+    return output.with_name(output.name + ".partial")
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:

@@ -52,6 +52,7 @@ from mlrl.trainer.driver.client import CriticClient, MegatronWeightSource, Train
 from mlrl.trainer.driver.group import rank_env, start_group
 from mlrl.weight_sync import make_weight_sync
 from mlrl.workflow import EpisodeRunner
+from mlrl.workflow.answers import write_answers_file
 from mlrl.workflow.failures import EpisodeFailures
 
 log = logging.getLogger("mlrl")
@@ -90,6 +91,7 @@ class _Checked:
     workflow: Any
     judge_dir: Path | None = None
     judge_tokenizer: Any = None
+    tokenizer: Any = None  # the policy's (decodes the held-out answers eval.save_answers writes)
 
 
 def _checks(cfg: Config, hf_dir: Path, run_dir: Path) -> _Checked:
@@ -137,8 +139,16 @@ def _checks(cfg: Config, hf_dir: Path, run_dir: Path) -> _Checked:
             raise ConfigError(str(e)) from None
         check_model_weights(teacher_dir, field="algorithm.reference_hf_dir")
         check_same_tokens(tokenizer, teacher_dir, "algorithm.reference_hf_dir")
+    out.tokenizer = tokenizer
     out.judge_dir, out.judge_tokenizer = judge_folder(cfg)  # before any process starts
     return out
+
+
+def _eval_answers(cfg: Config, run_dir: Path, tokenizer: Any) -> Any:
+    """eval.save_answers: each held-out evaluation's answers to <run_dir>/eval/step_N.jsonl."""
+    def write(step: int, groups: Any) -> None:
+        write_answers_file(run_dir / "eval" / f"step_{step:06d}.jsonl", groups, tokenizer, cfg.eval.correct_threshold)
+    return write
 
 
 def _check_sample_fits(cfg: Config, longest_prompt: int) -> None:
@@ -285,6 +295,7 @@ async def _run(cfg: Config, layout: Layout, early: EarlyStart) -> int:
             checkpoint=checkpointer,
             saves=(saves := SaveSchedule(cfg.checkpoint, cfg.trainer.total_steps, checkpointer, colocation)),
             eval_rows=eval_rows,
+            eval_answers=_eval_answers(cfg, run_dir, checked.tokenizer) if cfg.eval.save_answers else None,
             progress=progress_bar(cfg.logging.progress_bar, total=cfg.trainer.total_steps, initial=start_step,
                                   desc="RL steps"),
             colocation=colocation,

@@ -51,10 +51,12 @@ def data(tmp_path_factory):
 def test_greedy_answers_are_transformers_and_scored_by_the_reward(tmp_path, data):
     path, greedy = data
     run, out = tmp_path / "run", tmp_path / "answers" / "greedy.jsonl"
+    out.parent.mkdir()
+    out.write_text("an earlier evaluation's answers\n")  # replaced whole, once the new ones are complete
     launch(run, *_common(path), "rollout.sampling.temperature=0", "eval.samples_per_prompt=1",
            f"evaluate.output={out}")
     recs = _records(out)  # evaluate.output: where the answers go (not the run folder's default)
-    assert not (run / "eval_samples.jsonl").exists()
+    assert not (run / "eval_samples.jsonl").exists() and not out.with_name(out.name + ".partial").exists()
     assert [(r["prompt_index"], r["sample"]) for r in recs] == [(i, 0) for i in range(len(PROMPTS))]
     assert [r["response"] for r in recs] == greedy
     assert [r["reward"] for r in recs] == [float(i % 2 == 0) for i in range(len(PROMPTS))]

@@ -90,7 +90,7 @@ def runs(tmp_path_factory):
     concurrently: most of a launch is its vLLM engine and trainer ranks starting; both are deterministic."""
     root = tmp_path_factory.mktemp("e2e")
     with ThreadPoolExecutor(2) as pool:
-        a = pool.submit(_launch, root / "run", *RUN_A)
+        a = pool.submit(_launch, root / "run", *RUN_A, "eval.save_answers=true")  # (the colocated run: off)
         colo = pool.submit(_launch, root / "colocated", *RUN_A, *COLOCATED)
         return {"a": (root / "run", a.result()), "colocated": (root / "colocated", colo.result())}
 
@@ -107,6 +107,11 @@ def test_sync_run(run_a):
     assert [r["step"] for r in evals] == [2, 3]  # every 2 steps and at the end, on the held-out split
     assert all(0.0 <= r["eval/reward/mean"] <= 1.0 and r["eval/episodes/total"] == 64 for r in evals)
     assert all(0.0 <= r["eval/pass@1"] <= r["eval/pass@2"] <= 1.0 for r in evals)
+    for r in evals:  # eval.save_answers: each evaluation's answers, which give its pass@1 and mean reward
+        answers = [json.loads(x) for x in (run_dir / "eval" / f"step_{r['step']:06d}.jsonl").read_text().splitlines()]
+        assert len(answers) == 64 and {a["prompt_index"] for a in answers} == set(range(32))
+        assert sum(a["correct"] for a in answers) / 64 == pytest.approx(r["eval/pass@1"])
+        assert sum(a["reward"] for a in answers) / 64 == pytest.approx(r["eval/mean_reward"])
     for r in recs:  # two updates per step; the second sees the policy the first moved (TEETH)
         assert r["train/updates"] == 2 and 0.0 < r["train/ratio_min"] <= 1.0 <= r["train/ratio_max"] < 100.0, r
         assert r["train/ratio_min"] < 1.0 or r["train/ratio_max"] > 1.0, r  # the second mini-batch is off-policy
@@ -163,6 +168,7 @@ def test_colocated_learns_exactly_like_disaggregated(runs):
             assert x[key] == y[key], (x["step"], key, x[key], y[key])
         assert x.get("eval/reward/mean") == y.get("eval/reward/mean")
     _check_steps(a, [1, 2, 3], {1, 2, 3})
+    assert not (colo / "eval").exists() and (a_dir / "eval").is_dir()  # eval.save_answers: off / on
     # the policy starts as its KL reference: the step-1 KL is the trainer's old-logprob forward against
     # the reference model's, both of model.hf_dir (algorithm.reference_hf_dir unset)
     assert b[0]["reference/kl"] == 0.0 and b[1]["reference/kl"] != 0.0

@@ -10,9 +10,10 @@ import pytest
 
 from mlrl.config import ConfigError, load_config, validate
 from mlrl.jobs import job_name
-from mlrl.jobs.evaluate_run import AnswerWriter, answer, answer_record
+from mlrl.jobs.evaluate_run import answer
 from mlrl.jobs.placement import local_placement
 from mlrl.types import EpisodeStatus, Sample, SampleStatus
+from mlrl.workflow.answers import AnswerWriter, answer_record
 from mlrl.workflow.runner import EpisodeResult, GroupResult
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -79,12 +80,21 @@ def test_any_served_model_is_evaluated_without_the_trainers_layout_rules():
     ("data.eval_every=5", "data.eval_every=5"),
     ("data.shuffle=false", "data.shuffle=False"),
     ("workflow.max_failure_steps=2", "workflow.max_failure_steps=2"),
+    ("eval.save_answers=true", "eval.save_answers=True: a training run's held-out answers"),
     ("rollout.sampling.temperature=0", "temperature=0 (greedy) with eval.samples_per_prompt=8"),
 ])
 def test_what_an_evaluation_does_not_use_is_refused_by_name(override, needle):
     with pytest.raises(ConfigError) as e:
         _check(override, has_cuda=False)
     assert needle in str(e.value), str(e.value)
+
+
+def test_a_training_run_saves_eval_answers_only_with_a_held_out_set():
+    rl = ROOT / "launch" / "cpu_default.yaml"
+    with pytest.raises(ConfigError, match=r"eval.save_answers=True has no effect without data.eval"):
+        validate(load_config(rl, ["eval.save_answers=true"]), has_cuda=False)
+    validate(load_config(rl, ["eval.save_answers=true", "data.eval=synthetic:copy_digit", "data.eval_every=5"]),
+             has_cuda=False)
 
 
 def test_greedy_is_refused_for_groups_in_training_too_and_accepted_with_one_answer():

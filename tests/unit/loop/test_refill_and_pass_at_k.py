@@ -3,6 +3,7 @@ engine: prompts with an even digit are always answered right (a group with equal
 signal), odd digits right on every other call (an informative group)."""
 
 import asyncio
+import json
 import re
 
 import pytest
@@ -118,6 +119,34 @@ async def test_eval_reports_pass_at_1_and_pass_at_k():
     )
     strict.eval_rows = rows
     assert (await evaluate_if_due(strict, 1, StepTimer()))["eval/pass@k"] == 0.0
+    seen = []  # eval.save_answers: the run's writer gets the step and its groups
+    one.eval_answers = lambda step, groups: seen.append((step, [g.data for g in groups]))
+    await evaluate_if_due(one, 1, StepTimer())
+    assert seen == [(1, rows)]
+
+
+def test_a_training_runs_eval_answers_are_written_whole(tmp_path):
+    """eval.save_answers: <run_dir>/eval/step_N.jsonl, one record per episode, prompt index = row position."""
+    from mlrl.jobs.rl import _eval_answers
+    from mlrl.types import Sample
+    from mlrl.workflow.api import EpisodeStatus
+    from mlrl.workflow.runner import EpisodeResult, GroupResult
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=False):
+            return ",".join(map(str, ids))
+
+    def ep(r):
+        return EpisodeResult(EpisodeStatus.COMPLETED, [Sample([1, 2, 3], [0, 1, 1], [0.0] * 3, [0] * 3, reward=r,
+                                                              prompt_len=1)])
+
+    cfg = load_config(None, ["eval.correct_threshold=0.5"])
+    groups = [GroupResult("a", {"answer": "x"}, [ep(1.0), ep(0.0)]), GroupResult("b", {"answer": "y"}, [ep(0.5)])]
+    _eval_answers(cfg, tmp_path, Tok())(4, groups)
+    recs = [json.loads(x) for x in (tmp_path / "eval" / "step_000004.jsonl").read_text().splitlines()]
+    assert [(r["prompt_index"], r["sample"], r["answer"], r["response"], r["correct"]) for r in recs] == [
+        (0, 0, "x", "2,3", True), (0, 1, "x", "2,3", False), (1, 0, "y", "2,3", True)]
+    assert not list((tmp_path / "eval").glob("*.tmp"))
 
 
 def test_a_group_short_of_k_episodes_counts_the_missing_ones_as_incorrect():
