@@ -86,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"config error: {e}", file=sys.stderr)
             return 2
         print(ev.text())
+        for why in ev.reasons:
+            print(f"dry-run: does not fit: {why}", file=sys.stderr)
         return 0 if ev.fits else 3
     if args.dry_run:
         from mlrl.plan import format_plan, make_plan

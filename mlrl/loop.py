@@ -303,8 +303,11 @@ async def evaluate_if_due(ctx: RunContext, step: int, timer: StepTimer) -> dict[
         k = cfg.eval.samples_per_prompt
         with timer("eval"):
             ev = await ctx.runner.run_batch(ctx.eval_rows, k, evaluation=True)
-        if ctx.eval_answers is not None:
-            ctx.eval_answers(step, ev)
+        if ctx.eval_answers is not None:  # (in a thread: decoding and writing do not stall the engines' traffic)
+            try:
+                await asyncio.to_thread(ctx.eval_answers, step, ev)
+            except OSError as e:  # the step's metrics and checkpoint matter more than the answers file
+                log.warning("eval.save_answers: the answers of step %d were not written: %s", step, e)
         out = {f"eval/{name}": v for name, v in ev.metrics.items()}
         return {**out, **pass_metrics(ev, k, cfg.eval.correct_threshold)}
     return {}

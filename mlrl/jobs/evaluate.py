@@ -35,8 +35,9 @@ def run(cfg: Config, layout: Layout) -> int:
 
     configure_logging(cfg.logging.level)
     terminated: list[bool] = []
+    stage = {"at": "starting"}  # evaluate_run.evaluate moves it to "answering", then "done" (the SIGTERM message)
     try:
-        return asyncio.run(until_sigterm(lambda: _run(cfg, early), terminated))
+        return asyncio.run(until_sigterm(lambda: _run(cfg, early, stage), terminated))
     except EpisodeFailures as e:
         print(f"evaluation failed: {e}\nanswers in {output_path(cfg)}, metrics in {cfg.logging.run_dir}",
               file=sys.stderr)
@@ -45,8 +46,11 @@ def run(cfg: Config, layout: Layout) -> int:
         if not terminated:
             raise
         out = output_path(cfg)
-        print(f"terminated (SIGTERM): engines stopped; the answers of the prompts finished so far are in "
-              f"{out.with_name(out.name + '.partial')} ({out} is left as it was)", file=sys.stderr)
+        partial = out.with_name(out.name + ".partial")
+        where = {"starting": f"no prompt was answered; {out} is left as it was",
+                 "answering": f"the answers of the prompts finished so far are in {partial} ({out} is left as it was)",
+                 "done": f"the evaluation had finished: its answers are in {out}"}[stage["at"]]
+        print(f"terminated (SIGTERM): engines stopped; {where}", file=sys.stderr)
         return TERMINATED_EXIT
 
 
@@ -55,7 +59,7 @@ def output_path(cfg: Config) -> Path:
     return Path(cfg.evaluate.output) if cfg.evaluate.output else Path(cfg.logging.run_dir) / "eval_samples.jsonl"
 
 
-async def _run(cfg: Config, early: EarlyStart) -> int:
+async def _run(cfg: Config, early: EarlyStart, stage: dict[str, str]) -> int:
     from mlrl.jobs.evaluate_run import evaluate
 
-    return await evaluate(cfg, early, output_path(cfg))
+    return await evaluate(cfg, early, output_path(cfg), stage)

@@ -28,8 +28,10 @@ from mlrl.workflow.runner import GroupResult, summarize
 log = logging.getLogger("mlrl")
 
 
-async def evaluate(cfg: Config, early: EarlyStart, output: Path) -> int:
+async def evaluate(cfg: Config, early: EarlyStart, output: Path, stage: dict[str, str] | None = None) -> int:
+    """`stage["at"]`: "answering" once the answers file is open, "done" once it is complete."""
     assert cfg.evaluate is not None
+    stage = {} if stage is None else stage
     hf_dir, run_dir, pool = early.hf_dir, Path(cfg.logging.run_dir), early.pool
     k, threshold = cfg.eval.samples_per_prompt, cfg.eval.correct_threshold
     judges = runner = logger = None
@@ -70,11 +72,13 @@ async def evaluate(cfg: Config, early: EarlyStart, output: Path) -> int:
         t0 = time.time()
         partial = partial_path(output)  # renamed to `output` when complete: an earlier evaluation's file stays whole
         with open(partial, "w") as f:
+            stage["at"] = "answering"
             groups = await answer(runner, rows, k, AnswerWriter(f, tokenizer, threshold),
                                   progress_bar(cfg.logging.progress_bar, total=len(rows), initial=0,
                                                desc="evaluation prompts"))
             os.fsync(f.fileno())
         os.replace(partial, output)
+        stage["at"] = "done"
         seconds = time.time() - t0
         metrics = {**{f"eval/{name}": v for name, v in summarize(groups).items()}, **pass_metrics(groups, k, threshold),
                    "eval/prompts": float(len(rows)), "eval/samples_per_prompt": float(k), "eval/seconds": seconds}

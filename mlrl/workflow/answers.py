@@ -32,8 +32,10 @@ class AnswerWriter:
 def answer_record(index: int, sample: int, row: dict[str, Any], episode: Any, tokenizer: Any,
                   threshold: float) -> dict[str, Any]:
     """One answer: the prompt (the row's messages) and its reference answer, the response as text
-    (the generated tokens of the episode's last sample, special tokens dropped; a multi-turn
-    episode's tool turns included), its reward and whether it counts as correct for pass@k."""
+    (the generated part of the episode's last sample, special tokens dropped: a multi-turn episode
+    exported as one sample includes its tool turns, one exported per turn gives its last turn),
+    `response_tokens` (the generated tokens of all its samples), its reward and whether it counts
+    as correct for pass@k."""
     completed = episode.status == EpisodeStatus.COMPLETED
     last = episode.samples[-1] if episode.samples else None
     rec: dict[str, Any] = {

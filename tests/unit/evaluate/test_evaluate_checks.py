@@ -160,6 +160,45 @@ def test_dry_run_plans_the_engines_alone(capsys):
     assert rc == 0 and out.splitlines()[-1] == "fits"
 
 
+def test_dry_run_names_each_pools_own_fields_and_plans_around_a_judge_not_here(capsys):
+    rc, out = _dry_run(capsys, "workflow.reward=reward_model", "reward_model.hf_dir=/nonexistent/judge")
+    assert rc == 0 and "judge (generative) /nonexistent/judge: 1 engine(s) x engine_tp 1; not sized " \
+        "(reward_model.hf_dir: folder '/nonexistent/judge' does not exist" in out
+    # 1 GiB GPUs: the CUDA runtime alone takes more than gpu_memory_utilization leaves; each pool's advice
+    # names its own fields
+    rc, out = _dry_run(capsys, "cluster.gpus_per_node=2", "cluster.gpu_memory_gb=1", "workflow.reward=reward_model",
+                       "reward_model.hf_dir=builtin:tiny-llama")
+    verdict = out.splitlines()[-1]
+    assert rc == 3 and "policy engine: its KV cache holds 0 tokens" in verdict
+    assert "(more GPUs per engine (rollout.engine_tp), a larger rollout.gpu_memory_utilization, or a smaller " \
+        "rollout.max_model_len)" in verdict
+    assert "judge (generative) engine: its KV cache holds 0 tokens" in verdict
+    assert "reward_model.max_model_len" in verdict
+    rc, out = _dry_run(capsys, "rollout.max_model_len=300000000")  # (CPU: more than 1 GiB of KV holds)
+    assert rc == 3 and "a larger rollout.cpu_kv_cache_gb, or a smaller rollout.max_model_len" in out
+
+
+@pytest.mark.parametrize("stage,says", [("starting", "no prompt was answered"),
+                                        ("answering", "eval_samples.jsonl.partial"),
+                                        ("done", "the evaluation had finished")])
+def test_sigterm_says_where_the_answers_are(monkeypatch, capsys, tmp_path, stage, says):
+    import os
+    import signal
+
+    from mlrl.jobs import evaluate as ev
+
+    async def fake_run(cfg, early, state):
+        state["at"] = stage
+        os.kill(os.getpid(), signal.SIGTERM)
+        await asyncio.sleep(30)
+
+    monkeypatch.setattr(ev, "begin", lambda cfg, layout: None)  # (no engine process)
+    monkeypatch.setattr(ev, "_run", fake_run)
+    cfg = _cfg(f"logging.run_dir={tmp_path}")
+    assert ev.run(cfg, validate(cfg, has_cuda=False)) == 143
+    assert says in capsys.readouterr().err
+
+
 class _Tok:
     def decode(self, ids, skip_special_tokens=False):
         return " ".join(f"t{i}" for i in ids if not (skip_special_tokens and i == 0))

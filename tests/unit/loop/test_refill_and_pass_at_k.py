@@ -124,6 +124,12 @@ async def test_eval_reports_pass_at_1_and_pass_at_k():
     await evaluate_if_due(one, 1, StepTimer())
     assert seen == [(1, rows)]
 
+    def full_disk(step, groups):
+        raise OSError(28, "No space left on device")
+
+    one.eval_answers = full_disk  # a failed write is said; the step's evaluation metrics still come back
+    assert (await evaluate_if_due(one, 1, StepTimer()))["eval/episodes/total"] == 4
+
 
 def test_a_training_runs_eval_answers_are_written_whole(tmp_path):
     """eval.save_answers: <run_dir>/eval/step_N.jsonl, one record per episode, prompt index = row position."""
