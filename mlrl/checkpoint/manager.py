@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from mlrl.ckpt_files.atomic import write_json_atomic
 from mlrl.ckpt_files.errors import CheckpointError
 from mlrl.ckpt_files.layout import COMPLETE, STATE_FILE, STEP_RE, complete_checkpoints, is_complete, latest_checkpoint
 
@@ -50,7 +51,7 @@ class CheckpointManager:
 
     def commit(self, tmp: Path, step: int, state: Mapping[str, object]) -> Path:
         """Write the trainer state, mark complete, rename into place, move `latest`, prune."""
-        _write_json_atomic(tmp / STATE_FILE, {"step": step, **state})
+        write_json_atomic(tmp / STATE_FILE, {"step": step, **state})
         (tmp / COMPLETE).write_text("ok\n")
         _fsync_dir(tmp)
         final = self.root / step_dir_name(step)
@@ -137,15 +138,6 @@ def read_state(ckpt: Path) -> dict[str, Any]:
         return json.loads((ckpt / STATE_FILE).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"checkpoint {ckpt}: cannot read {STATE_FILE}: {e}") from None
-
-
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _fsync_dir(path: Path) -> None:

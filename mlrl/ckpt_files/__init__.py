@@ -9,6 +9,7 @@ a collective or Megatron.
     errors        CheckpointError: a checkpoint is missing, incomplete or does not fit this run
     layout        the names in a checkpoint folder and how to tell a complete one (read-only)
     init_source   model.init_from: which weights a path names (the driver checks, the ranks load)
+    atomic        a JSON file written whole (a checkpoint's state, an evaluation's metrics)
     hf_folder     a Hugging Face folder from streamed tensor buckets (safetensors shards, atomic)
     peft_adapter  LoRA adapters as a PEFT folder (atomic)
 

@@ -492,6 +492,7 @@ def _check_evaluate(cfg: Config) -> None:
                                ("data", "eval_every", "the training run's evaluation interval; this run evaluates "
                                 "once"),
                                ("data", "shuffle", "the order of the training prompts"),
+                               ("logging", "plot", "the training curves' PNG; an evaluation has one step"),
                                ("workflow", "max_failure_steps", "the training steps in a row; one evaluation "
                                 "stops when more than workflow.max_failure_fraction of its episodes fail")):
         got, want = getattr(getattr(cfg, section), name), getattr(getattr(default, section), name)

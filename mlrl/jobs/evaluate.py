@@ -46,7 +46,7 @@ def run(cfg: Config, layout: Layout) -> int:
         if not terminated:
             raise
         out = output_path(cfg)
-        partial = out.with_name(out.name + ".partial")
+        partial = partial_path(out)
         where = {"starting": f"no prompt was answered; {out} is left as it was",
                  "answering": f"the answers of the prompts finished so far are in {partial} ({out} is left as it was)",
                  "done": f"the evaluation had finished: its answers are in {out}"}[stage["at"]]
@@ -57,6 +57,11 @@ def run(cfg: Config, layout: Layout) -> int:
 def output_path(cfg: Config) -> Path:
     assert cfg.evaluate is not None
     return Path(cfg.evaluate.output) if cfg.evaluate.output else Path(cfg.logging.run_dir) / "eval_samples.jsonl"
+
+
+def partial_path(output: Path) -> Path:
+    """Where the answers are written while the evaluation runs (a stopped one leaves its finished prompts there)."""
+    return output.with_name(output.name + ".partial")
 
 
 async def _run(cfg: Config, early: EarlyStart, stage: dict[str, str]) -> int:

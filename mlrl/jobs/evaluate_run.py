@@ -4,7 +4,6 @@ this): checks, engines, the episodes, the answers file and the metrics."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import time
@@ -12,7 +11,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from mlrl.ckpt_files.atomic import write_json_atomic
 from mlrl.config import Config, ConfigError
+from mlrl.jobs.evaluate import partial_path
 from mlrl.jobs.model_folder import check_model_weights, model_tokenizer
 from mlrl.jobs.rl_start import EarlyStart
 from mlrl.jobs.rollout_parts import activate_judge, build_workflow, cancel_all, judge_folder, judge_pool, prompt_rows
@@ -128,19 +129,3 @@ async def answer(runner: EpisodeRunner, rows: Sequence[dict[str, Any]], k: int, 
         if progress is not None:
             progress.close()
     return [done[i] for i in range(len(rows))]
-
-
-def partial_path(output: Path) -> Path:
-    """Where the answers are written while the evaluation runs (a stopped one leaves its finished prompts there)."""
-    return output.with_name(output.name + ".partial")
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """The whole file or the one before: written beside it, then renamed over it."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

@@ -79,9 +79,8 @@ def _engine_memory(cfg: Config, role: str, section: str, shape: ModelShape, r: R
     """One engine GPU of the pool (or, on CPU, its KV cache), and whether a whole sequence fits."""
     max_len = r.max_model_len or shape.max_positions or cfg.data.max_prompt_tokens + r.sampling.max_new_tokens
     dtype = mem.DTYPE_BYTES[cfg.model.dtype]
-    kv_heads = max(1, -(-shape.kv_heads // r.engine_tp))
     if cfg.cluster.gpus_per_node == 0:
-        kv_per_token = 2 * shape.layers * kv_heads * shape.head_dim * dtype
+        kv_per_token = mem.kv_bytes_per_token(shape, engine_tp=r.engine_tp, dtype_bytes=dtype)
         tokens = int(r.cpu_kv_cache_gb * mem.GIB // kv_per_token)
         plan.lines.append(f"memory   {role} engine: KV cache {r.cpu_kv_cache_gb:g} GiB (cpu_kv_cache_gb) = {tokens} "
                           f"tokens, {tokens // max_len} sequence(s) of max_model_len {max_len}")

@@ -415,6 +415,12 @@ def vllm_batch_defaults(gpu_bytes: float) -> tuple[int, int]:
     return 2048, 256
 
 
+def kv_bytes_per_token(shape: ModelShape, *, engine_tp: int, dtype_bytes: int) -> int:
+    """KV-cache bytes one token takes on one engine TP rank (K and V of every layer)."""
+    kv_heads = max(1, math.ceil(shape.kv_heads / engine_tp))  # KV heads are replicated when tp > kv_heads
+    return 2 * shape.layers * kv_heads * shape.head_dim * dtype_bytes
+
+
 def engine_memory(shape: ModelShape, *, engine_tp: int, dtype_bytes: int, gpu_bytes: float, utilization: float,
                   max_model_len: int, enforce_eager: bool, lora_rank: int = 0) -> EngineMemory:
     """One engine TP rank; `lora_rank`: vLLM's --max-lora-rank (0 = --enable-lora off)."""
@@ -433,8 +439,7 @@ def engine_memory(shape: ModelShape, *, engine_tp: int, dtype_bytes: int, gpu_by
     act += max_seqs * shape.vocab * 4 / t
     runtime = (CUDA_RUNTIME_GIB + (0.0 if enforce_eager else CUDA_GRAPHS_GIB)) * GIB
     budget = utilization * gpu_bytes
-    kv_heads = max(1, math.ceil(shape.kv_heads / t))  # KV heads are replicated when tp > kv_heads
-    kv_per_token = 2 * shape.layers * kv_heads * shape.head_dim * dtype_bytes
+    kv_per_token = kv_bytes_per_token(shape, engine_tp=t, dtype_bytes=dtype_bytes)
     lora = engine_lora_params(shape, rank=lora_rank, engine_tp=t) * dtype_bytes if lora_rank else 0.0
     return EngineMemory(budget, weights, act, runtime, budget - weights - lora - act - runtime, kv_per_token,
                         max_model_len, lora)

@@ -79,6 +79,7 @@ def test_any_served_model_is_evaluated_without_the_trainers_layout_rules():
     ("data.train=synthetic:add", "data.train='synthetic:add'"),
     ("data.eval_every=5", "data.eval_every=5"),
     ("data.shuffle=false", "data.shuffle=False"),
+    ("logging.plot=false", "logging.plot=False: the training curves' PNG"),
     ("workflow.max_failure_steps=2", "workflow.max_failure_steps=2"),
     ("eval.save_answers=true", "eval.save_answers=True: a training run's held-out answers"),
     ("rollout.sampling.temperature=0", "temperature=0 (greedy) with eval.samples_per_prompt=8"),
