@@ -1,5 +1,9 @@
-"""Marks each test by its tier (its folder) and skips GPU tests without CUDA, with the reason."""
+"""Marks each test by its tier (its folder) and skips GPU tests without CUDA, with the reason; ends
+the pytest process with pytest's own exit code before native finalizers run (below)."""
 
+import atexit
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,3 +24,34 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(getattr(pytest.mark, tier))
         if tier == "gpu" and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="needs CUDA: torch.cuda.is_available() is False on this machine"))
+
+
+# The suite's process imports torch, vLLM, megatron-core and Ray, joins Ray clusters and runs gloo
+# groups in its own threads; once (CI, after "1618 passed") the interpreter's teardown of those native
+# libraries (C++ static destructors, module teardown with their threads alive) died with SIGSEGV, so
+# make reported a failure for a session whose every test had passed. Once pytest has finished
+# (unconfigure and its cleanups done, the summary printed, the exit code decided), the process
+# runs the other atexit handlers (ours was registered first, so it runs last) and then leaves with
+# that exit code without native teardown. An exception escaping pytest itself leaves no code here
+# and the interpreter exits as usual.
+_EXIT_CODE: list[int] = []
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_cmdline_main(config):
+    code = yield
+    _EXIT_CODE.append(int(code))
+    return code
+
+
+def _leave_with_pytests_code() -> None:
+    if _EXIT_CODE:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(_EXIT_CODE[-1])
+
+
+atexit.register(_leave_with_pytests_code)

@@ -17,10 +17,13 @@ from mlrl.config.schema import LoRAConfig
 
 @pytest.fixture(scope="module", autouse=True)
 def one_rank(tmp_path_factory):
-    if not dist.is_initialized():
+    ours = not dist.is_initialized()
+    if ours:
         store = tmp_path_factory.mktemp("store") / "f"
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     yield
+    if ours:  # not left to later tests (and to this process's teardown)
+        dist.destroy_process_group()
 
 
 def _lora_policy(tmp_path: Path, init_from=None):
