@@ -503,7 +503,29 @@ class EvaluateConfig:
     """The answers, one JSON line each (prompt index, sample, prompt, response, reward, correct,
     status, error): None = `<logging.run_dir>/eval_samples.jsonl`. Written as the groups finish."""
     max_prompts: int = 0
-    """Evaluate the first N prompts of data.eval (0 = all)."""
+    """Evaluate the first N prompts of data.eval (of each source, with data.mix; 0 = all)."""
+
+
+@dataclass
+class DataSource:
+    """One source of a prompt mixture (`data.mix`). Its rows carry `data_source: <name>` (a row's
+    own data_source is replaced), which picks the source's reward and names its metrics
+    (`source/<name>/...` in training, `eval/source/<name>/...` held out)."""
+
+    name: str = ""
+    """The source's label (letters, digits, `_`, `-`, `.`; unique in the mix)."""
+    train: str = ""
+    """Its training prompts: anything data.train accepts."""
+    eval: Optional[str] = None
+    """Its held-out prompts: anything data.eval accepts (None = none from this source)."""
+    weight: Optional[float] = None
+    """Its share of each epoch's prompts: a source gets round(weight / sum of weights x the mix's rows)
+    of them (at least 1), its rows cycled in seeded orders (a small source repeats, a large one is
+    read on over epochs). None on every source = each source's rows once per epoch. Set on every
+    source or on none."""
+    reward: Optional[str] = None
+    """The reward for its rows (a registered name or dotted path); None = the dataset's own (a
+    synthetic task's or a registered loader's), else workflow.reward."""
 
 
 @dataclass
@@ -524,6 +546,20 @@ class DataConfig:
     """Skip and count malformed rows instead of failing."""
     num_synthetic: int = 512
     """Rows generated for a synthetic task."""
+    mix: list[DataSource] = field(default_factory=list)
+    """A mixture of prompt sources (RL and evaluation runs), instead of data.train / data.eval: each
+    with its own data, share of the prompts, reward and held-out set (see DataSource); the
+    rollout and evaluation metrics are also reported per source."""
+
+    def held_out(self) -> bool:
+        """Whether held-out prompts are configured (data.eval, or a source's eval in data.mix)."""
+        return self.eval is not None or any(s.eval for s in self.mix)
+
+    def describe(self, which: str) -> str:
+        """data.<which>'s name, or the mix's sources as `name=data` (for messages and files)."""
+        if not self.mix:
+            return str(getattr(self, which))
+        return "mix(" + ", ".join(f"{s.name}={getattr(s, which)}" for s in self.mix if getattr(s, which)) + ")"
 
 
 JUDGE_TEMPLATE = ("Rate the answer to the question from 0 to 10.\nQuestion: {question}\nReference answer: {answer}\n"

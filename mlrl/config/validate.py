@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from mlrl.bridge.arch import is_sequence_classifier
 from mlrl.config.loader import ConfigError
-from mlrl.config.schema import LORA_TARGETS, OFFLINE_KINDS, Config, OptimizerConfig
+from mlrl.config.schema import LORA_TARGETS, OFFLINE_KINDS, Config, DataConfig, OptimizerConfig
 from mlrl.config.validate_model import (
     check_arch,
     check_arch_preset,
@@ -106,7 +107,7 @@ def _check_ranges(cfg: Config) -> None:
     if s.temperature < 0:
         raise ConfigError(f"rollout.sampling.temperature: got {s.temperature}, expected >= 0 (0 = greedy)")
     if s.temperature == 0:  # greedy: vLLM refuses n > 1 (a group-native workflow's request), and the answers are one
-        ks = [("eval.samples_per_prompt", cfg.eval.samples_per_prompt)] if cfg.data.eval else []
+        ks = [("eval.samples_per_prompt", cfg.eval.samples_per_prompt)] if cfg.data.held_out() else []
         if cfg.offline is None and cfg.evaluate is None:
             ks.insert(0, ("trainer.samples_per_prompt", cfg.trainer.samples_per_prompt))
         for name, k in ks:
@@ -450,9 +451,9 @@ def _check_evaluate(cfg: Config) -> None:
                           "section")
     if cfg.critic is not None:
         raise ConfigError(f"critic: {run} trains no value model; remove the critic section")
-    if cfg.data.eval is None:
+    if not cfg.data.held_out():
         raise ConfigError(f"data.eval: {run} answers the prompts of data.eval, which is not set (a file, a registered "
-                          "name or synthetic:<task>)")
+                          "name or synthetic:<task>; or data.mix with each source's eval)")
     if e.max_prompts < 0:
         raise ConfigError(f"evaluate.max_prompts={e.max_prompts}: expected >= 0 (0 = every prompt of data.eval)")
     if e.output is not None and not str(e.output).strip():
@@ -563,21 +564,89 @@ def _check_unused(cfg: Config) -> None:
     else:
         _unused("rollout", r, ("host",), f"with cluster.nodes={c.nodes} (each engine listens on its node's address)")
     # (the built-in workflows: a custom one may read reward_timeout_s / reward_workers for a reward of its own)
+    rewards = _rewards_in_use(cfg)
     if cfg.offline is None and cfg.workflow.name in ("rlvr", "multi_turn", "openai_agent") and \
-            _inline_reward(cfg.workflow.reward):
+            all(_inline_reward(name) for name in rewards):
         _unused("workflow", cfg.workflow, ("reward_timeout_s", "reward_workers"), f"with workflow.reward="
-                f"{cfg.workflow.reward} (an inline reward: called in the driver, with no process pool and no timeout)")
+                f"{', '.join(sorted(set(rewards)))} (an inline reward: called in the driver, with no process pool and "
+                "no timeout)")
     if cfg.weight_sync.transport != "disk":
         _unused("weight_sync", cfg.weight_sync, ("disk_dir",), f"with weight_sync.transport="
                 f"{cfg.weight_sync.transport} (the disk transport's folder)")
     # data.eval_every and data.num_synthetic describe a recipe's own datasets and stay when a command
     # line swaps them (data.train=my.jsonl data.eval=null), as a recipe's critic section stays for gae
-    if d.eval is None:
+    if not d.held_out():
         _unused("eval", cfg.eval, ("samples_per_prompt", "correct_threshold", "save_answers"), "without data.eval (no "
                 "held-out evaluation)")
     elif d.eval_every == 0 and cfg.evaluate is None:  # (an evaluation run answers data.eval once)
-        raise ConfigError(f"data.eval={d.eval} is never evaluated with data.eval_every=0: set data.eval_every to "
-                          "evaluate every N steps (and at the end), or remove data.eval")
+        field = "data.eval" if d.eval is not None else f"data.mix[{[bool(x.eval) for x in d.mix].index(True)}].eval"
+        raise ConfigError(f"{field}={d.describe('eval')} is never evaluated with data.eval_every=0: set "
+                          f"data.eval_every to evaluate every N steps (and at the end), or remove {field}")
+
+
+_SOURCE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def _check_mix(cfg: Config) -> None:
+    """data.mix: a prompt mixture for RL and evaluation runs, instead of data.train / data.eval."""
+    d = cfg.data
+    if not d.mix:
+        return
+    if cfg.offline is not None:
+        kind = next(name for name in OFFLINE_KINDS if getattr(cfg, name) is not None)
+        raise ConfigError(f"data.mix: a prompt mixture for RL and evaluation runs; a {kind} run reads data.train "
+                          "(and data.eval)")
+    if d.train != DataConfig().train:
+        raise ConfigError(f"data.train={d.train}: set together with data.mix; a mixture names each source's "
+                          "prompts (data.mix[i].train)")
+    if d.eval is not None:
+        raise ConfigError(f"data.eval={d.eval}: set together with data.mix; a mixture names each source's held-out "
+                          "prompts (data.mix[i].eval)")
+    evaluation = cfg.evaluate is not None
+    if cfg.workflow.reward == "reward_model" or any(s.reward == "reward_model" for s in d.mix):
+        raise ConfigError("workflow.reward=reward_model with data.mix: the served judge scores every row of one "
+                          "dataset; a mixture's sources keep rewards of their own (data.mix[i].reward)")
+    weighted = [s.weight is not None for s in d.mix]
+    seen: set[str] = set()
+    for i, s in enumerate(d.mix):
+        at = f"data.mix[{i}]"
+        if not _SOURCE_NAME.fullmatch(s.name):
+            raise ConfigError(f"{at}.name={s.name!r}: expected a label of letters, digits, '_', '-' or '.' (the "
+                              "rows' data_source and the prefix of the source's metrics)")
+        if s.name in seen:
+            raise ConfigError(f"{at}.name={s.name!r}: two sources with one name; each needs its own (its metrics' "
+                              "prefix)")
+        seen.add(s.name)
+        if evaluation:
+            if s.train:
+                raise ConfigError(f"{at}.train={s.train}: the training prompts; an evaluation (evaluate: section) "
+                                  "answers each source's eval")
+            if s.weight is not None:
+                raise ConfigError(f"{at}.weight={s.weight}: a share of the training prompts; an evaluation answers "
+                                  "every held-out prompt of every source")
+            if not s.eval:
+                raise ConfigError(f"{at}.eval: not set; an evaluation answers each source's held-out prompts "
+                                  "(a file, a registered name or synthetic:<task>)")
+            continue
+        if not s.train:
+            raise ConfigError(f"{at}.train: not set; each source names its training prompts (a file, a registered "
+                              "name, synthetic:<task> or pkg.module:loader)")
+        if s.weight is not None and not (math.isfinite(s.weight) and s.weight > 0):
+            raise ConfigError(f"{at}.weight={s.weight}: expected a number > 0 (the source's share of the prompts)")
+        if any(weighted) and not all(weighted):
+            missing = weighted.index(False)
+            raise ConfigError(f"data.mix[{missing}].weight: not set while data.mix[{weighted.index(True)}].weight is; "
+                              "set a weight on every source (shares of each epoch) or on none (each source's rows "
+                              "once per epoch)")
+
+
+def _rewards_in_use(cfg: Config) -> list[str]:
+    """workflow.reward, or with data.mix each source's reward (mlrl.data.registry.mix_rewards)."""
+    if not cfg.data.mix:
+        return [cfg.workflow.reward]
+    from mlrl.data.registry import mix_rewards
+
+    return list(mix_rewards(cfg.data, cfg.workflow.reward).values())
 
 
 def _inline_reward(name: Any) -> bool:
@@ -772,6 +841,7 @@ def validate(cfg: Config, *, has_cuda: bool | None = None, has_te: bool | None =
     _check_evaluate(cfg)  # (first: evaluate together with an offline section is named as such)
     _check_offline(cfg)
     _check_unused(cfg)
+    _check_mix(cfg)
     _check_reward_model(cfg)
     _check_critic(cfg)
     _check_lora(cfg)

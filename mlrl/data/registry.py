@@ -26,7 +26,7 @@ from mlrl.data import synthetic
 from mlrl.data.chat_tokens import NoAssistantTurn, sft_example
 from mlrl.data.files import find_split_files, read_rows
 from mlrl.data.preference import Side, preference_example, synthetic_pairs
-from mlrl.data.rows import DatasetError, RLDataset, normalise_rl_row
+from mlrl.data.rows import SOURCE_KEY, DatasetError, RLDataset, SourceSpan, normalise_rl_row
 from mlrl.data.tokenizer import apply_chat_template
 from mlrl.registry import Registry
 
@@ -254,6 +254,45 @@ def _build_dpo(raw, name, split, skipped, skip_malformed, tokenizer, max_length)
     return PreferenceDataset(examples, name=name, split=split, skipped=skipped, truncated=truncated)
 
 
+def default_reward(name_or_path: str) -> str | None:
+    """The reward a dataset is made for, known without loading it: a synthetic task's, or a
+    registered loader's `reward` attribute (gsm8k); None for files and other loaders."""
+    if name_or_path.startswith("synthetic:"):
+        task = synthetic.TASKS.get(name_or_path.split(":", 1)[1])
+        return task.reward if task is not None else None
+    from mlrl.data import gsm8k  # noqa: F401  (registers itself)
+
+    loader = _DATASETS.get(name_or_path)
+    return getattr(loader, "reward", None) if loader is not None else None
+
+
+def mix_rewards(data: Any, fallback: str) -> dict[str, str]:
+    """data.mix's rewards, source -> reward name: the source's own (data.mix[i].reward), else its
+    dataset's (`default_reward`), else `fallback` (workflow.reward)."""
+    return {s.name: s.reward or default_reward(s.train or s.eval or "") or fallback for s in data.mix}
+
+
+def _mixed(data: Any, which: str, load: Callable[[str, str], RLDataset]) -> RLDataset:
+    """data.mix's sources that have data for `which`, one RLDataset: each source's rows (tagged
+    `data_source: <name>`, a copy of the row) in mix order, its span in `sources`."""
+    rows: list[dict[str, Any]] = []
+    spans, skipped, too_long, longest = [], [], 0, 0
+    for i, src in enumerate(data.mix):
+        name = getattr(src, which)
+        if not name:
+            continue
+        ds = load(name, f"data.mix[{i}].{which} (source {src.name!r})")
+        spans.append(SourceSpan(src.name, len(rows), len(ds), src.weight if which == "train" else None))
+        rows += [{**r, SOURCE_KEY: src.name} for r in ds.rows]
+        skipped += [f"{src.name}: {s}" for s in ds.skipped]
+        too_long += ds.too_long
+        longest = max(longest, ds.longest_prompt)
+    if not rows:
+        raise DatasetError(f"data.mix: no source has {which} prompts")
+    return RLDataset(rows, name=data.describe(which), split="train" if which == "train" else "test",
+                     skipped=skipped, too_long=too_long, longest_prompt=longest, sources=spans)
+
+
 def dataset_from_config(data: Any, which: str = "train", *, tokenizer: Any = None, seed: int = 0,
                         prompt_ids: Callable[[dict[str, Any]], list[int]] | None = None) -> RLDataset:
     """The RL prompts `mlrl.config.schema.DataConfig` names: `data.train` (split "train") or `data.eval`
@@ -262,15 +301,21 @@ def dataset_from_config(data: Any, which: str = "train", *, tokenizer: Any = Non
     honoured, `num_synthetic` rows for synthetic tasks."""
     if which not in ("train", "eval"):
         raise ValueError(f"dataset_from_config: which must be 'train' or 'eval', got {which!r}")
+
+    def load(name: str, field: str) -> RLDataset:
+        synthetic_rows = data.num_synthetic if str(name).startswith("synthetic:") else None
+        try:
+            ds = get_dataset(name, "train" if which == "train" else "test", "rl", tokenizer, data.max_prompt_tokens,
+                             skip_malformed=data.skip_malformed, seed=seed, num_rows=synthetic_rows,
+                             prompt_ids=prompt_ids)
+        except DatasetError as e:  # which setting named the bad file or row
+            raise DatasetError(f"{field}: {e}") from None
+        assert isinstance(ds, RLDataset)
+        return ds
+
+    if getattr(data, "mix", None):
+        return _mixed(data, which, load)
     name = data.train if which == "train" else data.eval
     if not name:
         raise ValueError(f"data.{which} is not set")
-    synthetic_rows = data.num_synthetic if str(name).startswith("synthetic:") else None
-    try:
-        ds = get_dataset(name, "train" if which == "train" else "test", "rl", tokenizer, data.max_prompt_tokens,
-                         skip_malformed=data.skip_malformed, seed=seed, num_rows=synthetic_rows,
-                         prompt_ids=prompt_ids)
-    except DatasetError as e:  # which of the two settings named the bad file or row
-        raise DatasetError(f"data.{which}: {e}") from None
-    assert isinstance(ds, RLDataset)
-    return ds
+    return load(name, f"data.{which}")

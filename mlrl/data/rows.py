@@ -66,6 +66,20 @@ def normalise_rl_row(row: Any, where: str, require_answer: bool = True) -> dict[
     return out
 
 
+SOURCE_KEY = "data_source"  # a mixture's rows: the source they came from (data.mix[i].name)
+
+
+@dataclass(frozen=True)
+class SourceSpan:
+    """One source of a mixed RLDataset: its rows are `rows[start:start + size]`; `weight` its share
+    of each epoch (None: its rows once per epoch)."""
+
+    name: str
+    start: int
+    size: int
+    weight: float | None = None
+
+
 @dataclass
 class RLDataset(Sequence):
     """Prompt rows for RL (a list of dicts) plus what loading dropped."""
@@ -78,6 +92,7 @@ class RLDataset(Sequence):
     reward: str | None = None                           # the reward this dataset is made for, when known
     longest_prompt: int = 0                             # tokens of the longest kept prompt (chat template
     #                                                     applied; 0 when loaded without a tokenizer)
+    sources: list[SourceSpan] = field(default_factory=list)  # a mixture's sources (data.mix), in row order
 
     def __len__(self) -> int:
         return len(self.rows)

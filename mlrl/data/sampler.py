@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 log = logging.getLogger(__name__)
@@ -22,6 +22,7 @@ class SamplerState:
     index: int = 0      # position inside the epoch's permutation
     consumed: int = 0   # rows handed out in total
     rows: int = 0       # the dataset's length the position refers to (0: a checkpoint from before it was saved)
+    quotas: list[int] = field(default_factory=list)  # a mixture's prompts per epoch from each source (data.mix)
 
 
 class PromptSampler:
@@ -38,14 +39,52 @@ class PromptSampler:
                         "changes from here, so this epoch repeats some prompts and skips others", self._state.rows,
                         len(rows))
         self._state.rows = len(rows)
+        quotas = self.quotas()
+        if self._state.quotas and self._state.quotas != quotas:
+            log.warning("resume: the saved prompt position is one in a mixture drawing %s prompts per epoch from its "
+                        "sources, and data.mix draws %s now (its sources or weights changed): the order changes from "
+                        "here", self._state.quotas, quotas)
+        self._state.quotas = quotas
         self._perm = self._permutation(self._state.epoch)
         self._index_of: dict[int, int] | None = None  # id(row) -> its position (portable), built on first use
 
     def _permutation(self, epoch: int) -> list[int]:
+        spans = getattr(self.rows, "sources", None)
+        if spans:
+            return self._mix_order(spans, epoch)
         order = list(range(len(self.rows)))
         if self.shuffle:
             random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
         return order
+
+    def quotas(self) -> list[int]:
+        """A mixture's prompts per epoch from each source (data.mix): its weight's share of all the
+        mix's rows (at least 1), or, without weights, its own rows."""
+        spans = getattr(self.rows, "sources", None) or []
+        if not spans or all(s.weight is None for s in spans):
+            return [s.size for s in spans]
+        total, wsum = sum(s.size for s in spans), sum(s.weight for s in spans)
+        return [max(1, round(s.weight / wsum * total)) for s in spans]
+
+    def _mix_order(self, spans: Sequence[Any], epoch: int) -> list[int]:
+        """Epoch `epoch` of a mixture: each source's next `quota` rows from its own stream (pass after
+        pass of its rows, each pass in its own seeded order), then shuffled together; without shuffle,
+        each source in its order, interleaved evenly. A pure function of (seed, epoch, the sources)."""
+        picked: list[tuple[float, int, int]] = []
+        for k, (span, n) in enumerate(zip(spans, self.quotas())):
+            passes: dict[int, list[int]] = {}
+            for i, pos in enumerate(range(epoch * n, (epoch + 1) * n)):
+                p, j = divmod(pos, span.size)
+                if p not in passes:
+                    passes[p] = list(range(span.size))
+                    if self.shuffle:
+                        random.Random(f"mix:{self.seed}:{k}:{p}").shuffle(passes[p])
+                picked.append(((i + 0.5) / n, k, span.start + passes[p][j]))
+        if self.shuffle:
+            order = [row for _, _, row in picked]
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            return order
+        return [row for _, _, row in sorted(picked)]
 
     def next_batch(self, n: int) -> list[Any]:
         out = []
@@ -59,8 +98,8 @@ class PromptSampler:
             self._state.consumed += 1
         return out
 
-    def state(self) -> dict[str, int]:
-        return dict(vars(self._state))
+    def state(self) -> dict[str, Any]:
+        return {**vars(self._state), "quotas": list(self._state.quotas)}
 
     def portable(self, rows: Sequence[Any]) -> list[Any]:
         """`rows` (handed out by this sampler) as a checkpoint records them: by their position in
@@ -90,6 +129,6 @@ class PromptSampler:
 
     @classmethod
     def from_state(
-        cls, rows: Sequence[Any], state: dict[str, int], *, seed: int, shuffle: bool = True
+        cls, rows: Sequence[Any], state: dict[str, Any], *, seed: int, shuffle: bool = True
     ) -> "PromptSampler":
         return cls(rows, seed=seed, shuffle=shuffle, state=SamplerState(**state))

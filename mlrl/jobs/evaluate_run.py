@@ -41,12 +41,10 @@ async def evaluate(cfg: Config, early: EarlyStart, output: Path, stage: dict[str
         tokenizer = model_tokenizer(hf_dir)
         check_model_weights(hf_dir, bin_ok=True)  # (vLLM alone loads it)
         workflow = build_workflow(cfg, tokenizer)
-        rows = list(prompt_rows(cfg, "eval", tokenizer, hf_dir, workflow))
-        if cfg.evaluate.max_prompts:
-            rows = rows[:cfg.evaluate.max_prompts]
+        rows = first_prompts(prompt_rows(cfg, "eval", tokenizer, hf_dir, workflow), cfg.evaluate.max_prompts)
         if not rows:
-            raise ConfigError(f"data.eval={cfg.data.eval}: no prompt to evaluate (every row was left out; see the "
-                              "warnings above)")
+            raise ConfigError(f"data.eval={cfg.data.describe('eval')}: no prompt to evaluate (every row was left out; "
+                              "see the warnings above)")
         judge_dir, judge_tokenizer = judge_folder(cfg)
         output.parent.mkdir(parents=True, exist_ok=True)
         if cfg.logging.jsonl and (run_dir / "metrics.jsonl").is_file():
@@ -83,14 +81,14 @@ async def evaluate(cfg: Config, early: EarlyStart, output: Path, stage: dict[str
         seconds = time.time() - t0
         metrics = {**{f"eval/{name}": v for name, v in summarize(groups).items()}, **pass_metrics(groups, k, threshold),
                    "eval/prompts": float(len(rows)), "eval/samples_per_prompt": float(k), "eval/seconds": seconds}
-        write_json_atomic(run_dir / "eval_metrics.json", {"model": str(hf_dir), "data": cfg.data.eval,
+        write_json_atomic(run_dir / "eval_metrics.json", {"model": str(hf_dir), "data": cfg.data.describe("eval"),
                                                           "output": str(output), "metrics": metrics})
         logger.log(0, metrics)
         # like a training step: a run whose episodes fail is reported as failed (after its files are written)
         FailureGuard(cfg.workflow.max_failure_fraction, 1, outcome="the evaluation is reported as failed").observe(
             0, groups, label="the evaluation")
         at_k = f", pass@{k} {metrics['eval/pass@k']:.4f}" if k > 1 else ""
-        print(f"evaluation of {hf_dir} on {cfg.data.eval}: {len(rows)} prompts x {k} in {seconds:.1f} s: "
+        print(f"evaluation of {hf_dir} on {cfg.data.describe('eval')}: {len(rows)} prompts x {k} in {seconds:.1f} s: "
               f"pass@1 {metrics['eval/pass@1']:.4f}{at_k}, mean reward {metrics['eval/mean_reward']:.4f}\n"
               f"answers: {output}\nmetrics: {run_dir / 'eval_metrics.json'}")
         return 0
@@ -104,6 +102,16 @@ async def evaluate(cfg: Config, early: EarlyStart, output: Path, stage: dict[str
         set_active_judge(None)
         if judges is not None:
             await judges.shutdown()
+
+
+def first_prompts(ds: Any, n: int) -> list[dict[str, Any]]:
+    """evaluate.max_prompts: the first `n` prompts (0 = all); of each source, for a mixture (data.mix)."""
+    spans = getattr(ds, "sources", None)
+    if not n:
+        return list(ds)
+    if not spans:
+        return list(ds)[:n]
+    return [ds[i] for s in spans for i in range(s.start, s.start + min(n, s.size))]
 
 
 async def answer(runner: EpisodeRunner, rows: Sequence[dict[str, Any]], k: int, writer: "AnswerWriter",

@@ -120,7 +120,7 @@ def _checks(cfg: Config, hf_dir: Path, run_dir: Path) -> _Checked:
     workflow = build_workflow(cfg, tokenizer)
     train_rows = prompt_rows(cfg, "train", tokenizer, hf_dir, workflow)
     _check_sample_fits(cfg, train_rows.longest_prompt)
-    eval_rows = list(prompt_rows(cfg, "eval", tokenizer, hf_dir, workflow)) if cfg.data.eval else None
+    eval_rows = list(prompt_rows(cfg, "eval", tokenizer, hf_dir, workflow)) if cfg.data.held_out() else None
     sampler = PromptSampler(train_rows, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
     if state:
         try:  # (async) the rows in flight at the save, recorded by their position in data.train

@@ -15,9 +15,11 @@ from typing import Any
 
 from mlrl.config import Config, ConfigError
 from mlrl.data import dataset_from_config
+from mlrl.data.registry import mix_rewards
 from mlrl.jobs.model_folder import chat_template_error, check_model_weights, model_tokenizer
 from mlrl.modelzoo import ModelSpecError, resolve_model_dir
 from mlrl.registry import LookupFailed
+from mlrl.reward.mixture import SourceReward
 from mlrl.reward.model import ClassifierJudge, ModelJudge, set_active_judge
 from mlrl.rollout.pool import EnginePool
 from mlrl.workflow import build_workflow_from_config, gconfig_from_sampling
@@ -59,8 +61,10 @@ def build_workflow(cfg: Config, tokenizer: Any) -> Any:
     """The configured workflow; the registry's lookup / construction errors name workflow.name,
     .reward or .kwargs (an error inside the workflow keeps its traceback)."""
     try:
+        # data.mix: each row's data_source picks its source's reward
+        reward = SourceReward(mix_rewards(cfg.data, cfg.workflow.reward)) if cfg.data.mix else None
         return build_workflow_from_config(cfg.workflow, tokenizer=tokenizer,
-                                          gconfig=gconfig_from_sampling(cfg.rollout.sampling))
+                                          gconfig=gconfig_from_sampling(cfg.rollout.sampling), reward=reward)
     except LookupFailed as e:
         raise ConfigError(str(e)) from None
 
@@ -72,10 +76,10 @@ def prompt_rows(cfg: Config, which: str, tokenizer: Any, hf_dir: Path, workflow:
         ds = dataset_from_config(cfg.data, which, tokenizer=tokenizer, seed=cfg.trainer.seed,
                                  prompt_ids=getattr(workflow, "prompt_ids", None))
     except ValueError as e:  # (a DatasetError names its field itself)
-        if (err := chat_template_error(e, hf_dir, which, getattr(cfg.data, which))) is not None:
+        if (err := chat_template_error(e, hf_dir, which, cfg.data.describe(which))) is not None:
             raise err from None
         raise
-    name = getattr(cfg.data, which)
+    name = cfg.data.describe(which)
     if ds.reward and cfg.workflow.reward != ds.reward:  # a deliberate choice is allowed: said
         log.warning("data.%s=%s is made for the %r reward, and workflow.reward=%r scores it (set workflow.reward=%s "
                     "unless this is meant: a reward that cannot read the dataset's answers gives 0.0 everywhere)",

@@ -46,7 +46,27 @@ def pass_metrics(groups: Sequence[Any], k: int, threshold: float) -> dict[str, f
     """pass@1 / pass@k / mean reward of evaluation groups (mlrl.workflow.runner.GroupResult); an
     episode that did not complete counts as incorrect (and as reward 0), and so does each of the k
     episodes a group is short of (a workflow's `arun_group` may return fewer, e.g. Trinity's
-    adapter when a run yields nothing)."""
+    adapter when a run yields nothing). Rows with a `data_source` (a data.mix source) also get
+    them per source, as `eval/source/<name>/...`."""
+    out = _pass_metrics(groups, k, threshold)
+    for name, gs in by_source(groups).items():
+        out.update({f"eval/source/{name}/{key.removeprefix('eval/')}": v
+                    for key, v in _pass_metrics(gs, k, threshold).items()})
+    return out
+
+
+def by_source(groups: Sequence[Any]) -> dict[str, list[Any]]:
+    """Groups by their row's `data_source` (a data.mix source, or a dataset's own column), in order
+    of first appearance; {} when no row has one."""
+    out: dict[str, list[Any]] = {}
+    for g in groups:
+        source = g.data.get("data_source") if isinstance(g.data, dict) else None
+        if isinstance(source, str) and source:
+            out.setdefault(source, []).append(g)
+    return out
+
+
+def _pass_metrics(groups: Sequence[Any], k: int, threshold: float) -> dict[str, float]:
     per_prompt, rewards = [], []
     for g in groups:
         ok = [episode_passes(e, threshold) for e in g.episodes]

@@ -50,6 +50,8 @@ def answer_record(index: int, sample: int, row: dict[str, Any], episode: Any, to
         "status": episode.status.value,
         "truncated": any(s.status == SampleStatus.TRUNCATED for s in episode.samples),
     }
+    if isinstance(row.get("data_source"), str):  # a mixture's source (data.mix)
+        rec["data_source"] = row["data_source"]
     err = episode.info.get("error")
     if isinstance(err, dict):
         rec["error"] = f"{err.get('error_type', 'error')}: {err.get('error_message', '')}"

@@ -145,14 +145,16 @@ def _pick(target: Any, context: dict[str, Any], kwargs: dict[str, Any]) -> dict[
     return out
 
 
-def build_workflow_from_config(cfg: Any, *, tokenizer: Any, gconfig: GenerationHyperparameters) -> Any:
-    """`build_workflow` from `mlrl.config.schema.WorkflowConfig` (name, reward, kwargs, reward pool settings)."""
+def build_workflow_from_config(cfg: Any, *, tokenizer: Any, gconfig: GenerationHyperparameters,
+                               reward: Any = None) -> Any:
+    """`build_workflow` from `mlrl.config.schema.WorkflowConfig` (name, reward, kwargs, reward pool
+    settings); `reward`, a reward function, replaces workflow.reward (a data mixture's dispatcher)."""
     return build_workflow(
         cfg.name,
         kwargs=cfg.kwargs,
         tokenizer=tokenizer,
         gconfig=gconfig,
-        reward=cfg.reward,
+        reward=cfg.reward if reward is None else reward,
         reward_timeout_s=cfg.reward_timeout_s,
         reward_workers=cfg.reward_workers,
     )

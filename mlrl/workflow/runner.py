@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlrl.metrics.pass_at_k import by_source
 from mlrl.metrics.timer import ACTIVITY
 from mlrl.reward import RewardStats, collect_reward_stats
 from mlrl.types import ModelResponse, Sample, SampleStatus, StopReason, TerminationReason
@@ -423,4 +424,10 @@ def summarize(groups: Sequence[GroupResult], prefix: str = "") -> dict[str, floa
         m["groups/zero_std_frac"] = _mean([float(len(set(g.rewards)) == 1) for g in multi])
     for k in sorted({k for e in done for k in e.metrics}):
         m[f"workflow/{k}"] = _mean([float(e.metrics[k]) for e in done if k in e.metrics])
+    for source, gs in by_source(groups).items():  # a data.mix source (or a dataset's own data_source column)
+        m[f"source/{source}/groups"] = float(len(gs))
+        if rs_ := [s.task_reward for g in gs for s in g.samples]:
+            m[f"source/{source}/reward/mean"] = _mean(rs_)
+        if ok := [float(e.correct) for g in gs for e in g.episodes if e.status == EpisodeStatus.COMPLETED]:
+            m[f"source/{source}/reward/accuracy"] = _mean(ok)
     return {f"{prefix}/{k}" if prefix else k: v for k, v in m.items()}

@@ -1,0 +1,233 @@
+"""data.mix, a prompt mixture for RL and evaluation runs: what validation refuses (by field), how
+the sources are loaded and tagged, each epoch's composition (data.mix[i].weight), each source's
+reward (data.mix[i].reward or its dataset's own) and the per-source metrics."""
+
+import pickle
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from mlrl.config import ConfigError, load_config, validate
+from mlrl.config.schema import DataConfig, DataSource
+from mlrl.data import DatasetError, dataset_from_config
+from mlrl.data.registry import mix_rewards
+from mlrl.data.sampler import PromptSampler
+from mlrl.jobs.evaluate_run import first_prompts
+from mlrl.metrics.pass_at_k import pass_metrics
+from mlrl.registry import LookupFailed
+from mlrl.reward.mixture import SourceReward
+from mlrl.types import EpisodeStatus, Sample, SampleStatus
+from mlrl.workflow.runner import EpisodeResult, GroupResult, summarize
+
+ROOT = Path(__file__).resolve().parents[3]
+TWO = "data.mix=[{name: digit, train: 'synthetic:copy_digit', eval: 'synthetic:copy_digit'}, " \
+      "{name: pair, train: 'synthetic:copy_pair'}]"
+
+
+def _rl(*overrides):
+    return load_config(None, ["model.hf_dir=builtin:tiny-llama", "data.max_prompt_tokens=64", *overrides])
+
+
+def _eval(*overrides):
+    return load_config(ROOT / "launch" / "eval_cpu.yaml", ["model.hf_dir=builtin:tiny-llama", "data.eval=null",
+                                                           *overrides])
+
+
+def _mix(*sources, **data):
+    return DataConfig(mix=[DataSource(**s) for s in sources], num_synthetic=data.pop("num_synthetic", 40), **data)
+
+
+def test_an_rl_mix_validates_and_its_held_out_set_is_evaluated():
+    validate(_rl(TWO, "data.eval_every=2"), has_cuda=False)
+    with pytest.raises(ConfigError, match=r"^data.mix\[0\].eval=mix\(digit=synthetic:copy_digit\) is never evaluated"):
+        validate(_rl(TWO), has_cuda=False)
+
+
+@pytest.mark.parametrize("override,match", [
+    ("data.train=synthetic:add_digits", r"^data.train=synthetic:add_digits: set together with data.mix"),
+    ("data.eval=synthetic:add_digits", r"^data.eval=synthetic:add_digits: set together with data.mix"),
+])
+def test_data_train_and_eval_are_refused_beside_a_mix(override, match):
+    with pytest.raises(ConfigError, match=match):
+        validate(_rl(TWO, "data.eval_every=2", override), has_cuda=False)
+
+
+@pytest.mark.parametrize("mix,match", [
+    ("[{name: 'a b', train: x.jsonl}]", r"^data.mix\[0\].name='a b': expected a label"),
+    ("[{train: x.jsonl}]", r"^data.mix\[0\].name='': expected a label"),
+    ("[{name: a, train: x.jsonl}, {name: a, train: y.jsonl}]", r"^data.mix\[1\].name='a': two sources with one name"),
+    ("[{name: a}]", r"^data.mix\[0\].train: not set"),
+    ("[{name: a, train: x.jsonl, weight: 0}]", r"^data.mix\[0\].weight=0.0: expected a number > 0"),
+    ("[{name: a, train: x.jsonl, weight: 2}, {name: b, train: y.jsonl}]",
+     r"^data.mix\[1\].weight: not set while data.mix\[0\].weight is"),
+    ("[{name: a, train: x.jsonl, reward: reward_model}]", r"^workflow.reward=reward_model with data.mix"),
+])
+def test_a_malformed_source_is_named(mix, match):
+    with pytest.raises(ConfigError, match=match):
+        validate(_rl(f"data.mix={mix}"), has_cuda=False)
+
+
+def test_offline_runs_read_data_train_not_a_mix():
+    with pytest.raises(ConfigError, match=r"^data.mix: a prompt mixture for RL and evaluation runs; a sft run"):
+        validate(load_config(ROOT / "launch" / "sft_cpu.yaml", ["data.train=synthetic:copy_digit", TWO]),
+                 has_cuda=False)
+
+
+def test_an_evaluation_mix_answers_each_sources_eval():
+    ok = "data.mix=[{name: a, eval: 'synthetic:copy_digit'}, {name: b, eval: 'synthetic:copy_pair'}]"
+    validate(_eval(ok), has_cuda=False)
+    for mix, match in [("[{name: a, eval: 'synthetic:copy_digit', train: 'synthetic:copy_digit'}]",
+                        r"^data.mix\[0\].train=synthetic:copy_digit: the training prompts"),
+                       ("[{name: a, eval: 'synthetic:copy_digit', weight: 2}]", r"^data.mix\[0\].weight=2.0: a share"),
+                       ("[{name: a, eval: 'synthetic:copy_digit'}, {name: b}]", r"^data.mix\[1\].eval: not set")]:
+        with pytest.raises(ConfigError, match=match):
+            validate(_eval(f"data.mix={mix}"), has_cuda=False)
+
+
+def test_sources_are_loaded_tagged_and_spanned_in_mix_order():
+    d = _mix({"name": "digit", "train": "synthetic:copy_digit", "eval": "synthetic:copy_digit"},
+             {"name": "pair", "train": "synthetic:copy_pair"}, num_synthetic=30)
+    ds = dataset_from_config(d, "train")
+    assert [(s.name, s.start, s.size) for s in ds.sources] == [("digit", 0, 30), ("pair", 30, 30)]
+    assert [r["data_source"] for r in ds.rows] == ["digit"] * 30 + ["pair"] * 30
+    assert ds.rows[0]["answer"] == ds.rows[0]["messages"][0]["content"].split()[-1]  # (copy_digit's own row)
+    held = dataset_from_config(d, "eval")  # only the sources with an eval
+    assert [s.name for s in held.sources] == ["digit"] and {r["data_source"] for r in held.rows} == {"digit"}
+    assert ds.name == "mix(digit=synthetic:copy_digit, pair=synthetic:copy_pair)"
+
+
+def test_a_bad_source_is_named_by_its_field(tmp_path):
+    d = _mix({"name": "ok", "train": "synthetic:copy_digit"}, {"name": "gone", "train": str(tmp_path / "no.jsonl")})
+    with pytest.raises(DatasetError, match=r"^data.mix\[1\].train \(source 'gone'\): dataset .*no such file"):
+        dataset_from_config(d, "train")
+
+
+def _epoch_sources(d, seed=0, shuffle=True):
+    ds = dataset_from_config(d, "train")
+    s = PromptSampler(ds, seed=seed, shuffle=shuffle)
+    n = sum(s.quotas())
+    return s, [r["data_source"] for r in s.next_batch(n)], ds
+
+
+@pytest.mark.parametrize("weights,want", [((1.0, 1.0), {"a": 40, "b": 40}), ((3.0, 1.0), {"a": 60, "b": 20}),
+                                          ((1.0, 3.0), {"a": 20, "b": 60}), ((None, None), {"a": 40, "b": 40})])
+def test_weights_set_each_epochs_composition(weights, want):
+    """data.mix[i].weight: a larger weight gives its source a larger share of each epoch."""
+    d = _mix({"name": "a", "train": "synthetic:copy_digit", "weight": weights[0]},
+             {"name": "b", "train": "synthetic:copy_pair", "weight": weights[1]})
+    s, sources, _ = _epoch_sources(d)
+    assert Counter(sources) == want
+    assert Counter(r["data_source"] for r in s.next_batch(sum(want.values()))) == want  # the next epoch too
+
+
+def test_an_upweighted_small_source_cycles_through_all_its_rows_before_repeating():
+    d = _mix({"name": "big", "train": "synthetic:copy_pair", "weight": 1.0},
+             {"name": "small", "train": "synthetic:copy_digit", "weight": 3.0}, num_synthetic=10)
+    ds = dataset_from_config(d, "train")
+    s = PromptSampler(ds, seed=3)
+    assert s.quotas() == [5, 15]
+    rows = s.next_batch(20) + s.next_batch(20)
+    assert Counter(r["data_source"] for r in rows) == {"big": 10, "small": 30}
+    # its stream: passes over its 10 rows, each a permutation (every row once per pass)
+    stream = [i for i in PromptSampler(ds, seed=3)._mix_order(ds.sources, 0) if i >= 10] + \
+             [i for i in PromptSampler(ds, seed=3)._mix_order(ds.sources, 1) if i >= 10]
+    assert Counter(stream) == {i: 3 for i in range(10, 20)}
+    big = [i for e in (0, 1) for i in PromptSampler(ds, seed=3)._mix_order(ds.sources, e) if i < 10]
+    assert sorted(big) == list(range(10))  # the big source's 10 rows over two epochs of 5: each once
+
+
+def test_the_order_is_seeded_and_resumes_exactly():
+    d = _mix({"name": "a", "train": "synthetic:copy_digit", "weight": 2.0},
+             {"name": "b", "train": "synthetic:copy_pair", "weight": 1.0})
+    ds = dataset_from_config(d, "train")
+    one = PromptSampler(ds, seed=5)
+    first = one.next_batch(50)
+    resumed = PromptSampler.from_state(ds, one.state(), seed=5)
+    assert [id(r) for r in resumed.next_batch(70)] == [id(r) for r in one.next_batch(70)]
+    assert [id(r) for r in PromptSampler(ds, seed=5).next_batch(50)] == [id(r) for r in first]
+    assert [id(r) for r in PromptSampler(ds, seed=6).next_batch(50)] != [id(r) for r in first]
+
+
+def test_without_shuffle_sources_keep_their_order_interleaved_evenly():
+    d = _mix({"name": "a", "train": "synthetic:copy_digit", "weight": 3.0},
+             {"name": "b", "train": "synthetic:copy_pair", "weight": 1.0}, num_synthetic=8)
+    s, sources, ds = _epoch_sources(d, shuffle=False)
+    assert "".join(sources) == "aabaaabaaabaaaba"  # a's 12 and b's 4 of 16, evenly
+    rows = dataset_from_config(d, "train").rows
+    first = PromptSampler(ds, seed=0, shuffle=False).next_batch(16)
+    assert [r["answer"] for r in first if r["data_source"] == "b"] == [r["answer"] for r in rows[8:12]]
+
+
+def test_each_source_gets_its_own_reward():
+    """data.mix[i].reward, else the dataset's own (copy_digit: exact_match, copy_pair: token_match),
+    else workflow.reward; the dispatcher scores each row by its source's."""
+    d = _mix({"name": "digit", "train": "synthetic:copy_digit"}, {"name": "pair", "train": "synthetic:copy_pair"},
+             {"name": "file", "train": "x.jsonl"}, {"name": "own", "train": "synthetic:copy_pair",
+                                                    "reward": "exact_match"})
+    names = mix_rewards(d, "gsm8k")
+    assert names == {"digit": "exact_match", "pair": "token_match", "file": "gsm8k", "own": "exact_match"}
+    fn = SourceReward({k: names[k] for k in ("pair", "own")})
+    row = {"messages": [], "answer": "7 7"}
+    # token_match gives partial credit for one of two tokens; exact_match none: the source decides
+    assert fn("p", "7 3", [], [], data_source="pair", **row) == pytest.approx(0.5)
+    assert fn("p", "7 3", [], [], data_source="own", **row) == 0.0
+    with pytest.raises(ValueError, match=r"data_source='other' is not a source of data.mix \(pair, own\)"):
+        fn("p", "7 3", [], [], data_source="other", **row)
+    assert pickle.loads(pickle.dumps(fn))("p", "7 7", [], [], data_source="own", **row) == 1.0
+    assert getattr(fn, "mlrl_inline", False)  # both inline: called in the driver
+    assert not getattr(SourceReward({"a": "exact_match", "b": "gsm8k"}), "mlrl_inline", False)
+    with pytest.raises(LookupFailed, match=r"the reward of data.mix source 'b': .*unknown reward 'nope'"):
+        SourceReward({"a": "exact_match", "b": "nope"})
+
+
+def test_a_mix_of_inline_rewards_refuses_the_reward_pool_settings_and_a_pooled_one_keeps_them():
+    inline = "data.mix=[{name: a, train: 'synthetic:copy_digit'}, {name: b, train: 'synthetic:copy_pair'}]"
+    with pytest.raises(ConfigError, match=r"^workflow.reward_timeout_s.*inline reward"):
+        validate(_rl(inline, "workflow.reward_timeout_s=5"), has_cuda=False)
+    pooled = "data.mix=[{name: a, train: 'synthetic:copy_digit'}, {name: b, train: 'synthetic:arith_word'}]"
+    validate(_rl(pooled, "workflow.reward_timeout_s=5"), has_cuda=False)
+
+
+def _group(source, rewards):
+    def sample(r):
+        return Sample(tokens=[1, 2, 3], loss_mask=[0, 1, 1], rollout_logprobs=[0.0] * 3, versions=[0] * 3, reward=r,
+                      prompt_len=1, status=SampleStatus.COMPLETED)
+
+    eps = [EpisodeResult(status=EpisodeStatus.COMPLETED, samples=[sample(r)]) for r in rewards]
+    return GroupResult("g", {"messages": [], "answer": "1", **({"data_source": source} if source else {})}, eps)
+
+
+def test_rollout_and_pass_metrics_are_reported_per_source():
+    groups = [_group("math", [1.0, 0.0]), _group("code", [0.0, 0.0]), _group("math", [1.0, 1.0])]
+    m = summarize(groups)
+    assert m["source/math/groups"] == 2 and m["source/code/groups"] == 1
+    assert m["source/math/reward/mean"] == pytest.approx(0.75) and m["source/code/reward/mean"] == 0.0
+    assert m["source/math/reward/accuracy"] == pytest.approx(0.75) and m["reward/mean"] == pytest.approx(0.5)
+    p = pass_metrics(groups, 2, 1.0)
+    assert p["eval/source/math/pass@1"] == pytest.approx(0.75) and p["eval/source/code/pass@2"] == 0.0
+    assert p["eval/pass@1"] == pytest.approx(0.5)
+    assert not [k for k in summarize([_group(None, [1.0])]) if k.startswith("source/")]  # no source: none
+
+
+def test_max_prompts_takes_the_first_prompts_of_each_source():
+    d = _mix({"name": "a", "eval": "synthetic:copy_digit"}, {"name": "b", "eval": "synthetic:copy_pair"})
+    ds = dataset_from_config(d, "eval")
+    got = first_prompts(ds, 3)
+    assert [r["data_source"] for r in got] == ["a"] * 3 + ["b"] * 3
+    assert got[3] is ds.rows[ds.sources[1].start] and len(first_prompts(ds, 0)) == len(ds)
+
+
+def test_a_resume_with_other_weights_says_the_order_changes(caplog):
+    def ds(w):
+        return dataset_from_config(_mix({"name": "a", "train": "synthetic:copy_digit", "weight": w},
+                                        {"name": "b", "train": "synthetic:copy_pair", "weight": 1.0}), "train")
+
+    saved = PromptSampler(ds(3.0), seed=0)
+    saved.next_batch(5)
+    state = saved.state()
+    assert state["quotas"] == [60, 20]
+    PromptSampler.from_state(ds(3.0), state, seed=0)
+    assert "mixture" not in caplog.text
+    PromptSampler.from_state(ds(1.0), state, seed=0)
+    assert "drawing [60, 20] prompts per epoch from its sources, and data.mix draws [40, 40] now" in caplog.text
