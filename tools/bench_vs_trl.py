@@ -160,6 +160,8 @@ def check_mappable(cfg) -> None:
         problems.append("trainer.mini_batches_per_step != 1 or optimizer != adam")
     if a.loss_agg == "seq-mean-token-sum":
         problems.append("algorithm.loss_agg=seq-mean-token-sum")
+    if cfg.data.mix:
+        problems.append("data.mix (a weighted mixture with per-source rewards; TRL's trainer reads one dataset)")
     if problems:
         raise SystemExit("bench_vs_trl: the recipe uses what TRL's GRPOTrainer cannot match: " + "; ".join(problems))
 

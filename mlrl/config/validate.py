@@ -18,7 +18,7 @@ from typing import Any
 
 from mlrl.bridge.arch import is_sequence_classifier
 from mlrl.config.loader import ConfigError
-from mlrl.config.schema import LORA_TARGETS, OFFLINE_KINDS, Config, DataConfig, OptimizerConfig
+from mlrl.config.schema import LORA_TARGETS, OFFLINE_KINDS, Config, DataConfig, OptimizerConfig, WorkflowConfig
 from mlrl.config.validate_model import (
     check_arch,
     check_arch_preset,
@@ -567,9 +567,9 @@ def _check_unused(cfg: Config) -> None:
     rewards = _rewards_in_use(cfg)
     if cfg.offline is None and cfg.workflow.name in ("rlvr", "multi_turn", "openai_agent") and \
             all(_inline_reward(name) for name in rewards):
-        _unused("workflow", cfg.workflow, ("reward_timeout_s", "reward_workers"), f"with workflow.reward="
-                f"{', '.join(sorted(set(rewards)))} (an inline reward: called in the driver, with no process pool and "
-                "no timeout)")
+        named = f"data.mix's rewards {', '.join(sorted(set(rewards)))}" if d.mix else f"workflow.reward={rewards[0]}"
+        _unused("workflow", cfg.workflow, ("reward_timeout_s", "reward_workers"), f"with {named} (an inline reward: "
+                "called in the driver, with no process pool and no timeout)")
     if cfg.weight_sync.transport != "disk":
         _unused("weight_sync", cfg.weight_sync, ("disk_dir",), f"with weight_sync.transport="
                 f"{cfg.weight_sync.transport} (the disk transport's folder)")
@@ -584,7 +584,7 @@ def _check_unused(cfg: Config) -> None:
                           f"data.eval_every to evaluate every N steps (and at the end), or remove {field}")
 
 
-_SOURCE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+_SOURCE_NAME = re.compile(r"[A-Za-z0-9_.-]*[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
 def _check_mix(cfg: Config) -> None:
@@ -606,13 +606,34 @@ def _check_mix(cfg: Config) -> None:
     if cfg.workflow.reward == "reward_model" or any(s.reward == "reward_model" for s in d.mix):
         raise ConfigError("workflow.reward=reward_model with data.mix: the served judge scores every row of one "
                           "dataset; a mixture's sources keep rewards of their own (data.mix[i].reward)")
+    from mlrl.data.registry import default_reward, source_reward
+    from mlrl.reward.registry import list_rewards
+
+    for i, s in enumerate(d.mix):
+        for name in ("eval", "reward"):
+            if getattr(s, name) is not None and not str(getattr(s, name)).strip():
+                raise ConfigError(f"data.mix[{i}].{name}: empty; expected a {'dataset' if name == 'eval' else 'reward'}"
+                                  " name or path, or leave it out")
+        if s.reward and s.reward not in list_rewards() and "." not in s.reward and ":" not in s.reward:
+            raise ConfigError(f"data.mix[{i}].reward={s.reward}: unknown reward; registered: "
+                              f"{', '.join(list_rewards())} (or a dotted path pkg.module.fn)")
+        train, held = default_reward(s.train or ""), default_reward(s.eval or "")
+        if not s.reward and train and held and train != held:
+            raise ConfigError(f"data.mix[{i}].reward: not set, and the source's train data ({s.train}) is made for "
+                              f"the {train} reward while its eval data ({s.eval}) is made for {held}; one reward "
+                              "scores a source: name it")
+    own = [source_reward(s) for s in d.mix]
+    if all(own) and cfg.workflow.reward != WorkflowConfig().reward:
+        raise ConfigError(f"workflow.reward={cfg.workflow.reward}: every data.mix source has a reward of its own ("
+                          + ", ".join(f"{s.name}: {r}" for s, r in zip(d.mix, own)) + "), so it scores none of them; "
+                          "remove it (or name it as a source's data.mix[i].reward)")
     weighted = [s.weight is not None for s in d.mix]
     seen: set[str] = set()
     for i, s in enumerate(d.mix):
         at = f"data.mix[{i}]"
         if not _SOURCE_NAME.fullmatch(s.name):
-            raise ConfigError(f"{at}.name={s.name!r}: expected a label of letters, digits, '_', '-' or '.' (the "
-                              "rows' data_source and the prefix of the source's metrics)")
+            raise ConfigError(f"{at}.name={s.name!r}: expected a label of letters, digits, '_', '-' or '.', with a "
+                              "letter or digit (the rows' data_source and the prefix of the source's metrics)")
         if s.name in seen:
             raise ConfigError(f"{at}.name={s.name!r}: two sources with one name; each needs its own (its metrics' "
                               "prefix)")

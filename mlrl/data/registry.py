@@ -263,13 +263,29 @@ def default_reward(name_or_path: str) -> str | None:
     from mlrl.data import gsm8k  # noqa: F401  (registers itself)
 
     loader = _DATASETS.get(name_or_path)
-    return getattr(loader, "reward", None) if loader is not None else None
+    if loader is None and ":" in name_or_path and not Path(name_or_path).exists():
+        from mlrl.reward import import_from_string  # `pkg.module:loader` (its import error is the loading's to name)
+
+        try:
+            loader = import_from_string(name_or_path)
+        except ValueError:
+            return None
+    reward = getattr(loader, "reward", None) if loader is not None else None
+    return reward if isinstance(reward, str) else None
+
+
+def source_reward(source: Any) -> str | None:
+    """A data.mix source's own reward: data.mix[i].reward, else its datasets' (`default_reward` of
+    its train and eval data; mlrl.config.validate refuses a source whose two differ)."""
+    if source.reward:
+        return source.reward
+    return next((r for r in (default_reward(source.train or ""), default_reward(source.eval or "")) if r), None)
 
 
 def mix_rewards(data: Any, fallback: str) -> dict[str, str]:
     """data.mix's rewards, source -> reward name: the source's own (data.mix[i].reward), else its
     dataset's (`default_reward`), else `fallback` (workflow.reward)."""
-    return {s.name: s.reward or default_reward(s.train or s.eval or "") or fallback for s in data.mix}
+    return {s.name: source_reward(s) or fallback for s in data.mix}
 
 
 def _mixed(data: Any, which: str, load: Callable[[str, str], RLDataset]) -> RLDataset:

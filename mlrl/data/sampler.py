@@ -22,7 +22,7 @@ class SamplerState:
     index: int = 0      # position inside the epoch's permutation
     consumed: int = 0   # rows handed out in total
     rows: int = 0       # the dataset's length the position refers to (0: a checkpoint from before it was saved)
-    quotas: list[int] = field(default_factory=list)  # a mixture's prompts per epoch from each source (data.mix)
+    mix: list[list[Any]] = field(default_factory=list)  # a mixture's sources (data.mix): [name, rows, per epoch]
 
 
 class PromptSampler:
@@ -39,12 +39,12 @@ class PromptSampler:
                         "changes from here, so this epoch repeats some prompts and skips others", self._state.rows,
                         len(rows))
         self._state.rows = len(rows)
-        quotas = self.quotas()
-        if self._state.quotas and self._state.quotas != quotas:
-            log.warning("resume: the saved prompt position is one in a mixture drawing %s prompts per epoch from its "
-                        "sources, and data.mix draws %s now (its sources or weights changed): the order changes from "
-                        "here", self._state.quotas, quotas)
-        self._state.quotas = quotas
+        mix = [[s.name, s.size, q] for s, q in zip(getattr(rows, "sources", None) or [], self.quotas())]
+        if self._state.mix and self._state.mix != mix:
+            log.warning("resume: the saved prompt position is one in a mixture of %s ([source, rows, prompts per "
+                        "epoch]), and data.mix is %s now (its sources, their data or weights changed): the order "
+                        "changes from here", self._state.mix, mix)
+        self._state.mix = mix
         self._perm = self._permutation(self._state.epoch)
         self._index_of: dict[int, int] | None = None  # id(row) -> its position (portable), built on first use
 
@@ -99,7 +99,7 @@ class PromptSampler:
         return out
 
     def state(self) -> dict[str, Any]:
-        return {**vars(self._state), "quotas": list(self._state.quotas)}
+        return {**vars(self._state), "mix": [list(m) for m in self._state.mix]}
 
     def portable(self, rows: Sequence[Any]) -> list[Any]:
         """`rows` (handed out by this sampler) as a checkpoint records them: by their position in

@@ -10,9 +10,12 @@ averaged over prompts. pass@1 reduces to c / n.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Sequence
 
 from mlrl.types import EpisodeStatus
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -55,15 +58,19 @@ def pass_metrics(groups: Sequence[Any], k: int, threshold: float) -> dict[str, f
     return out
 
 
+MAX_SOURCES = 32  # sources broken out in one batch's metrics (a data_source column used as an id is not)
+
+
 def by_source(groups: Sequence[Any]) -> dict[str, list[Any]]:
-    """Groups by their row's `data_source` (a data.mix source, or a dataset's own column), in order
-    of first appearance; {} when no row has one."""
+    """Groups by their row's `data_source` (a data.mix source, or a dataset's own column), named for
+    metric keys (characters other than letters, digits, `_`, `-`, `.` become `_`), in order of first
+    appearance; {} when no row has one, or when the batch has more than MAX_SOURCES of them."""
     out: dict[str, list[Any]] = {}
     for g in groups:
         source = g.data.get("data_source") if isinstance(g.data, dict) else None
-        if isinstance(source, str) and source:
-            out.setdefault(source, []).append(g)
-    return out
+        if isinstance(source, str) and source.strip():
+            out.setdefault(_UNSAFE.sub("_", source.strip()), []).append(g)
+    return out if len(out) <= MAX_SOURCES else {}
 
 
 def _pass_metrics(groups: Sequence[Any], k: int, threshold: float) -> dict[str, float]:

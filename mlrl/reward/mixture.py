@@ -26,8 +26,9 @@ class SourceReward:
         for source, name in self.names.items():
             try:
                 fn = get_reward_fn(name)
-            except LookupFailed as e:
-                raise LookupFailed(f"the reward of data.mix source {source!r}: {e}") from None
+            except LookupFailed as e:  # (its message names workflow.reward, the usual field)
+                why = str(e).removeprefix("workflow.reward: ")
+                raise LookupFailed(f"the reward of data.mix source {source!r} ({name}): {why}") from None
             if inspect.iscoroutinefunction(fn):
                 raise LookupFailed(f"the reward of data.mix source {source!r}: {name} is an async function; a "
                                    "mixture's rewards are called per row by one dispatcher: plain functions only")

@@ -7,3 +7,8 @@ def even_first_token(prompt, completions, prompt_ids, completion_ids, answer=Non
     if "boom" in str(data.get("messages")):
         raise ValueError("boom row")
     return float(bool(completion_ids) and completion_ids[0] % 2 == 0)
+
+
+def answered(prompt, completions, prompt_ids, completion_ids, answer=None, **data) -> float:
+    """1.0 for any answer with a generated token, right or wrong (a reward no built-in gives)."""
+    return float(bool(completion_ids))

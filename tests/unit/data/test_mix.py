@@ -2,6 +2,7 @@
 the sources are loaded and tagged, each epoch's composition (data.mix[i].weight), each source's
 reward (data.mix[i].reward or its dataset's own) and the per-source metrics."""
 
+import json
 import pickle
 from collections import Counter
 from pathlib import Path
@@ -66,6 +67,16 @@ def test_data_train_and_eval_are_refused_beside_a_mix(override, match):
 def test_a_malformed_source_is_named(mix, match):
     with pytest.raises(ConfigError, match=match):
         validate(_rl(f"data.mix={mix}"), has_cuda=False)
+
+
+def test_workflow_reward_is_refused_when_every_source_has_its_own():
+    """copy_digit and copy_pair bring their rewards: workflow.reward would score nothing; a file
+    source has none, and workflow.reward is its reward."""
+    with pytest.raises(ConfigError, match=r"^workflow.reward=gsm8k: every data.mix source has a reward of its own "
+                                          r"\(digit: exact_match, pair: token_match\)"):
+        validate(_rl(TWO, "data.eval_every=2", "workflow.reward=gsm8k"), has_cuda=False)
+    validate(_rl("data.mix=[{name: a, train: 'synthetic:copy_digit'}, {name: b, train: x.jsonl}]",
+                 "workflow.reward=gsm8k"), has_cuda=False)
 
 
 def test_offline_runs_read_data_train_not_a_mix():
@@ -177,7 +188,7 @@ def test_each_source_gets_its_own_reward():
     assert pickle.loads(pickle.dumps(fn))("p", "7 7", [], [], data_source="own", **row) == 1.0
     assert getattr(fn, "mlrl_inline", False)  # both inline: called in the driver
     assert not getattr(SourceReward({"a": "exact_match", "b": "gsm8k"}), "mlrl_inline", False)
-    with pytest.raises(LookupFailed, match=r"the reward of data.mix source 'b': .*unknown reward 'nope'"):
+    with pytest.raises(LookupFailed, match=r"the reward of data.mix source 'b' \(nope\): unknown reward 'nope'"):
         SourceReward({"a": "exact_match", "b": "nope"})
 
 
@@ -218,16 +229,52 @@ def test_max_prompts_takes_the_first_prompts_of_each_source():
     assert got[3] is ds.rows[ds.sources[1].start] and len(first_prompts(ds, 0)) == len(ds)
 
 
-def test_a_resume_with_other_weights_says_the_order_changes(caplog):
-    def ds(w):
-        return dataset_from_config(_mix({"name": "a", "train": "synthetic:copy_digit", "weight": w},
-                                        {"name": "b", "train": "synthetic:copy_pair", "weight": 1.0}), "train")
+def test_a_resume_with_another_mix_says_the_order_changes(caplog):
+    def ds(w, n=40, first="synthetic:copy_digit"):
+        return dataset_from_config(_mix({"name": "a", "train": first, "weight": w},
+                                        {"name": "b", "train": "synthetic:copy_pair", "weight": 1.0}, num_synthetic=n),
+                                   "train")
 
-    saved = PromptSampler(ds(3.0), seed=0)
+    three = ds(3.0)
+    saved = PromptSampler(three, seed=0)
     saved.next_batch(5)
-    state = saved.state()
-    assert state["quotas"] == [60, 20]
-    PromptSampler.from_state(ds(3.0), state, seed=0)
+    state = json.loads(json.dumps(saved.state()))  # (as a checkpoint stores it)
+    assert state["mix"] == [["a", 40, 60], ["b", 40, 20]]
+    assert [id(r) for r in PromptSampler.from_state(three, state, seed=0).next_batch(9)] == \
+        [id(r) for r in saved.next_batch(9)]
     assert "mixture" not in caplog.text
-    PromptSampler.from_state(ds(1.0), state, seed=0)
-    assert "drawing [60, 20] prompts per epoch from its sources, and data.mix draws [40, 40] now" in caplog.text
+    PromptSampler.from_state(ds(1.0), state, seed=0)  # other weights
+    assert "[['a', 40, 60], ['b', 40, 20]]" in caplog.text and "[['a', 40, 40], ['b', 40, 40]]" in caplog.text
+    caplog.clear()
+    old = {k: v for k, v in state.items() if k != "mix"}  # a checkpoint from before data.mix: no warning
+    PromptSampler.from_state(ds(3.0), old, seed=0)
+    assert "mixture" not in caplog.text
+
+
+def test_metric_names_of_a_datasets_own_data_source_column_are_made_safe_and_bounded():
+    m = summarize([_group("openai/gsm8k", [1.0]), _group("my set", [0.0])])
+    assert m["source/openai_gsm8k/reward/mean"] == 1.0 and m["source/my_set/reward/mean"] == 0.0
+    many = summarize([_group(f"id{i}", [1.0]) for i in range(40)])  # a per-row id, not a source
+    assert not [k for k in many if k.startswith("source/")]
+
+
+@pytest.mark.parametrize("mix,match", [
+    ("[{name: a, train: 'synthetic:copy_digit', eval: ''}]", r"^data.mix\[0\].eval: empty"),
+    ("[{name: a, train: 'synthetic:copy_digit', reward: ''}]", r"^data.mix\[0\].reward: empty"),
+    ("[{name: a, train: 'synthetic:copy_digit', reward: nope}]", r"^data.mix\[0\].reward=nope: unknown reward"),
+    ("[{name: '..', train: 'synthetic:copy_digit'}]", r"^data.mix\[0\].name='..': expected a label"),
+    # a source's train and eval data made for two rewards: which one scores it is named, not guessed
+    ("[{name: a, train: 'synthetic:copy_digit', eval: 'synthetic:copy_pair'}]",
+     r"^data.mix\[0\].reward: not set, and the source's train data \(synthetic:copy_digit\) is made for the "
+     r"exact_match reward while its eval data \(synthetic:copy_pair\) is made for token_match"),
+])
+def test_empty_unknown_or_ambiguous_source_settings_are_named(mix, match):
+    with pytest.raises(ConfigError, match=match):
+        validate(_rl(f"data.mix={mix}", "data.eval_every=1"), has_cuda=False)
+
+
+def test_a_sources_eval_data_gives_its_reward_when_its_train_data_has_none():
+    d = _mix({"name": "a", "train": "x.jsonl", "eval": "synthetic:copy_pair"})
+    assert mix_rewards(d, "exact_match") == {"a": "token_match"}
+    validate(_rl("data.mix=[{name: a, train: 'synthetic:copy_digit', eval: 'synthetic:copy_pair', "
+                 "reward: token_match}]", "data.eval_every=1"), has_cuda=False)
