@@ -628,6 +628,10 @@ def _check_mix(cfg: Config) -> None:
                           + ", ".join(f"{s.name}: {r}" for s, r in zip(d.mix, own)) + "), so it scores none of them; "
                           "remove it (or name it as a source's data.mix[i].reward)")
     weighted = [s.weight is not None for s in d.mix]
+    if not evaluation and any(weighted) and not all(weighted):
+        raise ConfigError(f"data.mix[{weighted.index(False)}].weight: not set while data.mix[{weighted.index(True)}]"
+                          ".weight is; set a weight on every source (shares of each epoch) or on none (each source's "
+                          "rows once per epoch)")
     seen: set[str] = set()
     for i, s in enumerate(d.mix):
         at = f"data.mix[{i}]"
@@ -654,11 +658,6 @@ def _check_mix(cfg: Config) -> None:
                               "name, synthetic:<task> or pkg.module:loader)")
         if s.weight is not None and not (math.isfinite(s.weight) and s.weight > 0):
             raise ConfigError(f"{at}.weight={s.weight}: expected a number > 0 (the source's share of the prompts)")
-        if any(weighted) and not all(weighted):
-            missing = weighted.index(False)
-            raise ConfigError(f"data.mix[{missing}].weight: not set while data.mix[{weighted.index(True)}].weight is; "
-                              "set a weight on every source (shares of each epoch) or on none (each source's rows "
-                              "once per epoch)")
 
 
 def _rewards_in_use(cfg: Config) -> list[str]:

@@ -80,22 +80,29 @@ class PreferenceDataset(Sequence):
         return self.examples[i]
 
 
+def _find_loader(name_or_path: str) -> Loader | None:
+    """A registered loader, or `pkg.module:loader` for one not registered by name (raises
+    LookupFailed, a ValueError, when it cannot be imported); None for a file or folder."""
+    from mlrl.data import gsm8k  # noqa: F401  (registers itself)
+
+    loader = _DATASETS.get(name_or_path)
+    if loader is None and ":" in name_or_path and not Path(name_or_path).exists():
+        from mlrl.reward import import_from_string
+
+        loader = import_from_string(name_or_path)
+    return loader
+
+
 def _raw_rows(name_or_path: str, split: str, skip_malformed: bool, skipped: list[str], seed: int,
               num_rows: int | None, kwargs: dict[str, Any]) -> tuple[list[tuple[str, Any]], str | None]:
     if name_or_path.startswith("synthetic:"):
         task = name_or_path.split(":", 1)[1]
         rows = synthetic.generate(task, split, seed=seed, num_rows=num_rows or 512, **kwargs)
         return [(f"{name_or_path}[{i}]", r) for i, r in enumerate(rows)], synthetic.TASKS[task].reward
-    from mlrl.data import gsm8k  # noqa: F401  (registers itself)
-
-    loader = _DATASETS.get(name_or_path)
-    if loader is None and ":" in name_or_path and not Path(name_or_path).exists():
-        from mlrl.reward import import_from_string  # `pkg.module:loader`, a loader not registered by name
-
-        try:
-            loader = import_from_string(name_or_path)
-        except ValueError as e:
-            raise DatasetError(f"dataset {name_or_path!r}: {e}") from None
+    try:
+        loader = _find_loader(name_or_path)
+    except ValueError as e:
+        raise DatasetError(f"dataset {name_or_path!r}: {e}") from None
     if loader is not None:
         rows = loader(split, **kwargs)
         if not isinstance(rows, (list, tuple)):
@@ -260,16 +267,10 @@ def default_reward(name_or_path: str) -> str | None:
     if name_or_path.startswith("synthetic:"):
         task = synthetic.TASKS.get(name_or_path.split(":", 1)[1])
         return task.reward if task is not None else None
-    from mlrl.data import gsm8k  # noqa: F401  (registers itself)
-
-    loader = _DATASETS.get(name_or_path)
-    if loader is None and ":" in name_or_path and not Path(name_or_path).exists():
-        from mlrl.reward import import_from_string  # `pkg.module:loader` (its import error is the loading's to name)
-
-        try:
-            loader = import_from_string(name_or_path)
-        except ValueError:
-            return None
+    try:
+        loader = _find_loader(name_or_path)
+    except ValueError:  # (its import error is the loading's to name)
+        return None
     reward = getattr(loader, "reward", None) if loader is not None else None
     return reward if isinstance(reward, str) else None
 
