@@ -106,8 +106,6 @@ def _precheck(args) -> str | None:
 
 
 def launch(args) -> int:
-    from mlrl.procs import kill_tree
-
     error = _precheck(args)
     if error:
         print(f"compare_hf_megatron: {error}", file=sys.stderr)
@@ -115,7 +113,16 @@ def launch(args) -> int:
     world = args.tp * args.pp * args.ep
     argv = [a for a in sys.argv[1:] if a not in ("--random-tokens", "--no-random-tokens")]
     argv.append("--random-tokens" if args.random_tokens else "--no-random-tokens")
-    result = Path(tempfile.mkdtemp(prefix="compare_hf_megatron.")) / "result.json"
+    scratch = Path(tempfile.mkdtemp(prefix="compare_hf_megatron."))  # rank 0's verdict; removed whatever happens
+    try:
+        return _run_ranks(args, world, argv, scratch / "result.json")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _run_ranks(args, world: int, argv: list[str], result: Path) -> int:
+    from mlrl.procs import kill_tree
+
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--nnodes=1",
            "--master-addr=127.0.0.1", f"--master-port={_free_port()}", __file__, *argv]
     env = dict(os.environ, MLRL_COMPARE_WORKER="1", MLRL_COMPARE_RESULT=str(result),
@@ -131,10 +138,7 @@ def launch(args) -> int:
     except KeyboardInterrupt:
         kill_tree(proc.pid)
         raise
-    try:
-        res = json.loads(result.read_text()) if result.exists() else None
-    finally:
-        shutil.rmtree(result.parent, ignore_errors=True)
+    res = json.loads(result.read_text()) if result.exists() else None
     if res is None:  # rank 0 never wrote its verdict: a rank failed (its traceback is above)
         print(f"compare_hf_megatron: the comparison did not complete (ranks exited {proc.returncode})",
               file=sys.stderr)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -366,8 +367,16 @@ def _free_port() -> int:
 
 
 def launch(job: dict[str, Any]) -> dict[str, Any]:
-    """Run the job's ranks; returns rank 0's report."""
+    """Run the job's ranks; returns rank 0's report. The job and report files live in a scratch
+    folder removed afterwards, whatever happened."""
     report_dir = Path(tempfile.mkdtemp(prefix="mlrl-convert-"))
+    try:
+        return _launch(job, report_dir)
+    finally:
+        shutil.rmtree(report_dir, ignore_errors=True)
+
+
+def _launch(job: dict[str, Any], report_dir: Path) -> dict[str, Any]:
     job = {**job, "report": str(report_dir / "report.json")}
     job_file = report_dir / "job.json"
     job_file.write_text(json.dumps(job))

@@ -515,14 +515,15 @@ class DataSource:
     name: str = ""
     """The source's label (letters, digits, `_`, `-`, `.`; unique in the mix)."""
     train: str = ""
-    """Its training prompts: anything data.train accepts."""
+    """Its training prompts: anything data.train accepts. Empty in an RL run = a held-out source
+    (eval only: evaluated every data.eval_every steps, never trained on, no weight)."""
     eval: Optional[str] = None
     """Its held-out prompts: anything data.eval accepts (None = none from this source)."""
     weight: Optional[float] = None
     """Its share of each epoch's prompts: a source gets round(weight / sum of weights x the mix's rows)
     of them (at least 1), its rows cycled in seeded orders (a small source repeats, a large one is
     read on over epochs). None on every source = each source's rows once per epoch. Set on every
-    source or on none."""
+    source with train prompts or on none."""
     reward: Optional[str] = None
     """The reward for its rows (a registered name or dotted path); None = the dataset's own (a
     synthetic task's or a registered loader's), else workflow.reward."""

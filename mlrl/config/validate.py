@@ -627,11 +627,16 @@ def _check_mix(cfg: Config) -> None:
         raise ConfigError(f"workflow.reward={cfg.workflow.reward}: every data.mix source has a reward of its own ("
                           + ", ".join(f"{s.name}: {r}" for s, r in zip(d.mix, own)) + "), so it scores none of them; "
                           "remove it (or name it as a source's data.mix[i].reward)")
-    weighted = [s.weight is not None for s in d.mix]
-    if not evaluation and any(weighted) and not all(weighted):
-        raise ConfigError(f"data.mix[{weighted.index(False)}].weight: not set while data.mix[{weighted.index(True)}]"
-                          ".weight is; set a weight on every source (shares of each epoch) or on none (each source's "
-                          "rows once per epoch)")
+    trained = [i for i, s in enumerate(d.mix) if s.train]  # (an RL run's eval-only sources have no share)
+    if not evaluation and not trained and all(s.eval for s in d.mix):
+        raise ConfigError("data.mix: every source is held-out only (eval, no train); an RL run trains on at least "
+                          "one source's prompts (data.mix[i].train)")
+    weighted = [i for i in trained if d.mix[i].weight is not None]
+    if not evaluation and weighted and len(weighted) < len(trained):
+        unset = next(i for i in trained if d.mix[i].weight is None)
+        raise ConfigError(f"data.mix[{unset}].weight: not set while data.mix[{weighted[0]}].weight is; set a weight "
+                          "on every source with train prompts (shares of each epoch) or on none (each source's rows "
+                          "once per epoch)")
     seen: set[str] = set()
     for i, s in enumerate(d.mix):
         at = f"data.mix[{i}]"
@@ -654,8 +659,13 @@ def _check_mix(cfg: Config) -> None:
                                   "(a file, a registered name or synthetic:<task>)")
             continue
         if not s.train:
-            raise ConfigError(f"{at}.train: not set; each source names its training prompts (a file, a registered "
-                              "name, synthetic:<task> or pkg.module:loader)")
+            if not s.eval:
+                raise ConfigError(f"{at}.train: not set; a source names its training prompts (a file, a registered "
+                                  "name, synthetic:<task> or pkg.module:loader), its held-out prompts (eval) or both")
+            if s.weight is not None:
+                raise ConfigError(f"{at}.weight={s.weight}: a share of the training prompts, and source {s.name!r} "
+                                  "has none (eval only: its held-out prompts are evaluated, never trained on)")
+            continue
         if s.weight is not None and not (math.isfinite(s.weight) and s.weight > 0):
             raise ConfigError(f"{at}.weight={s.weight}: expected a number > 0 (the source's share of the prompts)")
 

@@ -42,6 +42,7 @@ import json
 import math
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -147,12 +148,23 @@ def _same_output(got: str, want: str) -> bool:
     return lines(got) == lines(want)
 
 
+def _scratch_prefix(pid: int) -> str:
+    return f"mlrl-code-{pid}-"
+
+
+def remove_scratch_of(pid: int) -> None:
+    """The scratch folders run_program left in a process that was killed mid-run (a reward pool
+    worker terminated after a timeout runs no cleanup): named by that process's pid."""
+    for folder in Path(tempfile.gettempdir()).glob(_scratch_prefix(pid) + "*"):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def run_program(source: str, stdin: str = "", timeout_s: float = RUN_TIMEOUT_S,
                 tests: str | None = None) -> tuple[bool | None, str]:
     """(passed, stdout) of `source` run under the limits; passed None on timeout. Without `tests`:
     passed = exit code 0. With `tests` (assert statements; `stdin` unused): passed = exit code 0
     and the harness's token printed after the last assert."""
-    with tempfile.TemporaryDirectory(prefix="mlrl-code-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=_scratch_prefix(os.getpid())) as tmp:
         prog, out, test_file = Path(tmp, "main.py"), Path(tmp, "stdout"), Path(tmp, "tests.py")
         prog.write_text(source)
         token = ""

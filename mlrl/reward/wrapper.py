@@ -147,6 +147,22 @@ def _terminate(pool: ProcessPoolExecutor) -> None:
     for p in procs:
         with contextlib.suppress(Exception):
             p.terminate()
+    if procs:  # off the caller's thread (often the event loop): waits for the workers to go
+        threading.Thread(target=_reap, args=(procs,), name="mlrl-reward-reap", daemon=True).start()
+
+
+def _reap(procs: list[Any]) -> None:
+    """Wait for terminated workers (SIGKILL after 5 s), then remove what a killed worker could not:
+    the code runner's scratch folders (mlrl.reward.code)."""
+    from mlrl.reward.code import remove_scratch_of
+
+    for p in procs:
+        with contextlib.suppress(Exception):
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+            remove_scratch_of(p.pid)
 
 
 POOLS = _PoolRegistry()

@@ -212,6 +212,7 @@ def _session(tmp_path, stages, *, warm=True, env=None):
     bin_, calls = _fake_bin(tmp_path)
     env = {"PATH": f"{bin_}:/usr/bin:/bin", "KIT_DIR": str(kit_dir), "SITE": str(site), "OUT": str(out),
            "STAGES": stages, "HOME": str(tmp_path), "KIT_WORK": str(tmp_path / "work"), "CLEANUP_WAIT_S": "0",
+           "GPU_WORK": str(tmp_path / "logs"),
            **(env or {})}
     work = tmp_path / "repo"  # no .gpu/kit here: nothing is copied
     work.mkdir()

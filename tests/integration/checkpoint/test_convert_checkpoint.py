@@ -4,6 +4,7 @@ merged model) with the trained policy's logits, `--verify` reports the logits ga
 fail with one line naming the problem before any process starts."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -25,9 +26,9 @@ def _tool():
     return load_tool("convert_checkpoint")
 
 
-def run_tool(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True, timeout=timeout,
-                          env={**__import__("os").environ, "PYTHONWARNINGS": "ignore"})
+def run_tool(*args: str, timeout: float = 600, tmpdir: Path | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", **({"TMPDIR": str(tmpdir)} if tmpdir else {})}
+    return subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def _tensors(folder: Path) -> dict:
@@ -54,9 +55,13 @@ def _gap(stdout: str) -> float:
 
 def test_smollm2_roundtrip_is_bit_exact(tmp_path):
     src = resolve_model_dir("builtin:smollm2-135m-instruct")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
     t0 = time.perf_counter()
-    r = run_tool("hf-to-mcore", "--hf", str(src), "--out", str(tmp_path / "mcore"), "--pp", "2", "--verify")
+    r = run_tool("hf-to-mcore", "--hf", str(src), "--out", str(tmp_path / "mcore"), "--pp", "2", "--verify",
+                 tmpdir=scratch)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert not list(scratch.glob("mlrl-convert-*"))  # the ranks' job / report folder is removed
     assert "hf-to-mcore:" in r.stderr  # the progress bar
     t1 = time.perf_counter()
     r2 = run_tool("mcore-to-hf", "--ckpt", str(tmp_path / "mcore"), "--out", str(tmp_path / "hf"), "--pp", "1",

@@ -2,8 +2,9 @@
 real vLLM CPU engine): two synthetic tasks at weights 3:1, with different rewards: copy_digit's
 set by data.mix[0].reward (a test reward, 1.0 for an even first token: about half of a random
 model's answers, none of which copies the digit), copy_pair's its dataset's own (token_match's
-partial credit). Each epoch's prompts follow the weights, each answer is scored by its own source's
-reward, and the rollout and held-out metrics are reported per source."""
+partial credit), and a held-out-only source (reverse_digits: eval, no train). Each epoch's prompts
+follow the weights, the held-out-only source is evaluated and never trained on, each answer is
+scored by its own source's reward, and the rollout and held-out metrics are reported per source."""
 
 import json
 from collections import Counter
@@ -16,7 +17,8 @@ from mlrl.reward.builtin import token_match_reward
 PARITY = "tests.integration.evaluate.parity_reward.even_first_token"
 MIX = ("data.mix=[{name: digit, train: 'synthetic:copy_digit', eval: 'synthetic:copy_digit', weight: 3, "
        f"reward: '{PARITY}'}}, "
-       "{name: pair, train: 'synthetic:copy_pair', eval: 'synthetic:copy_pair', weight: 1}]")
+       "{name: pair, train: 'synthetic:copy_pair', eval: 'synthetic:copy_pair', weight: 1}, "
+       "{name: held, eval: 'synthetic:reverse_digits'}]")
 
 
 @pytest.fixture(scope="module")
@@ -37,20 +39,22 @@ def test_each_epoch_follows_the_weights_and_metrics_are_per_source(run):
     for m in steps:
         groups.update({s: int(m.get(f"source/{s}/groups", 0)) for s in ("digit", "pair")})
     assert groups == {"digit": 12, "pair": 4}
+    assert not any(k.startswith("source/held/") for m in metrics(run) for k in m)  # never trained on
     assert all(f"source/{s}/reward/mean" in m and f"source/{s}/reward/accuracy" in m
                for m in steps for s in ("digit", "pair") if f"source/{s}/groups" in m)
     last = metrics(run)[-1]
-    for s in ("digit", "pair"):  # the held-out evaluation, per source too
+    for s in ("digit", "pair", "held"):  # the held-out evaluation, per source too
         assert 0.0 <= last[f"eval/source/{s}/pass@1"] <= last[f"eval/source/{s}/pass@2"] <= 1.0
         assert f"eval/source/{s}/reward/mean" in last
 
 
 def test_each_answer_is_scored_by_its_sources_reward(run):
     recs = [json.loads(x) for x in (run / "eval" / "step_000002.jsonl").read_text().splitlines()]
-    assert {r["data_source"] for r in recs} == {"digit", "pair"} and all(r["status"] == "completed" for r in recs)
-    pair = [r for r in recs if r["data_source"] == "pair"]
-    assert len(pair) == 2 * 8 and all(
-        r["reward"] == pytest.approx(token_match_reward("", r["response"], [], [], answer=r["answer"])) for r in pair)
+    assert {r["data_source"] for r in recs} == {"digit", "pair", "held"} and all(r["status"] == "completed" for r in recs)
+    for name in ("pair", "held"):  # token_match: copy_pair's and reverse_digits' own reward
+        own = [r for r in recs if r["data_source"] == name]
+        assert len(own) == 2 * 8 and all(
+            r["reward"] == pytest.approx(token_match_reward("", r["response"], [], [], answer=r["answer"])) for r in own)
     # digit: the parity reward (0 or 1), paying answers that do not copy the digit: neither exact_match's
     # nor token_match's score
     digit = [r for r in recs if r["data_source"] == "digit"]

@@ -4,6 +4,7 @@ token ids, and says so; exit 0 at parity, 1 above the bound, 2 for bad input bef
 starts, 3 when the comparison does not complete."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -26,14 +27,17 @@ def bare(tmp_path_factory):
     return out
 
 
-def _run(*args, timeout=600):
-    return subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True, timeout=timeout)
+def _run(*args, timeout=600, tmpdir: Path | None = None):
+    env = dict(os.environ, TMPDIR=str(tmpdir)) if tmpdir else None
+    return subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def test_no_tokenizer_compares_random_tokens_and_passes(bare, tmp_path):
-    out = tmp_path / "res.json"
-    proc = _run("--hf-dir", str(bare), "--json", str(out))
+    out, scratch = tmp_path / "res.json", tmp_path / "tmp"
+    scratch.mkdir()
+    proc = _run("--hf-dir", str(bare), "--json", str(out), tmpdir=scratch)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert not list(scratch.glob("compare_hf_megatron.*"))  # the verdict's scratch folder is removed
     assert f"{bare} has no tokenizer: comparing on seeded random token ids (--random-tokens)" in proc.stdout
     res = json.loads(out.read_text())
     assert res["inputs"] == "random token ids" and res["ok"] and res["tokens"] >= 5 * 8
@@ -67,9 +71,10 @@ def test_a_missing_folder_exits_2(tmp_path):
     assert proc.returncode == 2 and "is not a Hugging Face model folder (no config.json)" in proc.stderr
 
 
-def test_a_comparison_that_does_not_complete_exits_3(bare):
+def test_a_comparison_that_does_not_complete_exits_3(bare, tmp_path):
     """3 s: torchrun's workers are up (importing or comparing; a whole comparison takes ~10 s here).
     They run in sessions of their own and hold the captured pipes: if the timeout left them running,
     `_run` would wait for them and time out itself (what CI saw when only torchrun's group was killed)."""
-    proc = _run("--hf-dir", str(bare), "--timeout", "3", timeout=120)
+    proc = _run("--hf-dir", str(bare), "--timeout", "3", timeout=120, tmpdir=tmp_path)
     assert proc.returncode == 3 and "timed out after 3 s" in proc.stderr
+    assert not list(tmp_path.glob("compare_hf_megatron.*"))  # removed on a timeout too

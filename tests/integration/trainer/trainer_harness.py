@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -40,7 +41,14 @@ class _PortTaken(AssertionError):
 
 
 def _run_torchrun(script: Path, args: list[str], nproc: int, *, timeout: float) -> tuple[list[dict], str]:
-    out = Path(tempfile.mkdtemp(prefix="mlrl-trainer-"))
+    out = Path(tempfile.mkdtemp(prefix="mlrl-trainer-"))  # the ranks' result files; removed once read
+    try:
+        return _run_ranks(script, args, nproc, timeout, out)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def _run_ranks(script: Path, args: list[str], nproc: int, timeout: float, out: Path) -> tuple[list[dict], str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--nnodes=1",
            "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(script), "--out", str(out), *args]
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // nproc)),

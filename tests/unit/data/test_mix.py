@@ -278,3 +278,31 @@ def test_a_sources_eval_data_gives_its_reward_when_its_train_data_has_none():
     assert mix_rewards(d, "exact_match") == {"a": "token_match"}
     validate(_rl("data.mix=[{name: a, train: 'synthetic:copy_digit', eval: 'synthetic:copy_pair', "
                  "reward: token_match}]", "data.eval_every=1"), has_cuda=False)
+
+
+def test_a_held_out_only_source_is_evaluated_never_trained_on():
+    """A source with eval and no train (a benchmark watched during training, verl's validation-only
+    datasets): in the held-out set and scored by its own reward, absent from every training epoch,
+    outside the weights."""
+    mix = ("data.mix=[{name: a, train: 'synthetic:copy_digit', eval: 'synthetic:copy_digit', weight: 2}, "
+           "{name: b, train: 'synthetic:copy_pair', "
+           "weight: 1}, {name: bench, eval: 'synthetic:reverse_digits'}]")
+    cfg = _rl(mix, "data.eval_every=2", "data.num_synthetic=30")
+    validate(cfg, has_cuda=False)
+    s, sources, ds = _epoch_sources(cfg.data)
+    assert [x.name for x in ds.sources] == ["a", "b"] and Counter(sources) == {"a": 40, "b": 20}
+    held = dataset_from_config(cfg.data, "eval")
+    assert [x.name for x in held.sources] == ["a", "bench"] and len(held.rows) == held.sources[1].start + 30
+    assert mix_rewards(cfg.data, "gsm8k")["bench"] == "token_match"  # reverse_digits' own
+    for bad, match in [
+        ("[{name: a, train: 'synthetic:copy_digit'}, {name: bench, eval: 'synthetic:reverse_digits', weight: 1}]",
+         r"^data.mix\[1\].weight=1.0: a share of the training prompts, and source 'bench' has none"),
+        ("[{name: a, eval: 'synthetic:copy_digit'}, {name: bench, eval: 'synthetic:reverse_digits'}]",
+         r"^data.mix: every source is held-out only"),
+        ("[{name: a, train: 'synthetic:copy_digit'}, {name: b}]", r"^data.mix\[1\].train: not set; .* or both"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            validate(_rl(f"data.mix={bad}", "data.eval_every=2"), has_cuda=False)
+    with pytest.raises(ConfigError, match=r"^data.mix\[1\].eval=.* is never evaluated with data.eval_every=0"):
+        validate(_rl("data.mix=[{name: a, train: 'synthetic:copy_digit'}, {name: bench, eval: 'synthetic:reverse_digits'}]"),
+                 has_cuda=False)

@@ -7,6 +7,7 @@ the reward runs in during training."""
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -116,6 +117,31 @@ def test_a_program_dies_with_the_process_that_scores_it(tmp_path):
     while psutil.pid_exists(child) and psutil.Process(child).status() != psutil.STATUS_ZOMBIE:
         assert time.monotonic() < deadline, "the program outlived its scorer"
         time.sleep(0.05)
+    left = list(Path(tempfile.gettempdir()).glob(f"mlrl-code-{scorer.pid}-*"))
+    assert left, "a killed scorer cannot remove its scratch folder itself"
+    code_reward.remove_scratch_of(scorer.pid)  # what the reward pool does for a worker it killed
+    assert not any(d.exists() for d in left)
+
+
+def test_a_timed_out_reward_worker_leaves_no_scratch_folder(tmp_path):
+    """workflow.reward_timeout_s ends a call whose program sleeps: the pool kills that worker (no
+    cleanup runs in it) and removes the worker's scratch folder after it."""
+    import asyncio
+
+    cwd_file = tmp_path / "cwd"
+    program = f"```python\nimport os, time\nopen({str(cwd_file)!r}, 'w').write(os.getcwd())\ntime.sleep(60)\n```"
+
+    async def run():
+        wrapper = AsyncRewardWrapper(get_reward_fn("code_tests"), timeout=3, max_workers=1)
+        return await wrapper("p", program, [], [], tests=["assert True"], time_limit_s=60)
+
+    assert asyncio.run(run()) == 0.0
+    scratch = Path(cwd_file.read_text())
+    assert scratch.name.startswith("mlrl-code-")
+    deadline = time.monotonic() + 20
+    while scratch.exists():
+        assert time.monotonic() < deadline, f"{scratch} outlived the reward worker"
+        time.sleep(0.1)
 
 
 def test_the_program_sees_no_secrets_and_leaves_no_process(monkeypatch, tmp_path):
