@@ -50,11 +50,13 @@ def test_each_epoch_follows_the_weights_and_metrics_are_per_source(run):
 
 def test_each_answer_is_scored_by_its_sources_reward(run):
     recs = [json.loads(x) for x in (run / "eval" / "step_000002.jsonl").read_text().splitlines()]
-    assert {r["data_source"] for r in recs} == {"digit", "pair", "held"} and all(r["status"] == "completed" for r in recs)
+    assert {r["data_source"] for r in recs} == {"digit", "pair", "held"}
+    assert all(r["status"] == "completed" for r in recs)
     for name in ("pair", "held"):  # token_match: copy_pair's and reverse_digits' own reward
         own = [r for r in recs if r["data_source"] == name]
-        assert len(own) == 2 * 8 and all(
-            r["reward"] == pytest.approx(token_match_reward("", r["response"], [], [], answer=r["answer"])) for r in own)
+        assert len(own) == 2 * 8
+        assert all(r["reward"] == pytest.approx(token_match_reward("", r["response"], [], [], answer=r["answer"]))
+                   for r in own)
     # digit: the parity reward (0 or 1), paying answers that do not copy the digit: neither exact_match's
     # nor token_match's score
     digit = [r for r in recs if r["data_source"] == "digit"]

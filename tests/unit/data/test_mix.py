@@ -304,5 +304,5 @@ def test_a_held_out_only_source_is_evaluated_never_trained_on():
         with pytest.raises(ConfigError, match=match):
             validate(_rl(f"data.mix={bad}", "data.eval_every=2"), has_cuda=False)
     with pytest.raises(ConfigError, match=r"^data.mix\[1\].eval=.* is never evaluated with data.eval_every=0"):
-        validate(_rl("data.mix=[{name: a, train: 'synthetic:copy_digit'}, {name: bench, eval: 'synthetic:reverse_digits'}]"),
-                 has_cuda=False)
+        validate(_rl("data.mix=[{name: a, train: 'synthetic:copy_digit'}, "
+                     "{name: bench, eval: 'synthetic:reverse_digits'}]"), has_cuda=False)
