@@ -47,8 +47,9 @@ def _free_port() -> int:
 
 
 def sample(way: str) -> float:
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
     proc = subprocess.Popen([sys.executable, "-c", RANK, way, str(_free_port())], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+                            stderr=subprocess.DEVNULL, text=True, env=env)
     assert proc.stdout is not None
     done = float(proc.stdout.readline())
     if proc.wait(timeout=120) != 0:
@@ -67,9 +68,10 @@ def main() -> int:
     for _ in range(args.repeats):
         for way in times:
             times[way].append(sample(way))
+    med = {way: statistics.median(ts) for way, ts in times.items()}
     for way, ts in times.items():
-        print(f"{way:>5}: exit {statistics.median(ts):.2f} s (median of {len(ts)}: {', '.join(f'{t:.2f}' for t in ts)})")
-    print(f"ratio rank_exit_plain_over_fast: {statistics.median(times['plain']) / statistics.median(times['fast']):.2f}")
+        print(f"{way:>5}: exit {med[way]:.2f} s (median of {len(ts)}: {', '.join(f'{t:.2f}' for t in ts)})")
+    print(f"ratio rank_exit_plain_over_fast: {med['plain'] / med['fast']:.2f}")
     return 0
 
 
