@@ -300,17 +300,35 @@ async def evaluate_if_due(ctx: RunContext, step: int, timer: StepTimer) -> dict[
     with eval.save_answers, its answers go to `ctx.eval_answers`."""
     cfg = ctx.cfg
     if ctx.eval_rows and cfg.data.eval_every and (step % cfg.data.eval_every == 0 or step == cfg.trainer.total_steps):
-        k = cfg.eval.samples_per_prompt
-        with timer("eval"):
-            ev = await ctx.runner.run_batch(ctx.eval_rows, k, evaluation=True)
-        if ctx.eval_answers is not None:  # (in a thread: decoding and writing do not stall the engines' traffic)
-            try:
-                await asyncio.to_thread(ctx.eval_answers, step, ev)
-            except OSError as e:  # the step's metrics and checkpoint matter more than the answers file
-                log.warning("eval.save_answers: the answers of step %d were not written: %s", step, e)
-        out = {f"eval/{name}": v for name, v in ev.metrics.items()}
-        return {**out, **pass_metrics(ev, k, cfg.eval.correct_threshold)}
+        return await _evaluate(ctx, step, timer)
     return {}
+
+
+async def evaluate_at_start(ctx: RunContext) -> None:
+    """eval.at_start: the held-out evaluation of the starting policy before step 1 of a fresh run,
+    its metrics line logged as step 0 (answers to eval/step_000000.jsonl with eval.save_answers).
+    Step 1's wall time starts after it."""
+    if not (ctx.cfg.eval.at_start and ctx.eval_rows and ctx.state.start_step == 0):
+        return
+    timer = StepTimer()
+    metrics = await _evaluate(ctx, 0, timer)
+    ctx.logger.log(0, {**metrics, **timer.finish()})
+    ctx.state.step_end = time.perf_counter()
+
+
+async def _evaluate(ctx: RunContext, step: int, timer: StepTimer) -> dict[str, float]:
+    cfg = ctx.cfg
+    assert ctx.eval_rows is not None
+    k = cfg.eval.samples_per_prompt
+    with timer("eval"):
+        ev = await ctx.runner.run_batch(ctx.eval_rows, k, evaluation=True)
+    if ctx.eval_answers is not None:  # (in a thread: decoding and writing do not stall the engines' traffic)
+        try:
+            await asyncio.to_thread(ctx.eval_answers, step, ev)
+        except OSError as e:  # the step's metrics and checkpoint matter more than the answers file
+            log.warning("eval.save_answers: the answers of step %d were not written: %s", step, e)
+    out = {f"eval/{name}": v for name, v in ev.metrics.items()}
+    return {**out, **pass_metrics(ev, k, cfg.eval.correct_threshold)}
 
 
 async def save_if_due(ctx: RunContext, step: int) -> None:

@@ -488,6 +488,10 @@ class EvalConfig:
     """Write every answer of each held-out evaluation of a training run to
     `<run_dir>/eval/step_N.jsonl` (the evaluation job's answer records: prompt, response, reward,
     correct, ...). An evaluation run (evaluate:) always writes them, to evaluate.output."""
+    at_start: bool = False
+    """Also evaluate the starting policy once before step 1, logged as step 0 (verl's
+    val_before_train, NeMo-RL's val_at_start): the baseline the eval/* curves start from. A fresh
+    run only: a resumed run evaluated its start already."""
 
 
 @dataclass

@@ -489,6 +489,8 @@ def _check_evaluate(cfg: Config) -> None:
     for section, name, why in (("rollout", "staleness", "asynchronous training"),
                                ("eval", "save_answers", "a training run's held-out answers; the evaluation writes "
                                 "every answer to evaluate.output"),
+                               ("eval", "at_start", "a training run's evaluation of its starting policy; this run "
+                                "evaluates model.hf_dir once"),
                                ("data", "train", "the training prompts; the evaluation answers data.eval"),
                                ("data", "eval_every", "the training run's evaluation interval; this run evaluates "
                                 "once"),
@@ -576,8 +578,8 @@ def _check_unused(cfg: Config) -> None:
     # data.eval_every and data.num_synthetic describe a recipe's own datasets and stay when a command
     # line swaps them (data.train=my.jsonl data.eval=null), as a recipe's critic section stays for gae
     if not d.held_out():
-        _unused("eval", cfg.eval, ("samples_per_prompt", "correct_threshold", "save_answers"), "without data.eval (no "
-                "held-out evaluation)")
+        _unused("eval", cfg.eval, ("samples_per_prompt", "correct_threshold", "save_answers", "at_start"),
+                "without data.eval (no held-out evaluation)")
     elif d.eval_every == 0 and cfg.evaluate is None:  # (an evaluation run answers data.eval once)
         field = "data.eval" if d.eval is not None else f"data.mix[{[bool(x.eval) for x in d.mix].index(True)}].eval"
         raise ConfigError(f"{field}={d.describe('eval')} is never evaluated with data.eval_every=0: set "

@@ -41,7 +41,7 @@ from mlrl.jobs.rollout_parts import (
     until_sigterm,
 )
 from mlrl.jobs.rollout_parts import judge_pool as make_judge_pool
-from mlrl.loop import LoopState, RunContext, guarded_refresh, train_sync
+from mlrl.loop import LoopState, RunContext, evaluate_at_start, guarded_refresh, train_sync
 from mlrl.loop_async import train_async
 from mlrl.metrics import MetricsLogger, StepTimer
 from mlrl.metrics.console import configure_logging, progress_bar
@@ -306,6 +306,7 @@ async def _run(cfg: Config, layout: Layout, early: EarlyStart) -> int:
         freeze_startup_heap()
         clock.mark("ready")
         clock.write(run_dir)
+        await evaluate_at_start(ctx)  # eval.at_start: the starting policy's held-out metrics, as step 0
         await (train_async(ctx) if cfg.asynchronous else train_sync(ctx))
         await asyncio.to_thread(ctx.checkpoint.finalize)  # an async save still in flight is committed
         if ctx.progress is not None:

@@ -4,7 +4,8 @@ set by data.mix[0].reward (a test reward, 1.0 for an even first token: about hal
 model's answers, none of which copies the digit), copy_pair's its dataset's own (token_match's
 partial credit), and a held-out-only source (reverse_digits: eval, no train). Each epoch's prompts
 follow the weights, the held-out-only source is evaluated and never trained on, each answer is
-scored by its own source's reward, and the rollout and held-out metrics are reported per source."""
+scored by its own source's reward, and the rollout and held-out metrics are reported per source.
+eval.at_start: the starting policy is evaluated first, as step 0."""
 
 import json
 from collections import Counter
@@ -28,6 +29,7 @@ def run(tmp_path_factory):
     launch(run, "--config", "launch/cpu_default.yaml", MIX, "data.num_synthetic=8", "data.eval_every=2",
            "trainer.prompts_per_step=8", "trainer.samples_per_prompt=4", "trainer.total_steps=2",
            "rollout.sampling.max_new_tokens=3", "eval.samples_per_prompt=2", "eval.save_answers=true",
+           "eval.at_start=true",
            "checkpoint.save_at_end=false", "checkpoint.hf_export_at_end=false", "logging.progress_bar=false")
     return run
 
@@ -42,10 +44,14 @@ def test_each_epoch_follows_the_weights_and_metrics_are_per_source(run):
     assert not any(k.startswith("source/held/") for m in metrics(run) for k in m)  # never trained on
     assert all(f"source/{s}/reward/mean" in m and f"source/{s}/reward/accuracy" in m
                for m in steps for s in ("digit", "pair") if f"source/{s}/groups" in m)
-    last = metrics(run)[-1]
-    for s in ("digit", "pair", "held"):  # the held-out evaluation, per source too
-        assert 0.0 <= last[f"eval/source/{s}/pass@1"] <= last[f"eval/source/{s}/pass@2"] <= 1.0
-        assert f"eval/source/{s}/reward/mean" in last
+    lines = metrics(run)
+    assert [m["step"] for m in lines] == [0, 1, 2]  # eval.at_start: step 0 holds the starting policy's evaluation
+    assert not any(k.startswith(("source/", "train/", "reward/")) for k in lines[0])
+    assert sorted(p.name for p in (run / "eval").glob("*.jsonl")) == ["step_000000.jsonl", "step_000002.jsonl"]
+    for line in (lines[0], lines[-1]):
+        for s in ("digit", "pair", "held"):  # the held-out evaluation, per source too
+            assert 0.0 <= line[f"eval/source/{s}/pass@1"] <= line[f"eval/source/{s}/pass@2"] <= 1.0
+            assert f"eval/source/{s}/reward/mean" in line
 
 
 def test_each_answer_is_scored_by_its_sources_reward(run):

@@ -82,6 +82,7 @@ def test_any_served_model_is_evaluated_without_the_trainers_layout_rules():
     ("logging.plot=false", "logging.plot=False: the training curves' PNG"),
     ("workflow.max_failure_steps=2", "workflow.max_failure_steps=2"),
     ("eval.save_answers=true", "eval.save_answers=True: a training run's held-out answers"),
+    ("eval.at_start=true", "eval.at_start=True: a training run's evaluation of its starting policy"),
     ("rollout.sampling.temperature=0", "temperature=0 (greedy) with eval.samples_per_prompt=8"),
 ])
 def test_what_an_evaluation_does_not_use_is_refused_by_name(override, needle):
@@ -96,6 +97,16 @@ def test_a_training_run_saves_eval_answers_only_with_a_held_out_set():
         validate(load_config(rl, ["eval.save_answers=true"]), has_cuda=False)
     validate(load_config(rl, ["eval.save_answers=true", "data.eval=synthetic:copy_digit", "data.eval_every=5"]),
              has_cuda=False)
+
+
+def test_eval_at_start_needs_a_held_out_set_and_an_rl_run():
+    rl = ROOT / "launch" / "cpu_default.yaml"
+    with pytest.raises(ConfigError, match=r"^eval.at_start=True has no effect without data.eval"):
+        validate(load_config(rl, ["eval.at_start=true"]), has_cuda=False)
+    validate(load_config(rl, ["eval.at_start=true", "data.eval=synthetic:copy_digit", "data.eval_every=5"]),
+             has_cuda=False)
+    with pytest.raises(ConfigError, match=r"^eval.at_start: an RL setting; an SFT run"):
+        validate(load_config(ROOT / "launch" / "sft_cpu.yaml", ["eval.at_start=true"]), has_cuda=False)
 
 
 def test_greedy_is_refused_for_groups_in_training_too_and_accepted_with_one_answer():

@@ -11,7 +11,7 @@ from helpers.scripted_engine import ScriptedEngine
 
 from mlrl.config import load_config
 from mlrl.data.sampler import PromptSampler
-from mlrl.loop import RunContext, evaluate_if_due, rollout_sync
+from mlrl.loop import RunContext, evaluate_at_start, evaluate_if_due, rollout_sync
 from mlrl.loop_async import AsyncState, collect, produce
 from mlrl.metrics import StepTimer
 from mlrl.metrics.pass_at_k import mean_pass_at_k, pass_at_k
@@ -171,3 +171,33 @@ def test_a_group_short_of_k_episodes_counts_the_missing_ones_as_incorrect():
     m = pass_metrics([full, short], 4, 0.5)
     assert m["eval/pass@1"] == pytest.approx((0.25 + 0.0) / 2) and m["eval/pass@4"] == pytest.approx(0.5)
     assert m["eval/mean_reward"] == pytest.approx(1.0 / 8)
+
+
+class _Lines:
+    """The run's metrics logger, as lines."""
+
+    def __init__(self):
+        self.lines = []
+
+    def log(self, step, metrics):
+        self.lines.append((step, dict(metrics)))
+
+
+@pytest.mark.parametrize("at_start,start_step,logged", [(True, 0, True), (False, 0, False), (True, 3, False)])
+async def test_eval_at_start_logs_the_starting_policys_eval_as_step_0(at_start, start_step, logged):
+    """eval.at_start: a fresh run evaluates its starting policy before step 1 and logs it as step 0
+    (answers as step 0 too); off, or on a resumed run, nothing happens before the first step."""
+    ctx = _ctx(["data.eval_every=5", "eval.samples_per_prompt=4", "trainer.total_steps=10",
+                f"eval.at_start={at_start}"])
+    ctx.eval_rows, ctx.logger, ctx.state.start_step = ROWS[:4], _Lines(), start_step
+    seen = []
+    ctx.eval_answers = lambda step, groups: seen.append(step)
+    before = ctx.state.step_end
+    await evaluate_at_start(ctx)
+    if not logged:
+        assert ctx.logger.lines == [] and seen == [] and ctx.state.step_end == before
+        return
+    [(step, m)] = ctx.logger.lines
+    assert step == 0 and seen == [0] and m["eval/episodes/total"] == 16
+    assert m["eval/pass@1"] == pytest.approx(0.75) and m["eval/pass@4"] == 1.0 and m["timing/eval"] > 0
+    assert ctx.state.step_end is not None  # step 1's wall time starts after the evaluation
