@@ -227,6 +227,13 @@ class SamplingConfig:
     """Top-k sampling (-1 = off); see top_p for the logprobs."""
     max_new_tokens: int = 64
     """Maximum response length in tokens."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings (NeMo-RL's stop_strings): generation ends once the decoded response contains one
+    (e.g. "</answer>"). The response keeps every token the engine generated, the one that completed
+    the string included: those are the tokens trained on and the text the reward reads."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end generation besides the tokenizer's EOS (NeMo-RL's stop_token_ids, e.g. a
+    chat template's end-of-turn token); the stop token is part of the response, as EOS is."""
     seed: Optional[int] = None
     """Reproducible sampling: every generation request gets its own vLLM seed, derived from this
     seed, the weight version, the group's start order at that version (evaluation apart), the

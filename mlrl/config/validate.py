@@ -117,6 +117,13 @@ def _check_ranges(cfg: Config) -> None:
                                   f"sample with temperature > 0, or set {name}=1")
     if not 0 < s.top_p <= 1:
         raise ConfigError(f"rollout.sampling.top_p: got {s.top_p}, expected in (0, 1]")
+    for i, text in enumerate(s.stop):
+        if not isinstance(text, str) or not text:
+            raise ConfigError(f"rollout.sampling.stop[{i}]={text!r}: expected a non-empty string (generation ends "
+                              "where the response contains it)")
+    for i, tid in enumerate(s.stop_token_ids):
+        if isinstance(tid, bool) or not isinstance(tid, int) or tid < 0:
+            raise ConfigError(f"rollout.sampling.stop_token_ids[{i}]={tid!r}: expected a token id (an integer >= 0)")
     if s.top_k == 0 or s.top_k < -1:
         raise ConfigError(f"rollout.sampling.top_k: got {s.top_k}, expected -1 (off) or >= 1")
     _positive("rollout.sampling.max_new_tokens", s.max_new_tokens)

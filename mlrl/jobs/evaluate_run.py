@@ -14,7 +14,7 @@ from typing import Any
 from mlrl.ckpt_files.atomic import write_json_atomic
 from mlrl.config import Config, ConfigError
 from mlrl.jobs.evaluate import partial_path
-from mlrl.jobs.model_folder import check_model_weights, model_tokenizer
+from mlrl.jobs.model_folder import check_model_weights, check_stop_tokens, model_tokenizer
 from mlrl.jobs.rl_start import EarlyStart
 from mlrl.jobs.rollout_parts import activate_judge, build_workflow, cancel_all, judge_folder, judge_pool, prompt_rows
 from mlrl.metrics import MetricsLogger
@@ -40,6 +40,7 @@ async def evaluate(cfg: Config, early: EarlyStart, output: Path, stage: dict[str
         # 1. cheap checks, while the engines import vLLM: model folder, tokenizer, workflow, data, judge
         tokenizer = model_tokenizer(hf_dir)
         check_model_weights(hf_dir, bin_ok=True)  # (vLLM alone loads it)
+        check_stop_tokens(cfg.rollout.sampling, tokenizer)
         workflow = build_workflow(cfg, tokenizer)
         rows = first_prompts(prompt_rows(cfg, "eval", tokenizer, hf_dir, workflow), cfg.evaluate.max_prompts)
         if not rows:

@@ -67,3 +67,13 @@ def check_same_tokens(policy_tokenizer: Any, hf_dir: Path, field: str) -> None:
         raise ConfigError(f"{field}: {hf_dir}'s tokenizer maps tokens to other ids than the policy's (model.hf_dir), "
                           f"e.g. {', '.join(f'{t!r}: {other.get(t)} (policy: {mine.get(t)})' for t in diff)}: the KL "
                           "would compare the probabilities of different tokens")
+
+
+def check_stop_tokens(sampling: Any, tokenizer: Any) -> None:
+    """rollout.sampling.stop_token_ids name tokens of the model's tokenizer (an id past it would end
+    nothing, or fail every request in the engine)."""
+    size = len(tokenizer)
+    for i, tid in enumerate(sampling.stop_token_ids):
+        if tid >= size:
+            raise ConfigError(f"rollout.sampling.stop_token_ids[{i}]={tid}: the tokenizer of model.hf_dir has "
+                              f"{size} tokens (ids 0-{size - 1})")

@@ -28,7 +28,7 @@ from mlrl.checkpoint.schedule import SaveSchedule
 from mlrl.colocation import Colocation
 from mlrl.config import Config, ConfigError, Layout, dump_yaml
 from mlrl.data.sampler import PromptSampler
-from mlrl.jobs.model_folder import check_model_weights, check_same_tokens, model_tokenizer
+from mlrl.jobs.model_folder import check_model_weights, check_same_tokens, check_stop_tokens, model_tokenizer
 from mlrl.jobs.placement import cluster_placement
 from mlrl.jobs.rl_start import EarlyStart, begin, policy_pool
 from mlrl.jobs.rollout_parts import (
@@ -98,6 +98,7 @@ def _checks(cfg: Config, hf_dir: Path, run_dir: Path) -> _Checked:
     """Tokenizer, checkpoint to resume, data, workflow, judge folder: each fails with a clear error."""
     tokenizer = model_tokenizer(hf_dir)
     check_model_weights(hf_dir)
+    check_stop_tokens(cfg.rollout.sampling, tokenizer)
     ckpts = CheckpointManager(cfg.checkpoint.dir or run_dir / "checkpoints", cfg.checkpoint.keep_last)
     resume = ckpts.resolve_resume(cfg.checkpoint.resume)
     state = read_state(resume) if resume else None

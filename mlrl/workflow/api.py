@@ -68,6 +68,8 @@ def gconfig_from_sampling(sampling: Any) -> GenerationHyperparameters:
         top_p=float(sampling.top_p),
         top_k=int(sampling.top_k),
         greedy=float(sampling.temperature) == 0.0,
+        stop=list(getattr(sampling, "stop", None) or []),
+        stop_token_ids=[int(t) for t in getattr(sampling, "stop_token_ids", None) or []],
     )
 
 

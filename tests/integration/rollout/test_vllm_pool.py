@@ -314,6 +314,34 @@ async def test_sampling_knobs_from_config_reach_the_engine(env):
     assert len(greedy) == 1 and top1 == greedy and nucleus == greedy, (top1, nucleus, greedy)
 
 
+async def test_stop_strings_and_stop_token_ids_from_config_end_generation(env):
+    """rollout.sampling.stop / stop_token_ids as the run builds its requests: a seeded sample (the
+    same tokens whatever stops it) is cut where its own token (by id) or its own text (by string)
+    first appears, and the response keeps every token up to and including the one that stopped it
+    (what is trained on)."""
+    from mlrl.config.schema import SamplingConfig
+    from mlrl.workflow import gconfig_from_sampling
+
+    async def sample(**sampling):
+        g = gconfig_from_sampling(SamplingConfig(max_new_tokens=12, **sampling)).new(seed=7)
+        r = await env.pool.agenerate(ModelRequest(input_ids=_prompt(env.tok, "Say something."), gconfig=g))
+        assert r.stop_reason != StopReason.ERROR, r.error
+        return list(r.output_tokens), r.stop_reason
+
+    full, why = await sample()
+    assert why == StopReason.LENGTH and len(full) == 12, (full, why)  # (this sample says no EOS)
+    k = next(i for i in range(3, 12) if full[i] not in full[:i])  # a token first seen at position k
+    cut, why = await sample(stop_token_ids=[full[k]])
+    assert cut == full[:k + 1] and why == StopReason.STOP, (cut, full, k)
+    text = env.tok.decode(full)
+    at = next(i for i in range(3, 12) if env.tok.decode(full[i:i + 1]).strip()
+              and env.tok.decode(full[i:i + 1]).strip() not in env.tok.decode(full[:i]))
+    stop = env.tok.decode(full[at:at + 1]).strip()
+    cut, why = await sample(stop=[stop])
+    assert cut == full[:len(cut)] and len(cut) <= at + 1 and why == StopReason.STOP, (cut, full, stop, text)
+    assert stop in env.tok.decode(cut) and stop not in env.tok.decode(cut[:-1])
+
+
 async def test_weight_sync_makes_the_engines_the_new_model(env):
     pool, src = env.pool, env.src
     old = [await _probe_logprobs(e.client) for e in pool.engines]

@@ -186,3 +186,16 @@ def test_concat_says_when_a_reward_on_an_extended_completion_is_not_trained(capl
         (merged,) = log.export_samples("concat")
         assert merged.metadata["interaction_id"] == "B" and merged.reward == (0.0 if reward_on == "A" else 1.0)
         assert ("reward(s) set on 1 completion(s) that a later one extends (A)" in caplog.text) == warned
+
+
+async def test_the_runs_stop_settings_stay_beside_a_requests_own_stop(proxy, tok):
+    """rollout.sampling.stop / stop_token_ids reach an agent's requests through the session's
+    gconfig; an agent's own `stop` adds to the run's stop strings instead of replacing them."""
+    eng = ScriptedEngine.from_text(tok, lambda p: "1 2 3")
+    run = GenerationHyperparameters(max_new_tokens=8, stop=["</answer>"], stop_token_ids=[5])
+    s = proxy.start_session(eng, run)
+    await client(s).chat.completions.create(model="m", messages=MSGS, stop=["x", "</answer>"])
+    await client(s).chat.completions.create(model="m", messages=MSGS)
+    (a, b) = [r.gconfig for r in eng.requests]
+    assert (a.stop, a.stop_token_ids) == (["</answer>", "x"], [5])
+    assert (b.stop, b.stop_token_ids) == (["</answer>"], [5])
