@@ -162,6 +162,8 @@ def check_mappable(cfg) -> None:
         problems.append("algorithm.loss_agg=seq-mean-token-sum")
     if cfg.data.mix:
         problems.append("data.mix (a weighted mixture with per-source rewards; TRL's trainer reads one dataset)")
+    if cfg.rollout.sampling.stop or cfg.rollout.sampling.stop_token_ids:
+        problems.append("rollout.sampling.stop / stop_token_ids (TRL's generation here stops at EOS only)")
     if problems:
         raise SystemExit("bench_vs_trl: the recipe uses what TRL's GRPOTrainer cannot match: " + "; ".join(problems))
 

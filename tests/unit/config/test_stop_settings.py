@@ -56,3 +56,12 @@ def test_a_run_with_an_unknown_stop_token_stops_before_any_engine_or_rank_works(
     assert out.returncode == 2, out.stderr[-2000:]
     assert "rollout.sampling.stop_token_ids[0]=999999: the tokenizer of model.hf_dir has" in out.stderr
     assert not list((tmp_path / "run").glob("trainer*")) and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_bench_vs_trl_refuses_stop_settings_trl_would_not_apply():
+    from helpers.tools import load_tool
+
+    bench = load_tool("bench_vs_trl")
+    bench.check_mappable(_rl())
+    with pytest.raises(SystemExit, match=r"rollout.sampling.stop / stop_token_ids"):
+        bench.check_mappable(_rl("rollout.sampling.stop_token_ids=[2]"))
