@@ -20,7 +20,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -114,10 +113,10 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.fixture(scope="session")
-def killed(work, tiny_model):
+def killed(work, tiny_model, tmp_path_factory):
     """Starts a 1-rank job whose second save stalls after writing its shards, SIGKILLs the worker's
     and torchrun's process groups there, and returns what the dying save left behind."""
-    out = Path(tempfile.mkdtemp(prefix="mlrl-kill-"))
+    out = tmp_path_factory.mktemp("kill")
     cmd = [
         sys.executable,
         "-m",
