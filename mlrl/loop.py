@@ -312,6 +312,9 @@ async def evaluate_at_start(ctx: RunContext) -> None:
         return
     timer = StepTimer()
     metrics = await _evaluate(ctx, 0, timer)
+    judge = active_judge()
+    if judge is not None:  # reward_model: the served judge's calls of this evaluation (not step 1's)
+        metrics.update(judge.metrics())
     ctx.logger.log(0, {**metrics, **timer.finish()})
     ctx.state.step_end = time.perf_counter()
 

@@ -69,6 +69,12 @@ class GenerationHyperparameters:
         d.update(kw)
         return GenerationHyperparameters(**d)
 
+    def plus_stop(self, stop: Any) -> list[str]:
+        """This config's stop strings (the run's rollout.sampling.stop) followed by a call's own
+        (a string or a list), without repeats: a call adds stop strings, it never drops the run's."""
+        own = [stop] if isinstance(stop, str) else list(stop or [])
+        return list(self.stop) + [x for x in own if x not in self.stop]
+
     def new_with_stop_and_pad_token_ids(self, tokenizer: Any) -> "GenerationHyperparameters":
         """AReaL's helper: add the tokenizer's EOS and PAD ids to the stop tokens."""
         ids = list(self.stop_token_ids)

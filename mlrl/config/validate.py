@@ -590,7 +590,8 @@ def _check_unused(cfg: Config) -> None:
     elif d.eval_every == 0 and cfg.evaluate is None:  # (an evaluation run answers data.eval once)
         field = "data.eval" if d.eval is not None else f"data.mix[{[bool(x.eval) for x in d.mix].index(True)}].eval"
         raise ConfigError(f"{field}={d.describe('eval')} is never evaluated with data.eval_every=0: set "
-                          f"data.eval_every to evaluate every N steps (and at the end), or remove {field}")
+                          f"data.eval_every to evaluate every N steps (and at the end; eval.at_start adds the "
+                          f"starting policy, not instead of them), or remove {field}")
 
 
 _SOURCE_NAME = re.compile(r"[A-Za-z0-9_.-]*[A-Za-z0-9][A-Za-z0-9_.-]*")

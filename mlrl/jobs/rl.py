@@ -281,8 +281,10 @@ async def _run(cfg: Config, layout: Layout, early: EarlyStart) -> int:
         clock.mark("first_sync")
         runner = EpisodeRunner.from_config(cfg.workflow, workflow, pool, seed=cfg.rollout.sampling.seed)
         start_step = int(state["step"]) if state else 0
+        # eval.at_start logs step 0: an earlier start's step 0 in this folder is rewound too (-1)
+        kept = -1 if start_step == 0 and cfg.eval.at_start and eval_rows else start_step
         logger = MetricsLogger(run_dir, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard,
-                               wandb_project=cfg.logging.wandb_project, resume_step=start_step)
+                               wandb_project=cfg.logging.wandb_project, resume_step=kept)
         critic = CriticClient(policy) if cfg.uses_critic else None
         ctx = RunContext(
             cfg=cfg,

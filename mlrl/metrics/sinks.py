@@ -102,7 +102,7 @@ class MetricsLogger:
                 f.flush()
                 os.fsync(f.fileno())
             log.warning("metrics: %d line(s) of steps after %d (an earlier run in %s, or one that died after its "
-                        "checkpoint) moved to %s", len(dropped), resume_step or 0, self.run_dir, aside)
+                        "checkpoint) moved to %s", len(dropped), resume_step, self.run_dir, aside)
         tmp = p.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(k + "\n" for k in keep))
         os.replace(tmp, p)

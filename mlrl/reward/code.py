@@ -148,13 +148,18 @@ def _same_output(got: str, want: str) -> bool:
     return lines(got) == lines(want)
 
 
+SCRATCH_ENV = "MLRL_REWARD_SCRATCH"  # a random label the reward pool sets before it starts workers
+
+
 def _scratch_prefix(pid: int) -> str:
-    return f"mlrl-code-{pid}-"
+    """`mlrl-code-<label>-<pid>-`: the label (the pool's, inherited by its workers) keeps processes
+    of other runs, or of other pid namespaces sharing this temp folder, out of one another's names."""
+    return f"mlrl-code-{os.environ.get(SCRATCH_ENV) or 'local'}-{pid}-"
 
 
 def remove_scratch_of(pid: int) -> None:
     """The scratch folders run_program left in a process that was killed mid-run (a reward pool
-    worker terminated after a timeout runs no cleanup): named by that process's pid."""
+    worker terminated after a timeout runs no cleanup): named by the pool's label and that pid."""
     for folder in Path(tempfile.gettempdir()).glob(_scratch_prefix(pid) + "*"):
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -34,6 +34,7 @@ import math
 import multiprocessing
 import os
 import pickle
+import secrets
 import sys
 import threading
 from collections.abc import Callable, Coroutine, Iterator, Sequence
@@ -121,6 +122,9 @@ class _PoolRegistry:
         with self._lock:
             pool = self._pools.get(key)
             if pool is None:
+                from mlrl.reward.code import SCRATCH_ENV
+
+                os.environ.setdefault(SCRATCH_ENV, secrets.token_hex(6))  # its workers inherit it
                 pool = ProcessPoolExecutor(max_workers=key[0], mp_context=multiprocessing.get_context(key[1]))
                 self._pools[key] = pool
             return pool
@@ -162,6 +166,7 @@ def _reap(procs: list[Any]) -> None:
             if p.is_alive():
                 p.kill()
                 p.join(5)
+        with contextlib.suppress(Exception):
             remove_scratch_of(p.pid)
 
 

@@ -267,10 +267,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _exit(code: int) -> NoReturn:
-    """End the rank once `main` returned: the exit handlers run as at a normal exit (the async
-    checkpoint writer's, multiprocessing's joins of its children, logging's flush), then the process
-    ends without the interpreter's finalisation, whose teardown of torch, megatron-core and
-    triton's native state took ~1 s of every run's end (and nothing of the rank's is left to it)."""
+    """End the rank once `main` returned: the atexit handlers run (the async checkpoint writer's,
+    multiprocessing's joins of its children, logging's flush), then the process ends without the
+    interpreter's finalisation, whose teardown of torch, megatron-core and triton's native state
+    took ~1 s of every run's end. Unlike a normal exit it does not wait for non-daemon threads: the
+    rank starts none (its RPC loop runs in the main thread) and must not rely on one finishing."""
     atexit._run_exitfuncs()  # (CPython's own: what a normal exit calls first)
     sys.stdout.flush()
     sys.stderr.flush()

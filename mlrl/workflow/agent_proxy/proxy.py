@@ -261,8 +261,7 @@ class OpenAIProxy:
             kw["greedy"] = kw["temperature"] == 0.0
         stop = body.get("stop")
         if stop is not None:  # the request's stop strings, besides the run's (rollout.sampling.stop)
-            own = [stop] if isinstance(stop, str) else list(stop)
-            kw["stop"] = list(session.gconfig.stop) + [x for x in own if x not in session.gconfig.stop]
+            kw["stop"] = session.gconfig.plus_stop(stop)
         return session.gconfig.new(**kw)
 
     async def _generate(

@@ -216,8 +216,8 @@ class MlrlRolloutEngine(RolloutEngine):
         if self.engine is None:
             raise RuntimeError("MlrlRolloutEngine is not bound to an engine (it is bound per episode by the adapter)")
         over = {_SAMPLING_KEYS[k]: v for k, v in kwargs.items() if k in _SAMPLING_KEYS and v is not None}
-        if isinstance(over.get("stop"), str):
-            over["stop"] = [over["stop"]]
+        if "stop" in over:  # the call's stop strings, besides the run's (rollout.sampling.stop)
+            over["stop"] = self.gconfig.plus_stop(over["stop"])
         if "temperature" in over:
             over["greedy"] = float(over["temperature"]) == 0.0
         tpl = dict(kwargs.get("chat_template_kwargs") or {})

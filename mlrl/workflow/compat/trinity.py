@@ -289,8 +289,8 @@ class ModelWrapper:
         mapping = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_tokens": "max_new_tokens",
                    "max_new_tokens": "max_new_tokens", "min_tokens": "min_new_tokens", "stop": "stop"}
         over = {mapping[k]: v for k, v in kw.items() if k in mapping and v is not None}
-        if isinstance(over.get("stop"), str):
-            over["stop"] = [over["stop"]]
+        if "stop" in over:  # the call's stop strings, besides the run's (rollout.sampling.stop)
+            over["stop"] = self._adapter.gconfig.plus_stop(over["stop"])
         if "temperature" in over:
             over["greedy"] = float(over["temperature"]) == 0.0
         return self._adapter.gconfig.new(n_samples=1, **over), n

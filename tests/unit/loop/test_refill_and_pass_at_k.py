@@ -201,3 +201,23 @@ async def test_eval_at_start_logs_the_starting_policys_eval_as_step_0(at_start, 
     assert step == 0 and seen == [0] and m["eval/episodes/total"] == 16
     assert m["eval/pass@1"] == pytest.approx(0.75) and m["eval/pass@4"] == 1.0 and m["timing/eval"] > 0
     assert ctx.state.step_end is not None  # step 1's wall time starts after the evaluation
+
+
+async def test_the_judges_calls_of_the_start_evaluation_are_step_0s(monkeypatch):
+    """workflow.reward=reward_model: what the served judge did during the step-0 evaluation is
+    reported on step 0's line (read and reset there), not added to step 1's."""
+    from mlrl.reward import model as judge_module
+
+    class Judge:
+        calls = 3
+
+        def metrics(self):
+            out, self.calls = {"reward_model/calls": float(self.calls)}, 0
+            return out
+
+    judge = Judge()
+    monkeypatch.setattr(judge_module, "_ACTIVE", [judge])
+    ctx = _ctx(["data.eval_every=5", "trainer.total_steps=10", "eval.at_start=true"])
+    ctx.eval_rows, ctx.logger = ROWS[:2], _Lines()
+    await evaluate_at_start(ctx)
+    assert ctx.logger.lines[0][1]["reward_model/calls"] == 3.0 and judge.calls == 0

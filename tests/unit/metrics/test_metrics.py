@@ -64,6 +64,10 @@ def test_a_fresh_run_in_a_folder_with_metrics_keeps_the_old_lines_aside(tmp_path
         MetricsLogger(tmp_path, tensorboard=False, resume_step=0).close()
     assert p.read_text() == "" and len(read_jsonl(tmp_path / "metrics.dropped.jsonl")) == 3
     assert "metrics: 3 line(s) of steps after 0" in caplog.text
+    # a fresh run with eval.at_start (mlrl.jobs.rl passes -1): an earlier start's step 0 goes aside too
+    p.write_text("".join(json.dumps({"step": s, "x": s}) + "\n" for s in range(0, 2)))
+    MetricsLogger(tmp_path, tensorboard=False, resume_step=-1).close()
+    assert p.read_text() == "" and len(read_jsonl(tmp_path / "metrics.dropped.jsonl")) == 5
 
 
 def test_plot_png(tmp_path):

@@ -117,7 +117,7 @@ def test_a_program_dies_with_the_process_that_scores_it(tmp_path):
     while psutil.pid_exists(child) and psutil.Process(child).status() != psutil.STATUS_ZOMBIE:
         assert time.monotonic() < deadline, "the program outlived its scorer"
         time.sleep(0.05)
-    left = list(Path(tempfile.gettempdir()).glob(f"mlrl-code-{scorer.pid}-*"))
+    left = list(Path(tempfile.gettempdir()).glob(code_reward._scratch_prefix(scorer.pid) + "*"))
     assert left, "a killed scorer cannot remove its scratch folder itself"
     code_reward.remove_scratch_of(scorer.pid)  # what the reward pool does for a worker it killed
     assert not any(d.exists() for d in left)

@@ -286,3 +286,24 @@ def test_a_step_without_engine_logprobs_is_flagged():
     st.logprobs = [-0.5, -0.25]
     (s,) = trajectory_to_samples(Trajectory(steps=[st]), [st], "step")
     assert "missing_logprobs" not in s.metadata and s.rollout_logprobs[-2:] == [-0.5, -0.25]
+
+
+async def test_a_calls_own_stop_adds_to_the_runs_stop_strings(tok):
+    """rollout.sampling.stop stays on an rLLM agent's call that names stop strings of its own, and
+    on a Trinity workflow's model call (both adapters merge as the proxy does)."""
+    from types import SimpleNamespace
+
+    from mlrl.workflow.compat.rllm import MlrlRolloutEngine
+    from mlrl.workflow.compat.trinity import ModelWrapper
+
+    run = GenerationHyperparameters(max_new_tokens=6, stop=["</answer>"], stop_token_ids=[5])
+    eng = ScriptedEngine.from_text(tok, last_user_word)
+    rllm = MlrlRolloutEngine(tok, run, eng)
+    await rllm.get_model_response([{"role": "user", "content": "copy 7"}], stop="x")
+    await rllm.get_model_response([{"role": "user", "content": "copy 7"}])
+    assert [(r.gconfig.stop, r.gconfig.stop_token_ids) for r in eng.requests] == [
+        (["</answer>", "x"], [5]), (["</answer>"], [5])]
+    trinity = ModelWrapper(SimpleNamespace(tokenizer=tok, gconfig=run))
+    g, n = trinity._gconfig({"stop": ["</answer>", "y"], "n": 2})
+    assert (g.stop, g.stop_token_ids, n) == (["</answer>", "y"], [5], 2)
+    assert run.plus_stop(None) == ["</answer>"]
