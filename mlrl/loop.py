@@ -304,17 +304,20 @@ async def evaluate_if_due(ctx: RunContext, step: int, timer: StepTimer) -> dict[
     return {}
 
 
+def evaluates_at_start(cfg: Config, eval_rows: Sequence[Row] | None, start_step: int) -> bool:
+    """eval.at_start applies: held-out rows and a fresh run (a resumed one evaluated its start)."""
+    return bool(cfg.eval.at_start and eval_rows and start_step == 0)
+
+
 async def evaluate_at_start(ctx: RunContext) -> None:
     """eval.at_start: the held-out evaluation of the starting policy before step 1 of a fresh run,
     its metrics line logged as step 0 (answers to eval/step_000000.jsonl with eval.save_answers).
     Step 1's wall time starts after it."""
-    if not (ctx.cfg.eval.at_start and ctx.eval_rows and ctx.state.start_step == 0):
+    if not evaluates_at_start(ctx.cfg, ctx.eval_rows, ctx.state.start_step):
         return
     timer = StepTimer()
     metrics = await _evaluate(ctx, 0, timer)
-    judge = active_judge()
-    if judge is not None:  # reward_model: the served judge's calls of this evaluation (not step 1's)
-        metrics.update(judge.metrics())
+    _add_judge_metrics(metrics)  # this evaluation's judge calls are step 0's, not step 1's
     ctx.logger.log(0, {**metrics, **timer.finish()})
     ctx.state.step_end = time.perf_counter()
 
@@ -347,11 +350,15 @@ def saved_loop_state(ctx: RunContext) -> SavedLoopState:
             "in_flight_rows": ctx.sampler.portable([*ctx.state.in_flight.values(), *ctx.state.resume_rows])}
 
 
+def _add_judge_metrics(metrics: dict[str, float]) -> None:
+    judge = active_judge()
+    if judge is not None:  # reward_model: the served judge's calls since the last metrics line
+        metrics.update(judge.metrics())
+
+
 def finish_step(ctx: RunContext, step: int, metrics: dict[str, float]) -> None:
     metrics["weight_version"] = float(ctx.state.version)
-    judge = active_judge()
-    if judge is not None:  # reward_model: the served judge's calls since the last step
-        metrics.update(judge.metrics())
+    _add_judge_metrics(metrics)
     if "timing/train" in metrics:
         rank_side = sum(metrics.get(f"timing/train/{k}", 0.0) for k in ("forward_backward", "optimizer"))
         metrics["timing/train/driver"] = metrics["timing/train"] - rank_side

@@ -41,7 +41,7 @@ from mlrl.jobs.rollout_parts import (
     until_sigterm,
 )
 from mlrl.jobs.rollout_parts import judge_pool as make_judge_pool
-from mlrl.loop import LoopState, RunContext, evaluate_at_start, guarded_refresh, train_sync
+from mlrl.loop import LoopState, RunContext, evaluate_at_start, evaluates_at_start, guarded_refresh, train_sync
 from mlrl.loop_async import train_async
 from mlrl.metrics import MetricsLogger, StepTimer
 from mlrl.metrics.console import configure_logging, progress_bar
@@ -282,7 +282,7 @@ async def _run(cfg: Config, layout: Layout, early: EarlyStart) -> int:
         runner = EpisodeRunner.from_config(cfg.workflow, workflow, pool, seed=cfg.rollout.sampling.seed)
         start_step = int(state["step"]) if state else 0
         # eval.at_start logs step 0: an earlier start's step 0 in this folder is rewound too (-1)
-        kept = -1 if start_step == 0 and cfg.eval.at_start and eval_rows else start_step
+        kept = -1 if evaluates_at_start(cfg, eval_rows, start_step) else start_step
         logger = MetricsLogger(run_dir, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard,
                                wandb_project=cfg.logging.wandb_project, resume_step=kept)
         critic = CriticClient(policy) if cfg.uses_critic else None

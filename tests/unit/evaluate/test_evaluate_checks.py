@@ -91,22 +91,15 @@ def test_what_an_evaluation_does_not_use_is_refused_by_name(override, needle):
     assert needle in str(e.value), str(e.value)
 
 
-def test_a_training_run_saves_eval_answers_only_with_a_held_out_set():
+@pytest.mark.parametrize("field", ["save_answers", "at_start"])
+def test_a_training_runs_eval_setting_needs_a_held_out_set_and_an_rl_run(field):
     rl = ROOT / "launch" / "cpu_default.yaml"
-    with pytest.raises(ConfigError, match=r"eval.save_answers=True has no effect without data.eval"):
-        validate(load_config(rl, ["eval.save_answers=true"]), has_cuda=False)
-    validate(load_config(rl, ["eval.save_answers=true", "data.eval=synthetic:copy_digit", "data.eval_every=5"]),
+    with pytest.raises(ConfigError, match=rf"^eval.{field}=True has no effect without data.eval"):
+        validate(load_config(rl, [f"eval.{field}=true"]), has_cuda=False)
+    validate(load_config(rl, [f"eval.{field}=true", "data.eval=synthetic:copy_digit", "data.eval_every=5"]),
              has_cuda=False)
-
-
-def test_eval_at_start_needs_a_held_out_set_and_an_rl_run():
-    rl = ROOT / "launch" / "cpu_default.yaml"
-    with pytest.raises(ConfigError, match=r"^eval.at_start=True has no effect without data.eval"):
-        validate(load_config(rl, ["eval.at_start=true"]), has_cuda=False)
-    validate(load_config(rl, ["eval.at_start=true", "data.eval=synthetic:copy_digit", "data.eval_every=5"]),
-             has_cuda=False)
-    with pytest.raises(ConfigError, match=r"^eval.at_start: an RL setting; an SFT run"):
-        validate(load_config(ROOT / "launch" / "sft_cpu.yaml", ["eval.at_start=true"]), has_cuda=False)
+    with pytest.raises(ConfigError, match=rf"^eval.{field}: an RL setting; an SFT run"):
+        validate(load_config(ROOT / "launch" / "sft_cpu.yaml", [f"eval.{field}=true"]), has_cuda=False)
 
 
 def test_greedy_is_refused_for_groups_in_training_too_and_accepted_with_one_answer():
