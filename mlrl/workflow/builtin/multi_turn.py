@@ -79,24 +79,42 @@ class MultiTurnWorkflow(RolloutWorkflow):
         self.max_total_tokens = max_total_tokens
         self.reward: AsyncRewardWrapper = make_reward(reward_fn, reward_timeout_s, reward_workers)
         self._anchor = apply_chat_template(tokenizer, [{"role": "assistant", "content": "x"}])
-        # the turn's tokens end at the EOS the model samples; what the template puts after it (ChatML's
-        # "\n" after <|im_end|>) belongs to the next turn's delta, or the sequence would lack it
-        eos = tokenizer.eos_token_id
-        self._cut = (len(self._anchor) - self._anchor[::-1].index(eos) if eos is not None and eos in self._anchor
-                     else len(self._anchor))
-        self._delta_cache: dict[str, list[int]] = {}
+        self._delta_cache: dict[tuple[str, int | None], list[int]] = {}
 
-    def feedback_ids(self, text: str) -> list[int]:
-        """Tokens the chat template puts between an assistant turn and the next assistant turn when
-        the user says `text` (computed once per distinct text)."""
-        if text not in self._delta_cache:
+    def _cut(self, end: int | None) -> int:
+        """Where the next turn's delta starts in the anchor (an assistant turn "x") for a turn that
+        ended at token `end`: after the template's last `end` (ChatML's "\n" after <|im_end|> then
+        belongs to the delta, or the sequence would lack it); the anchor's end if the template never
+        writes `end`."""
+        a = self._anchor
+        return len(a) - a[::-1].index(end) if end is not None and end in a else len(a)
+
+    def feedback_ids(self, text: str, end: int | None = None) -> list[int]:
+        """Tokens the chat template puts between an assistant turn that ended at token `end` (default:
+        the tokenizer's EOS) and the next assistant turn when the user says `text` (computed once
+        per distinct text and end)."""
+        end = self.tokenizer.eos_token_id if end is None else end
+        if (text, end) not in self._delta_cache:
             msgs = [{"role": "assistant", "content": "x"}, {"role": "user", "content": text}]
             full = apply_chat_template(self.tokenizer, msgs, add_generation_prompt=True)
-            if full[: self._cut] != self._anchor[: self._cut]:
+            cut = self._cut(end)
+            if full[:cut] != self._anchor[:cut]:
                 raise ValueError("multi_turn: the chat template re-renders earlier turns when a user turn is added; "
                                  "it cannot be extended token for token")
-            self._delta_cache[text] = full[self._cut:]
-        return self._delta_cache[text]
+            self._delta_cache[(text, end)] = full[cut:]
+        return self._delta_cache[(text, end)]
+
+    def _end_of_turn(self, output: list[int], gconfig: GenerationHyperparameters) -> tuple[list[int], int | None]:
+        """What closes a finished turn before the feedback, and the token it ends at. A turn that
+        ended at EOS, or at one of sampling's stop_token_ids that the chat template itself writes
+        after an assistant turn (a chat model's <|im_end|> whose tokenizer's EOS is <|endoftext|>),
+        is closed by that token; any other turn (length, a stop string, another stop id) gets the
+        EOS the template would have written."""
+        eos = self.tokenizer.eos_token_id
+        last = output[-1] if output else None
+        if last is not None and (last == eos or (last in gconfig.stop_token_ids and last in self._anchor)):
+            return [], last
+        return ([eos] if eos is not None else []), eos
 
     def next_feedback(self, data: dict[str, Any], completion: str, reward: float, turn: int) -> str | None:
         if self.feedback_fn is not None:
@@ -115,7 +133,6 @@ class MultiTurnWorkflow(RolloutWorkflow):
         discount, reward, turn = 1.0, 0.0, 0
         reason = TerminationReason.MAX_TURNS_EXCEEDED
         last_stop = StopReason.STOP
-        eos = self.tokenizer.eos_token_id
         gconfig = self.eval_gconfig if is_evaluation() else self.gconfig
         while True:
             req = ModelRequest(input_ids=list(input_ids), gconfig=gconfig, session_id=session, tokenizer=self.tokenizer)
@@ -142,10 +159,8 @@ class MultiTurnWorkflow(RolloutWorkflow):
                 break
             if turn >= self.max_turns:
                 break
-            nxt = list(input_ids) + list(resp.output_tokens)
-            if eos is not None and (not resp.output_tokens or resp.output_tokens[-1] != eos):
-                nxt.append(eos)
-            nxt += self.feedback_ids(text)
+            close, end = self._end_of_turn(resp.output_tokens, gconfig)
+            nxt = list(input_ids) + list(resp.output_tokens) + close + self.feedback_ids(text, end)
             if self.max_total_tokens is not None and len(nxt) + gconfig.max_new_tokens > self.max_total_tokens:
                 reason = TerminationReason.MAX_PROMPT_LENGTH_EXCEEDED
                 break

@@ -195,6 +195,53 @@ def test_multi_turn_feedback_continues_a_chatml_conversation_token_for_token():
     assert built == want, (smol.decode(built), smol.decode(want))
 
 
+class _EosIsEndOfText:
+    """A ChatML tokenizer whose EOS is <|endoftext|> (a base model's), so a chat run stops turns at
+    <|im_end|> through rollout.sampling.stop_token_ids."""
+
+    def __init__(self, tok):
+        self._tok = tok
+        self.eos_token_id = tok.convert_tokens_to_ids("<|endoftext|>")
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def __call__(self, *args, **kw):
+        return self._tok(*args, **kw)
+
+    def __len__(self):
+        return len(self._tok)
+
+
+@pytest.mark.parametrize("stop_at_im_end", [True, False])
+async def test_a_turn_ended_by_a_stop_token_id_the_template_writes_continues_as_the_template(stop_at_im_end):
+    """A turn that ended at a stop_token_ids token the template writes after an assistant turn
+    (<|im_end|>, the tokenizer's EOS being <|endoftext|>) is closed by it: the next turn's prompt is
+    the template's own rendering of the conversation, without an EOS the template never writes. A
+    turn ended by another stop id (here ".") is closed by the EOS, as at a length stop."""
+    smol = load_hf_tokenizer("builtin:smollm2-135m-instruct")
+    tok = _EosIsEndOfText(smol)
+    im_end, dot = smol.convert_tokens_to_ids("<|im_end|>"), smol.convert_tokens_to_ids(".")
+    end = im_end if stop_at_im_end else dot
+    answer = list(smol("4", add_special_tokens=False)["input_ids"]) + [end]
+    eng = ScriptedEngine(lambda ids, call: answer, eos_token_id=tok.eos_token_id, vocab_size=len(smol))
+    g = G.new(stop_token_ids=[end])
+    wf = MultiTurnWorkflow("exact_match", g, tok, max_turns=2, feedback="try again", reward_workers=1)
+    user = [{"role": "user", "content": "copy 3"}]
+    await wf.arun_episode(eng, {"messages": user, "answer": "3"})
+    _, second = eng.responses
+    if stop_at_im_end:
+        want = apply_chat_template(smol, [*user, {"role": "assistant", "content": "4"},
+                                          {"role": "user", "content": "try again"}], add_generation_prompt=True)
+    else:  # "4." then the EOS the workflow closes it with, then the template's delta after that EOS
+        first = apply_chat_template(smol, user, add_generation_prompt=True)
+        x = [{"role": "assistant", "content": "x"}]
+        delta = apply_chat_template(smol, [*x, {"role": "user", "content": "try again"}],
+                                    add_generation_prompt=True)[len(apply_chat_template(smol, x)):]
+        want = first + answer + [tok.eos_token_id] + delta
+    assert second.input_tokens == want, (smol.decode(second.input_tokens), smol.decode(want))
+
+
 async def test_rlvr_fails_a_sample_whose_request_was_interrupted_and_not_resumed(tok):
     """The pool answers INTERRUPT, with the partial tokens, when it closed (or had no engine left)
     before an interrupted request could continue: not an answer. It was scored and trained."""
