@@ -19,17 +19,30 @@ which puts the vLLM tree into its own process group, writes that group id to F, 
   (this module with `--watch PGID`, a child of the supervisor in its own session, out of reach of
   what killed the supervisor) SIGKILLs whatever of the group is left after `--grace` seconds.
 
+The server's tree gets a temp folder of its own (`TMPDIR`, made here, removed once the group is
+gone, by the supervisor or else by its watchdog): vLLM's single-machine executors rendezvous
+through a gloo FileStore file `<temp>/vllm_dist_<uuid>` that nothing removes, one per engine start
+(1,600 had piled up in /tmp on a CI machine). torch's inductor cache keeps its usual place (under
+the temp folder the supervisor itself was given) unless `TORCHINDUCTOR_CACHE_DIR` says otherwise,
+so compiled kernels are still shared between runs.
+
 Standard library only: it must start fast and import neither torch nor vllm.
 """
 
 from __future__ import annotations
 
 import argparse
+import getpass
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+
+SCRATCH_PREFIX = "mlrl-engine-"
 
 
 def pids_in_group(pgid: int) -> list[int]:
@@ -85,16 +98,33 @@ def _term_with_parent() -> None:
         pass
 
 
+def server_env(scratch: str) -> dict[str, str]:
+    """This process's environment for the server's tree: `TMPDIR` = its own temp folder, and torch
+    inductor's cache where torch would put it without that (`default_cache_dir`: the temp folder
+    + torchinductor_<user>), unless set."""
+    env = dict(os.environ)
+    if "TORCHINDUCTOR_CACHE_DIR" not in env:
+        try:
+            user = getpass.getuser()
+        except (KeyError, OSError):
+            user = f"uid_{os.getuid()}"
+        env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(),
+                                                      "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+    env["TMPDIR"] = scratch
+    return env
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--pgid-file", help="where to write the server's process-group id")
     p.add_argument("--watch", type=int, metavar="PGID", help="watchdog mode: stop group PGID when --parent-pid goes")
     p.add_argument("--parent-pid", type=int, required=True, help="pid of the launching mlrl process")
     p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    p.add_argument("--scratch", help="watchdog mode: the server's temp folder, removed once the group is stopped")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- followed by the server command")
     args = p.parse_args(argv)
     if args.watch is not None:
-        return _watch(args.watch, args.parent_pid, args.grace)
+        return _watch(args.watch, args.parent_pid, args.grace, args.scratch)
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         p.error("missing server command after --")
@@ -109,8 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
 
+    scratch = tempfile.mkdtemp(prefix=SCRATCH_PREFIX)
     child = subprocess.Popen(
-        cmd, start_new_session=True, preexec_fn=_term_with_parent
+        cmd, start_new_session=True, preexec_fn=_term_with_parent, env=server_env(scratch)
     )  # own group: killpg reaches EngineCore + workers
     pgid = child.pid
     tmp = f"{args.pgid_file}.tmp"
@@ -118,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         f.write(f"{pgid}\n")
     os.replace(tmp, args.pgid_file)
     watchdog = subprocess.Popen([sys.executable, "-m", "mlrl.rollout.supervisor", "--watch", str(pgid),
-                                 "--parent-pid", str(os.getpid()), "--grace", str(args.grace)],
+                                 "--parent-pid", str(os.getpid()), "--grace", str(args.grace), "--scratch", scratch],
                                 start_new_session=True, stdin=subprocess.DEVNULL)
 
     code = 0
@@ -139,17 +170,21 @@ def main(argv: list[str] | None = None) -> int:
         child.wait(timeout=5)
     except subprocess.TimeoutExpired:
         pass
+    shutil.rmtree(scratch, ignore_errors=True)
     watchdog.terminate()  # the group is gone: nothing left to watch
     watchdog.wait()
     return code
 
 
-def _watch(pgid: int, parent_pid: int, grace_s: float) -> int:
-    """Watchdog: once the supervisor is gone (we were re-parented), stop what is left of the group."""
+def _watch(pgid: int, parent_pid: int, grace_s: float, scratch: str | None) -> int:
+    """Watchdog: once the supervisor is gone (we were re-parented), stop what is left of the group
+    and remove its temp folder."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     while os.getppid() == parent_pid:
         time.sleep(0.5)
     _kill_group(pgid, grace_s, None)  # returns at once if the supervisor already stopped the group
+    if scratch:
+        shutil.rmtree(scratch, ignore_errors=True)
     return 0
 
 

@@ -3,6 +3,7 @@ no orphans when the launcher dies; the token middleware."""
 
 import asyncio
 import dataclasses
+import getpass
 import json
 import os
 import signal
@@ -11,6 +12,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -367,3 +369,50 @@ def test_a_prestarted_pool_starts_its_servers_gated_and_stops_them_unstarted(tmp
         pool.prestart()
     asyncio.run(pool.shutdown())
     assert [s.calls for s in servers] == [["start gated=True", "stop"]] * 2
+
+
+def _scratch_child(report: Path) -> str:
+    """A server stand-in that writes a file where vLLM puts its FileStore (`tempfile.gettempdir()`)
+    and reports that folder and its inductor cache folder, then waits."""
+    return (f"import json, os, pathlib, tempfile, time\n"
+            f"d = tempfile.gettempdir(); pathlib.Path(d, 'vllm_dist_x').write_text('store')\n"
+            f"pathlib.Path({str(report)!r}).write_text(json.dumps([d, os.environ.get('TORCHINDUCTOR_CACHE_DIR')]))\n"
+            f"time.sleep(300)")
+
+
+def _wait_report(report: Path) -> tuple[str, str]:
+    for _ in range(200):
+        if report.exists() and report.read_text():
+            break
+        time.sleep(0.05)
+    scratch, inductor = json.loads(report.read_text())
+    return scratch, inductor
+
+
+@pytest.mark.parametrize("how", ["stop", "supervisor_sigkilled"])
+def test_a_servers_temp_folder_is_its_own_and_removed_with_it(tmp_path, monkeypatch, how):
+    """vLLM's FileStore file (`<temp>/vllm_dist_<uuid>`) is never removed by vLLM: the server's tree
+    gets a temp folder of its own under the launcher's, removed when the server is stopped, or by
+    the watchdog when the supervisor was SIGKILLed; torch inductor's cache stays outside it."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    report = tmp_path / "report.json"
+    srv = EngineServer(_spec(tmp_path, command=[sys.executable, "-c", _scratch_child(report)]))
+    srv.start()
+    scratch, inductor = _wait_report(report)
+    assert Path(scratch).parent == tmp and Path(scratch).name.startswith("mlrl-engine-")
+    assert (Path(scratch) / "vllm_dist_x").exists()
+    assert inductor == str(tmp / f"torchinductor_{getpass.getuser()}")
+    if how == "stop":
+        srv.stop()
+    else:
+        pgid = srv._server_pgid()
+        srv._proc.send_signal(signal.SIGKILL)
+        for _ in range(200):
+            if not pids_in_group(pgid) and not Path(scratch).exists():
+                break
+            time.sleep(0.05)
+        srv.stop()
+    assert list(tmp.iterdir()) == []
