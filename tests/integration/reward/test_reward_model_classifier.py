@@ -36,7 +36,7 @@ def reward_model(tmp_path_factory):
     return out, model.eval()
 
 
-def test_served_scores_equal_transformers(reward_model):
+def test_served_scores_equal_transformers(reward_model, tmp_path):
     import torch
 
     from mlrl.config.schema import RolloutConfig
@@ -48,7 +48,7 @@ def test_served_scores_equal_transformers(reward_model):
     tok = load_hf_tokenizer(str(folder))
 
     async def served() -> list[float]:
-        async with EnginePool(RolloutConfig(max_model_len=256), folder, runner="pooling") as pool:
+        async with EnginePool(RolloutConfig(max_model_len=256), folder, runner="pooling", run_dir=tmp_path) as pool:
             judge = ClassifierJudge(pool, tok)
             return list(await asyncio.gather(*(judge.score(q, r) for q, r in CONVERSATIONS)))
 

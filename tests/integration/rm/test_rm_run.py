@@ -149,7 +149,7 @@ def test_the_export_is_a_classifier_scoring_as_the_trainer(runs, export):
     assert sum(c > r for c, r in scores) / n == last["eval/rm_accuracy"]
 
 
-def test_vllm_serves_the_export_with_the_same_scores(export):
+def test_vllm_serves_the_export_with_the_same_scores(export, tmp_path):
     """The pooling runner (what `reward_model: {kind: classifier}` starts) returns sigmoid(score) of
     the last token: equal to transformers' within fp32 noise, so the RL reward is the trained model's."""
     from mlrl.config.schema import RolloutConfig
@@ -159,7 +159,7 @@ def test_vllm_serves_the_export_with_the_same_scores(export):
     ids = [pairs[k][s][0] for k in range(6) for s in ("chosen", "rejected")]
 
     async def served() -> list[float]:
-        async with EnginePool(RolloutConfig(max_model_len=256), folder, runner="pooling") as pool:
+        async with EnginePool(RolloutConfig(max_model_len=256), folder, runner="pooling", run_dir=tmp_path) as pool:
             return [float((await pool.aclassify(x))[-1]) for x in ids]
 
     got = asyncio.run(served())
