@@ -341,7 +341,7 @@ def launch(args, argv: list[str]) -> int:
                   f"({time.perf_counter() - t0:.1f} s)", flush=True)
             env[HF_DIR_ENV] = str(tmp)
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--nnodes=1",
-               "--master-addr=127.0.0.1", f"--master-port={_free_port()}", __file__, *argv]
+               "--master-addr=127.0.0.1", f"--master-port={_free_port()}", f"--log-dir={os.devnull}", __file__, *argv]
         proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         try:
             return proc.wait(timeout=args.timeout)

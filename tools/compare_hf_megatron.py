@@ -124,7 +124,7 @@ def _run_ranks(args, world: int, argv: list[str], result: Path) -> int:
     from mlrl.procs import kill_tree
 
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--nnodes=1",
-           "--master-addr=127.0.0.1", f"--master-port={_free_port()}", __file__, *argv]
+           "--master-addr=127.0.0.1", f"--master-port={_free_port()}", f"--log-dir={os.devnull}", __file__, *argv]
     env = dict(os.environ, MLRL_COMPARE_WORKER="1", MLRL_COMPARE_RESULT=str(result),
                OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // world)),
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))

@@ -392,7 +392,8 @@ def _launch(job: dict[str, Any], report_dir: Path) -> dict[str, Any]:
     if not torch.cuda.is_available():
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // job["world"])))
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={job['world']}", "--nnodes=1",
-           "--master-addr=127.0.0.1", f"--master-port={_free_port()}", str(Path(__file__).resolve()), "_rank",
+           "--master-addr=127.0.0.1", f"--master-port={_free_port()}", f"--log-dir={os.devnull}",
+           str(Path(__file__).resolve()), "_rank",
            "--job", str(job_file)]
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:

@@ -70,8 +70,11 @@ class LocalTorchrun:
     def __init__(self, world_size: int, service_args: list[str], env: dict[str, str], log_path: Path):
         self.log_path = log_path
         self._log = open(log_path, "ab")
+        # --log-dir=/dev/null: torchrun would otherwise make a `torchelastic_*` folder in the temp dir
+        # per launch and never remove it (its per-rank error files; the ranks' output goes to this
+        # log either way, and a rank's failure is reported from it)
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world_size}", "--nnodes=1",
-               "--master-addr=127.0.0.1", f"--master-port={_free_port()}", *service_args]
+               "--master-addr=127.0.0.1", f"--master-port={_free_port()}", f"--log-dir={os.devnull}", *service_args]
         self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=dict(os.environ, **env),
                                       start_new_session=True, preexec_fn=die_with_parent)
 

@@ -62,6 +62,7 @@ def test_smollm2_roundtrip_is_bit_exact(tmp_path):
                  tmpdir=scratch)
     assert r.returncode == 0, r.stderr[-3000:]
     assert not list(scratch.glob("mlrl-convert-*"))  # the ranks' job / report folder is removed
+    assert not list(scratch.glob("torchelastic_*"))  # and torchrun made none (--log-dir=/dev/null)
     assert "hf-to-mcore:" in r.stderr  # the progress bar
     t1 = time.perf_counter()
     r2 = run_tool("mcore-to-hf", "--ckpt", str(tmp_path / "mcore"), "--out", str(tmp_path / "hf"), "--pp", "1",

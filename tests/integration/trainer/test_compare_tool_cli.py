@@ -38,6 +38,7 @@ def test_no_tokenizer_compares_random_tokens_and_passes(bare, tmp_path):
     proc = _run("--hf-dir", str(bare), "--json", str(out), tmpdir=scratch)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert not list(scratch.glob("compare_hf_megatron.*"))  # the verdict's scratch folder is removed
+    assert not list(scratch.glob("torchelastic_*"))  # and torchrun made none (--log-dir=/dev/null)
     assert f"{bare} has no tokenizer: comparing on seeded random token ids (--random-tokens)" in proc.stdout
     res = json.loads(out.read_text())
     assert res["inputs"] == "random token ids" and res["ok"] and res["tokens"] >= 5 * 8

@@ -50,7 +50,8 @@ def _run_torchrun(script: Path, args: list[str], nproc: int, *, timeout: float) 
 
 def _run_ranks(script: Path, args: list[str], nproc: int, timeout: float, out: Path) -> tuple[list[dict], str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--nnodes=1",
-           "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(script), "--out", str(out), *args]
+           "--master-addr=127.0.0.1", f"--master-port={free_port()}", f"--log-dir={os.devnull}",
+           str(script), "--out", str(out), *args]
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // nproc)),
                PYTHONPATH=os.pathsep.join([str(REPO), str(script.parent), os.environ.get("PYTHONPATH", "")]),
                PYTHONWARNINGS="ignore")

@@ -1,7 +1,8 @@
 """TrainerGroup's start is stoppable: a cancel (an RL run's SIGTERM, through `start_group`) or an
 exception raised while it waits (an SFT run's SIGTERM handler) kills the ranks at once instead of
 waiting start_timeout_s for them and leaving them to nobody. Stand-in rank processes (the spawn
-hook Ray's placement uses) that never connect, so no torchrun is needed."""
+hook Ray's placement uses) that never connect, so no torchrun is needed
+(the last test runs a real torchrun, with a stand-in rank script)."""
 
 from __future__ import annotations
 
@@ -234,3 +235,26 @@ def test_rank_processes_that_exited_fail_the_start_without_waiting_for_the_timeo
     with pytest.raises(TrainerError, match="the rank processes exited with 0/2 ranks connected"):
         TrainerGroup("x: 1\n", 2, run_dir=tmp_path, start_timeout_s=60, spawn=lambda args, env: Exited())
     assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_local_torchrun_leaves_nothing_in_the_temp_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          code: int) -> None:
+    """Real torchrun, with a rank script that exits `code`: torchrun makes a `torchelastic_*` folder
+    in the temp dir per launch unless told --log-dir=/dev/null (thousands had piled up in /tmp);
+    a failed rank is still reported in the group's log (its exit code and what it printed)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    script = tmp_path / "rank.py"
+    script.write_text(f"import sys\nprint('rank says hello', flush=True)\nsys.exit({code})\n")
+    proc = group_mod.LocalTorchrun(1, [str(script)], {}, tmp_path / "trainer.log")
+    try:
+        assert proc.wait(120)
+    finally:
+        proc.kill()
+    log = (tmp_path / "trainer.log").read_text()
+    assert "rank says hello" in log
+    if code:
+        assert "exitcode  : 3" in log, log[-3000:]
+    assert list(tmp.iterdir()) == []
