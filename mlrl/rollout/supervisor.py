@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 
-SCRATCH_PREFIX = "mlrl-engine-"
+SCRATCH_PREFIX = "mlrl-e"  # short: vLLM's ZMQ sockets are <temp>/<uuid4>, and a socket path has 107 bytes
 
 
 def pids_in_group(pgid: int) -> list[int]:
@@ -140,17 +140,24 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
 
     scratch = tempfile.mkdtemp(prefix=SCRATCH_PREFIX)
-    child = subprocess.Popen(
-        cmd, start_new_session=True, preexec_fn=_term_with_parent, env=server_env(scratch)
-    )  # own group: killpg reaches EngineCore + workers
-    pgid = child.pid
-    tmp = f"{args.pgid_file}.tmp"
-    with open(tmp, "w") as f:
-        f.write(f"{pgid}\n")
-    os.replace(tmp, args.pgid_file)
-    watchdog = subprocess.Popen([sys.executable, "-m", "mlrl.rollout.supervisor", "--watch", str(pgid),
-                                 "--parent-pid", str(os.getpid()), "--grace", str(args.grace), "--scratch", scratch],
-                                start_new_session=True, stdin=subprocess.DEVNULL)
+    child = None
+    try:
+        child = subprocess.Popen(
+            cmd, start_new_session=True, preexec_fn=_term_with_parent, env=server_env(scratch)
+        )  # own group: killpg reaches EngineCore + workers
+        pgid = child.pid
+        tmp = f"{args.pgid_file}.tmp"
+        with open(tmp, "w") as f:
+            f.write(f"{pgid}\n")
+        os.replace(tmp, args.pgid_file)
+        watchdog = subprocess.Popen([sys.executable, "-m", "mlrl.rollout.supervisor", "--watch", str(pgid),
+                                     "--parent-pid", str(os.getpid()), "--grace", str(args.grace),
+                                     "--scratch", scratch], start_new_session=True, stdin=subprocess.DEVNULL)
+    except BaseException:  # no watchdog to clean up after us yet
+        if child is not None:
+            _kill_group(child.pid, args.grace, child)
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
 
     code = 0
     while True:

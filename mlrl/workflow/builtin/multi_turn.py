@@ -79,15 +79,26 @@ class MultiTurnWorkflow(RolloutWorkflow):
         self.max_total_tokens = max_total_tokens
         self.reward: AsyncRewardWrapper = make_reward(reward_fn, reward_timeout_s, reward_workers)
         self._anchor = apply_chat_template(tokenizer, [{"role": "assistant", "content": "x"}])
+        # what the template writes after an assistant turn's content (ChatML: <|im_end|> "\n"): the
+        # common tail of two renderings that differ only in the content
+        other = apply_chat_template(tokenizer, [{"role": "assistant", "content": "y"}])
+        tail = 0
+        while tail < min(len(self._anchor), len(other)) and self._anchor[-1 - tail] == other[-1 - tail]:
+            tail += 1
+        # the token right after the content (ChatML's <|im_end|>), where a turn ended by it is cut
+        self._closer = self._anchor[len(self._anchor) - tail] if tail else None
+        self._closer_cut = len(self._anchor) - tail + 1
         self._delta_cache: dict[tuple[str, int | None], list[int]] = {}
 
     def _cut(self, end: int | None) -> int:
         """Where the next turn's delta starts in the anchor (an assistant turn "x") for a turn that
-        ended at token `end`: after the template's last `end` (ChatML's "\n" after <|im_end|> then
-        belongs to the delta, or the sequence would lack it); the anchor's end if the template never
-        writes `end`."""
+        ended at token `end`: after the template's last EOS, or after the token the template writes
+        right after the content (ChatML's "\n" after <|im_end|> then belongs to the delta, or the
+        sequence would lack it); the anchor's end if the template never writes `end` there."""
         a = self._anchor
-        return len(a) - a[::-1].index(end) if end is not None and end in a else len(a)
+        if end is not None and end == self.tokenizer.eos_token_id and end in a:
+            return len(a) - a[::-1].index(end)
+        return self._closer_cut if end is not None and end == self._closer else len(a)
 
     def feedback_ids(self, text: str, end: int | None = None) -> list[int]:
         """Tokens the chat template puts between an assistant turn that ended at token `end` (default:
@@ -107,12 +118,13 @@ class MultiTurnWorkflow(RolloutWorkflow):
     def _end_of_turn(self, output: list[int], gconfig: GenerationHyperparameters) -> tuple[list[int], int | None]:
         """What closes a finished turn before the feedback, and the token it ends at. A turn that
         ended at EOS, or at one of sampling's stop_token_ids that the chat template itself writes
-        after an assistant turn (a chat model's <|im_end|> whose tokenizer's EOS is <|endoftext|>),
-        is closed by that token; any other turn (length, a stop string, another stop id) gets the
-        EOS the template would have written."""
+        after an assistant turn's content (a chat model's <|im_end|> whose tokenizer's EOS is
+        <|endoftext|>), is closed by that token; any other turn (length, a stop string, another stop
+        id, one the template writes only elsewhere: a "," of its system prompt, a role marker) gets
+        the EOS the template would have written."""
         eos = self.tokenizer.eos_token_id
         last = output[-1] if output else None
-        if last is not None and (last == eos or (last in gconfig.stop_token_ids and last in self._anchor)):
+        if last is not None and (last == eos or (last in gconfig.stop_token_ids and last == self._closer)):
             return [], last
         return ([eos] if eos is not None else []), eos
 

@@ -402,7 +402,7 @@ def test_a_servers_temp_folder_is_its_own_and_removed_with_it(tmp_path, monkeypa
     srv = EngineServer(_spec(tmp_path, command=[sys.executable, "-c", _scratch_child(report)]))
     srv.start()
     scratch, inductor = _wait_report(report)
-    assert Path(scratch).parent == tmp and Path(scratch).name.startswith("mlrl-engine-")
+    assert Path(scratch).parent == tmp and Path(scratch).name.startswith("mlrl-e")
     assert (Path(scratch) / "vllm_dist_x").exists()
     assert inductor == str(tmp / f"torchinductor_{getpass.getuser()}")
     if how == "stop":
@@ -415,4 +415,16 @@ def test_a_servers_temp_folder_is_its_own_and_removed_with_it(tmp_path, monkeypa
                 break
             time.sleep(0.05)
         srv.stop()
+    assert list(tmp.iterdir()) == []
+
+
+def test_a_server_command_that_cannot_start_leaves_no_temp_folder(tmp_path):
+    """The temp folder is made before the server starts; a command that cannot be run (no watchdog
+    yet) must not leave it behind."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    out = subprocess.run([sys.executable, "-m", "mlrl.rollout.supervisor", "--pgid-file", str(tmp_path / "s.pgid"),
+                          "--parent-pid", str(os.getpid()), "--", str(tmp_path / "no-such-program")],
+                         env=dict(os.environ, TMPDIR=str(tmp)), capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "no-such-program" in out.stderr
     assert list(tmp.iterdir()) == []

@@ -213,16 +213,20 @@ class _EosIsEndOfText:
         return len(self._tok)
 
 
-@pytest.mark.parametrize("stop_at_im_end", [True, False])
-async def test_a_turn_ended_by_a_stop_token_id_the_template_writes_continues_as_the_template(stop_at_im_end):
-    """A turn that ended at a stop_token_ids token the template writes after an assistant turn
-    (<|im_end|>, the tokenizer's EOS being <|endoftext|>) is closed by it: the next turn's prompt is
-    the template's own rendering of the conversation, without an EOS the template never writes. A
-    turn ended by another stop id (here ".") is closed by the EOS, as at a length stop."""
+@pytest.mark.parametrize("stop", ["<|im_end|>", ".", ",", "Ċ", "<|im_start|>"])
+async def test_a_turn_ended_by_a_stop_token_id_the_template_writes_continues_as_the_template(stop):
+    """A turn that ended at a stop_token_ids token the template writes after an assistant turn's
+    content (<|im_end|>, the tokenizer's EOS being <|endoftext|>) is closed by it: the next turn's
+    prompt is the template's own rendering of the conversation, without an EOS the template never
+    writes. A turn ended by another stop id is closed by the EOS, as at a length stop: one the
+    template never writes ("."), or writes only elsewhere (the "," of SmolLM2's default system
+    prompt, the "\n" after a role name, a role marker)."""
     smol = load_hf_tokenizer("builtin:smollm2-135m-instruct")
     tok = _EosIsEndOfText(smol)
-    im_end, dot = smol.convert_tokens_to_ids("<|im_end|>"), smol.convert_tokens_to_ids(".")
-    end = im_end if stop_at_im_end else dot
+    end = smol.convert_tokens_to_ids(stop)
+    stop_at_im_end = stop == "<|im_end|>"
+    if stop in (",", "Ċ", "<|im_start|>"):  # the case: the template writes it, but not after the content
+        assert end in apply_chat_template(smol, [{"role": "assistant", "content": "x"}])
     answer = list(smol("4", add_special_tokens=False)["input_ids"]) + [end]
     eng = ScriptedEngine(lambda ids, call: answer, eos_token_id=tok.eos_token_id, vocab_size=len(smol))
     g = G.new(stop_token_ids=[end])
@@ -233,7 +237,7 @@ async def test_a_turn_ended_by_a_stop_token_id_the_template_writes_continues_as_
     if stop_at_im_end:
         want = apply_chat_template(smol, [*user, {"role": "assistant", "content": "4"},
                                           {"role": "user", "content": "try again"}], add_generation_prompt=True)
-    else:  # "4." then the EOS the workflow closes it with, then the template's delta after that EOS
+    else:  # "4" + the stop token, then the EOS the workflow closes it with, then the template's delta after it
         first = apply_chat_template(smol, user, add_generation_prompt=True)
         x = [{"role": "assistant", "content": "x"}]
         delta = apply_chat_template(smol, [*x, {"role": "user", "content": "try again"}],
