@@ -1,4 +1,5 @@
-"""Stopping a process together with everything it started.
+"""Local process helpers: starting ranks under torchrun (`torchrun_command`, `free_port`) and
+stopping a process together with everything it started (`kill_tree`).
 
 torchrun starts each worker in a session of its own (torch.distributed.elastic's subprocess handler
 passes ``start_new_session=True``), so ``os.killpg`` on torchrun's group leaves its ranks running,
@@ -11,8 +12,26 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import sys
 
 import psutil
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` right now (the OS's pick)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def torchrun_command(nproc: int, *args: str) -> list[str]:
+    """`python -m torch.distributed.run` starting `nproc` ranks on this machine, then `args` (the
+    script or `-m module` and its arguments). `--log-dir=/dev/null`: torchrun would otherwise make a
+    `torchelastic_*` folder in the temp dir per launch for its per-rank error files and never remove
+    it; the ranks' output goes to torchrun's own stdout / stderr either way."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--nnodes=1",
+            "--master-addr=127.0.0.1", f"--master-port={free_port()}", f"--log-dir={os.devnull}", *args]
 
 
 def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:

@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from mlrl.procs import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 
 RANK = """
@@ -38,17 +40,11 @@ sys.exit(0)
 """
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def sample(way: str) -> float:
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
-    proc = subprocess.Popen([sys.executable, "-c", RANK, way, str(_free_port())], cwd=ROOT, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", RANK, way, str(free_port())], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True, env=env)
     assert proc.stdout is not None
     done = float(proc.stdout.readline())

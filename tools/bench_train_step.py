@@ -58,7 +58,6 @@ import gc
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -315,13 +314,9 @@ def _parse(argv=None):
     return args
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(args, argv: list[str]) -> int:
+    from mlrl.procs import kill_tree, torchrun_command
+
     world = args.tp * args.pp
     if not args.model_shape:  # bad input: one line (tool_errors), before torchrun starts any rank
         from mlrl.bridge import check_layout, spec_for
@@ -340,14 +335,11 @@ def launch(args, argv: list[str]) -> int:
             print(f"bench_train_step: random {args.model_shape} weights in {tmp} "
                   f"({time.perf_counter() - t0:.1f} s)", flush=True)
             env[HF_DIR_ENV] = str(tmp)
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--nnodes=1",
-               "--master-addr=127.0.0.1", f"--master-port={_free_port()}", f"--log-dir={os.devnull}", __file__, *argv]
+        cmd = torchrun_command(world, __file__, *argv)
         proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         try:
             return proc.wait(timeout=args.timeout)
         except (subprocess.TimeoutExpired, KeyboardInterrupt):
-            from mlrl.procs import kill_tree
-
             kill_tree(proc.pid)  # torchrun's workers run in sessions of their own
             return 2
     finally:

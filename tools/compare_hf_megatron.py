@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -62,12 +61,6 @@ def _parse(argv=None):
     ap.add_argument("--json", default=None, help="write the numbers to this file")
     ap.add_argument("--timeout", type=float, default=900)
     return ap.parse_args(argv)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
@@ -121,10 +114,9 @@ def launch(args) -> int:
 
 
 def _run_ranks(args, world: int, argv: list[str], result: Path) -> int:
-    from mlrl.procs import kill_tree
+    from mlrl.procs import kill_tree, torchrun_command
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--nnodes=1",
-           "--master-addr=127.0.0.1", f"--master-port={_free_port()}", f"--log-dir={os.devnull}", __file__, *argv]
+    cmd = torchrun_command(world, __file__, *argv)
     env = dict(os.environ, MLRL_COMPARE_WORKER="1", MLRL_COMPARE_RESULT=str(result),
                OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // world)),
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))

@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -360,12 +359,6 @@ def run_rank(job: dict[str, Any]) -> dict[str, Any]:
     return report
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(job: dict[str, Any]) -> dict[str, Any]:
     """Run the job's ranks; returns rank 0's report. The job and report files live in a scratch
     folder removed afterwards, whatever happened."""
@@ -377,13 +370,15 @@ def launch(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def _launch(job: dict[str, Any], report_dir: Path) -> dict[str, Any]:
+    from mlrl.procs import free_port, kill_tree, torchrun_command
+
     job = {**job, "report": str(report_dir / "report.json")}
     job_file = report_dir / "job.json"
     job_file.write_text(json.dumps(job))
     if job["world"] == 1 or "WORLD_SIZE" in os.environ:
         if "WORLD_SIZE" not in os.environ:
             os.environ.update(
-                RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
+                RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
             )
         return _rank_main(job_file)
     import torch
@@ -391,16 +386,11 @@ def _launch(job: dict[str, Any], report_dir: Path) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     if not torch.cuda.is_available():
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // job["world"])))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={job['world']}", "--nnodes=1",
-           "--master-addr=127.0.0.1", f"--master-port={_free_port()}", f"--log-dir={os.devnull}",
-           str(Path(__file__).resolve()), "_rank",
-           "--job", str(job_file)]
+    cmd = torchrun_command(job["world"], str(Path(__file__).resolve()), "_rank", "--job", str(job_file))
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:
         rc = proc.wait()
     except BaseException:
-        from mlrl.procs import kill_tree
-
         kill_tree(proc.pid)  # never leave ranks behind (Ctrl-C, timeouts); workers have own sessions
         proc.wait()
         raise

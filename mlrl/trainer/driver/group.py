@@ -23,14 +23,13 @@ import os
 import secrets
 import signal
 import subprocess
-import sys
 import threading
 import time
 from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Concatenate, ParamSpec, Protocol, Sequence, TypeVar
 
-from mlrl.procs import kill_tree
+from mlrl.procs import kill_tree, torchrun_command
 from mlrl.trainer.rpc import TOKEN_ENV, no_delay, recv, send
 
 if TYPE_CHECKING:  # the rank-side class, for the types of `call` only (it is never built here)
@@ -70,12 +69,8 @@ class LocalTorchrun:
     def __init__(self, world_size: int, service_args: list[str], env: dict[str, str], log_path: Path):
         self.log_path = log_path
         self._log = open(log_path, "ab")
-        # --log-dir=/dev/null: torchrun would otherwise make a `torchelastic_*` folder in the temp dir
-        # per launch and never remove it (its per-rank error files; the ranks' output goes to this
-        # log either way, and a rank's failure is reported from it)
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world_size}", "--nnodes=1",
-               "--master-addr=127.0.0.1", f"--master-port={_free_port()}", f"--log-dir={os.devnull}", *service_args]
-        self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=dict(os.environ, **env),
+        self._proc = subprocess.Popen(torchrun_command(world_size, *service_args), stdout=self._log,
+                                      stderr=subprocess.STDOUT, env=dict(os.environ, **env),
                                       start_new_session=True, preexec_fn=die_with_parent)
 
     def wait(self, timeout_s: float) -> bool:
@@ -325,12 +320,6 @@ def _bind(method: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, An
     return {k: v for k, v in list(bound.arguments.items())[1:]}
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def die_with_parent() -> None:

@@ -85,9 +85,9 @@ class MultiTurnWorkflow(RolloutWorkflow):
         tail = 0
         while tail < min(len(self._anchor), len(other)) and self._anchor[-1 - tail] == other[-1 - tail]:
             tail += 1
-        # the token right after the content (ChatML's <|im_end|>), where a turn ended by it is cut
-        self._closer = self._anchor[len(self._anchor) - tail] if tail else None
-        self._closer_cut = len(self._anchor) - tail + 1
+        # where the token right after the content (ChatML's <|im_end|>) is: a turn ended by it is cut there
+        self._closer_at = len(self._anchor) - tail
+        self._closer = self._anchor[self._closer_at] if tail else None
         self._delta_cache: dict[tuple[str, int | None], list[int]] = {}
 
     def _cut(self, end: int | None) -> int:
@@ -98,7 +98,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
         a = self._anchor
         if end is not None and end == self.tokenizer.eos_token_id and end in a:
             return len(a) - a[::-1].index(end)
-        return self._closer_cut if end is not None and end == self._closer else len(a)
+        return self._closer_at + 1 if end is not None and end == self._closer else len(a)
 
     def feedback_ids(self, text: str, end: int | None = None) -> list[int]:
         """Tokens the chat template puts between an assistant turn that ended at token `end` (default:

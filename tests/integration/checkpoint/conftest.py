@@ -28,7 +28,9 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "trainer"))
-from trainer_harness import free_port, run_torchrun  # noqa: E402
+from trainer_harness import run_torchrun  # noqa: E402
+
+from mlrl.procs import torchrun_command  # noqa: E402
 
 WORKER = HERE / "ckpt_worker.py"
 
@@ -117,14 +119,8 @@ def killed(work, tiny_model, tmp_path_factory):
     """Starts a 1-rank job whose second save stalls after writing its shards, SIGKILLs the worker's
     and torchrun's process groups there, and returns what the dying save left behind."""
     out = tmp_path_factory.mktemp("kill")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=1",
-        "--nnodes=1",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
+    cmd = torchrun_command(
+        1,
         str(WORKER),
         "--out",
         str(out),
@@ -134,7 +130,7 @@ def killed(work, tiny_model, tmp_path_factory):
         str(tiny_model),
         "--phases",
         "kill_save:kill",
-    ]
+    )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parents[2]), os.environ.get("PYTHONPATH", "")]),
                PYTHONWARNINGS="ignore", OMP_NUM_THREADS="2")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)

@@ -10,22 +10,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from mlrl.procs import kill_tree
+from mlrl.procs import kill_tree, torchrun_command
 
 WORKER = Path(__file__).with_name("trainer_worker.py")
 REPO = Path(__file__).resolve().parents[3]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_torchrun(script: Path, args: list[str], nproc: int, *, timeout: float = 420.0) -> tuple[list[dict], str]:
@@ -49,9 +41,7 @@ def _run_torchrun(script: Path, args: list[str], nproc: int, *, timeout: float) 
 
 
 def _run_ranks(script: Path, args: list[str], nproc: int, timeout: float, out: Path) -> tuple[list[dict], str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--nnodes=1",
-           "--master-addr=127.0.0.1", f"--master-port={free_port()}", f"--log-dir={os.devnull}",
-           str(script), "--out", str(out), *args]
+    cmd = torchrun_command(nproc, str(script), "--out", str(out), *args)
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // nproc)),
                PYTHONPATH=os.pathsep.join([str(REPO), str(script.parent), os.environ.get("PYTHONPATH", "")]),
                PYTHONWARNINGS="ignore")
