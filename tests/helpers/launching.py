@@ -21,3 +21,42 @@ def launch(run_dir: Path, *args: str, timeout: int = 900) -> subprocess.Complete
 
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def launch_refused(*args: str) -> subprocess.CompletedProcess:
+    """`mlrl.launch` run in this process, for the checks that must refuse a run before anything
+    works: the same `main` as `python -m mlrl.launch` (that module only adds `sys.exit`), without a
+    fresh interpreter's ~5 s of imports per call. Starting any process meanwhile (subprocess, a
+    multiprocessing child, torchrun, Ray) fails the call at once with AssertionError, so a check that
+    stopped refusing cannot start a run inside the test process. One start is expected and skipped:
+    an RL run's gated engines (`EnginePool.prestart`, which begins their vLLM import while
+    the checks run; that their servers start gated and stop unstarted is tested in
+    tests/unit/rollout/test_engine_server.py and tests/integration/rollout/test_engine_gate.py).
+    Returns the exit code and what was printed, as `launch` would."""
+    import _posixsubprocess
+    import contextlib
+    import io
+    from unittest import mock
+
+    from mlrl.launch import main
+    from mlrl.rollout.pool import EnginePool
+
+    def started(*a, **k):
+        raise AssertionError(f"mlrl.launch {' '.join(args)}: started a process before refusing")
+
+    out, err, here = io.StringIO(), io.StringIO(), os.getcwd()
+    guards = [mock.patch.object(_posixsubprocess, "fork_exec", started),  # multiprocessing's spawn
+              mock.patch.object(subprocess, "_fork_exec", started),       # subprocess's own reference to it
+              mock.patch.object(os, "posix_spawn", started), mock.patch.object(os, "fork", started),
+              mock.patch.object(EnginePool, "prestart", lambda pool: None)]
+    with contextlib.ExitStack() as stack:
+        for guard in guards:
+            stack.enter_context(guard)
+        stack.enter_context(contextlib.redirect_stdout(out))
+        stack.enter_context(contextlib.redirect_stderr(err))
+        os.chdir(ROOT)
+        try:
+            code = main(list(args))
+        finally:
+            os.chdir(here)
+    return subprocess.CompletedProcess(["mlrl.launch", *args], code, out.getvalue(), err.getvalue())

@@ -6,8 +6,6 @@ the keys save_checkpoint writes); the fake HF folders a config.json and an empty
 
 import json
 import logging
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -196,9 +194,10 @@ def test_launch_refuses_before_any_process_starts(tmp_path, recipe):
     from mlrl.modelzoo import hf_config_dict
 
     other = _hf(tmp_path / "wide", **{**hf_config_dict("builtin:tiny-llama"), "hidden_size": 256})
-    out = subprocess.run([sys.executable, "-m", "mlrl.launch", "--config", recipe, f"model.init_from={other}",
-                          f"logging.run_dir={tmp_path / 'run'}", "logging.progress_bar=false"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    from helpers.launching import launch_refused
+
+    out = launch_refused("--config", recipe, f"model.init_from={other}", f"logging.run_dir={tmp_path / 'run'}",
+                         "logging.progress_bar=false")
     assert out.returncode == 2, out.stderr[-2000:]
     assert f"model.init_from: {other}/config.json does not match model.hf_dir's architecture: hidden_size" in out.stderr
     assert not list((tmp_path / "run").glob("trainer*"))  # no trainer process was started

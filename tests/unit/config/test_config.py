@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.launching import launch_refused
 
 from mlrl.config import (
     ConfigError,
@@ -567,9 +568,8 @@ def test_multi_node_run_without_a_ray_cluster_fails_clearly_before_starting_anyt
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out = subprocess.run([sys.executable, "-m", "mlrl.launch", "--nodes", "2", "cluster.gpus_per_node=8",
-                          f"cluster.ray_address=127.0.0.1:{port}", f"logging.run_dir={tmp_path}/run"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    out = launch_refused("--nodes", "2", "cluster.gpus_per_node=8", f"cluster.ray_address=127.0.0.1:{port}",
+                         f"logging.run_dir={tmp_path}/run")
     assert out.returncode == 4, out.stderr[-2000:]
     assert f"cluster error: cluster.ray_address='127.0.0.1:{port}': nothing accepts connections there" in out.stderr
     assert not (tmp_path / "run" / "trainer.log").exists() and not (tmp_path / "run" / "engines").exists()

@@ -44,15 +44,11 @@ def test_a_stop_token_id_past_the_tokenizer_is_refused():
 
 @pytest.mark.parametrize("recipe", ["launch/cpu_default.yaml", "launch/eval_cpu.yaml"])
 def test_a_run_with_an_unknown_stop_token_stops_before_any_engine_or_rank_works(tmp_path, recipe):
-    import subprocess
-    import sys
-    from pathlib import Path
+    from helpers.launching import launch_refused
 
-    root = Path(__file__).resolve().parents[3]
-    out = subprocess.run([sys.executable, "-m", "mlrl.launch", "--config", recipe,
-                          "model.hf_dir=builtin:tiny-llama", "rollout.sampling.stop_token_ids=[999999]",
-                          f"logging.run_dir={tmp_path / 'run'}",
-                          "logging.progress_bar=false"], cwd=root, capture_output=True, text=True, timeout=300)
+    out = launch_refused("--config", recipe, "model.hf_dir=builtin:tiny-llama",
+                         "rollout.sampling.stop_token_ids=[999999]",
+                         f"logging.run_dir={tmp_path / 'run'}", "logging.progress_bar=false")
     assert out.returncode == 2, out.stderr[-2000:]
     assert "rollout.sampling.stop_token_ids[0]=999999: the tokenizer of model.hf_dir has" in out.stderr
     assert not list((tmp_path / "run").glob("trainer*")) and not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -4,10 +4,10 @@ and the checkpoint it resumes (its own kind only)."""
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers.launching import launch_refused
 
 from mlrl.config import ConfigError, load_config, validate
 
@@ -63,9 +63,8 @@ def test_the_sequence_limit_is_checked_against_the_model():
 
 
 def _launch(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mlrl.launch", "--config", str(RECIPE), *TINY,
-                           f"logging.run_dir={tmp_path / 'run'}", "logging.progress_bar=false", *overrides],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return launch_refused("--config", str(RECIPE), *TINY, f"logging.run_dir={tmp_path / 'run'}",
+                          "logging.progress_bar=false", *overrides)
 
 
 def test_a_bad_row_stops_the_run_before_any_process_starts(tmp_path):
@@ -97,8 +96,7 @@ def test_an_rl_run_does_not_resume_a_dpo_checkpoint(tmp_path):
     (step / "trainer_state.json").write_text(json.dumps({"kind": "dpo", "step": 1, "sampler": {}}))
     (step / "COMPLETE").write_text("")
     (tmp_path / "ckpts" / "latest").write_text("step_000001")
-    out = subprocess.run([sys.executable, "-m", "mlrl.launch", f"checkpoint.dir={tmp_path / 'ckpts'}",
-                          f"logging.run_dir={tmp_path / 'run'}", "logging.progress_bar=false"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = launch_refused(f"checkpoint.dir={tmp_path / 'ckpts'}", f"logging.run_dir={tmp_path / 'run'}",
+                         "logging.progress_bar=false")
     assert out.returncode == 2, out.stderr[-2000:]
     assert "is a preference optimisation (DPO) checkpoint" in out.stderr and "model.init_from" in out.stderr

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.launching import launch_refused
 
 from mlrl.ckpt_files.hf_folder import sequence_classifier_config
 from mlrl.config import ConfigError, load_config, validate
@@ -131,9 +132,8 @@ def _checkpoint(root: Path, kind: str) -> Path:
 
 def test_a_reward_model_run_resumes_only_its_own_checkpoints(tmp_path):
     ckpts = _checkpoint(tmp_path, "dpo")
-    out = subprocess.run([sys.executable, "-m", "mlrl.launch", "--config", str(RECIPE), *TINY,
-                          f"checkpoint.dir={ckpts}", f"logging.run_dir={tmp_path / 'run'}",
-                          "logging.progress_bar=false"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = launch_refused("--config", str(RECIPE), *TINY, f"checkpoint.dir={ckpts}",
+                         f"logging.run_dir={tmp_path / 'run'}", "logging.progress_bar=false")
     assert out.returncode == 2, out.stderr[-2000:]
     assert ("is a DPO checkpoint; a reward-model run resumes RM checkpoints (to train a reward model on its weights: "
             "model.hf_dir=") in out.stderr
@@ -141,9 +141,8 @@ def test_a_reward_model_run_resumes_only_its_own_checkpoints(tmp_path):
 
 def test_an_rl_run_does_not_resume_a_reward_model_checkpoint(tmp_path):
     ckpts = _checkpoint(tmp_path, "rm")
-    out = subprocess.run([sys.executable, "-m", "mlrl.launch", f"checkpoint.dir={ckpts}",
-                          f"logging.run_dir={tmp_path / 'run'}", "logging.progress_bar=false"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = launch_refused(f"checkpoint.dir={ckpts}", f"logging.run_dir={tmp_path / 'run'}",
+                         "logging.progress_bar=false")
     assert out.returncode == 2, out.stderr[-2000:]
     assert "is a reward-model checkpoint; an RL run scores with its HF export" in out.stderr
 

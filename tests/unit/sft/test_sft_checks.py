@@ -87,16 +87,14 @@ def test_rows_without_an_assistant_turn_are_skipped_and_named(tmp_path, caplog):
 
 
 def test_an_rl_run_does_not_resume_an_sft_checkpoint(tmp_path):
-    import subprocess
-    import sys
+    from helpers.launching import launch_refused
 
     step = tmp_path / "ckpts" / "step_000001"
     step.mkdir(parents=True)
     (step / "trainer_state.json").write_text(json.dumps({"kind": "sft", "step": 1, "sampler": {}}))
     (step / "COMPLETE").write_text("")
     (tmp_path / "ckpts" / "latest").write_text("step_000001")
-    out = subprocess.run([sys.executable, "-m", "mlrl.launch", f"checkpoint.dir={tmp_path / 'ckpts'}",
-                          f"logging.run_dir={tmp_path / 'run'}", "logging.progress_bar=false"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = launch_refused(f"checkpoint.dir={tmp_path / 'ckpts'}", f"logging.run_dir={tmp_path / 'run'}",
+                         "logging.progress_bar=false")
     assert out.returncode == 2, out.stderr[-2000:]
     assert "is a supervised fine-tuning checkpoint" in out.stderr and "model.hf_dir" in out.stderr
