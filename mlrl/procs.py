@@ -19,8 +19,8 @@ import psutil
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` right now (the OS's pick)."""
-    with socket.socket() as s:
+    """A TCP port free on `host` (an IPv4 or IPv6 address) right now (the OS's pick)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 

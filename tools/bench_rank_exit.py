@@ -40,8 +40,6 @@ sys.exit(0)
 """
 
 
-
-
 def sample(way: str) -> float:
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
     proc = subprocess.Popen([sys.executable, "-c", RANK, way, str(free_port())], cwd=ROOT, stdout=subprocess.PIPE,

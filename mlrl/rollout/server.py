@@ -47,7 +47,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -60,6 +59,7 @@ from typing import Sequence
 import httpx
 
 from mlrl.config.schema import RolloutConfig
+from mlrl.procs import free_port
 from mlrl.rollout import vllm_compat
 from mlrl.rollout.auth import TOKEN_ENV
 from mlrl.rollout.client import SERVER_KEEPALIVE_S
@@ -146,12 +146,6 @@ logger = logging.getLogger(__name__)
 START_BANNER = "===== mlrl: starting"
 ADDRESS_IN_USE = "Address already in use"  # vLLM's bind error (OSError errno 98)
 PORT_RETRIES = 2
-
-
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _on_gpu() -> bool:

@@ -320,8 +320,6 @@ def _bind(method: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, An
     return {k: v for k, v in list(bound.arguments.items())[1:]}
 
 
-
-
 def die_with_parent() -> None:
     """Linux: SIGKILL the trainer if the driver dies, so no rank is orphaned."""
     try:
