@@ -51,6 +51,7 @@ import contextlib
 import json
 import logging
 import os
+import queue
 import random
 import shutil
 from dataclasses import asdict
@@ -454,7 +455,7 @@ def save_checkpoint(policy, path: str | Path, *, async_save: bool = False,
     use_async = async_save and torch.cuda.is_available()
     if async_save and not use_async:
         log.warning("checkpoint.async_save needs CUDA: saving synchronously")
-    with cpu_compat.cuda_tensor_methods():
+    with cpu_compat.cuda_tensor_methods(), (contextlib.nullcontext() if use_async else _in_process_results_queue()):
         request = dist_checkpointing.save(sd, str(path), sharded_strategy=strategy, async_sharded_save=use_async,
                                           content_metadata=dict(sharding))
     if request is None:
@@ -462,6 +463,30 @@ def save_checkpoint(policy, path: str | Path, *, async_save: bool = False,
         return
     request.add_finalize_fn(finalize)
     _async_queue().schedule_async_request(request)
+
+
+@contextlib.contextmanager
+def _in_process_results_queue() -> Iterator[None]:
+    """A synchronous save's write results pass through a queue in this process. megatron-core's
+    torch_dist writer (strategies/filesystem_async.py) hands every save's results, sync or async,
+    through one queue served by a spawn-context multiprocessing Manager, built for its async path
+    (results put by the background writer process, read by the rank). A synchronous save puts and
+    reads them in the rank itself, so a Manager only costs: a fresh process at each rank's first save
+    that imports torch to unpickle the results (~1-3 s of the save's wall time and CPU per rank and
+    run, measured on the CPU SFT run's final save). The Manager queue megatron keeps in a module
+    global is swapped for an in-process queue for the save and put back after it (an async save later
+    in the run builds its Manager as before). A megatron-core without that global keeps its own."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not hasattr(filesystem_async, "_results_queue"):
+        yield
+        return
+    kept = filesystem_async._results_queue
+    filesystem_async._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = kept
 
 
 def _async_queue() -> Any:

@@ -24,6 +24,8 @@ CASES = [
     ("bench_learning.py", ["--tasks", "nope", "--quick"], "bench_learning: unknown task(s) nope; known: copy_digit"),
     ("bench_generate.py", ["--shapes", "nope"], "bench_generate: --shapes: unknown nope; known: copy_digit"),
     ("bench_generate.py", ["--repeats", "1"], "bench_generate: --repeats must be >= 2"),
+    ("bench_ckpt_save.py", ["--repeats", "0"], "bench_ckpt_save: --repeats must be >= 1, got 0"),
+    ("bench_ckpt_save.py", ["--mb", "0"], "bench_ckpt_save: --mb must be > 0, got 0.0"),
 ]
 
 
