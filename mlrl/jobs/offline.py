@@ -234,8 +234,12 @@ def _run_offline(cfg: Config, layout: Layout, make_job: Callable[[Path], Offline
             checkpointer.finish_pending()
         if bar is not None:
             bar.close()
-        if logger is not None:
-            logger.close(plot=cfg.logging.plot)
-        if group is not None:
-            group.close()
-        placement.close()
+        # run.png is drawn in a thread while the trainer ranks stop
+        drawn = logger.close(plot=cfg.logging.plot, wait=False) if logger is not None else None
+        try:
+            if group is not None:
+                group.close()
+            placement.close()
+        finally:
+            if drawn is not None:
+                drawn.result()

@@ -317,28 +317,32 @@ async def _run(cfg: Config, layout: Layout, early: EarlyStart) -> int:
         _summary(ctx, run_dir)
         return 0
     finally:
-        if logger is not None:
-            logger.close(plot=cfg.logging.plot)
-        if runner is not None:
-            await runner.aclose()
-        if weight_sync is not None:
-            await weight_sync.close()
-        if pool is not None:
-            await pool.shutdown()
-        set_active_judge(None)
-        if judge_pool is not None:
-            await judge_pool.shutdown()
-        if saves is not None and saves.deferred is not None and colocation is not None:
-            await _save_deferred_at_exit(saves, colocation, group)
-        if checkpointer is not None and checkpointer.pending is not None:  # SIGTERM or a failed step
-            if group is not None and group.in_call():  # a train phase's thread: its call would hold the commit
-                log.warning("checkpoint step %d was still being written and a trainer call is still running: not "
-                            "committed (resume takes the one before)", checkpointer.pending.step)
-            else:  # an async save whose shards are written is kept
-                await asyncio.to_thread(checkpointer.finish_pending)
-        if group is not None:
-            await asyncio.to_thread(group.close)
-        await asyncio.to_thread(placement.close)
+        # run.png is drawn in a thread while the engines and trainer ranks stop below
+        drawn = logger.close(plot=cfg.logging.plot, wait=False) if logger is not None else None
+        try:
+            if runner is not None:
+                await runner.aclose()
+            if weight_sync is not None:
+                await weight_sync.close()
+            if pool is not None:
+                await pool.shutdown()
+            set_active_judge(None)
+            if judge_pool is not None:
+                await judge_pool.shutdown()
+            if saves is not None and saves.deferred is not None and colocation is not None:
+                await _save_deferred_at_exit(saves, colocation, group)
+            if checkpointer is not None and checkpointer.pending is not None:  # SIGTERM or a failed step
+                if group is not None and group.in_call():  # a train phase's thread: its call would hold the commit
+                    log.warning("checkpoint step %d was still being written and a trainer call is still running: not "
+                                "committed (resume takes the one before)", checkpointer.pending.step)
+                else:  # an async save whose shards are written is kept
+                    await asyncio.to_thread(checkpointer.finish_pending)
+            if group is not None:
+                await asyncio.to_thread(group.close)
+            await asyncio.to_thread(placement.close)
+        finally:
+            if drawn is not None:
+                await asyncio.wrap_future(drawn)
 
 
 async def _save_deferred_at_exit(saves: SaveSchedule, colocation: Colocation, group: Any) -> None:

@@ -20,14 +20,14 @@ PHASE_KEYS = [f"timing/{p}" for p in (*PHASES, "other")]  # colocated runs' slee
 
 
 def plot_run(metrics: str | Path | Sequence[dict[str, Any]], out_png: str | Path) -> Path:
-    """run.png from a metrics.jsonl file or its records (one dict per step)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """run.png from a metrics.jsonl file or its records (one dict per step). matplotlib's object API
+    (no pyplot: no global figure registry or backend choice), so it may draw in any thread: a run's
+    teardown draws it in one of its own (mlrl.metrics.sinks.MetricsLogger.close)."""
+    from matplotlib.figure import Figure
 
     recs = read_jsonl(metrics) if isinstance(metrics, (str, Path)) else list(metrics)
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    fig = Figure(figsize=(10, 7))
+    axes = fig.subplots(2, 2)
     for ax, (key, title) in zip(axes.flat, PANELS):
         pts = [(r["step"], r[key]) for r in recs if isinstance(r.get(key), (int, float))]
         if key == "timing/step" and pts:
@@ -51,5 +51,4 @@ def plot_run(metrics: str | Path | Sequence[dict[str, Any]], out_png: str | Path
     fig.tight_layout()
     out = Path(out_png)
     fig.savefig(out, dpi=90)
-    plt.close(fig)
     return out

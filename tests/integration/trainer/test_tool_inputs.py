@@ -26,6 +26,8 @@ CASES = [
     ("bench_generate.py", ["--repeats", "1"], "bench_generate: --repeats must be >= 2"),
     ("bench_ckpt_save.py", ["--repeats", "0"], "bench_ckpt_save: --repeats must be >= 1, got 0"),
     ("bench_ckpt_save.py", ["--mb", "0"], "bench_ckpt_save: --mb must be > 0, got 0.0"),
+    ("bench_run_end.py", ["--recipes", "nope"], "bench_run_end: --recipes: unknown nope; known: rl, sft"),
+    ("bench_run_end.py", ["--repeats", "0"], "bench_run_end: --repeats must be >= 1, got 0"),
 ]
 
 

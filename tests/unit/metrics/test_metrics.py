@@ -79,6 +79,46 @@ def test_plot_png(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_teardown_draws_the_plot_in_a_thread_of_its_own(tmp_path, monkeypatch):
+    """close(wait=False), as a run's teardown calls it: the sinks are closed at once, run.png is drawn
+    in another thread (the caller stops its engines and ranks meanwhile), and the future it returns
+    is done once the file is written, or raises what drawing raised."""
+    import threading
+
+    from mlrl.metrics import plot
+
+    log = MetricsLogger(tmp_path, tensorboard=False)
+    log.log(1, {"reward/mean": 0.5, "timing/step": 1.0})
+    drawn_in, release = [], threading.Event()
+    real_plot_run = plot.plot_run
+
+    def plot_run_held(records, out):
+        drawn_in.append(threading.current_thread())
+        assert release.wait(30)
+        return real_plot_run(records, out)
+
+    monkeypatch.setattr(plot, "plot_run", plot_run_held)
+    drawn = log.close(plot=True, wait=False)
+    assert drawn is not None and not drawn.done()  # close returned while the drawing waits
+    assert not (tmp_path / "run.png").exists()
+    release.set()
+    assert drawn.result(timeout=60) == tmp_path / "run.png"
+    assert (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert drawn_in and drawn_in[0] is not threading.current_thread()
+
+    def broken(records, out):
+        raise ValueError("no figure")
+
+    monkeypatch.setattr(plot, "plot_run", broken)
+    failed = MetricsLogger(tmp_path / "b", tensorboard=False)
+    failed.log(1, {"reward/mean": 0.5})
+    with pytest.raises(ValueError, match="no figure"):
+        failed.close(plot=True, wait=False).result(timeout=60)
+    # nothing to draw: no thread, no future
+    assert MetricsLogger(tmp_path / "c", tensorboard=False).close(plot=True, wait=False) is None
+    assert MetricsLogger(tmp_path / "d", tensorboard=False).close(plot=False, wait=False) is None
+
+
 def test_the_plots_phase_bars_add_up_to_the_step_time_colocated_phases_included(tmp_path, monkeypatch):
     """timing/other is the step time less every timer phase (mlrl.metrics.timer.PHASES): the stacked
     bars must draw each of them, or a colocated run's bars fall short by sleep + wake + offload + reload."""
