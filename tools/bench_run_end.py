@@ -1,16 +1,18 @@
-"""A run's end, from its teardown's start (the metrics sinks closing) to `mlrl.launch`'s return:
-run.png drawn first and the engines and trainer ranks stopped after it (`sequential`, the order
-before) vs drawn in a thread of its own while they stop (`overlapped`, mlrl's teardown:
-`MetricsLogger.close(wait=False)`).
+"""A run's end, from its teardown's start (the metrics sinks closing) to the launcher process's exit,
+three ways: `sequential` (run.png drawn first, the engines and trainer ranks stopped after it, a
+plain interpreter exit: the end before), `overlapped` (run.png drawn in a thread of its own while
+they stop: `MetricsLogger.close(wait=False)`; plain exit) and `mlrl` (that, and the launcher's exit
+without the interpreter's finalisation: `mlrl.procs.exit_without_finalising`, what
+`python -m mlrl.launch` does).
 
     .venv/bin/python tools/bench_run_end.py [--repeats 2] [--recipes rl,sft]
 
 Each sample is a fresh process running `mlrl.launch`'s main on a recipe for 2 steps: `rl` (the
 default CPU GRPO demo: an engine and a trainer rank) or `sft` (launch/sft_cpu.yaml: a trainer rank).
 The sample wraps MetricsLogger.close to note when the teardown starts and, for `sequential`, to
-draw before returning. The two ways alternate, --repeats times each per recipe. Last line:
-`ratio run_end_sequential_over_overlapped: x` (the medians summed over the recipes; > 1: runs end
-sooner).
+draw before returning; the end is the process's exit seen from here. The ways alternate, --repeats
+times each per recipe. Last line: `ratio run_end_sequential_over_mlrl: x` (the medians summed over
+the recipes; > 1: runs end sooner).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,30 +37,43 @@ RUN = """
 import json, sys, time
 from mlrl.metrics import sinks
 from mlrl.launch import main
+from mlrl.procs import exit_without_finalising
 way, run_dir, *args = sys.argv[1:]
 marks = {}
 real_close = sinks.MetricsLogger.close
 def close(self, *, plot=False, wait=True):
-    marks.setdefault("teardown", time.perf_counter())
-    return real_close(self, plot=plot, wait=wait if way == "overlapped" else True)
+    marks.setdefault("teardown", time.time())
+    return real_close(self, plot=plot, wait=True if way == "sequential" else wait)
 sinks.MetricsLogger.close = close
 code = main([*args, "logging.run_dir=" + run_dir])
-print(json.dumps({"code": code, "end_s": time.perf_counter() - marks["teardown"]}), flush=True)
+print(json.dumps({"code": code, "teardown": marks["teardown"]}), flush=True)
+if way == "mlrl":
+    exit_without_finalising(code)
+sys.exit(code)
 """
+WAYS = ("sequential", "overlapped", "mlrl")
 
 
 def sample(way: str, recipe: str) -> float:
     with tempfile.TemporaryDirectory() as tmp:
-        out = subprocess.run([sys.executable, "-c", RUN, way, str(Path(tmp) / "run"), *RECIPES[recipe]], cwd=ROOT,
-                             capture_output=True, text=True, timeout=600)
-        if not (Path(tmp) / "run" / "run.png").is_file():
-            raise SystemExit(f"bench_run_end: the {way} {recipe} run drew no run.png (exit {out.returncode}):\n"
-                             f"{out.stderr[-3000:]}")
-    lines = [x for x in out.stdout.splitlines() if x.startswith("{")]
-    result = json.loads(lines[-1]) if lines else {"code": out.returncode}
-    if result["code"] != 0:
-        raise SystemExit(f"bench_run_end: the {way} {recipe} run exited {result['code']}:\n{out.stderr[-3000:]}")
-    return float(result["end_s"])
+        run_dir, err_path = Path(tmp) / "run", Path(tmp) / "stderr.txt"
+        with err_path.open("w") as err_file:  # a file, not a pipe: an unread pipe would stall the run's logging
+            proc = subprocess.Popen([sys.executable, "-c", RUN, way, str(run_dir), *RECIPES[recipe]], cwd=ROOT,
+                                    stdout=subprocess.PIPE, stderr=err_file, text=True)
+        assert proc.stdout is not None
+        result = None
+        for line in proc.stdout:
+            if line.startswith('{"code"'):
+                result = json.loads(line)
+                break
+        proc.wait(timeout=600)
+        ended = time.time()
+        err = err_path.read_text()
+        if result is None or result["code"] != 0 or proc.returncode != 0:
+            raise SystemExit(f"bench_run_end: the {way} {recipe} run failed (exit {proc.returncode}):\n{err[-3000:]}")
+        if not (run_dir / "run.png").is_file():
+            raise SystemExit(f"bench_run_end: the {way} {recipe} run drew no run.png")
+    return ended - float(result["teardown"])
 
 
 def main() -> int:
@@ -74,7 +90,7 @@ def main() -> int:
     if args.repeats < 1:
         print(f"bench_run_end: --repeats must be >= 1, got {args.repeats}", file=sys.stderr)
         return 2
-    med: dict[str, float] = {"sequential": 0.0, "overlapped": 0.0}
+    med: dict[str, float] = {way: 0.0 for way in WAYS}
     for recipe in recipes:
         times: dict[str, list[float]] = {way: [] for way in med}
         for _ in range(args.repeats):
@@ -84,7 +100,7 @@ def main() -> int:
             med[way] += statistics.median(ts)
             print(f"{recipe:>4} {way:>10}: run end {statistics.median(ts):.2f} s "
                   f"(median of {len(ts)}: {', '.join(f'{t:.2f}' for t in ts)})")
-    print(f"ratio run_end_sequential_over_overlapped: {med['sequential'] / med['overlapped']:.2f}")
+    print(f"ratio run_end_sequential_over_mlrl: {med['sequential'] / med['mlrl']:.2f}")
     return 0
 
 

@@ -11,10 +11,8 @@ collective over all ranks, so the driver always sends it to every rank.
 from __future__ import annotations
 
 import argparse
-import atexit
 import dataclasses
 import os
-import sys
 import traceback
 from multiprocessing.connection import Client
 from pathlib import Path
@@ -28,6 +26,7 @@ from mlrl.algorithms.losses import make_loss_fn
 from mlrl.config import Config, config_from_yaml, validate
 from mlrl.experience.batch import MicroBatch
 from mlrl.interfaces import ResumeInfo
+from mlrl.procs import exit_without_finalising
 from mlrl.trainer.rpc import TOKEN_ENV, RankRouterDiagnostics, no_delay, recv, send
 
 
@@ -272,10 +271,7 @@ def _exit(code: int) -> NoReturn:
     interpreter's finalisation, whose teardown of torch, megatron-core and triton's native state
     took ~1 s of every run's end. Unlike a normal exit it does not wait for non-daemon threads: the
     rank starts none (its RPC loop runs in the main thread) and must not rely on one finishing."""
-    atexit._run_exitfuncs()  # (CPython's own: what a normal exit calls first)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_without_finalising(code, join_threads=False)
 
 
 if __name__ == "__main__":
