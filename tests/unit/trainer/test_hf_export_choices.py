@@ -10,20 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from mlrl.config.schema import LoRAConfig
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_rank(tmp_path_factory):
-    ours = not dist.is_initialized()
-    if ours:
-        store = tmp_path_factory.mktemp("store") / "f"
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    if ours:  # not left to later tests (and to this process's teardown)
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_gloo_rank")
 
 
 def _lora_policy(tmp_path: Path, init_from=None):

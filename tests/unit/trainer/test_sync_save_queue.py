@@ -14,24 +14,16 @@ import multiprocessing
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from mlrl.trainer.rank import dist_ckpt
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_rank(tmp_path_factory):
-    ours = not dist.is_initialized()
-    if ours:
-        store = tmp_path_factory.mktemp("store") / "f"
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+def rank(one_gloo_rank):
     from mlrl.trainer.rank import cpu_compat
 
     if cpu_compat.needed():  # what a rank applies first (megatron's writer syncs CUDA after its copies)
         cpu_compat.apply()
-    yield
-    if ours:  # not left to later tests (and to this process's teardown)
-        dist.destroy_process_group()
 
 
 def _save(path, value: torch.Tensor) -> None:
