@@ -18,21 +18,31 @@ mlrl.workflow.agent_proxy.tool_calls), returned as `message.tool_calls` with fin
 
 Not supported (clear 400 errors): streaming, `echo`, batched prompts.
 
-`shared_http_client()` is the one httpx.AsyncClient per process (per event loop) that agent code
-receives as `extra_kwargs["http_client"]`.
+`shared_http_client()` is the one HTTP client per process (per event loop) that agent code
+receives as `extra_kwargs["http_client"]`: the OpenAI SDK's own aiohttp-backed client
+(`openai.DefaultAioHttpClient`, an `httpx2.AsyncClient` whose transport is aiohttp). Not a plain
+`httpx.AsyncClient`: httpcore's connection pool (httpx's transport) scans every connection of the
+pool, polling each socket, whenever a request is queued or a response is closed, so an agent
+workflow with hundreds of episodes in flight spent most of the launcher's CPU there (measured on
+the calculator agent's RL run, 128 episodes per step: 33 of the launcher's 56 CPU seconds).
+tools/bench_agent_http.py compares the two through the proxy.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import ssl
+import threading
 import time
 import uuid
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import httpx2
+import openai
 from aiohttp import web
 
 from mlrl.types import GenerationHyperparameters, ModelResponse, StopReason
@@ -47,20 +57,37 @@ from mlrl.workflow.api import ModelRequest, apply_chat_template
 
 logger = logging.getLogger(__name__)
 
-_CLIENTS: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient]" = weakref.WeakKeyDictionary()
+_CLIENTS: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx2.AsyncClient]" = weakref.WeakKeyDictionary()
+AGENT_HTTP_LIMITS = httpx2.Limits(max_connections=1024, max_keepalive_connections=256)
 
 
-def shared_http_client() -> httpx.AsyncClient:
-    """The process's shared AsyncClient for the running event loop (created on first use)."""
+def shared_http_client() -> httpx2.AsyncClient:
+    """The process's shared client for the running event loop (created on first use): openai's
+    aiohttp-backed client, no read timeout (a generation takes as long as it takes), 30 s to
+    connect, up to `AGENT_HTTP_LIMITS` connections."""
     loop = asyncio.get_running_loop()
     client = _CLIENTS.get(loop)
     if client is None or client.is_closed:
-        client = httpx.AsyncClient(
-            timeout=httpx.Timeout(None, connect=30.0),
-            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
-        )
+        client = openai.DefaultAioHttpClient(timeout=httpx2.Timeout(None, connect=30.0), limits=AGENT_HTTP_LIMITS,
+                                             verify=shared_ssl_context())
         _CLIENTS[loop] = client
     return client
+
+
+_SSL_LOCK = threading.Lock()
+
+
+@functools.cache
+def _ssl_context() -> ssl.SSLContext:
+    return httpx2.create_ssl_context()
+
+
+def shared_ssl_context() -> ssl.SSLContext:
+    """The process's SSL context for the OpenAI clients mlrl builds (httpx2's default one, made once:
+    each new one reads the CA bundle again, ~50 ms of CPU). Thread-safe: synchronous workflows
+    build their clients in worker threads at once."""
+    with _SSL_LOCK:
+        return _ssl_context()
 
 
 async def close_shared_http_client() -> None:

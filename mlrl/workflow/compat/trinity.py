@@ -360,18 +360,34 @@ class ModelWrapper:
         """A synchronous `openai.OpenAI` client whose calls go to the policy through the recording proxy."""
         import openai
 
+        from mlrl.workflow.agent_proxy.proxy import shared_ssl_context
+
         if self.openai_client is None:
             s = self._open_session()
-            self.openai_client = openai.OpenAI(base_url=s.base_url, api_key=s.api_key, max_retries=0)
+            # the episode's own connection pool (httpcore's sync pool has known races when threads
+            # share one), but the process's SSL context: building one per client read the CA
+            # bundle again, ~50 ms of CPU per episode
+            http = openai.DefaultHttpxClient(verify=shared_ssl_context())
+            self.openai_client = openai.OpenAI(base_url=s.base_url, api_key=s.api_key, max_retries=0, http_client=http)
             self.openai_client.model_path = self._adapter.proxy.model_name
         return self.openai_client
 
     def get_openai_async_client(self) -> Any:
         import openai
 
+        from mlrl.workflow.agent_proxy.proxy import shared_http_client, shared_ssl_context
+
         if self.openai_async_client is None:
             s = self._open_session()
-            self.openai_async_client = openai.AsyncOpenAI(base_url=s.base_url, api_key=s.api_key, max_retries=0)
+            try:
+                in_loop = asyncio.get_running_loop() is self._loop
+            except RuntimeError:
+                in_loop = False
+            # in the episode's loop: the process's shared client (proxy.shared_http_client: one
+            # aiohttp pool); elsewhere a client of its own, on the process's SSL context
+            http = shared_http_client() if in_loop else openai.DefaultAsyncHttpxClient(verify=shared_ssl_context())
+            self.openai_async_client = openai.AsyncOpenAI(base_url=s.base_url, api_key=s.api_key, max_retries=0,
+                                                          http_client=http)
             self.openai_async_client.model_path = self._adapter.proxy.model_name
         return self.openai_async_client
 
@@ -399,6 +415,8 @@ class ModelWrapper:
             except KeyError:  # the proxy was stopped (aclose) and its sessions with it
                 pass
             self._session = None
+            if self.openai_client is not None:
+                self.openai_client.close()  # the episode's own pool (the async client's is the shared one)
             self.openai_client = self.openai_async_client = None
 
     def _record_proxy(self) -> None:

@@ -28,6 +28,9 @@ CASES = [
     ("bench_ckpt_save.py", ["--mb", "0"], "bench_ckpt_save: --mb must be > 0, got 0.0"),
     ("bench_run_end.py", ["--recipes", "nope"], "bench_run_end: --recipes: unknown nope; known: rl, sft"),
     ("bench_run_end.py", ["--repeats", "0"], "bench_run_end: --repeats must be >= 1, got 0"),
+    ("bench_agent_http.py", ["--concurrency", "0,8"], "bench_agent_http: --concurrency must be positive integers, "
+                                                      "got '0,8'"),
+    ("bench_agent_http.py", ["--repeats", "0"], "bench_agent_http: --repeats must be >= 1, got 0"),
 ]
 
 

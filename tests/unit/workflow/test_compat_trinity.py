@@ -67,6 +67,36 @@ class ThroughOpenAI(Answer):
         return exps
 
 
+CLIENTS: list = []
+
+
+class SyncThroughOpenAI(Answer):
+    """The synchronous OpenAI client in run() (a worker thread)."""
+
+    def run(self):
+        client = self.model.get_openai_client()
+        CLIENTS.append(client)
+        out = client.chat.completions.create(model=client.model_path,
+                                             messages=[{"role": "user", "content": self.question}])
+        return [self.scored(out)]
+
+    def scored(self, out):
+        right = float(out.choices[0].message.content == self.answer)
+        return Experience(tokens=[1, 2], prompt_length=1, logprobs=[-0.1], reward=right)
+
+
+class AsyncThroughOpenAI(SyncThroughOpenAI):
+    """The asynchronous one in run_async (the event loop)."""
+
+    is_async = True
+
+    async def run_async(self):
+        client = self.model.get_openai_async_client()
+        out = await client.chat.completions.create(model=client.model_path,
+                                                   messages=[{"role": "user", "content": self.question}])
+        return [self.scored(out)]
+
+
 BARRIER = threading.Barrier(2, timeout=10)
 
 
@@ -248,3 +278,36 @@ async def test_a_timed_out_async_workflow_stops_calling_the_engine(tok):
         assert len(eng.requests) <= at_timeout + 1 and len(calls) < 8  # it kept calling (8 calls, all loops)
     finally:
         await runner.aclose()
+
+
+async def test_openai_clients_share_the_ssl_context_and_the_async_pool(tok, monkeypatch):
+    """Each episode's OpenAI client used to build its own SSL context (the CA bundle read again:
+    ~50 ms of CPU per episode) and, for the async one, its own httpx pool, never closed. Now: one
+    SSL context per process, the async client on the process's shared aiohttp client, the sync
+    client (an episode's own pool) closed when the episode ends."""
+    import ssl
+
+    import aiohttp
+
+    from mlrl.workflow.agent_proxy.proxy import _ssl_context
+
+    seen = {"ca_loads": 0, "aiohttp": 0}
+    load, request = ssl.SSLContext.load_verify_locations, aiohttp.ClientSession._request
+
+    def counting_load(self, *a, **kw):
+        seen["ca_loads"] += 1
+        return load(self, *a, **kw)
+
+    async def counting_request(self, *a, **kw):
+        seen["aiohttp"] += 1
+        return await request(self, *a, **kw)
+
+    monkeypatch.setattr(ssl.SSLContext, "load_verify_locations", counting_load)
+    monkeypatch.setattr(aiohttp.ClientSession, "_request", counting_request)
+    _ssl_context.cache_clear()
+    CLIENTS.clear()
+    sync_groups, _ = await run(tok, SyncThroughOpenAI, n=2)
+    async_groups, _ = await run(tok, AsyncThroughOpenAI, n=2)
+    assert [g.rewards for g in sync_groups + async_groups] == [[1.0, 1.0]] * 4
+    assert seen == {"ca_loads": 1, "aiohttp": 4}  # 8 clients, 1 context; the 4 async calls on aiohttp
+    assert len(CLIENTS) == 4 and all(c.is_closed() for c in CLIENTS)

@@ -2,7 +2,9 @@
 
 import asyncio
 
-import httpx
+import aiohttp
+import httpcore
+import httpx2
 import openai
 import pytest
 from _wf_helpers import last_user_word
@@ -132,7 +134,30 @@ async def test_set_reward_endpoint(proxy, tok):
 
 async def test_shared_http_client_is_one_per_loop():
     a, b = shared_http_client(), shared_http_client()
-    assert a is b and isinstance(a, httpx.AsyncClient)
+    assert a is b and isinstance(a, httpx2.AsyncClient)
+
+
+async def test_agent_requests_go_through_aiohttp_not_httpcores_pool(proxy, tok, monkeypatch):
+    """The shared client's requests travel on aiohttp's connection pool: httpcore's (a plain
+    httpx.AsyncClient's transport) rescans all its connections, polling each socket, on every queued
+    request and closed response, which cost most of the launcher's CPU with hundreds of episodes in
+    flight (proxy.py; tools/bench_agent_http.py). Counted at both pools' entry points, so a client
+    built on httpx's default transport again fails here."""
+    seen = {"aiohttp": 0, "httpcore": 0}
+    aio_request, pool_request = aiohttp.ClientSession._request, httpcore.AsyncConnectionPool.handle_async_request
+
+    def counting(name, fn):
+        async def wrapped(*a, **kw):
+            seen[name] += 1
+            return await fn(*a, **kw)
+        return wrapped
+
+    monkeypatch.setattr(aiohttp.ClientSession, "_request", counting("aiohttp", aio_request))
+    monkeypatch.setattr(httpcore.AsyncConnectionPool, "handle_async_request", counting("httpcore", pool_request))
+    sessions = [proxy.start_session(ScriptedEngine.from_text(tok, last_user_word, delay_s=0.01)) for _ in range(8)]
+    await asyncio.gather(*(client(s).chat.completions.create(model="m", messages=MSGS) for s in sessions))
+    assert all(len(s.log) == 1 for s in sessions)
+    assert seen == {"aiohttp": 8, "httpcore": 0}
 
 
 def _inter(cid, inp, out, reward=None):
