@@ -39,10 +39,8 @@ import time
 import uuid
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx2
-import openai
 from aiohttp import web
 
 from mlrl.types import GenerationHyperparameters, ModelResponse, StopReason
@@ -55,20 +53,30 @@ from mlrl.workflow.agent_proxy.tool_calls import (
 )
 from mlrl.workflow.api import ModelRequest, apply_chat_template
 
+if TYPE_CHECKING:
+    import httpx2
+
 logger = logging.getLogger(__name__)
 
 _CLIENTS: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx2.AsyncClient]" = weakref.WeakKeyDictionary()
-AGENT_HTTP_LIMITS = httpx2.Limits(max_connections=1024, max_keepalive_connections=256)
+AGENT_HTTP_MAX_CONNECTIONS, AGENT_HTTP_MAX_KEEPALIVE = 1024, 256
 
 
 def shared_http_client() -> httpx2.AsyncClient:
     """The process's shared client for the running event loop (created on first use): openai's
     aiohttp-backed client, no read timeout (a generation takes as long as it takes), 30 s to
-    connect, up to `AGENT_HTTP_LIMITS` connections."""
+    connect, up to `AGENT_HTTP_MAX_CONNECTIONS` connections."""
     loop = asyncio.get_running_loop()
     client = _CLIENTS.get(loop)
     if client is None or client.is_closed:
-        client = openai.DefaultAioHttpClient(timeout=httpx2.Timeout(None, connect=30.0), limits=AGENT_HTTP_LIMITS,
+        # imported here, not at the top: ~1 s that every launch would pay (the workflow registry
+        # imports this module)
+        import httpx2
+        import openai
+
+        limits = httpx2.Limits(max_connections=AGENT_HTTP_MAX_CONNECTIONS,
+                               max_keepalive_connections=AGENT_HTTP_MAX_KEEPALIVE)
+        client = openai.DefaultAioHttpClient(timeout=httpx2.Timeout(None, connect=30.0), limits=limits,
                                              verify=shared_ssl_context())
         _CLIENTS[loop] = client
     return client
@@ -79,6 +87,8 @@ _SSL_LOCK = threading.Lock()
 
 @functools.cache
 def _ssl_context() -> ssl.SSLContext:
+    import httpx2
+
     return httpx2.create_ssl_context()
 
 
