@@ -3,7 +3,7 @@
 import threading
 
 import pytest
-from _wf_helpers import last_user_word
+from _wf_helpers import count_calls, last_user_word
 from helpers.scripted_engine import ScriptedEngine
 
 from mlrl.types import GenerationHyperparameters
@@ -292,18 +292,8 @@ async def test_openai_clients_share_the_ssl_context_and_the_async_pool(tok, monk
     from mlrl.workflow.agent_proxy.proxy import _ssl_context
 
     seen = {"ca_loads": 0, "aiohttp": 0}
-    load, request = ssl.SSLContext.load_verify_locations, aiohttp.ClientSession._request
-
-    def counting_load(self, *a, **kw):
-        seen["ca_loads"] += 1
-        return load(self, *a, **kw)
-
-    async def counting_request(self, *a, **kw):
-        seen["aiohttp"] += 1
-        return await request(self, *a, **kw)
-
-    monkeypatch.setattr(ssl.SSLContext, "load_verify_locations", counting_load)
-    monkeypatch.setattr(aiohttp.ClientSession, "_request", counting_request)
+    count_calls(monkeypatch, ssl.SSLContext, "load_verify_locations", seen, "ca_loads")
+    count_calls(monkeypatch, aiohttp.ClientSession, "_request", seen, "aiohttp")
     _ssl_context.cache_clear()
     CLIENTS.clear()
     sync_groups, _ = await run(tok, SyncThroughOpenAI, n=2)

@@ -7,7 +7,7 @@ import httpcore
 import httpx2
 import openai
 import pytest
-from _wf_helpers import last_user_word
+from _wf_helpers import count_calls, last_user_word
 from helpers.scripted_engine import ScriptedEngine, scripted_logprob
 
 from mlrl.types import GenerationHyperparameters, ModelResponse
@@ -144,16 +144,8 @@ async def test_agent_requests_go_through_aiohttp_not_httpcores_pool(proxy, tok, 
     flight (proxy.py; tools/bench_agent_http.py). Counted at both pools' entry points, so a client
     built on httpx's default transport again fails here."""
     seen = {"aiohttp": 0, "httpcore": 0}
-    aio_request, pool_request = aiohttp.ClientSession._request, httpcore.AsyncConnectionPool.handle_async_request
-
-    def counting(name, fn):
-        async def wrapped(*a, **kw):
-            seen[name] += 1
-            return await fn(*a, **kw)
-        return wrapped
-
-    monkeypatch.setattr(aiohttp.ClientSession, "_request", counting("aiohttp", aio_request))
-    monkeypatch.setattr(httpcore.AsyncConnectionPool, "handle_async_request", counting("httpcore", pool_request))
+    count_calls(monkeypatch, aiohttp.ClientSession, "_request", seen, "aiohttp")
+    count_calls(monkeypatch, httpcore.AsyncConnectionPool, "handle_async_request", seen, "httpcore")
     sessions = [proxy.start_session(ScriptedEngine.from_text(tok, last_user_word, delay_s=0.01)) for _ in range(8)]
     await asyncio.gather(*(client(s).chat.completions.create(model="m", messages=MSGS) for s in sessions))
     assert all(len(s.log) == 1 for s in sessions)
