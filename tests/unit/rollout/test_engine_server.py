@@ -428,3 +428,23 @@ def test_a_server_command_that_cannot_start_leaves_no_temp_folder(tmp_path):
                          env=dict(os.environ, TMPDIR=str(tmp)), capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "no-such-program" in out.stderr
     assert list(tmp.iterdir()) == []
+
+
+def test_the_supervisor_process_imports_no_client_pool_or_http_library():
+    """Each engine runs two `python -m mlrl.rollout.supervisor` processes (its own and a watchdog);
+    they need only the standard library. An eager `mlrl.rollout/__init__` made each import the pool,
+    the client, aiohttp and httpx first (~0.6 s of CPU each, next to a starting engine)."""
+    probe = ("import runpy, sys; sys.argv = ['supervisor', '--help']\n"
+             "try:\n    runpy.run_module('mlrl.rollout.supervisor', run_name='__main__')\n"
+             "except SystemExit:\n    pass\n"
+             "print(sorted(m for m in ('mlrl.rollout.pool', 'mlrl.rollout.client', 'mlrl.rollout.server',"
+             " 'mlrl.config', 'aiohttp', 'httpx') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+    # the package's names still resolve, on first use
+    import mlrl.rollout
+
+    assert mlrl.rollout.EnginePool.__module__ == "mlrl.rollout.pool"
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        _ = mlrl.rollout.Nope  # pyright: ignore[reportAttributeAccessIssue]
