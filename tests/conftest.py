@@ -12,14 +12,16 @@ ROOT = Path(__file__).resolve().parent
 
 
 def pytest_collection_modifyitems(config, items):
-    try:
-        import torch
+    tiers = {item: Path(str(item.fspath)).resolve().relative_to(ROOT).parts[0] for item in items}
+    has_cuda = False
+    if "gpu" in tiers.values():  # torch only when a GPU test was collected: 1.5 s of every other session
+        try:
+            import torch
 
-        has_cuda = torch.cuda.is_available()
-    except ImportError:  # pragma: no cover
-        has_cuda = False
-    for item in items:
-        tier = Path(str(item.fspath)).resolve().relative_to(ROOT).parts[0]
+            has_cuda = torch.cuda.is_available()
+        except ImportError:  # pragma: no cover
+            pass
+    for item, tier in tiers.items():
         if tier in ("unit", "integration", "gpu"):
             item.add_marker(getattr(pytest.mark, tier))
         if tier == "gpu" and not has_cuda:
