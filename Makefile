@@ -12,7 +12,7 @@ demo: setup
 # scripts/setup_slurm.sh: Debian's slurm-wlm + munge for tests/integration/slurm (no-op when present)
 test: setup
 	@bash scripts/setup_slurm.sh
-	$(PY) -m pytest tests
+	$(PY) -m pytest -n 2 --no-loadscope-reorder tests
 
 # ruff, then the type check (basedpyright, pyright's standard mode over mlrl/), both configured in
 # pyproject.toml ([tool.ruff], [tool.basedpyright]; --project: a pyrightconfig.json in a parent
@@ -22,11 +22,11 @@ lint: setup
 	.venv/bin/basedpyright --project pyproject.toml
 
 test-unit: setup
-	$(PY) -m pytest tests/unit
+	$(PY) -m pytest -n 2 --no-loadscope-reorder tests/unit
 
 test-integration: setup
 	@bash scripts/setup_slurm.sh
-	$(PY) -m pytest tests/integration
+	$(PY) -m pytest -n 2 --no-loadscope-reorder tests/integration
 
 # On a CUDA machine with the GPU environment (README, GPU environment; not .venv, which is the CPU
 # one): tests/gpu, then the train-step bench on a Qwen3-1.7B shape, then a one-line summary.

@@ -1,5 +1,6 @@
-"""Marks each test by its tier (its folder) and skips GPU tests without CUDA, with the reason; ends
-the pytest process with pytest's own exit code before native finalizers run (below)."""
+"""Marks each test by its tier (its folder) and skips GPU tests without CUDA, with the reason; tells
+pytest-xdist which tests must share a worker (below); ends the pytest process with pytest's own
+exit code before native finalizers run (below)."""
 
 import atexit
 import os
@@ -26,6 +27,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(getattr(pytest.mark, tier))
         if tier == "gpu" and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="needs CUDA: torch.cuda.is_available() is False on this machine"))
+
+
+# `make test` runs two pytest-xdist workers (`-n 2`); which tests must share one: helpers/workers.py.
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from helpers.workers import work_unit
+    from xdist.scheduler import LoadScopeScheduling
+
+    class _Units(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return _Units(config, log)
 
 
 # The suite's process imports torch, vLLM, megatron-core and Ray, joins Ray clusters and runs gloo

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from helpers.workers import another_workers
 
 ray = pytest.importorskip("ray")
 ROOT = Path(__file__).resolve().parents[3]
@@ -42,6 +43,8 @@ def _mlrl_processes() -> list[str]:
     out = []
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
+        if another_workers(p.pid):  # the test running beside this one (tests/helpers/workers.py)
+            continue
         if any(
             k in cmd for k in ("mlrl.trainer.rank.service", "mlrl.rollout.supervisor", "vllm.entrypoints", "VLLM::")
         ):

@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from helpers.workers import another_workers
+
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -131,10 +133,11 @@ def test_sigterm_while_the_trainer_starts_stops_at_once(tmp_path):
 
 
 def _trainer_processes() -> set[int]:
-    """Live torchrun agents and trainer ranks on this machine, whoever their parent is now."""
+    """Live torchrun agents and trainer ranks on this machine, whoever their parent is now (not
+    those of a test running beside this one in another xdist worker)."""
     out = set()
     for d in Path("/proc").iterdir():
-        if d.name.isdigit() and _alive(int(d.name)):
+        if d.name.isdigit() and _alive(int(d.name)) and not another_workers(int(d.name)):
             try:
                 cmd = (d / "cmdline").read_bytes()
             except OSError:
