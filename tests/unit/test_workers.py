@@ -6,7 +6,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from helpers.workers import another_workers, work_unit
@@ -59,7 +58,8 @@ def test_it(shared, i):
 
 def test_two_workers_run_each_unit_whole(tmp_path):
     root = tmp_path / "repo"
-    shutil.copy(TESTS / "conftest.py", (root / "tests").mkdir(parents=True) or root / "tests" / "conftest.py")
+    (root / "tests").mkdir(parents=True)
+    shutil.copy(TESTS / "conftest.py", root / "tests" / "conftest.py")
     shutil.copytree(TESTS / "helpers", root / "tests" / "helpers", ignore=shutil.ignore_patterns("__pycache__"))
     files = {"integration/cluster/test_a.py": 3, "integration/slurm/test_b.py": 3, "integration/loop/test_c.py": 4,
              "integration/loop/test_d.py": 4, "unit/test_e.py": 4}
@@ -67,7 +67,6 @@ def test_two_workers_run_each_unit_whole(tmp_path):
         (root / "tests" / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / "tests" / rel).write_text(UNIT_TEST.format(n=n))
     log = tmp_path / "log.txt"
-    t0 = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
                           "--no-loadscope-reorder", "tests"], cwd=root, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "LOG": str(log)})
@@ -83,4 +82,3 @@ def test_two_workers_run_each_unit_whole(tmp_path):
     assert sum(len(where[m]) for m in ("test_c", "test_d", "test_e")) == 3, where   # each file on one worker
     assert len(where["test_a"] | where["test_b"]) == 1, where                      # Ray and Slurm together
     assert len(set().union(*where.values())) == 2, where                            # and two workers ran
-    print(f"{time.monotonic() - t0:.1f} s")
