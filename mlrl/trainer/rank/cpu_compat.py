@@ -36,6 +36,23 @@ Mechanisms, from the most to the least global:
    replacement returns numpy arrays (what the CUDA path returns).
 6. transformer/moe/moe_utils.py in 0.16.1 imports `te_general_gemm` only inside the TE try-block,
    so without TE the router's `RouterGatingLinearFunction` raises NameError: define it as None.
+7. megatron/core/jit.py: `jit_fuser` is `torch.compile`, bound when megatron.core is first
+   imported, and some 30 functions (fusions/*, activations.py, transformer/utils.py, ...) are
+   decorated with it while the package imports: each `torch.compile(fn)` imports torch._dynamo
+   and inductor, ~2.6 CPU s of every rank's start on 2 cores (measured: `import megatron.core`
+   6.4 -> 3.8 CPU s). On the CPU the fused paths those functions serve are off
+   (`bias_activation_fusion`, `bias_dropout_fusion`, `apply_rope_fusion` follow the GPU, see
+   model.py), and where one would run it runs eagerly, as megatron's own `disable_jit_fuser()`
+   makes it. That function cannot be called before the package's `__init__` decorates them, so
+   while `apply()` first imports megatron.core, `torch.compile` returns the function itself;
+   then `disable_jit_fuser()` covers modules imported later, and `torch.compile` is restored.
+8. inference/contexts/dynamic_context.py, inference/engines/dynamic_engine.py and timers.py
+   import wandb, when installed, for megatron's own inference and timer logging, which a trainer
+   rank does not use (mlrl logs to wandb from the launcher): ~0.9 CPU s of the same import. While
+   megatron.core first imports (with 7), `import wandb` fails there as if it were not installed,
+   which those modules handle (`wandb = None`); afterwards wandb imports normally.
+   `MLRL_CPU_EAGER_FUSER=0` in a rank's environment keeps megatron's own import (7 and 8 off), for
+   tools/bench_rank_start.py's side-by-side measurement.
 
 Context parallelism needs TEDotProductAttention and is GPU-only by design (not patched).
 """
@@ -45,12 +62,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import os
 import types
 from typing import Any, Iterator
 
 import torch
 
 _APPLIED = False
+EAGER_FUSER_ENV = "MLRL_CPU_EAGER_FUSER"  # "0": mechanisms 7 and 8 off (tools/bench_rank_start.py)
 
 # Modules that allocate with device="cuda" literals (mechanism 2), with the place covered.
 _DEVICE_LITERAL_MODULES = {
@@ -227,11 +246,39 @@ def apply() -> bool:
     if _APPLIED:
         return True
     _patch_torch_cuda()
-    _patch_device_literals()
+    eager = os.environ.get(EAGER_FUSER_ENV, "1") != "0"
+    with _eager_jit_fuser() if eager else contextlib.nullcontext():
+        _patch_device_literals()  # the first import of megatron.core
     _patch_rng()
     _patch_moe()
     _APPLIED = True
     return True
+
+
+@contextlib.contextmanager
+def _eager_jit_fuser() -> Iterator[None]:
+    """Mechanisms 7 and 8: no `torch.compile` and no wandb while megatron.core imports, megatron's
+    no-op jit_fuser after."""
+    import sys
+
+    compile_ = torch.compile
+    hide_wandb = "wandb" not in sys.modules
+
+    def eager(model: Any = None, **kwargs: Any) -> Any:  # torch.compile(fn) and torch.compile(**options)(fn)
+        return model if model is not None else (lambda fn: fn)
+
+    torch.compile = eager  # pyright: ignore[reportAttributeAccessIssue]  # restored below
+    if hide_wandb:
+        sys.modules["wandb"] = None  # pyright: ignore[reportArgumentType]  # `import wandb` raises ImportError
+    try:
+        yield
+    finally:
+        torch.compile = compile_
+        if hide_wandb and sys.modules.get("wandb", 0) is None:
+            del sys.modules["wandb"]
+    from megatron.core import jit
+
+    jit.disable_jit_fuser()
 
 
 def _cuda_type(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kwargs: Any):

@@ -31,6 +31,8 @@ CASES = [
     ("bench_agent_http.py", ["--concurrency", "0,8"], "bench_agent_http: --concurrency must be positive integers, "
                                                       "got '0,8'"),
     ("bench_agent_http.py", ["--repeats", "0"], "bench_agent_http: --repeats must be >= 1, got 0"),
+    ("bench_rank_start.py", ["--recipes", "/nope.yaml"], "bench_rank_start: recipe /nope.yaml does not exist"),
+    ("bench_rank_start.py", ["--tp", "0"], "bench_rank_start: --tp must list layouts >= 1, got '0'"),
 ]
 
 
