@@ -80,8 +80,11 @@ def test_a_changed_config_or_folder_asks_autotokenizer_again(folders, records, t
     assert len(records) == 3
 
 
-@pytest.mark.parametrize("record", ["{not json", '{"module": "transformers", "qualname": "NoSuchTokenizer"}',
-                                    '{"module": "no_such_module", "qualname": "X"}', '{"module": "os", "qualname": "sep"}'])
+BAD_RECORDS = ["{not json", '{"module": "transformers", "qualname": "NoSuchTokenizer"}',
+               '{"module": "no_such_module", "qualname": "X"}', '{"module": "os", "qualname": "sep"}']
+
+
+@pytest.mark.parametrize("record", BAD_RECORDS)
 def test_a_bad_record_falls_back_to_autotokenizer_and_is_rewritten(folders, records, record):
     folder = folders["tiny-llama"]
     path = tk._class_record(folder)
