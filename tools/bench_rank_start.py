@@ -64,10 +64,7 @@ def main() -> int:
     ap.add_argument("--tp", default="1,2", help="trainer layouts (parallel.tp), comma-separated")
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
-    recipes = [REPO / r if not Path(r).is_absolute() else Path(r) for r in args.recipes.split(",") if r]
-    for r in recipes:
-        if not r.is_file():
-            raise tool_errors.InputError(f"recipe {r} does not exist")
+    recipes = tool_errors.recipe_paths(args.recipes, REPO)
     try:
         tps = [int(t) for t in args.tp.split(",") if t]
     except ValueError:

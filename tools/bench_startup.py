@@ -50,10 +50,7 @@ def main() -> int:
     ap.add_argument("--recipes", default="launch/cpu_default.yaml,launch/smollm2_cpu.yaml")
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
-    recipes = [REPO / r if not Path(r).is_absolute() else Path(r) for r in args.recipes.split(",") if r]
-    for r in recipes:
-        if not r.is_file():
-            raise tool_errors.InputError(f"recipe {r} does not exist")
+    recipes = tool_errors.recipe_paths(args.recipes, REPO)
     if args.repeats < 1:
         raise tool_errors.InputError(f"--repeats must be >= 1, got {args.repeats}")
     ready: dict[str, float] = dict.fromkeys(MODES, 0.0)  # sums over the recipes of the median per recipe

@@ -5,6 +5,7 @@ own folder is on sys.path when run as `python tools/<tool>.py`)."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Callable
 
 INPUT_ERROR = 2
@@ -22,6 +23,15 @@ def input_error_types() -> tuple[type[BaseException], ...]:
 
 class InputError(Exception):
     """Raised by a tool's own checks: the message is the line printed."""
+
+
+def recipe_paths(recipes: str, repo: Path) -> list[Path]:
+    """A `--recipes a.yaml,b.yaml` argument (relative to the repository) as paths that exist."""
+    paths = [repo / r if not Path(r).is_absolute() else Path(r) for r in recipes.split(",") if r]
+    for p in paths:
+        if not p.is_file():
+            raise InputError(f"recipe {p} does not exist")
+    return paths
 
 
 def run(name: str, main: Callable[[], int | None]) -> int:
