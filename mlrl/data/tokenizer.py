@@ -67,7 +67,7 @@ def _class_record(folder: Path) -> Path:
     names of the folder's files (e.g. a Mistral `tekken.json`).
 
     Why not call AutoTokenizer every time: importing its module imports transformers' model
-    registry (`modeling_auto` -> `generation` -> torch._dynamo), ~3.5 CPU s of every launch on 2
+    registry (`modeling_auto` -> `generation` -> torch._dynamo), ~2.5-3 CPU s of every launch on 2
     cores, for a choice that is the same each time for the same folder. The class's own
     `from_pretrained` is what AutoTokenizer calls once it has chosen."""
     from mlrl.modelzoo import cache_dir
@@ -102,7 +102,7 @@ def _remember_class(folder: Path, cls: type) -> None:
         with os.fdopen(fd, "w") as f:
             json.dump({"module": cls.__module__, "qualname": cls.__qualname__}, f)
         os.replace(tmp, path)
-    except OSError:
+    except (OSError, ImportError):  # ImportError: no transformers distribution metadata to key on
         pass
 
 

@@ -13,10 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def launch(run_dir: Path, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    """`logging.plot=false` unless the test sets it: run.png is drawn by tests/integration/loop/
-    test_end_to_end.py and tests/unit/test_knob_effects.py, not again by each run (~1.5 CPU s)."""
-    plot = () if any(a.startswith("logging.plot=") for a in args) else ("logging.plot=false",)
-    cmd = [sys.executable, "-m", "mlrl.launch", *args, *plot, f"logging.run_dir={run_dir}"]
+    cmd = [sys.executable, "-m", "mlrl.launch", *args, f"logging.run_dir={run_dir}"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
     assert out.returncode == 0, f"launch failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
     return out
