@@ -40,20 +40,25 @@ _CLASS_INPUTS = ("tokenizer_config.json", "config.json")
 def load_hf_tokenizer(path_or_spec: str) -> Any:
     """The HF tokenizer of a model folder or `builtin:<name>` (cached per process; pad = eos if unset):
     what `AutoTokenizer.from_pretrained` returns, through the class it chose for this folder before
-    (`_known_class`) when there is a record of it."""
+    (`_class_record`) when there is a record of it."""
     from mlrl.modelzoo import resolve_model_dir
 
     key = str(path_or_spec)
     if key not in _TOKENIZERS:
         folder = resolve_model_dir(key)
-        cls = _known_class(folder)
+        try:
+            record = _class_record(folder)
+        except (OSError, ImportError):  # ImportError: no transformers distribution metadata to key on
+            record = None
+        cls = _known_class(record) if record is not None else None
         if cls is not None:
             tok = cls.from_pretrained(str(folder))
         else:
             from transformers import AutoTokenizer
 
             tok = AutoTokenizer.from_pretrained(str(folder))
-            _remember_class(folder, type(tok))
+            if record is not None:
+                _remember_class(record, type(tok))
         if tok.pad_token_id is None:
             tok.pad_token_id = tok.eos_token_id
         _TOKENIZERS[key] = tok
@@ -82,27 +87,26 @@ def _class_record(folder: Path) -> Path:
     return cache_dir() / "tokenizer_classes" / f"{h.hexdigest()}.json"
 
 
-def _known_class(folder: Path) -> Any:
-    """The tokenizer class recorded for `folder`, or None (no record, or one that no longer imports)."""
+def _known_class(record: Path) -> Any:
+    """The tokenizer class a record names, or None (no record, or one that no longer imports)."""
     try:
-        rec = json.loads(_class_record(folder).read_text())
+        rec = json.loads(record.read_text())
         cls = getattr(importlib.import_module(rec["module"]), rec["qualname"])
     except (OSError, ValueError, KeyError, TypeError, ImportError, AttributeError):
         return None
     return cls if isinstance(cls, type) and hasattr(cls, "from_pretrained") else None
 
 
-def _remember_class(folder: Path, cls: type) -> None:
+def _remember_class(path: Path, cls: type) -> None:
     """Record AutoTokenizer's choice (written whole: a temporary file renamed over the record, so
     concurrent launches never read half of one). A cache that cannot be written is not an error."""
     try:
-        path = _class_record(folder)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
         with os.fdopen(fd, "w") as f:
             json.dump({"module": cls.__module__, "qualname": cls.__qualname__}, f)
         os.replace(tmp, path)
-    except (OSError, ImportError):  # ImportError: no transformers distribution metadata to key on
+    except OSError:
         pass
 
 

@@ -63,6 +63,7 @@ import contextlib
 import functools
 import importlib
 import os
+import sys
 import types
 from typing import Any, Iterator
 
@@ -259,8 +260,6 @@ def apply() -> bool:
 def _eager_jit_fuser() -> Iterator[None]:
     """Mechanisms 7 and 8: no `torch.compile` and no wandb while megatron.core imports, megatron's
     no-op jit_fuser after."""
-    import sys
-
     compile_ = torch.compile
     hide_wandb = "wandb" not in sys.modules
 
