@@ -11,8 +11,9 @@ result is the same each time for the same installation:
    imported) call `define_import_structure` on the `models/` folder: it reads all ~1500 model
    source files to find their `__all__`.
 
-Measured on 2 cores: ~0.9 of the ~1.5 CPU s that `import transformers` takes, in each of the
-~250 processes a `make test` starts (`tools/bench_import_cache.py`). `install()` (called by
+Measured on 2 cores (`tools/bench_rank_start.py --switch import_cache`): `import mlrl,
+transformers, transformers.models.llama` 1.96 -> 0.82 CPU s, in each of the few hundred processes
+a `make test` starts; 1-3 CPU s less per one-step launch. `install()` (called by
 `mlrl/__init__.py`, so before any of them imports transformers) keeps both results in
 `$MLRL_CACHE/import_cache/` as JSON, keyed by what they are computed from:
 - the distributions: Python's version, then for each `sys.path` entry in order, the names and
