@@ -98,16 +98,19 @@ def _distributions_key() -> str:
     return h.hexdigest()
 
 
-def cached_packages_distributions(compute: Callable[[], Any]) -> Callable[[], dict[str, list[str]]]:
+def cached_packages_distributions(compute: Callable[[], Any]) -> Callable[[], Any]:
     """`importlib.metadata.packages_distributions`, answered from the cache when its key matches."""
 
-    def packages_distributions() -> dict[str, list[str]]:
+    def packages_distributions() -> Any:
         name = f"distributions-{_distributions_key()}.json"
         value = _read(name)
         if isinstance(value, dict) and all(isinstance(v, list) for v in value.values()):
             return value
-        value = {k: list(v) for k, v in compute().items()}
-        _write(name, value)
+        value = compute()
+        try:
+            _write(name, {str(k): list(v) for k, v in value.items()})
+        except (TypeError, AttributeError, ValueError):  # not the mapping this cache knows: not kept
+            pass
         return value
 
     return packages_distributions
@@ -141,26 +144,37 @@ def _from_json(value: Any) -> dict:
     return {frozenset(backends): {m: set(objs) for m, objs in modules.items()} for backends, modules in value}
 
 
-def cached_define_import_structure(compute: Callable[..., Any], version: str) -> Callable[..., dict]:
+def cached_define_import_structure(compute: Callable[..., Any], version: str) -> Callable[..., Any]:
     """transformers' `define_import_structure(module_path, prefix=None)`, from the cache for a
-    folder whose source files have not changed. A fresh copy every call (the caller mutates it)."""
+    folder whose source files have not changed. A fresh copy every call (the caller mutates it).
+    A call of another form (a later release's arguments) goes to transformers' own function."""
 
-    def define_import_structure(module_path: Any, prefix: str | None = None) -> dict:
-        folder = Path(module_path)
-        if folder.is_file():
-            folder = folder.parent
+    def define_import_structure(*args: Any, **kwargs: Any) -> Any:
+        names = ("module_path", "prefix")
+        if not 1 <= len(args) <= 2 or set(kwargs) - set(names[len(args):]):
+            return compute(*args, **kwargs)
+        call = {**dict(zip(names, args)), **kwargs}
+        prefix = call.get("prefix")
+        if not isinstance(prefix, (str, type(None))) or not isinstance(call["module_path"], (str, os.PathLike)):
+            return compute(*args, **kwargs)
+        folder = Path(call["module_path"])
         try:
+            if folder.is_file():
+                folder = folder.parent
             name = f"structure-{_tree_key(folder.resolve(), prefix, version)}.json"
         except OSError:
-            return compute(module_path, prefix)
+            return compute(*args, **kwargs)
         value = _read(name)
         if value is not None:
             try:
                 return _from_json(value)
             except (TypeError, ValueError, AttributeError):
                 pass
-        structure = compute(module_path, prefix)
-        _write(name, _to_json(structure))
+        structure = compute(*args, **kwargs)
+        try:
+            _write(name, _to_json(structure))
+        except (TypeError, ValueError, AttributeError):  # not the structure this cache knows: not kept
+            pass
         return structure
 
     return define_import_structure

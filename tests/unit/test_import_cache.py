@@ -142,3 +142,25 @@ def test_switched_off_or_too_late_installs_nothing(monkeypatch):
     before = len(sys.meta_path)
     assert import_cache.install() is True and import_cache.install() is True
     assert len(sys.meta_path) <= before + 1
+
+
+def test_calls_and_values_of_another_form_go_to_transformers_own_function(tmp_path, monkeypatch):
+    """A later transformers release may pass other arguments or return other types: those calls are
+    answered by its own function, uncached, never an import error."""
+    monkeypatch.setenv("MLRL_CACHE", str(tmp_path / "cache"))
+    pkg, calls = _tree(tmp_path), []
+
+    def compute(*args, **kwargs):
+        calls.append((args, kwargs))
+        return {frozenset(): {"a.m": {"X"}}} if not kwargs.get("odd") else {frozenset({1, "x"}): {"m": {object()}}}
+
+    define = import_cache.cached_define_import_structure(compute, "5.0")
+    assert define(pkg, "models", True) == define(pkg, prefix="models", fast=True) == {frozenset(): {"a.m": {"X"}}}
+    assert calls == [((pkg, "models", True), {}), ((pkg,), {"prefix": "models", "fast": True})]
+    odd = define(pkg, odd=True)
+    assert len(calls) == 3 and list(odd) == [frozenset({1, "x"})]
+    assert define(pkg, "models") == {frozenset(): {"a.m": {"X"}}} and len(calls) == 4  # cached from here
+    assert define(pkg, "models") == {frozenset(): {"a.m": {"X"}}} and len(calls) == 4
+    unserialisable = import_cache.cached_define_import_structure(lambda *a, **k: {frozenset({1, "x"}): {}}, "5.0")
+    assert list(unserialisable(pkg, "other")) == [frozenset({1, "x"})]
+    assert not any(".tmp-" in p.name for p in (tmp_path / "cache" / "import_cache").iterdir())
