@@ -33,15 +33,14 @@ whose loader runs the module with `packages_distributions` answered from the cac
 
 from __future__ import annotations
 
-import hashlib
-import importlib.abc
-import importlib.metadata
-import json
+# only os and sys at import: every mlrl process, the engines' supervisors included, imports this
+# module; the rest is imported when transformers is
 import os
 import sys
-import tempfile
-from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 ENV = "MLRL_IMPORT_CACHE"  # "0": off
 TARGET = "transformers.utils.import_utils"
@@ -58,10 +57,14 @@ def install() -> bool:
 
 
 def _cache_dir() -> Path:
+    from pathlib import Path
+
     return Path(os.environ.get("MLRL_CACHE", Path.home() / ".cache" / "mlrl")) / "import_cache"
 
 
 def _read(name: str) -> Any:
+    import json
+
     try:
         return json.loads((_cache_dir() / name).read_text())
     except (OSError, ValueError):
@@ -69,6 +72,10 @@ def _read(name: str) -> Any:
 
 
 def _write(name: str, value: Any) -> None:
+    import json
+    import tempfile
+    from pathlib import Path
+
     folder = _cache_dir()
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -85,6 +92,8 @@ def _write(name: str, value: Any) -> None:
 
 
 def _distributions_key() -> str:
+    import hashlib
+
     h = hashlib.sha256(sys.version.encode())
     for entry in sys.path:
         h.update(b"\0\0" + str(entry).encode())
@@ -117,6 +126,8 @@ def cached_packages_distributions(compute: Callable[[], Any]) -> Callable[[], An
 
 
 def _tree_key(folder: Path, prefix: str | None, version: str) -> str:
+    import hashlib
+
     h = hashlib.sha256(f"{version}\0{folder}\0{prefix}".encode())
 
     def walk(path: str) -> None:
@@ -149,6 +160,8 @@ def cached_define_import_structure(compute: Callable[..., Any], version: str) ->
     folder whose source files have not changed. A fresh copy every call (the caller mutates it).
     A call of another form (a later release's arguments) goes to transformers' own function."""
 
+    from pathlib import Path
+
     def define_import_structure(*args: Any, **kwargs: Any) -> Any:
         names = ("module_path", "prefix")
         if not 1 <= len(args) <= 2 or set(kwargs) - set(names[len(args):]):
@@ -180,7 +193,7 @@ def cached_define_import_structure(compute: Callable[..., Any], version: str) ->
     return define_import_structure
 
 
-class _Loader(importlib.abc.Loader):
+class _Loader:
     """Runs `transformers.utils.import_utils` as its own loader would, with the two caches."""
 
     def __init__(self, inner: Any) -> None:
@@ -190,6 +203,8 @@ class _Loader(importlib.abc.Loader):
         return self._inner.create_module(spec)
 
     def exec_module(self, module: Any) -> None:
+        import importlib.metadata
+
         compute = importlib.metadata.packages_distributions
         importlib.metadata.packages_distributions = cached_packages_distributions(compute)
         try:
@@ -208,7 +223,7 @@ class _Loader(importlib.abc.Loader):
         return getattr(self._inner, name)
 
 
-class _Finder(importlib.abc.MetaPathFinder):
+class _Finder:
     """Answers for `transformers.utils.import_utils` once, with the spec the finders after it give
     and the loader above; nothing for every other module."""
 
