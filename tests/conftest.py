@@ -29,6 +29,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs CUDA: torch.cuda.is_available() is False on this machine"))
 
 
+# Two xdist workers share two cores with the processes their tests start, so torch's OpenMP threads
+# in a worker's own process (the integration tests' Hugging Face reference forwards) spin-wait for a
+# core those processes hold: measured while a suite ran, 30 tiny-llama forwards took 2.2-4.7 s wall
+# and 1.9-2.5 CPU s on torch's 2 threads, 0.13-0.45 s and 0.07-0.13 CPU s on one. A worker's own torch
+# therefore runs on one thread; the processes it starts (launches, ranks, engines) keep their settings.
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    if os.environ.get("PYTEST_XDIST_WORKER") and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item):  # torch first imported by a fixture
+    pytest_runtest_setup(item)
+
+
 # `make test` runs two pytest-xdist workers (`-n 2`); which tests must share one: helpers/workers.py.
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
