@@ -57,9 +57,9 @@ def install() -> bool:
 
 
 def _cache_dir() -> Path:
-    from pathlib import Path
+    from mlrl.modelzoo import cache_dir
 
-    return Path(os.environ.get("MLRL_CACHE", Path.home() / ".cache" / "mlrl")) / "import_cache"
+    return cache_dir() / "import_cache"
 
 
 def _read(name: str) -> Any:
@@ -234,8 +234,6 @@ class _Finder:
         if fullname != TARGET or self.done:
             return None
         self.done = True
-        if os.environ.get(ENV) == "0":
-            return None
         for finder in [f for f in sys.meta_path if f is not self]:
             find = getattr(finder, "find_spec", None)
             spec = find(fullname, path, target) if find is not None else None
